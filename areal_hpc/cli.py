@@ -1,0 +1,174 @@
+"""`areal-hpc`: the command line. Each subcommand parses its arguments, loads the config, and hands
+over to the library; a configuration error prints one line and exits with code 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from areal_hpc.config import Config, ConfigError, describe_config, load_config
+
+OVERRIDES_HELP = (
+    "Any config field can be overridden as section.field=value (for example rollout.max_staleness=4 "
+    "train.total_steps=50); `areal-hpc --config-help` lists every field with its documentation."
+)
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="YAML config file (configs/tiny-cpu.yaml is the embedded default)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.total_steps=5")
+
+
+def _add_nodes(p: argparse.ArgumentParser, required: bool) -> None:
+    p.add_argument(
+        "--nodes",
+        type=int,
+        required=required,
+        help="accelerator nodes for generation + training (overrides cluster.nodes); the controller "
+        "and reward workers take one more CPU node",
+    )
+
+
+def _config(args) -> Config:
+    overrides = list(args.overrides)
+    if getattr(args, "nodes", None) is not None:
+        overrides.append(f"cluster.nodes={args.nodes}")
+    return load_config(args.config, overrides)
+
+
+def cmd_run(args) -> int:
+    from launch.local import run_local
+
+    return run_local(_config(args), fresh=args.fresh)
+
+
+def cmd_plan(args) -> int:
+    from areal_hpc.layout import Layout
+
+    cfg = _config(args)
+    print(Layout.from_config(cfg).table())
+    return 0
+
+
+def _not_yet(what: str, issue: int) -> int:
+    print(
+        f"areal-hpc: {what} is not available yet (tracked as issue {issue}); see README.md for what runs today.",
+        file=sys.stderr,
+    )
+    return 1
+
+
+def cmd_submit(args) -> int:
+    _config(args)
+    return _not_yet("submit", 7)
+
+
+def cmd_render(args) -> int:
+    _config(args)
+    return _not_yet("render", 7)
+
+
+def cmd_status(args) -> int:
+    if not Path(args.run_dir).is_dir():
+        raise ConfigError(f"no run directory at {args.run_dir}")
+    return _not_yet("status", 7)
+
+
+def cmd_cancel(args) -> int:
+    if not Path(args.run_dir).is_dir():
+        raise ConfigError(f"no run directory at {args.run_dir}")
+    return _not_yet("cancel", 7)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="areal-hpc",
+        description="Fully asynchronous RL for large reasoning models: vLLM generators and Megatron trainers "
+        "run at the same time, joined by an MPI controller, on one machine or one Slurm job.",
+        epilog=OVERRIDES_HELP,
+    )
+    parser.add_argument("--config-help", action="store_true", help="list every config field with its documentation")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser(
+        "run",
+        help="run the whole system on this machine with mpirun",
+        description="Run the whole system on this machine: one mpirun launch with the controller, "
+        "reward workers, generators and trainers, each role on its own cores. Writes "
+        "the run directory runs/<experiment>/<trial>/ and resumes it if it has a "
+        "checkpoint.",
+        epilog=OVERRIDES_HELP,
+    )
+    _add_config_args(p)
+    p.add_argument("--fresh", action="store_true", help="start the trial afresh, ignoring its checkpoints")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser(
+        "submit",
+        help="submit one heterogeneous Slurm job through submitit",
+        description="Submit the run as one heterogeneous Slurm job (controller + reward, "
+        "generators, trainers) whose single srun step forms one MPI world.",
+        epilog=OVERRIDES_HELP,
+    )
+    _add_config_args(p)
+    _add_nodes(p, required=True)
+    p.add_argument("--dry-run", action="store_true", help="print the sbatch script and submit nothing")
+    p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser(
+        "render",
+        help="write the sbatch script, for running sbatch yourself",
+        description="Write the heterogeneous sbatch script of a config, rendered from "
+        "slurm_templates/, for users who run sbatch themselves.",
+        epilog=OVERRIDES_HELP,
+    )
+    _add_config_args(p)
+    _add_nodes(p, required=True)
+    p.add_argument("-o", "--output", required=True, help="file to write the script to")
+    p.set_defaults(func=cmd_render)
+
+    p = sub.add_parser(
+        "status",
+        help="state of a run's Slurm job, its last step and metrics",
+        description="Show the state of each component of a run's job, the last step and its metrics.",
+    )
+    p.add_argument("run_dir", help="run directory (runs/<experiment>/<trial>)")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser(
+        "cancel", help="cancel a run's Slurm job", description="Cancel the Slurm job of a run (every component)."
+    )
+    p.add_argument("run_dir", help="run directory (runs/<experiment>/<trial>)")
+    p.set_defaults(func=cmd_cancel)
+
+    p = sub.add_parser(
+        "plan",
+        help="the split of nodes and GPUs between roles",
+        description="Show how the nodes and GPUs are split between the controller, generators and trainers, and why.",
+        epilog=OVERRIDES_HELP,
+    )
+    _add_config_args(p)
+    _add_nodes(p, required=False)
+    p.set_defaults(func=cmd_plan)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.config_help:
+        print(describe_config())
+        return 0
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"areal-hpc: config error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

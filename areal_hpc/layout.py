@@ -1,0 +1,222 @@
+"""The rank map of the one MPI world: which world rank does what, computed here and nowhere else.
+
+```
+ world rank:  0            1..R            R+1 .. R+G                        R+G+1 .. end
+ role:        controller   reward workers  generators (1 vLLM engine each)   trainers (TP x PP x DP)
+```
+
+Nodes: `cluster.nodes` accelerator nodes are split between generation and training (by
+`allocation.gen_share`, or exactly `allocation.gen_nodes`); the controller and the reward workers
+share one more node, a CPU node. On Slurm these are the three components of the heterogeneous job;
+locally every "node" is a set of cores of this machine.
+
+Each rank asks `Layout.role_of(rank)`; `Layout.split(comm)` gives the role communicators. Nothing
+else computes ranks.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from areal_hpc.config import Config
+
+
+class Role(enum.IntEnum):
+    CONTROLLER = 0
+    REWARD = 1
+    GENERATOR = 2
+    TRAINER = 3
+
+
+@dataclass(frozen=True)
+class Component:
+    """One component of the heterogeneous job: a set of identical nodes running one kind of rank."""
+
+    name: str
+    roles: tuple[Role, ...]
+    nodes: int
+    ntasks: int
+    gpus_per_node: int
+    gpus_per_task: int
+    first_rank: int
+
+    @property
+    def ranks(self) -> range:
+        return range(self.first_rank, self.first_rank + self.ntasks)
+
+
+@dataclass(frozen=True)
+class Layout:
+    nodes: int
+    gpus_per_node: int
+    reward_workers: int
+    gen_nodes: int
+    gen_tp: int
+    train_tp: int
+    train_pp: int
+    why: str
+    """One sentence on how the split was chosen (shown in the table)."""
+
+    # --- derived sizes ---
+    @property
+    def train_nodes(self) -> int:
+        return self.nodes - self.gen_nodes
+
+    @property
+    def engines_per_node(self) -> int:
+        return self.gpus_per_node // self.gen_tp
+
+    @property
+    def generators(self) -> int:
+        return self.gen_nodes * self.engines_per_node
+
+    @property
+    def trainers(self) -> int:
+        return self.train_nodes * self.gpus_per_node
+
+    @property
+    def train_dp(self) -> int:
+        return self.trainers // (self.train_tp * self.train_pp)
+
+    @property
+    def world_size(self) -> int:
+        return 1 + self.reward_workers + self.generators + self.trainers
+
+    # --- ranks ---
+    def ranks(self, role: Role) -> range:
+        r, g = self.reward_workers, self.generators
+        return {
+            Role.CONTROLLER: range(0, 1),
+            Role.REWARD: range(1, 1 + r),
+            Role.GENERATOR: range(1 + r, 1 + r + g),
+            Role.TRAINER: range(1 + r + g, 1 + r + g + self.trainers),
+        }[role]
+
+    def role_of(self, rank: int) -> Role:
+        for role in Role:
+            if rank in self.ranks(role):
+                return role
+        raise ValueError(f"rank {rank} is outside the world of {self.world_size} ranks")
+
+    def describe_rank(self, rank: int) -> str:
+        """'generator 2 (world rank 5)': how errors and logs name a rank."""
+        role = self.role_of(rank)
+        return f"{role.name.lower()} {rank - self.ranks(role).start} (world rank {rank})"
+
+    @property
+    def components(self) -> tuple[Component, ...]:
+        """The heterogeneous job's components, in world-rank order."""
+        g = self.gpus_per_node
+        return (
+            Component("controller", (Role.CONTROLLER, Role.REWARD), 1, 1 + self.reward_workers, 0, 0, 0),
+            Component(
+                "generator",
+                (Role.GENERATOR,),
+                self.gen_nodes,
+                self.generators,
+                g,
+                self.gen_tp,
+                self.ranks(Role.GENERATOR).start,
+            ),
+            Component(
+                "trainer", (Role.TRAINER,), self.train_nodes, self.trainers, g, 1, self.ranks(Role.TRAINER).start
+            ),
+        )
+
+    def split(self, comm):
+        """The role communicator of this rank: `comm.Split` by role, ordered by world rank."""
+        rank = comm.Get_rank()
+        if comm.Get_size() != self.world_size:
+            raise RuntimeError(f"the MPI world has {comm.Get_size()} ranks; the layout needs {self.world_size}")
+        return comm.Split(color=int(self.role_of(rank)), key=rank)
+
+    # --- construction ---
+    @classmethod
+    def from_config(cls, cfg: Config) -> Layout:
+        """Choose and validate the split; raises ConfigError when the config cannot fit."""
+        from areal_hpc.config import ConfigError
+
+        c, a = cfg.cluster, cfg.allocation
+        n, g = c.nodes, c.gpus_per_node
+        if n < 2:
+            raise ConfigError(f"cluster.nodes ({n}) must be at least 2: one for generation and one for training")
+        if g % a.gen_tp:
+            raise ConfigError(
+                f"allocation.gen_tp ({a.gen_tp}) must divide cluster.gpus_per_node ({g}): "
+                "one vLLM engine never spans nodes"
+            )
+        group = a.train_tp * a.train_pp
+
+        def trains(gen_nodes: int) -> bool:
+            return 1 <= gen_nodes < n and ((n - gen_nodes) * g) % group == 0
+
+        if a.gen_nodes is not None:
+            if not 1 <= a.gen_nodes < n:
+                raise ConfigError(
+                    f"allocation.gen_nodes ({a.gen_nodes}) must be between 1 and cluster.nodes - 1 ({n - 1})"
+                )
+            if not trains(a.gen_nodes):
+                raise ConfigError(
+                    f"allocation.train_tp x train_pp ({a.train_tp} x {a.train_pp} = {group}) must divide the "
+                    f"trainer GPUs ({n - a.gen_nodes} nodes x {g} = {(n - a.gen_nodes) * g})"
+                )
+            gen_nodes, why = a.gen_nodes, f"allocation.gen_nodes = {a.gen_nodes} (set in the config)"
+        else:
+            target = a.gen_share * n
+            fits = sorted((k for k in range(1, n) if trains(k)), key=lambda k: (abs(k - target), -k))
+            if not fits:
+                raise ConfigError(
+                    f"no split of {n} nodes x {g} GPUs leaves the trainer a multiple of train_tp x train_pp "
+                    f"({a.train_tp} x {a.train_pp} = {group}) GPUs; change cluster.nodes or the parallel sizes"
+                )
+            gen_nodes = fits[0]
+            why = (
+                f"allocation.gen_share {a.gen_share:g} of {n} nodes = {target:g}; nearest split whose trainer "
+                f"GPUs divide by train_tp x train_pp ({group}): {gen_nodes} generator nodes"
+            )
+        return cls(n, g, a.reward_workers, gen_nodes, a.gen_tp, a.train_tp, a.train_pp, why)
+
+    def table(self) -> str:
+        """The split as a table that adds up, with the reason for it."""
+        g = self.gpus_per_node
+        rows = [
+            ("component", "nodes", "GPUs", "ranks", "world ranks", "what"),
+            (
+                "controller",
+                "1 (CPU)",
+                "0",
+                str(1 + self.reward_workers),
+                f"0-{self.reward_workers}",
+                f"controller + {self.reward_workers} reward worker(s)",
+            ),
+            (
+                "generator",
+                str(self.gen_nodes),
+                str(self.gen_nodes * g),
+                str(self.generators),
+                _span(self.ranks(Role.GENERATOR)),
+                f"{self.generators} vLLM engine(s), TP {self.gen_tp}",
+            ),
+            (
+                "trainer",
+                str(self.train_nodes),
+                str(self.trainers),
+                str(self.trainers),
+                _span(self.ranks(Role.TRAINER)),
+                f"Megatron TP {self.train_tp} x PP {self.train_pp} x DP {self.train_dp}",
+            ),
+            ("total", f"{self.nodes} + 1 CPU", str(self.nodes * g), str(self.world_size), "", ""),
+        ]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        gen_share = self.gen_nodes * g / (self.nodes * g)
+        lines.append(f"generation gets {self.gen_nodes}/{self.nodes} nodes ({gen_share:.0%} of the GPUs): {self.why}")
+        return "\n".join(lines)
+
+
+def _span(r: range) -> str:
+    return f"{r.start}-{r.stop - 1}" if len(r) > 1 else str(r.start)

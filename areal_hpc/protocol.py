@@ -1,0 +1,235 @@
+"""The typed messages between ranks, and their non-blocking MPI transport.
+
+A message is a dataclass below. On the wire it is a small pickled header (its type and scalar
+fields) followed, on a separate tag, by one raw buffer per numpy field: token arrays travel as
+buffers, never as pickled lists. MPI keeps messages between two ranks on one tag in order, so the
+buffers of a header are the next messages on its data tag.
+
+Every send is non-blocking (`Mailbox.send` returns at once; `Mailbox.flush` completes what has
+gone out); `Mailbox.poll` returns the messages that have arrived without waiting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+_DATA_TAG = 1000  # buffers of the header sent on tag t travel on tag t + _DATA_TAG
+
+
+# --- messages ----------------------------------------------------------------------------------
+# Controller -> generator -> controller
+
+
+@dataclass
+class GenerateRequest:
+    """Generate `n` answers to one prompt (a GRPO group)."""
+
+    group_id: int
+    prompt_ids: np.ndarray  # [P] int32
+    n: int
+
+
+@dataclass
+class Trajectory:
+    """One finished answer, sent as soon as it finishes."""
+
+    group_id: int
+    sample_idx: int
+    prompt_ids: np.ndarray  # [P] int32
+    output_ids: np.ndarray  # [T] int32
+    behav_logprobs: np.ndarray  # [T] float32, logprob of each sampled token under the weights that sampled it
+    versions: np.ndarray  # [T] int32, policy version of each generated token
+    finish_reason: str  # "stop" (EOS) or "length"
+
+
+# Controller -> reward worker -> controller
+
+
+@dataclass
+class RewardRequest:
+    traj_id: int
+    kind: str  # "math" or "code"
+    response: str
+    target: str  # math: the answer; code: the tests as JSON
+
+
+@dataclass
+class RewardResult:
+    traj_id: int
+    reward: float
+    reason: str  # "ok", "timeout", "error: ..." (counted in the metrics)
+
+
+# Controller -> trainers -> controller
+
+
+@dataclass
+class TrainBatch:
+    """One training step's data for one data-parallel rank (every TP/PP rank of it gets a copy).
+
+    Sequences are concatenated; `cu_seqlens` marks their boundaries. `microbatches[k][j]` lists the
+    sequence indices of micro-batch j of PPO minibatch k.
+    """
+
+    version: int  # the policy version being trained (the step number)
+    tokens: np.ndarray  # [N] int32, prompt + response of every sequence, concatenated
+    cu_seqlens: np.ndarray  # [S + 1] int32
+    loss_mask: np.ndarray  # [N] uint8, 1 on response tokens
+    behav_logprobs: np.ndarray  # [N] float32 (0 on prompt tokens)
+    advantages: np.ndarray  # [N] float32 (0 on prompt tokens)
+    microbatches: list = field(default_factory=list)
+
+
+@dataclass
+class TrainResult:
+    version: int  # the policy version after the step
+    stats: dict  # metric name (DESIGN.md names) -> float
+
+
+# Orchestration
+
+
+@dataclass
+class WeightSync:
+    """Controller -> trainers and generators: move the weights of `version` now."""
+
+    version: int
+
+
+@dataclass
+class SyncDone:
+    version: int
+    seconds: float
+
+
+@dataclass
+class Save:
+    """Controller -> trainers: checkpoint to `path` (the controller writes its own state beside it)."""
+
+    version: int
+    path: str
+
+
+@dataclass
+class Saved:
+    version: int
+
+
+@dataclass
+class Stop:
+    reason: str
+
+
+@dataclass
+class Failure:
+    """A rank reports an error it cannot recover from; the controller ends the run with it."""
+
+    rank: int
+    error: str
+
+
+MESSAGES = {
+    cls.__name__: cls
+    for cls in (
+        GenerateRequest,
+        Trajectory,
+        RewardRequest,
+        RewardResult,
+        TrainBatch,
+        TrainResult,
+        WeightSync,
+        SyncDone,
+        Save,
+        Saved,
+        Stop,
+        Failure,
+    )
+}
+TAGS = {name: i + 1 for i, name in enumerate(MESSAGES)}
+
+
+# --- transport ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Envelope:
+    source: int
+    msg: Any
+
+
+class Mailbox:
+    """Non-blocking typed send and receive on one communicator."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self._pending: list = []  # (request, keep-alive buffer)
+
+    def send(self, dest: int, msg) -> None:
+        name = type(msg).__name__
+        tag = TAGS[name]
+        scalars, arrays = {}, []
+        for f in dataclasses.fields(msg):
+            value = getattr(msg, f.name)
+            if isinstance(value, np.ndarray):
+                value = np.ascontiguousarray(value)
+                arrays.append((f.name, value))
+            else:
+                scalars[f.name] = value
+        header = (name, scalars, [(k, v.dtype.str, v.shape) for k, v in arrays])
+        self._pending.append((self.comm.isend(header, dest=dest, tag=tag), header))
+        for _, value in arrays:
+            self._pending.append((self.comm.Isend(value, dest=dest, tag=tag + _DATA_TAG), value))
+        self._reap()
+
+    def poll(self, source: int | None = None) -> list[Envelope]:
+        """Every message that has arrived (from `source`, or anyone), without waiting."""
+        from mpi4py import MPI
+
+        out = []
+        status = MPI.Status()
+        src = MPI.ANY_SOURCE if source is None else source
+        while self.comm.iprobe(source=src, tag=MPI.ANY_TAG, status=status):
+            if status.Get_tag() >= _DATA_TAG:
+                raise RuntimeError(f"protocol error: buffer without header from rank {status.Get_source()}")
+            out.append(self._recv(status.Get_source(), status.Get_tag()))
+        self._reap()
+        return out
+
+    def recv(self, source: int | None = None, timeout_s: float | None = None, idle_s: float = 0.001) -> Envelope:
+        """Wait for one message (polling, so a timeout is possible); raises TimeoutError."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        from mpi4py import MPI
+
+        status = MPI.Status()
+        src = MPI.ANY_SOURCE if source is None else source
+        while not self.comm.iprobe(source=src, tag=MPI.ANY_TAG, status=status):
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"no message within {timeout_s} s")
+            self._reap()
+            time.sleep(idle_s)
+        return self._recv(status.Get_source(), status.Get_tag())
+
+    def _recv(self, source: int, tag: int) -> Envelope:
+        name, scalars, specs = self.comm.recv(source=source, tag=tag)
+        for key, dtype, shape in specs:
+            buf = np.empty(shape, dtype=np.dtype(dtype))
+            self.comm.Recv(buf, source=source, tag=tag + _DATA_TAG)
+            scalars[key] = buf
+        return Envelope(source, MESSAGES[name](**scalars))
+
+    def _reap(self) -> None:
+        self._pending = [(r, keep) for r, keep in self._pending if not r.Test()]
+
+    def flush(self, timeout_s: float = 60.0) -> None:
+        """Wait until every send has completed (before exiting)."""
+        deadline = time.monotonic() + timeout_s
+        while self._pending:
+            self._reap()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(self._pending)} sends not completed within {timeout_s} s")
+            time.sleep(0.001)

@@ -1,0 +1,146 @@
+"""The embedded default's assets, built here with no download: a character-level tokenizer, a small
+Qwen2-architecture model, and a synthetic arithmetic task with boxed answers.
+
+Everything is a pure function of its inputs (architecture, seed, size) and is cached under the run
+root in a directory named by a hash of them, so two runs with the same settings share one copy and
+a changed setting never reuses a stale one. Writes go to a temporary directory that is renamed into
+place, so an interrupted build never leaves a cache that looks complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import string
+import tempfile
+from pathlib import Path
+
+from areal_hpc.config import ConfigError, ModelConfig
+
+BOXED = "\\boxed{"
+EOS = "<|endoftext|>"
+PAD = "<|pad|>"
+# Single characters: printable ASCII less the whitespace variants other than space and newline.
+CHARS = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+TINY_VOCAB = [PAD, EOS, BOXED, *CHARS]
+TINY_VOCAB_SIZE = 128
+"""The model's vocabulary, padded past len(TINY_VOCAB) (= 103) to a round size."""
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _build_atomically(target: Path, build) -> Path:
+    """Run `build(tmpdir)` and rename the result to `target`, unless `target` already exists."""
+    if (target / ".complete").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        build(tmp)
+        (tmp / ".complete").write_text("")
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process finished first, or a stale incomplete copy is in the way
+            if (target / ".complete").exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                shutil.rmtree(target, ignore_errors=True)
+                os.rename(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def build_tokenizer():
+    """A character-level fast tokenizer; `\\boxed{` is one token so the answer format is cheap."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(TINY_VOCAB)}
+    # BPE without merges and without a pre-tokenizer: every character is its own token, spaces too.
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=PAD))
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([PAD, EOS])
+    tok.add_tokens([BOXED])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS,
+        pad_token=PAD,
+        bos_token=None,
+        unk_token=PAD,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def qwen2_config(m: ModelConfig):
+    """The transformers Qwen2Config of a model section."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=m.vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_key_value_heads,
+        max_position_embeddings=m.max_position_embeddings,
+        rope_theta=m.rope_theta,
+        rms_norm_eps=m.rms_norm_eps,
+        tie_word_embeddings=m.tie_word_embeddings,
+        torch_dtype=m.dtype,
+        bos_token_id=TINY_VOCAB.index(EOS),
+        eos_token_id=TINY_VOCAB.index(EOS),
+        pad_token_id=TINY_VOCAB.index(PAD),
+    )
+
+
+def build_tiny_model(m: ModelConfig, root: str | Path, seed: int) -> Path:
+    """The directory of the tiny model (config.json, safetensors, tokenizer), built once per settings."""
+    if m.vocab_size < len(TINY_VOCAB):
+        raise ConfigError(
+            f"model.vocab_size ({m.vocab_size}) must be at least {len(TINY_VOCAB)} for the tiny tokenizer"
+        )
+    key = _digest({"arch": vars(m), "seed": seed, "vocab": TINY_VOCAB})
+
+    def build(out: Path) -> None:
+        import torch
+        from transformers import Qwen2ForCausalLM
+
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(qwen2_config(m)).to(getattr(torch, m.dtype))
+        model.save_pretrained(out, safe_serialization=True)
+        build_tokenizer().save_pretrained(out)
+
+    return _build_atomically(Path(root) / ".assets" / f"tiny-model-{key}", build)
+
+
+def arithmetic_rows(n: int, seed: int, max_operand: int = 99) -> list[dict]:
+    """`{prompt, answer}` rows of the synthetic task: 'a+b=' or 'a-b=' with the answer boxed.
+
+    Deterministic in (n, seed). Prompts are plain text; the expected response is `\\boxed{c}`.
+    """
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        op = rng.choice("+-")
+        rows.append({"prompt": f"{a}{op}{b}=", "answer": str(a + b if op == "+" else a - b)})
+    return rows
+
+
+def build_arithmetic_data(n: int, root: str | Path, seed: int) -> Path:
+    """The JSONL file of the synthetic task, built once per (n, seed)."""
+    key = _digest({"task": "arithmetic", "n": n, "seed": seed})
+
+    def build(out: Path) -> None:
+        with open(out / "train.jsonl", "w") as f:
+            for row in arithmetic_rows(n, seed):
+                f.write(json.dumps(row) + "\n")
+
+    return _build_atomically(Path(root) / ".assets" / f"arithmetic-{key}", build) / "train.jsonl"

@@ -1,0 +1,35 @@
+"""areal-hpc: fully asynchronous RL for large reasoning models, native to Slurm.
+
+torch, vLLM and megatron-core come in device-specific builds (CPU or CUDA); tools/setup.sh chooses
+and installs them before this package. See README.md.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="areal-hpc",
+    version="0.1.0",
+    description="Fully asynchronous RL for large reasoning models on Slurm clusters",
+    python_requires=">=3.11",
+    packages=find_packages(include=["areal_hpc", "areal_hpc.*", "launch", "launch.*"]),
+    package_data={"areal_hpc": ["py.typed"], "launch": ["../slurm_templates/*"]},
+    install_requires=[
+        "torch>=2.13",
+        "megatron-core==0.16.1",
+        "transformers",
+        "tokenizers",
+        "safetensors",
+        "numpy",
+        "omegaconf>=2.3",
+        "mpi4py>=4",
+        "submitit==1.5.4",
+        "tensorboard",
+        "math-verify[antlr4_13_2]",
+        "pyyaml",
+    ],
+    extras_require={
+        "test": ["pytest", "hypothesis", "ruff"],
+        "bench": ["matplotlib", "trl"],
+    },
+    entry_points={"console_scripts": ["areal-hpc = areal_hpc.cli:main"]},
+)
