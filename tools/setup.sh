@@ -59,7 +59,9 @@ if [ -z "${VIRTUAL_ENV:-}" ]; then
   source .venv/bin/activate
 fi
 py=python
-pip_install() { "$py" -m pip install -q "$@"; }
+pip_install() {  # quiet, less the warnings about this machine's missing local index folders
+  "$py" -m pip install -q "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
 have() {  # have NAME VERSION: is exactly that version installed?
   [ "$("$py" -m pip show "$1" 2>/dev/null | sed -n 's/^Version: //p')" = "$2" ]
 }
