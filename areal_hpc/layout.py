@@ -101,6 +101,16 @@ class Layout:
                 return role
         raise ValueError(f"rank {rank} is outside the world of {self.world_size} ranks")
 
+    def stage_source_rank(self, stage: int) -> int:
+        """World rank of the trainer that sends pipeline stage `stage`'s weights: its (dp 0, tp 0) rank.
+
+        Trainer ranks follow Megatron's default order (tp fastest, then dp, then pp), so the trainer-local
+        rank of (pp=stage, dp=0, tp=0) is stage * TP * DP.
+        """
+        if not 0 <= stage < self.train_pp:
+            raise ValueError(f"pipeline stage {stage} outside 0..{self.train_pp - 1}")
+        return self.ranks(Role.TRAINER).start + stage * self.train_tp * self.train_dp
+
     def describe_rank(self, rank: int) -> str:
         """'generator 2 (world rank 5)': how errors and logs name a rank."""
         role = self.role_of(rank)

@@ -82,6 +82,7 @@ class TrainBatch:
     loss_mask: np.ndarray  # [N] uint8, 1 on response tokens
     behav_logprobs: np.ndarray  # [N] float32 (0 on prompt tokens)
     advantages: np.ndarray  # [N] float32 (0 on prompt tokens)
+    versions: np.ndarray  # [N] int32, policy version of each generated token (-1 on prompt tokens)
     microbatches: list = field(default_factory=list)
 
 
