@@ -1,0 +1,58 @@
+"""GRPO advantages: each answer is scored against the other answers to the same prompt.
+
+With `group_size` answers per prompt, laid out group after group (the order the controller builds
+its batch in), and r_i the reward of answer i in group g:
+
+    adv_norm="group":  A_i = (r_i - mean_g(r)) / (std_g(r) + eps)        GRPO
+    adv_norm="mean":   A_i =  r_i - mean_g(r)                             centring only (Dr. GRPO)
+    adv_norm="batch":  A_i = (r_i - mean_g(r)) / (std_batch(c) + eps)     c = the centred values
+
+The group mean is the baseline in every mode: it is what makes the method critic-free. "batch"
+scales by the spread of the centred values over the whole batch, so a group whose rewards barely
+differ is not blown up to unit scale. Every std is the population std (ddof = 0): with two answers
+scored 0 and 1 the advantages are -1 and +1 (up to eps). A group of equal rewards has advantage
+exactly 0 in every mode (it carries no signal), never NaN.
+
+The advantage of an answer applies to every token of its response (the controller broadcasts it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+ADV_NORMS = ("group", "mean", "batch")
+
+
+def group_advantages(rewards, group_size: int, adv_norm: str = "group", eps: float = 1e-6) -> np.ndarray:
+    """Advantages of a batch of answers, `group_size` consecutive answers per prompt.
+
+        group: A = (r - mean(group)) / (std(group) + eps)
+        mean:  A =  r - mean(group)
+        batch: A = (r - mean(group)) / (std(all centred values) + eps)
+
+    `rewards`: array-like [n_groups * group_size] (a list, numpy array or CPU tensor). `adv_norm`
+    takes the values of the config field `ppo.adv_norm`. Returns float32 [n_groups * group_size].
+    std is the population std (ddof = 0). Groups whose rewards are all equal get exactly 0.
+    """
+    if adv_norm not in ADV_NORMS:
+        raise ValueError(f"adv_norm must be one of {', '.join(ADV_NORMS)} (got {adv_norm!r})")
+    if group_size < 1:
+        raise ValueError(f"group_size must be at least 1 (got {group_size})")
+    r = np.asarray(rewards, dtype=np.float64).reshape(-1)
+    if r.size % group_size:
+        raise ValueError(f"{r.size} rewards do not split into groups of {group_size}")
+    if not np.all(np.isfinite(r)):
+        raise ValueError(f"rewards must be finite (got {r[~np.isfinite(r)][:4].tolist()} ...)")
+    groups = r.reshape(-1, group_size)  # [n_groups, group_size]
+    centred = groups - groups.mean(axis=1, keepdims=True)
+    # mean() of equal floats is not always that float (0.1 * 3 / 3 != 0.1): zero such groups
+    # explicitly so they carry exactly no signal instead of a rounding error scaled up by 1/eps.
+    uniform = groups.max(axis=1) == groups.min(axis=1)
+    centred[uniform] = 0.0
+    if adv_norm == "group":
+        adv = centred / (groups.std(axis=1, keepdims=True) + eps)
+    elif adv_norm == "batch":
+        adv = centred / (centred.std() + eps)
+    else:
+        adv = centred
+    return adv.reshape(-1).astype(np.float32)

@@ -1,0 +1,203 @@
+"""The decoupled PPO loss: hand-computed values, gradients, invariances, micro-batch sums."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from areal_hpc.algo.ppo import decoupled_ppo_loss, merge_stats
+
+
+def one_token(logp, prox, behav, adv, **kw):
+    t = lambda x: torch.tensor([x], dtype=torch.float64)  # noqa: E731
+    lp = t(logp).requires_grad_()
+    loss, stats = decoupled_ppo_loss(lp, t(prox), t(behav), t(adv), torch.ones(1, dtype=torch.bool), **kw)
+    loss.backward()
+    return loss.item(), lp.grad.item(), stats
+
+
+# ratio u = exp(logp - prox); w = exp(prox - behav); eps = 0.2
+@pytest.mark.parametrize(
+    "u, adv, loss, grad, clipped",
+    [
+        # inside the trust region: loss = -u * A, d/dlogp = -u * A
+        (1.1, 2.0, -2.2, -2.2, False),
+        (0.9, -1.0, 0.9, 0.9, False),
+        # A > 0 and u above 1 + eps: the clipped term (1.2 * A) is smaller: clipped, no gradient
+        (1.5, 2.0, -2.4, 0.0, True),
+        # A > 0 and u below 1 - eps: min picks u * A (the pessimistic one): not clipped
+        (0.5, 2.0, -1.0, -1.0, False),
+        # A < 0 and u below 1 - eps: clip(u) * A = 0.8 * -1 is smaller: clipped, no gradient
+        (0.5, -1.0, 0.8, 0.0, True),
+        # A < 0 and u above 1 + eps: u * A is smaller: not clipped, gradient -u * A
+        (1.5, -1.0, 1.5, 1.5, False),
+    ],
+)
+def test_standard_ppo_by_hand(u, adv, loss, grad, clipped):
+    prox = -1.3
+    value, g, stats = one_token(prox + math.log(u), prox, prox, adv)
+    assert value == pytest.approx(loss)
+    assert g == pytest.approx(grad)
+    assert stats["clip_frac"].item() == (1.0 if clipped else 0.0)
+    assert stats["behav_weight_mean"].item() == pytest.approx(1.0)
+
+
+def test_behaviour_weight_scales_and_asymmetric_clip():
+    # w = exp(0.5) multiplies the whole token loss; eps_high = 0.28 moves the upper edge.
+    prox, behav = -1.0, -1.5
+    w = math.exp(0.5)
+    value, g, stats = one_token(prox + math.log(1.25), prox, behav, 1.0, eps_clip_high=0.28)
+    assert value == pytest.approx(-w * 1.25) and g == pytest.approx(-w * 1.25)  # 1.25 < 1.28: inside
+    value, g, stats = one_token(prox + math.log(1.25), prox, behav, 1.0)
+    assert value == pytest.approx(-w * 1.2) and g == 0.0  # 1.25 > 1.2: clipped
+    assert stats["behav_weight_max"].item() == pytest.approx(w)
+    # lower edge with eps = 0.1 and A < 0
+    value, g, _ = one_token(prox + math.log(0.85), prox, behav, -2.0, eps_clip=0.1)
+    assert value == pytest.approx(w * 0.9 * 2.0) and g == 0.0
+
+
+def test_cap_zeroes_tokens_but_keeps_the_denominator():
+    f = lambda xs: torch.tensor(xs, dtype=torch.float64)  # noqa: E731
+    logp = f([-1.0, -1.0, -1.0, -1.0])
+    prox = f([-1.0, -1.0, -1.0, -1.0])
+    behav = f([-1.0, -4.0, -1.0, 0.0])  # w = 1, e^3 (capped), 1, e^-1
+    adv = f([1.0, 1.0, 2.0, 1.0])
+    mask = torch.tensor([1, 1, 1, 1])
+    loss, stats = decoupled_ppo_loss(logp, prox, behav, adv, mask, behav_weight_cap=5.0)
+    assert loss.item() == pytest.approx(-(1.0 + 0.0 + 2.0 + math.exp(-1)) / 4)
+    assert stats["capped_frac"].item() == pytest.approx(0.25)
+    assert stats["behav_weight_max"].item() == pytest.approx(math.exp(3))
+    # Without the cap the token counts with its weight.
+    loss, _ = decoupled_ppo_loss(logp, prox, behav, adv, mask)
+    assert loss.item() == pytest.approx(-(1.0 + math.exp(3) + 2.0 + math.exp(-1)) / 4)
+
+
+def test_equals_standard_ppo_when_behav_is_prox():
+    torch.manual_seed(0)
+    logp, prox, adv = torch.randn(64, dtype=torch.float64), torch.randn(64, dtype=torch.float64), torch.randn(64)
+    mask = torch.rand(64) < 0.7
+    loss, stats = decoupled_ppo_loss(logp, prox, prox, adv, mask)
+    ratio = torch.exp(logp - prox)
+    a = adv.double()
+    reference = -torch.min(ratio * a, torch.clamp(ratio, 0.8, 1.2) * a)[mask].mean()
+    assert loss.item() == pytest.approx(reference.item())
+    assert stats["behav_weight_mean"].item() == pytest.approx(1.0)
+
+
+def test_gradcheck():
+    torch.manual_seed(1)
+    n = 24
+    # Keep ratios away from the clip edges, where the objective has kinks.
+    prox = torch.randn(n, dtype=torch.float64)
+    offsets = torch.tensor([-0.6, -0.1, 0.05, 0.5] * (n // 4), dtype=torch.float64)
+    logp = (prox + offsets).requires_grad_()
+    behav = prox + 0.3 * torch.randn(n, dtype=torch.float64)
+    adv = torch.randn(n, dtype=torch.float64)
+    mask = torch.rand(n) < 0.8
+
+    def f(lp):
+        return decoupled_ppo_loss(lp, prox, behav, adv, mask, eps_clip=0.2, eps_clip_high=0.3, behav_weight_cap=1.3)[0]
+
+    assert torch.autograd.gradcheck(f, (logp,))
+
+
+def test_garbage_outside_the_mask_is_ignored_even_in_the_gradient():
+    logp = torch.tensor([-1.0, 80.0, -0.5], dtype=torch.float64, requires_grad=True)
+    prox = torch.tensor([-1.0, -900.0, -0.5], dtype=torch.float64)
+    behav = torch.tensor([-1.2, 900.0, -0.5], dtype=torch.float64)
+    adv = torch.tensor([1.0, float("nan"), -1.0], dtype=torch.float64)
+    mask = torch.tensor([True, False, True])
+    loss, stats = decoupled_ppo_loss(logp, prox, behav, adv, mask, behav_weight_cap=2.0)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all() and logp.grad[1] == 0
+    assert all(torch.isfinite(v).all() for v in stats.values())
+
+
+def test_empty_mask_gives_zero_not_nan():
+    x = torch.zeros(3, requires_grad=True)
+    loss, stats = decoupled_ppo_loss(x, x.detach(), x.detach(), torch.ones(3), torch.zeros(3))
+    loss.backward()
+    assert loss.item() == 0.0 and stats["n_tokens"].item() == 0 and x.grad.abs().sum() == 0
+
+
+def test_micro_batch_sums_equal_the_full_mean():
+    torch.manual_seed(2)
+    n = 40
+    logp = torch.randn(n, dtype=torch.float64, requires_grad=True)
+    prox = logp.detach() + 0.2 * torch.randn(n, dtype=torch.float64)
+    behav = prox + 0.2 * torch.randn(n, dtype=torch.float64)
+    adv = torch.randn(n, dtype=torch.float64)
+    mask = torch.rand(n) < 0.6
+    full, full_stats = decoupled_ppo_loss(logp, prox, behav, adv, mask)
+    (full_grad,) = torch.autograd.grad(full, logp)
+
+    cuts = [0, 3, 25, 40]  # unequal micro-batches
+    n_total = int(mask.sum())
+    total, stats = 0.0, []
+    for a, b in zip(cuts, cuts[1:]):
+        s, st_ = decoupled_ppo_loss(logp[a:b], prox[a:b], behav[a:b], adv[a:b], mask[a:b], reduction="sum")
+        total = total + s / n_total
+        stats.append(st_)
+    (acc_grad,) = torch.autograd.grad(total, logp)
+    assert total.item() == pytest.approx(full.item())
+    assert torch.allclose(acc_grad, full_grad)
+    merged = merge_stats(stats)
+    for key in ("clip_frac", "behav_weight_mean", "behav_weight_max", "capped_frac"):
+        assert merged[key] == pytest.approx(full_stats[key].item())
+    assert merged["n_tokens"] == n_total
+
+
+def test_half_precision_inputs_compute_in_float32():
+    x = torch.full((4,), -1.0, dtype=torch.bfloat16)
+    loss, _ = decoupled_ppo_loss(x, x, x, torch.ones(4, dtype=torch.bfloat16), torch.ones(4))
+    assert loss.dtype == torch.float32 and loss.item() == pytest.approx(-1.0)
+
+
+def test_bad_arguments():
+    x = torch.zeros(3)
+    with pytest.raises(ValueError, match="shape"):
+        decoupled_ppo_loss(x, x, x, torch.zeros(4), x)
+    with pytest.raises(ValueError):
+        decoupled_ppo_loss(x, x, x, x, x, eps_clip=0.0)
+    with pytest.raises(ValueError):
+        decoupled_ppo_loss(x, x, x, x, x, reduction="none")
+
+
+# --- properties -------------------------------------------------------------------------------
+
+floats = st.floats(-3.0, 3.0, allow_nan=False)
+
+
+@st.composite
+def batches(draw):
+    n = draw(st.integers(1, 16))
+    col = lambda: torch.tensor(draw(st.lists(floats, min_size=n, max_size=n)), dtype=torch.float64)  # noqa: E731
+    mask = torch.tensor(draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+    return col(), col(), col(), col(), mask
+
+
+@settings(max_examples=100, deadline=None)
+@given(batch=batches(), junk=st.lists(st.floats(-1e4, 1e4), min_size=4, max_size=4), cap=st.sampled_from([None, 2.0]))
+def test_tokens_outside_the_mask_change_nothing(batch, junk, cap):
+    logp, prox, behav, adv, mask = batch
+    loss, stats = decoupled_ppo_loss(logp, prox, behav, adv, mask, behav_weight_cap=cap)
+    out = ~mask
+    changed = [t.clone() for t in (logp, prox, behav, adv)]
+    for t, j in zip(changed, junk):
+        t[out] = j
+    loss2, stats2 = decoupled_ppo_loss(*changed, mask, behav_weight_cap=cap)
+    assert loss2.item() == loss.item()
+    for key in stats:
+        assert stats2[key].item() == stats[key].item()
+
+
+@settings(max_examples=100, deadline=None)
+@given(batch=batches(), scale=st.floats(0.01, 100.0), cap=st.sampled_from([None, 2.0]))
+def test_scaling_the_advantages_scales_the_loss(batch, scale, cap):
+    # min(u A, clip(u) A) is positively homogeneous in A, and so is the loss.
+    logp, prox, behav, adv, mask = batch
+    loss, _ = decoupled_ppo_loss(logp, prox, behav, adv, mask, behav_weight_cap=cap)
+    scaled, _ = decoupled_ppo_loss(logp, prox, behav, adv * scale, mask, behav_weight_cap=cap)
+    assert scaled.item() == pytest.approx(scale * loss.item(), rel=1e-9, abs=1e-9)
