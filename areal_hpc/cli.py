@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from areal_hpc.config import Config, ConfigError, describe_config, load_config
+from launch import LaunchError
 
 OVERRIDES_HELP = (
     "Any config field can be overridden as section.field=value (for example rollout.max_staleness=4 "
@@ -44,41 +45,67 @@ def cmd_run(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    import dataclasses
+
+    from areal_hpc import planner
     from areal_hpc.layout import Layout
 
     cfg = _config(args)
-    print(Layout.from_config(cfg).table())
+    if args.search:
+        # Allocation fields given on the command line stay as given; the planner chooses the others.
+        fixed = {
+            f: getattr(cfg.allocation, f)
+            for f in planner.ALLOCATION_FIELDS
+            if any(o.replace(" ", "").startswith(f"allocation.{f}=") for o in args.overrides)
+        }
+        prediction, why = planner.choose(cfg, fixed)
+        cfg = planner.with_plan(cfg, prediction.plan)
+        layout = dataclasses.replace(Layout.from_config(cfg), why=why)
+    else:
+        layout, prediction = Layout.from_config(cfg), planner.predict(cfg)
+    print(layout.table())
+    print()
+    print(planner.report(cfg, prediction))
+    if not args.search:
+        print(planner.search_hint(cfg, prediction))
     return 0
 
 
-def _not_yet(what: str, issue: int) -> int:
-    print(
-        f"areal-hpc: {what} is not available yet (tracked as issue {issue}); see README.md for what runs today.",
-        file=sys.stderr,
-    )
-    return 1
-
-
 def cmd_submit(args) -> int:
-    _config(args)
-    return _not_yet("submit", 7)
+    from launch import get_launcher
+
+    cfg = _config(args)
+    return get_launcher("dry-run" if args.dry_run else "slurm").launch(cfg)
 
 
 def cmd_render(args) -> int:
-    _config(args)
-    return _not_yet("render", 7)
+    from areal_hpc.rundir import prepare_run_dir
+    from launch.slurm import SlurmLauncher
+
+    cfg = _config(args)
+    script = SlurmLauncher().script(cfg)
+    run_dir = prepare_run_dir(cfg)  # the ranks read RUN_DIR/config.yaml
+    Path(args.output).write_text(script)
+    print(f"wrote {args.output} and {run_dir / 'config.yaml'}; submit with: sbatch {args.output}")
+    return 0
 
 
 def cmd_status(args) -> int:
+    from launch.record import status
+
     if not Path(args.run_dir).is_dir():
         raise ConfigError(f"no run directory at {args.run_dir}")
-    return _not_yet("status", 7)
+    print(status(Path(args.run_dir)))
+    return 0
 
 
 def cmd_cancel(args) -> int:
+    from launch.record import cancel
+
     if not Path(args.run_dir).is_dir():
         raise ConfigError(f"no run directory at {args.run_dir}")
-    return _not_yet("cancel", 7)
+    print(cancel(Path(args.run_dir)))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,19 +171,36 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "plan",
-        help="the split of nodes and GPUs between roles",
-        description="Show how the nodes and GPUs are split between the controller, generators and trainers, and why.",
+        help="the split of nodes and GPUs between roles, and the predicted steps per hour",
+        description="Show how the nodes and GPUs are split between the controller, generators and trainers, and "
+        "why, and predict steps per hour and effective tokens/s, synchronous (max_staleness 0) and asynchronous "
+        "(the config's rollout.max_staleness), from the cost model in docs/planner.md (GPU speed and memory: "
+        "cluster.gpu_tflops, gpu_memory_bandwidth_gbs, gpu_memory_gb, interconnect_gbps). By default the "
+        "config's allocation is the plan, and the planner says what --search would choose instead.",
         epilog=OVERRIDES_HELP,
     )
     _add_config_args(p)
     _add_nodes(p, required=False)
+    p.add_argument(
+        "--search",
+        action="store_true",
+        help="choose allocation.gen_nodes, gen_tp, train_tp and train_pp for the highest predicted asynchronous "
+        "throughput that fits GPU memory, instead of taking them from the config; any of them given as a "
+        "key=value override on the command line (e.g. allocation.train_pp=1) stays fixed",
+    )
     p.set_defaults(func=cmd_plan)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # Overrides may also follow the options (`submit CONFIG --nodes 4 key=value`), where argparse
+    # has already closed the positional list.
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or any(a.startswith("-") or "=" not in a for a in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     if args.config_help:
         print(describe_config())
         return 0
@@ -168,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"areal-hpc: config error: {e}", file=sys.stderr)
         return 2
+    except LaunchError as e:
+        print(f"areal-hpc: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

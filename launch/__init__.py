@@ -1,0 +1,55 @@
+"""Turning a config into processes. Three launchers, one interface (STYLE.md #9):
+
+```
+ LocalLauncher    areal-hpc run            one mpirun on this machine (launch/local.py: run_local)
+ SlurmLauncher    areal-hpc submit         one heterogeneous Slurm job through submitit (launch/slurm.py)
+ DryRunLauncher   areal-hpc submit --dry-run   prints the sbatch script, starts nothing
+```
+
+Each takes the validated config and returns the command's exit code; tests pick the cheap one with no
+special case. What differs (blocking run vs. a queued job) stays behind `launch`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from areal_hpc.config import Config
+
+
+class LaunchError(RuntimeError):
+    """The cluster cannot do what the config asks (sbatch rejected it, no such partition, ...); the message
+    says what and why, and the CLI prints it."""
+
+
+class Launcher(Protocol):
+    name: str
+
+    def launch(self, cfg: Config, fresh: bool = False) -> int:
+        """Start the run of `cfg` (afresh when `fresh`); return the exit code for the command line."""
+        ...
+
+
+class LocalLauncher:
+    """The whole system on this machine: `launch.local.run_local(cfg, fresh)` (blocks until the run ends)."""
+
+    name = "local"
+
+    def launch(self, cfg: Config, fresh: bool = False) -> int:
+        from launch.local import run_local
+
+        return run_local(cfg, fresh=fresh)
+
+
+def get_launcher(kind: str, **kwargs) -> Launcher:
+    """`local`, `slurm` or `dry-run`."""
+    from launch.slurm import DryRunLauncher, SlurmLauncher
+
+    kinds = {"local": LocalLauncher, "slurm": SlurmLauncher, "dry-run": DryRunLauncher}
+    if kind not in kinds:
+        raise ValueError(f"unknown launcher '{kind}' (one of {', '.join(kinds)})")
+    return kinds[kind](**kwargs)
+
+
+__all__ = ["LaunchError", "Launcher", "LocalLauncher", "get_launcher"]

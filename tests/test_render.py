@@ -1,0 +1,216 @@
+"""The sbatch script of a run (launch/sbatch.py): snapshots of the shipped configs, and what each
+cluster setting does to the script. Pure functions; no Slurm needed.
+
+Snapshots: tests/snapshots/<config>.sbatch. When a change to the script is intended, re-record them with
+    UPDATE_SNAPSHOTS=1 python -m pytest tests/test_render.py
+and review the diff in git.
+"""
+
+import difflib
+import json
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from areal_hpc.cli import main as cli_main
+from areal_hpc.config import load_config
+from launch import LaunchError, get_launcher
+from launch.record import JobRecord, parse_squeue, status
+from launch.sbatch import REQUEUE_EXIT_CODE, fill, render_sbatch
+from launch.slurm import check_partitions
+
+REPO = Path(__file__).resolve().parent.parent
+SNAPSHOTS = Path(__file__).resolve().parent / "snapshots"
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+# Fixed paths, so the text does not depend on where the repository or the venv is.
+WORKDIR = "/work/areal-hpc"
+PYTHON = "/work/areal-hpc/.venv/bin/python"
+
+
+def render(overrides=(), config="tiny-cpu", **kw):
+    cfg = load_config(REPO / "configs" / f"{config}.yaml", list(overrides))
+    return render_sbatch(cfg, workdir=WORKDIR, python=PYTHON, **kw)
+
+
+def directives(script: str) -> list[list[str]]:
+    """#SBATCH options per component (split at the `hetjob` separators)."""
+    comps = [[]]
+    for line in script.splitlines():
+        if line.startswith("#SBATCH"):
+            opt = line.split(None, 1)[1]
+            if opt == "hetjob":
+                comps.append([])
+            else:
+                comps[-1].append(opt)
+    return comps
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_snapshot(path):
+    text = render_sbatch(load_config(path), workdir=WORKDIR, python=PYTHON)
+    snap = SNAPSHOTS / f"{path.stem}.sbatch"
+    if os.environ.get("UPDATE_SNAPSHOTS") == "1":
+        SNAPSHOTS.mkdir(exist_ok=True)
+        snap.write_text(text)
+    assert snap.exists(), f"no recorded script {snap}; record it with UPDATE_SNAPSHOTS=1"
+    recorded = snap.read_text()
+    if text != recorded:
+        diff = "".join(difflib.unified_diff(recorded.splitlines(True), text.splitlines(True), str(snap), "rendered"))
+        pytest.fail(f"the rendered script of {path.name} changed (UPDATE_SNAPSHOTS=1 re-records it):\n{diff}")
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_script_is_valid_bash(path):
+    text = render_sbatch(load_config(path), workdir=WORKDIR, python=PYTHON)
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+
+
+def test_components_follow_the_layout():
+    text = render(["cluster.nodes=3"])
+    comps = directives(text)
+    assert len(comps) == 3
+    # tiny-cpu on 3 nodes: controller + 1 reward worker, 1 generator node, 2 trainer nodes x 1 slot
+    assert "--nodes=1" in comps[0] and "--ntasks-per-node=2" in comps[0]
+    assert "--nodes=1" in comps[1] and "--ntasks-per-node=1" in comps[1]
+    assert "--nodes=2" in comps[2] and "--ntasks-per-node=1" in comps[2]
+    # job-wide options sit in the first component
+    assert any(o.startswith("--signal=B:USR2@") for o in comps[0])
+    assert "--requeue" in comps[0] and "--time=00:30:00" in comps[0]
+    step = next(line for line in text.splitlines() if line.startswith("srun "))
+    for flag in ("--het-group=0,1,2", "--mpi=pmix", "--kill-on-bad-exit=1"):
+        assert flag in step
+
+
+def test_gpus_only_on_gpu_components_and_only_with_cuda():
+    cpu = directives(render(["cluster.nodes=3"]))
+    assert not any("gpu" in o for comp in cpu for o in comp)
+    cuda = directives(render(["cluster.nodes=3", "cluster.device=cuda", "cluster.gpus_per_node=4"]))
+    assert not any("gpu" in o for o in cuda[0])
+    assert "--gpus-per-node=4" in cuda[1] and "--gpus-per-node=4" in cuda[2]
+
+
+def test_cluster_settings_reach_the_script():
+    text = render(
+        [
+            "cluster.nodes=3",
+            "cluster.partition=gpu",
+            "cluster.cpu_partition=cpu",
+            "cluster.account=proj1",
+            "cluster.qos=high",
+            "cluster.constraint=a100",
+            "cluster.exclusive=false",
+            "cluster.time=1-02:00:00",
+            "cluster.requeue_signal_s=300",
+            "cluster.max_requeues=7",
+            "cluster.network_interface=ib0",
+            "cluster.container=nvcr.io/nvidia/pytorch:24.05",
+            "cluster.sbatch_args=[--mem=0]",
+            "cluster.srun_args=[--cpu-bind=none]",
+            "cluster.env={NCCL_DEBUG: WARN, MY_VAR: 'a b'}",
+        ]
+    )
+    comps = directives(text)
+    assert "--partition=cpu" in comps[0] and "--partition=gpu" in comps[1] and "--partition=gpu" in comps[2]
+    assert all("--account=proj1" in c and "--qos=high" in c and "--mem=0" in c for c in comps)
+    assert "--constraint=a100" not in comps[0] and "--constraint=a100" in comps[2]
+    assert not any("--exclusive" in c for c in comps)
+    assert "--time=1-02:00:00" in comps[0] and "--signal=B:USR2@300" in comps[0]
+    assert 'if [ "$attempt" -lt 7 ]' in text
+    for var in ("OMPI_MCA_btl_tcp_if_include", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        assert f"export {var}=ib0" in text
+    assert "export MY_VAR='a b'" in text and "export NCCL_DEBUG=WARN" in text
+    step = next(line for line in text.splitlines() if line.startswith("srun "))
+    assert "--container-image=nvcr.io/nvidia/pytorch:24.05" in step and "--cpu-bind=none" in step
+    assert f"-eq {REQUEUE_EXIT_CODE} ]" in text
+
+
+def test_default_command_is_the_agreed_entry_point():
+    text = render(["cluster.nodes=3", "experiment.root=/scratch/runs"])
+    assert f"{PYTHON} -u -m areal_hpc.main /scratch/runs/tiny-cpu/trial0" in text
+    assert "run_dir=/scratch/runs/tiny-cpu/trial0" in text
+    # relative run roots resolve against the work directory
+    assert f"run_dir={WORKDIR}/runs/tiny-cpu/trial0" in render(["cluster.nodes=3"])
+    # the submitit folder must not contain %j (ranks of components 1+ could not connect their IO)
+    assert f"--output={WORKDIR}/runs/tiny-cpu/trial0/slurm/%j_0_log.out" in render(["cluster.nodes=3"])
+
+
+def test_stand_in_command_is_quoted():
+    text = render(["cluster.nodes=3"], command=["python3", "-c", "print('hi there')"])
+    step = text[text.index("srun ") :].split("&\n")[0]
+    assert shlex.quote("print('hi there')") in step
+
+
+def test_fill_refuses_missing_or_unknown_names():
+    assert fill("a {{x}} b", {"x": "1"}) == "a 1 b"
+    with pytest.raises(KeyError):
+        fill("a {{x}} {{y}}", {"x": "1"})
+    with pytest.raises(KeyError):
+        fill("a {{x}}", {"x": "1", "z": "2"})
+
+
+def test_unknown_partition_is_a_clear_error():
+    cfg = load_config(REPO / "configs/tiny-cpu.yaml", ["cluster.partition=gpu-big"])
+    with pytest.raises(LaunchError, match="cluster.partition 'gpu-big' is not a partition.*debug, cpu"):
+        check_partitions(cfg, ["debug", "cpu"])
+    check_partitions(cfg, None)  # sinfo cannot answer: leave it to sbatch
+
+
+def test_parse_squeue_gives_each_component_and_the_worst_state():
+    info = parse_squeue("12+0|RUNNING|node1|None\n12+1|RUNNING|node2|None\n12+2|PENDING|(null)|Resources\n")
+    assert info["12+2"]["Reason"] == "Resources"
+    assert info["12"]["State"] == "PENDING"
+    assert parse_squeue("13+0|COMPLETED|n1|None\n13+1|FAILED|n2|None\n")["13"]["State"] == "FAILED"
+
+
+def test_status_reads_the_record_when_slurm_forgot_the_job(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm"))  # no squeue: Slurm cannot answer
+    (tmp_path / "slurm").mkdir()
+    JobRecord("41", "2026-01-01T00:00:00Z", "s.sh", str(tmp_path), ["controller", "generator", "trainer"]).save(
+        tmp_path
+    )
+    events = [
+        {"job_id": "41", "attempt": 0, "event": "start", "log_dir": "L0"},
+        {"job_id": "41", "attempt": 0, "event": "end", "exit_code": 75},
+        {"job_id": "41", "attempt": 0, "event": "requeue"},
+        {"job_id": "41", "attempt": 1, "event": "start", "log_dir": "L1"},
+        {"job_id": "41", "attempt": 1, "event": "end", "exit_code": 0},
+    ]
+    (tmp_path / "slurm" / "attempts.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.1}\n{"step": 2, "reward/mean": 0.25}\n')
+    text = status(tmp_path)
+    assert "job 41: COMPLETED" in text
+    assert "attempts: 2 (1 requeue(s)); current logs: L1" in text
+    assert "last step: 2" in text and "reward/mean=0.25" in text
+
+
+def test_dry_run_prints_the_script_and_touches_nothing(tmp_path, capsys):
+    root = tmp_path / "runs"
+    code = cli_main(
+        ["submit", str(REPO / "configs/tiny-cpu.yaml"), "--nodes", "3", "--dry-run", f"experiment.root={root}"]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("#!/bin/bash") and "#SBATCH hetjob" in out
+    assert not root.exists()
+    assert get_launcher("dry-run").name == "dry-run" and get_launcher("local").name == "local"
+
+
+def test_render_writes_the_script_and_the_config(tmp_path):
+    out = tmp_path / "job.sbatch"
+    root = tmp_path / "runs"
+    code = cli_main(
+        ["render", str(REPO / "configs/tiny-cpu.yaml"), "--nodes", "3", "-o", str(out), f"experiment.root={root}"]
+    )
+    assert code == 0
+    assert "srun --het-group=0,1,2" in out.read_text()
+    assert (root / "tiny-cpu/trial0/config.yaml").is_file()
+
+
+def test_status_and_cancel_without_a_job_say_so(tmp_path, capsys):
+    assert cli_main(["status", str(tmp_path)]) == 1
+    assert "no Slurm job record" in capsys.readouterr().err
+    assert cli_main(["cancel", str(tmp_path)]) == 1
+    assert "nothing to cancel" in capsys.readouterr().err
