@@ -1,0 +1,544 @@
+"""The planner: a small cost model of one RL step, and the split of nodes it chooses with it.
+
+```
+ synchronous (max_staleness 0)        gen |====longest answer====|              train |==|  sync |.|
+                                      T0 = T_gen_sync + T_train + T_ws
+ asynchronous (max_staleness eta)     gen |=====|=====|=====|=====|   (never waits for the longest)
+                                      train   |==|  |==|  |==|  |==|
+                                      T(eta) = min(T0, max(T_cap, T0 / (eta + 1)))
+```
+
+- Synchronous (eta = 0): the batch of N = prompts_per_step x group_size answers is decoded on the
+  generator nodes until the longest answer ends, then trained on the trainer nodes, then the weights
+  go to the generators. Decoding is memory-bandwidth bound: every decode step reads the weights and
+  the KV cache of the answers still running, so the long tail of answer lengths keeps the generators
+  busy at a small batch, which is the inefficiency asynchronous RL removes.
+- Asynchronous: the staleness gate admits at most (eta + 1) batches beyond those trained. By Little's
+  law, throughput = (work in flight) / (time in flight): (eta + 1) batches in flight for the time a
+  batch takes from admission to the version bump (T0) gives a step every T0 / (eta + 1), until the
+  slower of the two sides saturates: T_cap = max(generation at full load, training) per step.
+  eta = 0 is exactly synchronous; large eta approaches the pipelined limit T_cap.
+
+Every constant is a documented field of `CostModel`; docs/planner.md says where each comes from and
+compares the predictions with the AReaL paper's figures. Pure functions: no MPI, no GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from functools import cache, cached_property
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from areal_hpc.config import Config
+
+GB = 1e9
+ALLOCATION_FIELDS = ("gen_nodes", "gen_tp", "train_tp", "train_pp")
+"""The allocation fields the planner chooses with `--search` (unless fixed on the command line)."""
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Constants of the model that are not properties of the cluster (those are `cluster.*` fields).
+    'calibrated' marks the four constants fitted to the AReaL paper's 1.5B run (docs/planner.md)."""
+
+    prompt_tokens: int = 200
+    """Prompt length (tokens). Math prompts are a few hundred tokens; it matters only for KV size."""
+    response_median_tokens: float = 1257.0
+    """Median of the lognormal body of answer lengths (calibrated: gives a mean answer of 2,320 tokens
+    at a 27,648 cap, which the paper's 41.0 h x 128.7k tokens/s over 1000 steps x 8192 answers implies)."""
+    response_sigma: float = 1.0
+    """Log-space spread of the lognormal body (assumed: a long tail, mean/median = e^(sigma^2/2))."""
+    truncated_fraction: float = 0.01
+    """Share of answers that run into max_new_tokens (assumed: reasoning models loop until the cap on
+    a few percent of hard prompts); with thousands of answers per step the longest one hits the cap."""
+    decode_bandwidth_efficiency: float = 0.6
+    """Achieved share of memory bandwidth while decoding (calibrated: with it the paper's 3:1 split
+    of generation and training nodes is balanced, as the paper says it chose it to be)."""
+    decode_step_overhead_s: float = 0.00122
+    """Fixed time per decode step: scheduling, sampling, kernel launches (calibrated to the paper's
+    synchronous 128.7k tokens/s)."""
+    decode_answer_overhead_s: float = 10e-6
+    """Time per decode step and running answer outside the GPU kernels: scheduling, sampling, detokenising
+    (assumed; the engines' CPU work grows with the batch)."""
+    decode_mfu: float = 0.5
+    """Share of peak FLOP/s in the compute-bound part of a decode step (assumed)."""
+    prefill_mfu: float = 0.4
+    """Share of peak FLOP/s when an interrupted generator recomputes the KV cache of its running
+    answers after a weight update (assumed)."""
+    train_mfu: float = 0.237
+    """Model FLOP utilisation of the trainer (calibrated to the paper's asynchronous plateau,
+    ~380k tokens/s on 4 nodes of trainers; Megatron reaches 0.3-0.5 on large dense models, less on a
+    1.5B model with 2,000-token sequences)."""
+    tp_allreduce_latency_s: float = 10e-6
+    """Latency of one small all-reduce inside a node (decode steps do two per layer at TP > 1; assumed)."""
+    nvlink_gbs: float = 200.0
+    """Achieved all-reduce bandwidth inside a node, GB/s (assumed; H800 NVLink is 400 GB/s)."""
+    gen_memory_fraction: float = 0.9
+    """Share of GPU memory a vLLM engine uses (its gpu_memory_utilization)."""
+    gen_reserve_gb: float = 4.0
+    """Engine memory outside weights and KV cache: activations, CUDA graphs (assumed)."""
+    train_memory_fraction: float = 0.9
+    """Share of GPU memory the trainer may fill (the rest is fragmentation and NCCL buffers)."""
+    activation_bytes_per_token: float = 34.0
+    """Activation bytes per token, per layer, per unit of hidden size, with selective recomputation
+    and sequence parallelism (Korthikanti et al. 2022: 34 s b h / t)."""
+    weight_sync_fixed_s: float = 1.0
+    """Fixed cost of a weight update on a generator: pause, load, clear prefix cache, resume (assumed)."""
+
+
+COST = CostModel()
+
+
+# --- the model and the cluster -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    params: float
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    dtype_bytes: int
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> ModelSize:
+        """Parameters of a Qwen2-style decoder from the config's model section:
+        per layer  q, o: h^2 each; k, v: h * h_kv each (h_kv = kv_heads * h / heads); MLP: 3 h f;
+        plus the embedding v h, and the output projection v h unless tied."""
+        m = cfg.model
+        h, f = m.hidden_size, m.intermediate_size
+        h_kv = m.num_key_value_heads * h // m.num_attention_heads
+        per_layer = 2 * h * h + 2 * h * h_kv + 3 * h * f
+        embed = m.vocab_size * h * (1 if m.tie_word_embeddings else 2)
+        dtype_bytes = 4 if m.dtype == "float32" else 2
+        params = m.num_layers * per_layer + embed
+        return cls(params, m.num_layers, h, m.num_attention_heads, m.num_key_value_heads, m.vocab_size, dtype_bytes)
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """K and V of every layer: 2 * layers * kv_heads * head_dim * dtype bytes."""
+        return 2 * self.layers * self.kv_heads * (self.hidden // self.heads) * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpus_per_node: int
+    memory: float  # bytes per GPU
+    flops: float  # peak FLOP/s per GPU
+    bandwidth: float  # memory bytes/s per GPU
+    network: float  # inter-node bytes/s per GPU
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> Hardware:
+        c = cfg.cluster
+        return cls(
+            c.gpus_per_node, c.gpu_memory_gb * GB, c.gpu_tflops * 1e12, c.gpu_memory_bandwidth_gbs * GB,
+            c.interconnect_gbps / 8 * GB,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Answer lengths: a lognormal body, cut at `cap`, plus a share `p_cap` that runs to the cap.
+    S(k) = P(L > k) = p_cap + (1 - p_cap) * P(X > k) for k < cap, X ~ lognormal(ln median, sigma)."""
+
+    cap: int
+    median: float
+    sigma: float
+    p_cap: float
+    prompt: int
+
+    @cached_property
+    def survival(self) -> np.ndarray:
+        """S(k) for k = 0 .. cap - 1: the share of answers still decoding at step k."""
+        k = np.arange(self.cap, dtype=float)
+        z = (np.log(np.maximum(k, 1e-9)) - math.log(self.median)) / (self.sigma * math.sqrt(2))
+        tail = 0.5 * (1 - _erf(z))
+        tail[0] = 1.0
+        return self.p_cap + (1 - self.p_cap) * tail
+
+    @cached_property
+    def mean(self) -> float:
+        """E[L] = sum_k S(k)."""
+        return float(self.survival.sum())
+
+    @cached_property
+    def second_moment(self) -> float:
+        """E[L^2] = sum_k (2k + 1) S(k)."""
+        k = np.arange(self.cap, dtype=float)
+        return float(((2 * k + 1) * self.survival).sum())
+
+    @property
+    def resident_context(self) -> float:
+        """Mean context of a running answer under continuous batching: a decode step sees an answer of
+        length L at every context prompt .. prompt + L, so averaged over steps: prompt + E[L^2] / 2E[L]."""
+        return self.prompt + self.second_moment / (2 * self.mean)
+
+    def longest(self, n: int) -> int:
+        """Length of the longest of n answers: the cap when n * p_cap >= 1, else the 1 - 1/n quantile."""
+        if n * self.p_cap >= 1:
+            return self.cap
+        return int(np.searchsorted(-self.survival, -1.0 / n)) or 1
+
+    @classmethod
+    def from_config(cls, cfg: Config, cost: CostModel = COST) -> Lengths:
+        return _lengths(
+            cfg.rollout.max_new_tokens, cost.response_median_tokens, cost.response_sigma,
+            cost.truncated_fraction, cost.prompt_tokens,
+        )  # fmt: skip
+
+
+@cache
+def _lengths(*args) -> Lengths:
+    return Lengths(*args)  # one instance per distribution: its survival curve is computed once
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    """Abramowitz-Stegun 7.1.26 (|error| < 1.5e-7): numpy has no erf and scipy is not a dependency."""
+    s, x = np.sign(x), np.abs(x)
+    t = 1 / (1 + 0.3275911 * x)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    return s * (1 - poly * np.exp(-x * x))
+
+
+# --- the plan and its costs ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    gen_nodes: int
+    gen_tp: int
+    train_tp: int
+    train_pp: int
+
+
+@dataclass(frozen=True)
+class Prediction:
+    plan: Plan
+    eta: int
+    answers: int  # N = prompts_per_step * group_size
+    tokens: float  # effective (generated) tokens per step: N * E[L]
+    t_gen_sync: float  # decode of one batch until its longest answer ends
+    t_train: float
+    t_weight_sync: float
+    t_gen_full: float  # per step, generators at full load, interruption included
+    gen_memory: float  # bytes per generator GPU (weights + KV room for the longest answer + reserve)
+    train_memory: float  # bytes per trainer GPU
+    memory: float  # bytes per GPU
+
+    @property
+    def t_sync(self) -> float:
+        """T0 = T_gen_sync + T_train + T_ws."""
+        return self.t_gen_sync + self.t_train + self.t_weight_sync
+
+    @property
+    def t_cap(self) -> float:
+        """The pipelined limit: the slower side's time per step."""
+        return max(self.t_gen_full, self.t_train + self.t_weight_sync)
+
+    def t_async(self, eta: int | None = None) -> float:
+        """T(eta) = T0 at eta = 0, else min(T0, max(T_cap, T0 / (eta + 1))) (Little's law, capped)."""
+        eta = self.eta if eta is None else eta
+        if eta == 0:
+            return self.t_sync
+        return min(self.t_sync, max(self.t_cap, self.t_sync / (eta + 1)))
+
+    def tokens_per_s(self, eta: int | None = None) -> float:
+        return self.tokens / self.t_async(eta)
+
+    @property
+    def fits(self) -> bool:
+        return max(self.gen_memory, self.train_memory) <= self.memory
+
+    @property
+    def bottleneck(self) -> str:
+        return "generation" if self.t_gen_full >= self.t_train + self.t_weight_sync else "training"
+
+
+def decode_step_s(m: ModelSize, hw: Hardware, tp: int, batch, kv_bytes, cost: CostModel = COST):
+    """One decode step of an engine at tensor-parallel size tp, with `batch` answers whose KV cache
+    totals `kv_bytes`: t = t_step + t_answer * batch + TP latency + max(memory time, compute time), where
+    memory time = (W + KV) / (tp * bandwidth * efficiency) and compute time = 2 P batch / (tp * flops * mfu)."""
+    memory_s = (m.weight_bytes + kv_bytes) / (tp * hw.bandwidth * cost.decode_bandwidth_efficiency)
+    compute_s = 2 * m.params * batch / (tp * hw.flops * cost.decode_mfu)
+    tp_s = 2 * m.layers * cost.tp_allreduce_latency_s if tp > 1 else 0.0
+    overhead = cost.decode_step_overhead_s + cost.decode_answer_overhead_s * batch
+    return overhead + tp_s + np.maximum(memory_s, compute_s)
+
+
+def kv_capacity(m: ModelSize, hw: Hardware, tp: int, cost: CostModel = COST) -> float:
+    """KV-cache bytes of one engine (tp GPUs): tp * (fraction * memory - reserve) - W."""
+    return tp * (cost.gen_memory_fraction * hw.memory - cost.gen_reserve_gb * GB) - m.weight_bytes
+
+
+def sync_generation_s(m, hw, lengths: Lengths, engines: int, tp: int, answers: int, cost=COST) -> float:
+    """Decode a whole batch until its longest answer ends: sum over steps k < L_max of
+    t(b_k, KV_k), with b_k = n_e S(k) answers still running on an engine (n_e = answers / engines) and
+    KV_k = b_k (prompt + k) kv_bytes. When the batch's KV does not fit the engine, answers wait for
+    room: the time grows by peak KV demand / KV capacity."""
+    n_e = answers / engines
+    steps = lengths.longest(answers)
+    s = lengths.survival[:steps]
+    running = n_e * s
+    kv = running * (lengths.prompt + np.arange(steps)) * m.kv_bytes_per_token
+    t = float(decode_step_s(m, hw, tp, running, kv, cost).sum())
+    return t * max(1.0, float(kv.max()) / max(kv_capacity(m, hw, tp, cost), 1.0))
+
+
+def full_generation_rate(m, hw, lengths: Lengths, engines: int, tp: int, concurrent: float, cost=COST) -> float:
+    """Tokens/s of all engines under continuous batching at full load: each engine runs
+    c = min(concurrent / engines, KV capacity / (resident context * kv_bytes)) answers and makes c tokens
+    per decode step."""
+    per_answer = lengths.resident_context * m.kv_bytes_per_token
+    c = max(1.0, min(concurrent / engines, kv_capacity(m, hw, tp, cost) / per_answer))
+    return engines * c / float(decode_step_s(m, hw, tp, c, c * per_answer, cost))
+
+
+def interruption_s(m, hw, lengths: Lengths, engines: int, tp: int, concurrent: float, cost=COST) -> float:
+    """After a weight update an interrupted engine recomputes the KV of its running answers:
+    c * resident context tokens of prefill at 2 P FLOPs each."""
+    per_answer = lengths.resident_context * m.kv_bytes_per_token
+    c = max(1.0, min(concurrent / engines, kv_capacity(m, hw, tp, cost) / per_answer))
+    return 2 * m.params * c * lengths.resident_context / (tp * hw.flops * cost.prefill_mfu)
+
+
+def train_step_s(m, hw, lengths: Lengths, gpus: int, tp: int, pp: int, answers: int, cfg: Config, cost=COST) -> float:
+    """One PPO step on `gpus` trainer GPUs (TP tp, PP pp, DP d = gpus / (tp pp)) over answers of length
+    s = prompt + L:
+      FLOPs = 8 P N E[s] + 8 layers h N E[s^2]   (forward + backward = 6 P per token, plus the forward
+              that recomputes prox_logprobs = 2 P; causal attention 2 h s^2 per layer and pass)
+      compute = FLOPs / (gpus * flops * mfu) * (m + pp - 1) / m   (1F1B bubble, m micro-batches per
+              DP rank and minibatch, each ppo.max_tokens_per_mb tokens)
+      + TP all-reduces (6 per layer and token, h * dtype bytes each) over NVLink
+      + DP gradient all-reduce (fp32, 2 (d-1)/d of P / (tp pp) * 4 bytes) per minibatch over the network."""
+    d = gpus // (tp * pp)
+    p = lengths.prompt
+    mean_s = p + lengths.mean
+    second_s = p * p + 2 * p * lengths.mean + lengths.second_moment
+    tokens = answers * mean_s
+    flops = 8 * m.params * tokens + 8 * m.layers * m.hidden * answers * second_s
+    minibatches = cfg.ppo.minibatches
+    micro = max(1.0, math.ceil(tokens / (d * minibatches * cfg.ppo.max_tokens_per_mb)))
+    bubble = (micro + pp - 1) / micro
+    compute = flops / (gpus * hw.flops * cost.train_mfu) * bubble
+    tp_comm = 0.0
+    if tp > 1:
+        volume = (tokens / d) * (m.layers / pp) * 6 * m.hidden * m.dtype_bytes * 2 * (tp - 1) / tp
+        tp_comm = volume / (cost.nvlink_gbs * GB) * bubble
+    dp_comm = 0.0
+    if d > 1:
+        dp_comm = minibatches * 2 * (d - 1) / d * 4 * m.params / (tp * pp) / hw.network
+    return compute + tp_comm + dp_comm
+
+
+def weight_sync_s(m: ModelSize, hw: Hardware, pp: int, cost: CostModel = COST) -> float:
+    """Each pipeline stage broadcasts its W / pp bytes over the network (pipelined broadcast: about one
+    link's time), plus the fixed pause/load/resume cost."""
+    return m.weight_bytes / pp / hw.network + cost.weight_sync_fixed_s
+
+
+def gen_memory(m: ModelSize, hw: Hardware, tp: int, lengths: Lengths, cost: CostModel = COST) -> float:
+    """Bytes per generator GPU: (W + KV of one longest answer) / tp + reserve, over the engine's share
+    of memory (so it compares with the GPU's memory)."""
+    need = (m.weight_bytes + (lengths.prompt + lengths.cap) * m.kv_bytes_per_token) / tp + cost.gen_reserve_gb * GB
+    return need / cost.gen_memory_fraction
+
+
+def train_memory(m: ModelSize, tp: int, pp: int, cfg: Config, cost: CostModel = COST) -> float:
+    """Bytes per trainer GPU, over the usable share of memory:
+    states: P / (tp pp) * (dtype + 4 fp32 grad + 12 fp32 master and Adam moments; 16 in fp32)
+    activations: 1F1B keeps pp micro-batches of layers / pp layers on the first stage, i.e. one
+                 micro-batch of all layers: 34 h layers * max_tokens_per_mb / tp
+    logits: max_tokens_per_mb * vocab / tp * 4 (fp32)."""
+    per_param = 16 if m.dtype_bytes == 4 else 18
+    states = m.params / (tp * pp) * per_param
+    mb = cfg.ppo.max_tokens_per_mb
+    activations = cost.activation_bytes_per_token * m.hidden * m.layers * mb / tp
+    logits = mb * m.vocab / tp * 4
+    return (states + activations + logits) / cost.train_memory_fraction
+
+
+def predict(cfg: Config, plan: Plan | None = None, cost: CostModel = COST) -> Prediction:
+    """The cost of one step for `plan` (default: the config's own allocation)."""
+    if plan is None:
+        plan = config_plan(cfg)
+    m, hw, lengths = ModelSize.from_config(cfg), Hardware.from_config(cfg), Lengths.from_config(cfg, cost)
+    r = cfg.rollout
+    answers = r.prompts_per_step * r.group_size
+    g, n = hw.gpus_per_node, cfg.cluster.nodes
+    engines = plan.gen_nodes * g // plan.gen_tp
+    train_gpus = (n - plan.gen_nodes) * g
+    concurrent = r.max_concurrent * r.group_size
+    t_gen_sync = sync_generation_s(m, hw, lengths, engines, plan.gen_tp, answers, cost)
+    t_train = train_step_s(m, hw, lengths, train_gpus, plan.train_tp, plan.train_pp, answers, cfg, cost)
+    t_ws = weight_sync_s(m, hw, plan.train_pp, cost)
+    rate = full_generation_rate(m, hw, lengths, engines, plan.gen_tp, concurrent, cost)
+    tokens = answers * lengths.mean
+    t_gen_full = tokens / rate + t_ws + interruption_s(m, hw, lengths, engines, plan.gen_tp, concurrent, cost)
+    return Prediction(
+        plan, r.max_staleness, answers, tokens, t_gen_sync, t_train, t_ws, t_gen_full,
+        gen_memory(m, hw, plan.gen_tp, lengths, cost), train_memory(m, plan.train_tp, plan.train_pp, cfg, cost),
+        hw.memory,
+    )  # fmt: skip
+
+
+def colocated_step_s(cfg: Config, plan: Plan, cost: CostModel = COST) -> float:
+    """A synchronous system on all GPUs, each phase in turn (what the paper compares against; areal-hpc
+    always splits the nodes): T_gen_sync(all engines) + T_train(all GPUs) + T_ws (the engines still
+    load the new weights)."""
+    m, hw, lengths = ModelSize.from_config(cfg), Hardware.from_config(cfg), Lengths.from_config(cfg, cost)
+    r, n, g = cfg.rollout, cfg.cluster.nodes, cfg.cluster.gpus_per_node
+    answers = r.prompts_per_step * r.group_size
+    return (
+        sync_generation_s(m, hw, lengths, n * g // plan.gen_tp, plan.gen_tp, answers, cost)
+        + train_step_s(m, hw, lengths, n * g, plan.train_tp, plan.train_pp, answers, cfg, cost)
+        + weight_sync_s(m, hw, plan.train_pp, cost)
+    )
+
+
+# --- choosing -----------------------------------------------------------------------------------
+
+
+def config_plan(cfg: Config) -> Plan:
+    """The allocation the config asks for (gen_nodes from gen_share through the Layout when null)."""
+    from areal_hpc.layout import Layout
+
+    a = cfg.allocation
+    return Plan(Layout.from_config(cfg).gen_nodes, a.gen_tp, a.train_tp, a.train_pp)
+
+
+def candidates(cfg: Config, fixed: dict[str, int] | None = None):
+    """Every plan the system can run: generator TP divides the GPUs of a node (an engine never spans
+    nodes), trainer TP stays inside a node, both divide the query and KV heads, PP divides the layers,
+    and TP x PP divides the trainer GPUs. Fields in `fixed` keep their value."""
+    fixed = fixed or {}
+    m, n, g = cfg.model, cfg.cluster.nodes, cfg.cluster.gpus_per_node
+
+    def tps():
+        return [
+            t
+            for t in range(1, g + 1)
+            if g % t == 0 and m.num_attention_heads % t == 0 and m.num_key_value_heads % t == 0
+        ]
+
+    gen_nodes = [fixed["gen_nodes"]] if "gen_nodes" in fixed else range(1, n)
+    gen_tps = [fixed["gen_tp"]] if "gen_tp" in fixed else tps()
+    train_tps = [fixed["train_tp"]] if "train_tp" in fixed else tps()
+    pps = (
+        [fixed["train_pp"]]
+        if "train_pp" in fixed
+        else [p for p in range(1, m.num_layers + 1) if m.num_layers % p == 0 and p <= 16]
+    )
+    for k in gen_nodes:
+        for gtp in gen_tps:
+            for ttp in train_tps:
+                for pp in pps:
+                    if 1 <= k < n and g % gtp == 0 and ((n - k) * g) % (ttp * pp) == 0:
+                        yield Plan(k, gtp, ttp, pp)
+
+
+def choose(cfg: Config, fixed: dict[str, int] | None = None, cost: CostModel = COST) -> tuple[Prediction, str]:
+    """The plan with the highest predicted asynchronous throughput at cfg.rollout.max_staleness among
+    those that fit memory; ties go to fewer GPUs per model copy (less communication)."""
+    from areal_hpc.config import ConfigError
+
+    best, tried, fitting = None, 0, 0
+    for plan in candidates(cfg, fixed):
+        tried += 1
+        p = predict(cfg, plan, cost)
+        if not p.fits:
+            continue
+        fitting += 1
+        key = (round(p.tokens_per_s(), -2), -plan.gen_tp - plan.train_tp * plan.train_pp, plan.gen_nodes)
+        if best is None or key > best[0]:
+            best = (key, p)
+    if best is None:
+        raise ConfigError(
+            f"no split of {cfg.cluster.nodes} nodes x {cfg.cluster.gpus_per_node} GPUs of {cfg.cluster.gpu_memory_gb:g} GB "
+            f"fits the model (tried {tried} plans{' with ' + str(fixed) if fixed else ''}); use more nodes, "
+            "larger GPUs or a smaller ppo.max_tokens_per_mb"
+        )
+    p = best[1]
+    why = (
+        f"planner: best of {fitting} plans that fit memory (of {tried}) by predicted asynchronous throughput at "
+        f"max_staleness {p.eta}" + (f", with {', '.join(f'{k}={v}' for k, v in fixed.items())} fixed" if fixed else "")
+    )
+    return p, why
+
+
+def with_plan(cfg: Config, plan: Plan) -> Config:
+    """A copy of cfg whose allocation is `plan` (for Layout.from_config)."""
+    a = dataclasses.replace(
+        cfg.allocation, gen_nodes=plan.gen_nodes, gen_tp=plan.gen_tp, train_tp=plan.train_tp, train_pp=plan.train_pp
+    )
+    return dataclasses.replace(cfg, allocation=a)
+
+
+# --- the report ---------------------------------------------------------------------------------
+
+
+def _tok(x: float) -> str:
+    return f"{x / 1e3:,.1f}k" if x < 1e6 else f"{x / 1e6:,.2f}M"
+
+
+def report(cfg: Config, p: Prediction) -> str:
+    """The prediction table (synchronous and asynchronous) and why, below the Layout table."""
+    steps = cfg.train.total_steps
+    rows = [("prediction", "steps/hour", "effective tokens/s", "step time", f"{steps} steps")]
+
+    def row(name: str, t: float) -> tuple[str, ...]:
+        return (name, f"{3600 / t:,.1f}", _tok(p.tokens / t), f"{t:,.1f} s", f"{steps * t / 3600:,.1f} h")
+
+    rows.append(row("synchronous (max_staleness 0)", p.t_sync))
+    rows.append(row(f"asynchronous (max_staleness {p.eta})", p.t_async()))
+    rows.append(row("synchronous, colocated (all GPUs per phase)", colocated_step_s(cfg, p.plan)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    sweep = ", ".join(f"{e}: {_tok(p.tokens_per_s(e))}" for e in (0, 1, 2, 4, 8, 16))
+    lengths = Lengths.from_config(cfg)
+    lines += [
+        f"speed-up asynchronous / synchronous: {p.t_sync / p.t_async():.2f}x; "
+        f"effective tokens/s by max_staleness: {sweep}",
+        f"per step: {p.answers} answers x {lengths.mean:,.0f} tokens on average (longest {lengths.longest(p.answers):,}); "
+        f"synchronous: decode until the longest ends {p.t_gen_sync:,.1f} s + train {p.t_train:,.1f} s + "
+        f"weight sync {p.t_weight_sync:,.1f} s",
+        f"asynchronous: generation at full load {p.t_gen_full:,.1f} s/step, training {p.t_train + p.t_weight_sync:,.1f} "
+        f"s/step: {p.bottleneck} is the bottleneck",
+        f"memory per GPU (of {p.memory / GB:g} GB): generator {p.gen_memory / GB:,.1f} GB, trainer "
+        f"{p.train_memory / GB:,.1f} GB" + ("" if p.fits else "  -- DOES NOT FIT: try --search"),
+        "model and constants: docs/planner.md (GPU figures from cluster.gpu_tflops, gpu_memory_bandwidth_gbs, "
+        "interconnect_gbps)",
+    ]
+    return "\n".join(lines)
+
+
+def search_hint(cfg: Config, p: Prediction) -> str:
+    """One line on what `--search` would choose, when it predicts more than the config's plan."""
+    from areal_hpc.config import ConfigError
+
+    try:
+        best, _ = choose(cfg)
+    except ConfigError as e:
+        return f"--search: {e}"
+    gain = best.tokens_per_s() / p.tokens_per_s() if p.fits else float("inf")
+    if best.plan == p.plan or gain < 1.005:
+        return "--search would keep this plan: no other plan that fits is predicted faster"
+    b = best.plan
+    return (
+        f"--search would choose {b.gen_nodes} generator nodes (TP {b.gen_tp}) and trainer TP {b.train_tp} x PP "
+        f"{b.train_pp}: {_tok(best.tokens_per_s())} effective tokens/s asynchronous"
+        + (f" ({gain:.2f}x this plan)" if p.fits else "")
+        + f", {best.bottleneck}-bound"
+    )

@@ -1,0 +1,150 @@
+"""The planner's cost model against the AReaL paper's figures, and the plans it chooses."""
+
+import subprocess
+import sys
+
+import pytest
+
+from areal_hpc import planner
+from areal_hpc.config import ConfigError, load_config
+from areal_hpc.layout import Layout
+from tests.test_config import REPO
+
+CONFIGS = REPO / "configs"
+TOLERANCE = 0.15
+"""Largest relative error allowed against a figure the paper reports (docs/planner.md)."""
+
+# AReaL (arXiv 2505.24298), 1.5B math run on 16 nodes x 8 H800: effective training throughput by
+# max_staleness, and the end-to-end hours of 1000 steps.
+PAPER_TOKENS_PER_S = {0: 128.7e3, 1: 269.3e3, 2: 356.6e3, 4: 356.6e3, 8: 371.7e3, 16: 382.4e3}
+PAPER_HOURS = {"synchronous": 41.0, "asynchronous": 14.8}
+
+
+def cfg_of(name, nodes=16, *overrides):
+    return load_config(CONFIGS / f"{name}.yaml", [f"cluster.nodes={nodes}", *overrides])
+
+
+@pytest.fixture(scope="module")
+def paper():
+    """The paper's configuration: 12 generator nodes (TP 1), 4 trainer nodes (TP 2), max_staleness 8."""
+    cfg = cfg_of("qwen1.5b")
+    return cfg, planner.predict(cfg)
+
+
+def test_paper_plan_is_the_papers_split(paper):
+    _, p = paper
+    assert p.plan == planner.Plan(gen_nodes=12, gen_tp=1, train_tp=2, train_pp=1)
+    assert p.answers == 512 * 16 and p.fits
+
+
+@pytest.mark.parametrize("eta", sorted(PAPER_TOKENS_PER_S))
+def test_effective_throughput_by_staleness_matches_the_paper(paper, eta):
+    _, p = paper
+    predicted, reported = p.tokens_per_s(eta), PAPER_TOKENS_PER_S[eta]
+    assert abs(predicted / reported - 1) <= TOLERANCE, f"eta {eta}: {predicted:.0f} vs {reported:.0f} tokens/s"
+
+
+def test_run_hours_match_the_paper(paper):
+    cfg, p = paper
+    steps = cfg.train.total_steps
+    assert steps == 1000
+    sync_h, async_h = steps * p.t_sync / 3600, steps * p.t_async() / 3600
+    assert abs(sync_h / PAPER_HOURS["synchronous"] - 1) <= TOLERANCE, sync_h
+    assert abs(async_h / PAPER_HOURS["asynchronous"] - 1) <= TOLERANCE, async_h
+
+
+def test_model_sizes_are_the_published_parameter_counts():
+    # Hugging Face parameter counts (q/k/v biases, ~0.01%, left out of the model).
+    for name, params in [("qwen1.5b", 1.777e9), ("qwen7b", 7.616e9), ("qwen32b", 32.76e9)]:
+        assert planner.ModelSize.from_config(cfg_of(name)).params == pytest.approx(params, rel=1e-3)
+
+
+@pytest.mark.parametrize("name, nodes", [("qwen1.5b", 16), ("qwen7b", 24), ("qwen32b", 16), ("tiny-cpu", 2)])
+def test_staleness_zero_is_synchronous_and_more_staleness_never_slower(name, nodes):
+    cfg = cfg_of(name, nodes)
+    for plan in list(planner.candidates(cfg))[::7]:
+        p = planner.predict(cfg, plan)
+        assert p.t_async(0) == p.t_sync
+        rates = [p.tokens_per_s(eta) for eta in range(0, 33)]
+        assert all(b >= a for a, b in zip(rates, rates[1:])), plan
+        assert rates[-1] <= p.tokens / p.t_cap * (1 + 1e-9)  # never past the pipelined limit
+
+
+def test_staleness_zero_config_predicts_the_same_both_ways():
+    p = planner.predict(cfg_of("qwen1.5b", 16, "rollout.max_staleness=0"))
+    assert p.t_async() == p.t_sync
+
+
+def test_longer_tail_slows_synchronous_more_than_asynchronous():
+    short = planner.predict(cfg_of("qwen1.5b", 16, "rollout.max_new_tokens=8192"))
+    long = planner.predict(cfg_of("qwen1.5b"))
+    assert long.t_sync / long.t_async() > short.t_sync / short.t_async()
+
+
+@pytest.mark.parametrize(
+    "name, nodes, gpus",
+    [
+        ("qwen1.5b", 4, 8),
+        ("qwen1.5b", 16, 8),
+        ("qwen1.5b", 6, 4),
+        ("qwen7b", 24, 8),
+        ("qwen32b", 16, 8),
+        ("qwen32b", 24, 8),
+    ],
+)
+def test_chosen_plans_fit_memory_and_add_up_to_the_nodes(name, nodes, gpus):
+    cfg = cfg_of(name, nodes, f"cluster.gpus_per_node={gpus}")
+    best, why = planner.choose(cfg)
+    assert best.fits and max(best.gen_memory, best.train_memory) <= cfg.cluster.gpu_memory_gb * 1e9
+    layout = Layout.from_config(planner.with_plan(cfg, best.plan))
+    assert layout.gen_nodes + layout.train_nodes == nodes
+    assert layout.generators * layout.gen_tp + layout.trainers == nodes * gpus
+    assert layout.train_tp * layout.train_pp * layout.train_dp == layout.trainers
+    # nothing that fits is predicted faster (every third candidate, to keep the test quick)
+    others = [planner.predict(cfg, plan) for plan in list(planner.candidates(cfg))[::3]]
+    assert all(o.tokens_per_s() <= best.tokens_per_s() * 1.001 for o in others if o.fits)
+
+
+def test_qwen32b_on_16_nodes_adds_up_and_needs_model_parallel_training():
+    cfg = cfg_of("qwen32b", 16)
+    best, _ = planner.choose(cfg)
+    layout = Layout.from_config(planner.with_plan(cfg, best.plan))
+    assert layout.gen_nodes + layout.train_nodes == 16 and layout.nodes == 16
+    assert best.plan.train_tp * best.plan.train_pp >= 8  # 18 bytes/parameter of a 32B model need >= 8 GPUs
+    unsharded = planner.predict(cfg, planner.Plan(8, 1, 1, 1))
+    assert not unsharded.fits and unsharded.train_memory > 500e9
+
+
+def test_fixed_fields_are_kept():
+    cfg = cfg_of("qwen32b", 16)
+    best, why = planner.choose(cfg, {"train_pp": 4, "gen_nodes": 12})
+    assert best.plan.train_pp == 4 and best.plan.gen_nodes == 12 and "fixed" in why
+
+
+def test_nothing_fits_is_a_config_error():
+    one_small_gpu = ["cluster.gpus_per_node=1", "cluster.gpu_memory_gb=24", "allocation.gen_tp=1"]
+    cfg = cfg_of("qwen32b", 2, *one_small_gpu, "allocation.train_tp=1", "allocation.train_pp=1")
+    with pytest.raises(ConfigError, match="fits the model"):
+        planner.choose(cfg)
+
+
+def areal(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "areal_hpc.cli", *args], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
+
+
+def test_cli_plan_prints_split_and_both_predictions():
+    r = areal("plan", str(CONFIGS / "qwen1.5b.yaml"), "--nodes", "16")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "16 + 1 CPU" in out and "TP 2 x PP 1 x DP 16" in out  # the config's plan, Layout's table
+    assert "synchronous (max_staleness 0)" in out and "asynchronous (max_staleness 8)" in out
+    assert "steps/hour" in out and "effective tokens/s" in out and "--search would" in out
+
+
+def test_cli_search_respects_fields_given_on_the_command_line():
+    r = areal("plan", str(CONFIGS / "qwen32b.yaml"), "--nodes", "16", "--search", "allocation.gen_tp=4")
+    assert r.returncode == 0, r.stderr
+    assert "vLLM engine(s), TP 4" in r.stdout and "gen_tp=4 fixed" in r.stdout
+    assert "asynchronous (max_staleness 8)" in r.stdout
