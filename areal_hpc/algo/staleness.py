@@ -1,0 +1,185 @@
+"""Staleness control: the admission gate and the consumption check (DESIGN.md, "The algorithm").
+
+B = `rollout.prompts_per_step` (prompt groups per training step), eta = `rollout.max_staleness`,
+v = the policy version (completed optimizer steps, i.e. the version the next step trains), read
+from an injected callable so the gate needs no MPI and tests drive it directly.
+
+    admission:    admit a new prompt group only while
+                      accepted + running < (eta + v + 1) * B   and   running < max_concurrent
+    consumption:  a group about to be trained on at version v is dropped if its oldest generated
+                  token has version < v - eta; otherwise it is consumed.
+
+Counters, in prompt groups:
+
+    running   admitted, not finished yet (generating or being rewarded)
+    accepted  finished and accepted into the buffer and not dropped since: buffered or consumed
+    consumed  trained on (the trainer takes exactly B per step, so consumed = v * B)
+
+Lifecycle of a group and the rule for what counts as accepted:
+
+    admit()                  running += 1
+    finish(accepted=True)    running -= 1, accepted += 1     into the buffer
+    finish(accepted=False)   running -= 1                    filtered out or lost: frees its slot
+    consume(oldest) -> True  consumed += 1                   still counted in accepted
+    consume(oldest) -> False accepted -= 1, dropped += 1     too stale: frees its slot
+
+A dropped group must leave `accepted`: otherwise each drop would permanently take one of the
+(eta + 1) * B slots above consumed = v * B, and after enough drops the gate would admit nothing
+while the trainer waits for a batch that never comes. With the rule, when nothing is running and
+fewer than B groups are buffered, the gate's room is (eta + 1) * B - buffered > 0: it never stalls.
+
+Why the bound holds. A group admitted at version v0 found accepted + running < (eta + v0 + 1) * B,
+so it is among the first (eta + v0 + 1) * B groups accepted; if groups finish in admission order it
+is consumed by step eta + v0 at the latest, and v - v0 <= eta. Groups finish out of order (a long
+answer, a slow reward), so the consumption check turns that into a guarantee by dropping the rare
+group that waited too long: max over consumed tokens of (v - token version) <= eta, always.
+
+Worked example: B = 4, eta = 1, v = 0: up to (1 + 0 + 1) * 4 = 8 groups are admitted. After step 0
+consumes 4 of them (v = 1), the room is (1 + 1 + 1) * 4 - 8 = 4 more. A group admitted at v = 0
+and still buffered at v = 2 is dropped (0 < 2 - 1); its slot goes to a new group.
+
+A GRPO group is dropped or consumed whole: its answers are scored against each other, so its
+oldest version is the minimum over all of its trajectories (`oldest_version`).
+
+Checkpoints: `state_dict()` is a plain JSON-able dict; a gate restored with `load_state_dict` from
+it (and the same version) makes exactly the decisions the uninterrupted one would. Groups that
+were running at the checkpoint are still counted as running: the controller either generates them
+again (and finishes them as usual) or releases each with `finish(accepted=False)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class StalenessState:
+    """The gate's counters (prompt groups, except `dropped_trajectories`); what a checkpoint holds."""
+
+    running: int = 0
+    accepted: int = 0
+    consumed: int = 0
+    rejected: int = 0
+    dropped: int = 0
+    dropped_trajectories: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> StalenessState:
+        names = {f.name for f in dataclasses.fields(cls)}
+        if set(data) != names:
+            raise ValueError(f"staleness state keys {sorted(data)} differ from {sorted(names)}")
+        values = {k: int(v) for k, v in data.items()}
+        if any(v < 0 for v in values.values()):
+            raise ValueError(f"staleness state has negative counters: {values}")
+        if values["consumed"] > values["accepted"]:
+            raise ValueError(f"staleness state: consumed > accepted: {values}")
+        return cls(**values)
+
+
+class StalenessGate:
+    """Admission gate and consumption check; see the module docstring for the rules.
+
+    `version()` returns the current policy version v (the controller passes a function reading
+    its own counter; tests pass a lambda over a variable).
+    """
+
+    def __init__(
+        self, prompts_per_step: int, max_staleness: int, max_concurrent: int, version: Callable[[], int]
+    ) -> None:
+        if prompts_per_step < 1 or max_staleness < 0 or max_concurrent < 1:
+            raise ValueError(
+                f"need prompts_per_step >= 1, max_staleness >= 0, max_concurrent >= 1 "
+                f"(got {prompts_per_step}, {max_staleness}, {max_concurrent})"
+            )
+        self.prompts_per_step = prompts_per_step
+        self.max_staleness = max_staleness
+        self.max_concurrent = max_concurrent
+        self.version = version
+        self.state = StalenessState()
+
+    @classmethod
+    def from_config(cls, rollout, version: Callable[[], int]) -> StalenessGate:
+        """From the `rollout` config section (prompts_per_step, max_staleness, max_concurrent)."""
+        return cls(rollout.prompts_per_step, rollout.max_staleness, rollout.max_concurrent, version)
+
+    # --- admission --------------------------------------------------------------------------
+
+    def room(self) -> int:
+        """Prompt groups admissible now:
+        min(max_concurrent - running, (eta + v + 1) * B - accepted - running), at least 0."""
+        s = self.state
+        bound = (self.max_staleness + self.version() + 1) * self.prompts_per_step
+        return max(0, min(self.max_concurrent - s.running, bound - s.accepted - s.running))
+
+    def can_admit(self) -> bool:
+        return self.room() > 0
+
+    def admit(self) -> None:
+        """Count one new prompt group as running; raises if the gate is closed."""
+        if not self.can_admit():
+            raise RuntimeError(f"staleness gate closed (v={self.version()}, {self.state})")
+        self.state.running += 1
+
+    def finish(self, accepted: bool = True) -> None:
+        """A running group finished: into the buffer (accepted) or not (filtered or lost)."""
+        if self.state.running <= 0:
+            raise RuntimeError("finish() without a running group")
+        self.state.running -= 1
+        if accepted:
+            self.state.accepted += 1
+        else:
+            self.state.rejected += 1
+
+    # --- consumption ------------------------------------------------------------------------
+
+    def is_fresh(self, oldest: int | None) -> bool:
+        """oldest >= v - eta (a group without generated tokens is fresh)."""
+        return oldest is None or oldest >= self.version() - self.max_staleness
+
+    def consume(self, oldest: int | None, n_trajectories: int = 1) -> bool:
+        """The consumption check for one buffered group about to be trained on at version v.
+
+        `oldest`: the oldest generated-token version of the group (`oldest_version`). Returns True
+        (consumed) if oldest >= v - eta; else the group is dropped, counted (its `n_trajectories`
+        too), its slot freed, and False returned.
+        """
+        if self.state.accepted - self.state.consumed <= 0:
+            raise RuntimeError("consume() without a buffered group")
+        if self.is_fresh(oldest):
+            self.state.consumed += 1
+            return True
+        self.state.accepted -= 1
+        self.state.dropped += 1
+        self.state.dropped_trajectories += n_trajectories
+        return False
+
+    # --- checkpoints ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, int]:
+        return self.state.to_dict()
+
+    def load_state_dict(self, data: dict) -> None:
+        self.state = StalenessState.from_dict(data)
+
+
+def oldest_version(versions: Iterable[np.ndarray]) -> int | None:
+    """Oldest policy version among the generated tokens of a group's trajectories.
+
+    `versions`: one per-token version array per trajectory; prompt tokens (-1) are ignored.
+    None when the group generated no token at all.
+    """
+    oldest = None
+    for v in versions:
+        v = np.asarray(v)
+        v = v[v >= 0]
+        if v.size:
+            low = int(v.min())
+            oldest = low if oldest is None else min(oldest, low)
+    return oldest

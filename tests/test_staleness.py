@@ -1,0 +1,225 @@
+"""Staleness gate and consumption check: the worked example, checkpoints, and a simulated system."""
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from areal_hpc.algo.staleness import StalenessGate, StalenessState, oldest_version
+from areal_hpc.config import RolloutConfig
+
+
+class Version:
+    """The injected version source: the trainer's step counter."""
+
+    def __init__(self):
+        self.v = 0
+
+    def __call__(self):
+        return self.v
+
+
+def test_worked_example():
+    # B = 4, eta = 1: 8 groups at v = 0; 4 more after one step; a group from v = 0 is dropped at v = 2.
+    version = Version()
+    gate = StalenessGate(prompts_per_step=4, max_staleness=1, max_concurrent=100, version=version)
+    for _ in range(8):
+        gate.admit()
+    assert not gate.can_admit() and gate.room() == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        gate.admit()
+    for _ in range(8):
+        gate.finish(accepted=True)
+    assert all(gate.consume(0) for _ in range(4))
+    version.v = 1
+    assert gate.room() == 4  # (1 + 1 + 1) * 4 - 8 accepted
+    for _ in range(4):
+        gate.admit()
+    for _ in range(4):
+        gate.finish(accepted=True)
+    assert all(gate.consume(0) for _ in range(3))  # still fresh at v = 1 (0 >= 1 - 1)
+    assert gate.consume(1)  # one of the new groups completes step 1
+    version.v = 2
+    assert gate.room() == 4  # (1 + 2 + 1) * 4 - 12 accepted - 0 running
+    assert not gate.consume(0)  # the last group from v = 0: 0 < 2 - 1, dropped; its slot is free again
+    assert gate.room() == 5
+    assert gate.state.dropped == 1 and gate.state.dropped_trajectories == 1
+
+
+def test_max_concurrent_and_rejections_free_slots():
+    gate = StalenessGate(prompts_per_step=8, max_staleness=4, max_concurrent=3, version=lambda: 0)
+    for _ in range(3):
+        gate.admit()
+    assert gate.room() == 0  # the staleness bound allows 40, max_concurrent 3
+    gate.finish(accepted=False)
+    assert gate.room() == 1 and gate.state.rejected == 1 and gate.state.accepted == 0
+
+
+def test_misuse_raises():
+    gate = StalenessGate(1, 0, 1, version=lambda: 0)
+    with pytest.raises(RuntimeError):
+        gate.finish()
+    with pytest.raises(RuntimeError):
+        gate.consume(0)
+    with pytest.raises(ValueError):
+        StalenessGate(0, 0, 1, version=lambda: 0)
+    with pytest.raises(ValueError):
+        StalenessState.from_dict({"running": 1})
+    with pytest.raises(ValueError):
+        StalenessState.from_dict({**StalenessState().to_dict(), "running": -1})
+
+
+def test_from_config_and_state_round_trip():
+    version = Version()
+    gate = StalenessGate.from_config(RolloutConfig(prompts_per_step=2, max_staleness=1, max_concurrent=5), version)
+    assert (gate.prompts_per_step, gate.max_staleness, gate.max_concurrent) == (2, 1, 5)
+    for _ in range(3):
+        gate.admit()
+    gate.finish()
+    restored = StalenessGate(2, 1, 5, version)
+    restored.load_state_dict(json.loads(json.dumps(gate.state_dict())))
+    assert restored.state == gate.state and restored.room() == gate.room() == 1
+
+
+def test_oldest_version_ignores_prompt_tokens():
+    assert oldest_version([np.array([-1, -1, 3, 4]), np.array([-1, 2, 5])]) == 2
+    assert oldest_version([np.array([-1, -1]), np.array([], dtype=np.int32)]) is None
+    assert oldest_version([]) is None
+
+
+# --- a simulated controller: admissions, completions in any order, training steps --------------
+
+
+class System:
+    """Controller + generators + trainer reduced to the gate's calls. Every gate call goes to the
+    original gate and to any gate restored from a checkpoint of it; their answers must agree."""
+
+    def __init__(self, B, eta, max_concurrent, oldest_first):
+        self.B, self.eta = B, eta
+        self.version = Version()
+        self.gates = [StalenessGate(B, eta, max_concurrent, self.version)]
+        self.running = []  # admission version of each running group
+        self.buffer = []  # oldest-token version of each accepted group, in arrival order
+        self.oldest_first = oldest_first
+        self.pending = []  # consumed groups of the step being assembled
+        self.staleness = []  # v - oldest of every consumed group
+        self.dropped = 0
+
+    def call(self, name, *args):
+        answers = {getattr(g, name)(*args) for g in self.gates}
+        assert len(answers) == 1, f"restored gate disagrees on {name}{args}"
+        return answers.pop()
+
+    def checkpoint(self):
+        state = json.loads(json.dumps(self.gates[0].state_dict()))
+        g = self.gates[0]
+        restored = StalenessGate(g.prompts_per_step, g.max_staleness, g.max_concurrent, self.version)
+        restored.load_state_dict(state)
+        self.gates.append(restored)
+
+    def admit(self):
+        if self.call("can_admit"):
+            self.call("admit")
+            self.running.append(self.version.v)  # generation starts now: its first token has this version
+        self.check()
+
+    def finish(self, k, accepted):
+        if self.running:
+            v0 = self.running.pop(k % len(self.running))
+            self.call("finish", accepted)
+            if accepted:
+                self.buffer.append(v0)
+        self.check()
+
+    def train(self):
+        if self.oldest_first:
+            self.buffer.sort()
+        while len(self.pending) < self.B and self.buffer:
+            oldest = self.buffer.pop(0)
+            if self.call("consume", oldest, 8):
+                self.pending.append(oldest)
+            else:
+                self.dropped += 1
+        if len(self.pending) == self.B:
+            self.staleness += [self.version.v - o for o in self.pending]
+            self.pending = []
+            self.version.v += 1
+        self.check()
+
+    def check(self):
+        v, B, eta = self.version.v, self.B, self.eta
+        for g in self.gates:
+            s = g.state
+            assert s.running == len(self.running) <= g.max_concurrent
+            assert s.accepted + s.running <= (eta + v + 1) * B
+            assert s.accepted - s.consumed == len(self.buffer)
+            assert s.consumed == v * B + len(self.pending)
+            assert s.dropped == self.dropped
+        # Liveness: with nothing running and too little buffered for a step, the gate must admit.
+        if not self.running and len(self.pending) + len(self.buffer) < B:
+            assert self.call("can_admit"), "stall: the trainer waits and the gate admits nothing"
+        # The guarantee: no consumed group is staler than eta (pending ones are consumed at v too).
+        assert all(s <= eta for s in self.staleness)
+        assert all(v - o <= eta for o in self.pending)
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["admit", "admit", "finish", "train"]), st.integers(0, 100), st.booleans()),
+    min_size=40,  # long enough for stragglers to grow stale (hypothesis favours short lists)
+    max_size=160,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    B=st.integers(1, 4),
+    eta=st.integers(0, 3),
+    max_concurrent=st.integers(1, 12),
+    oldest_first=st.booleans(),
+    stream=ops,
+    restore_at=st.integers(0, 160),
+    reject=st.booleans(),
+)
+def test_random_streams_never_exceed_the_bound(B, eta, max_concurrent, oldest_first, stream, restore_at, reject):
+    system = System(B, eta, max_concurrent, oldest_first)
+    for i, (op, k, flag) in enumerate(stream):
+        if i == restore_at:
+            system.checkpoint()
+        if op == "admit":
+            system.admit()
+        elif op == "finish":
+            system.finish(k, accepted=flag or not reject)
+        else:
+            system.train()
+    if eta == 0:
+        # Synchronous RL: every consumed group came from the current version, none was dropped.
+        assert all(s == 0 for s in system.staleness)
+        assert system.dropped == 0
+    # Drain: the system keeps training (no stall), whatever was dropped before.
+    start = system.version.v
+    for _ in range(50 * B):
+        if system.version.v >= start + 3:
+            break
+        while system.call("can_admit"):
+            system.admit()
+        while system.running:
+            system.finish(0, accepted=True)
+        system.train()
+    assert system.version.v >= start + 3
+
+
+@settings(max_examples=100, deadline=None)
+@given(B=st.integers(1, 4), eta=st.integers(0, 3), max_concurrent=st.integers(1, 12), stream=ops)
+def test_in_order_completion_drops_nothing(B, eta, max_concurrent, stream):
+    # The gate alone bounds staleness when groups finish in admission order: the check never fires.
+    system = System(B, eta, max_concurrent, oldest_first=False)
+    for op, _, _ in stream:
+        if op == "admit":
+            system.admit()
+        elif op == "finish":
+            system.finish(0, accepted=True)
+        else:
+            system.train()
+    assert system.dropped == 0
