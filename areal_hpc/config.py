@@ -200,6 +200,10 @@ class TrainConfig:
     collective_timeout_s: float = 300.0
     """Timeout of every collective (weight sync, trainer groups); a collective that takes longer
     fails the run loudly."""
+    rank_timeout_s: float = 600.0
+    """A rank with work outstanding (a generation, a reward, a training step, a save) that sends the
+    controller nothing for this long is taken as hung: the controller ends the run naming it. Must
+    exceed the longest training step and the longest single generation."""
 
 
 @dataclass
@@ -217,6 +221,21 @@ class DataConfig:
     root."""
     synthetic_size: int = 4096
     """Prompts in the synthetic task when `train_path` is empty."""
+    synthetic_max_operand: int = 99
+    """Largest operand of the synthetic arithmetic task ('a+b=' and 'a-b=' with 0 <= a, b <= this)."""
+
+
+@dataclass
+class SFTConfig:
+    examples: int = 0
+    """Supervised warm start before RL (0: none): fine-tune the initial model on this many
+    `prompt -> \\boxed{answer}<eos>` examples of the task, once; cached under the run root."""
+    epochs: int = 3
+    """Passes over the warm-start examples."""
+    batch_size: int = 64
+    """Examples per warm-start optimizer step."""
+    lr: float = 3e-3
+    """AdamW learning rate of the warm start."""
 
 
 @dataclass
@@ -238,6 +257,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     @property

@@ -134,13 +134,16 @@ def arithmetic_rows(n: int, seed: int, max_operand: int = 99) -> list[dict]:
     return rows
 
 
-def build_arithmetic_data(n: int, root: str | Path, seed: int) -> Path:
-    """The JSONL file of the synthetic task, built once per (n, seed)."""
-    key = _digest({"task": "arithmetic", "n": n, "seed": seed})
+def build_arithmetic_data(n: int, root: str | Path, seed: int, max_operand: int = 99) -> Path:
+    """The JSONL file of the synthetic task, built once per (n, seed, max_operand)."""
+    spec = {"task": "arithmetic", "n": n, "seed": seed}
+    if max_operand != 99:  # the default keeps the cache key it always had
+        spec["max_operand"] = max_operand
+    key = _digest(spec)
 
     def build(out: Path) -> None:
         with open(out / "train.jsonl", "w") as f:
-            for row in arithmetic_rows(n, seed):
+            for row in arithmetic_rows(n, seed, max_operand):
                 f.write(json.dumps(row) + "\n")
 
     return _build_atomically(Path(root) / ".assets" / f"arithmetic-{key}", build) / "train.jsonl"
