@@ -172,7 +172,7 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     B=st.integers(1, 4),
     eta=st.integers(0, 3),
