@@ -44,12 +44,12 @@ ALLOCATION_FIELDS = ("gen_nodes", "gen_tp", "train_tp", "train_pp")
 @dataclass(frozen=True)
 class CostModel:
     """Constants of the model that are not properties of the cluster (those are `cluster.*` fields).
-    'calibrated' marks the four constants fitted to the AReaL paper's 1.5B run (docs/planner.md)."""
+    'calibrated' marks the three constants fitted to the AReaL paper's 1.5B run (docs/planner.md)."""
 
     prompt_tokens: int = 200
     """Prompt length (tokens). Math prompts are a few hundred tokens; it matters only for KV size."""
     response_median_tokens: float = 1257.0
-    """Median of the lognormal body of answer lengths (calibrated: gives a mean answer of 2,320 tokens
+    """Median of the lognormal body of answer lengths (calibrated: gives a mean answer of 2,319 tokens
     at a 27,648 cap, which the paper's 41.0 h x 128.7k tokens/s over 1000 steps x 8192 answers implies)."""
     response_sigma: float = 1.0
     """Log-space spread of the lognormal body (assumed: a long tail, mean/median = e^(sigma^2/2))."""
@@ -57,8 +57,7 @@ class CostModel:
     """Share of answers that run into max_new_tokens (assumed: reasoning models loop until the cap on
     a few percent of hard prompts); with thousands of answers per step the longest one hits the cap."""
     decode_bandwidth_efficiency: float = 0.6
-    """Achieved share of memory bandwidth while decoding (calibrated: with it the paper's 3:1 split
-    of generation and training nodes is balanced, as the paper says it chose it to be)."""
+    """Achieved share of memory bandwidth while decoding (assumed: decode kernels reach 60-80% of peak)."""
     decode_step_overhead_s: float = 0.00122
     """Fixed time per decode step: scheduling, sampling, kernel launches (calibrated to the paper's
     synchronous 128.7k tokens/s)."""
@@ -71,9 +70,9 @@ class CostModel:
     """Share of peak FLOP/s when an interrupted generator recomputes the KV cache of its running
     answers after a weight update (assumed)."""
     train_mfu: float = 0.237
-    """Model FLOP utilisation of the trainer (calibrated to the paper's asynchronous plateau,
-    ~380k tokens/s on 4 nodes of trainers; Megatron reaches 0.3-0.5 on large dense models, less on a
-    1.5B model with 2,000-token sequences)."""
+    """Model FLOP utilisation of the trainer (calibrated to the paper's asynchronous plateau, ~370k
+    tokens/s with 4 trainer nodes; Megatron reaches 0.3-0.5 on large dense models, less on a 1.5B
+    model with 2,500-token sequences)."""
     tp_allreduce_latency_s: float = 10e-6
     """Latency of one small all-reduce inside a node (decode steps do two per layer at TP > 1; assumed)."""
     nvlink_gbs: float = 200.0
@@ -229,6 +228,7 @@ class Prediction:
     eta: int
     answers: int  # N = prompts_per_step * group_size
     tokens: float  # effective (generated) tokens per step: N * E[L]
+    longest: int  # the longest of the N answers, in tokens
     t_gen_sync: float  # decode of one batch until its longest answer ends
     t_train: float
     t_weight_sync: float
@@ -296,20 +296,25 @@ def sync_generation_s(m, hw, lengths: Lengths, engines: int, tp: int, answers: i
     return t * max(1.0, float(kv.max()) / max(kv_capacity(m, hw, tp, cost), 1.0))
 
 
-def full_generation_rate(m, hw, lengths: Lengths, engines: int, tp: int, concurrent: float, cost=COST) -> float:
-    """Tokens/s of all engines under continuous batching at full load: each engine runs
-    c = min(concurrent / engines, KV capacity / (resident context * kv_bytes)) answers and makes c tokens
-    per decode step."""
+def running_answers(m, hw, lengths: Lengths, engines: int, tp: int, concurrent: float, cost=COST) -> float:
+    """Answers one engine runs at full load: c = min(concurrent / engines, KV capacity / (resident
+    context * kv_bytes)), at least 1."""
     per_answer = lengths.resident_context * m.kv_bytes_per_token
-    c = max(1.0, min(concurrent / engines, kv_capacity(m, hw, tp, cost) / per_answer))
-    return engines * c / float(decode_step_s(m, hw, tp, c, c * per_answer, cost))
+    return max(1.0, min(concurrent / engines, kv_capacity(m, hw, tp, cost) / per_answer))
+
+
+def full_generation_rate(m, hw, lengths: Lengths, engines: int, tp: int, concurrent: float, cost=COST) -> float:
+    """Tokens/s of all engines under continuous batching at full load: engines * c / t(c, c * resident
+    context * kv_bytes), one token per running answer and decode step."""
+    c = running_answers(m, hw, lengths, engines, tp, concurrent, cost)
+    kv = c * lengths.resident_context * m.kv_bytes_per_token
+    return engines * c / float(decode_step_s(m, hw, tp, c, kv, cost))
 
 
 def interruption_s(m, hw, lengths: Lengths, engines: int, tp: int, concurrent: float, cost=COST) -> float:
     """After a weight update an interrupted engine recomputes the KV of its running answers:
     c * resident context tokens of prefill at 2 P FLOPs each."""
-    per_answer = lengths.resident_context * m.kv_bytes_per_token
-    c = max(1.0, min(concurrent / engines, kv_capacity(m, hw, tp, cost) / per_answer))
+    c = running_answers(m, hw, lengths, engines, tp, concurrent, cost)
     return 2 * m.params * c * lengths.resident_context / (tp * hw.flops * cost.prefill_mfu)
 
 
@@ -387,7 +392,7 @@ def predict(cfg: Config, plan: Plan | None = None, cost: CostModel = COST) -> Pr
     tokens = answers * lengths.mean
     t_gen_full = tokens / rate + t_ws + interruption_s(m, hw, lengths, engines, plan.gen_tp, concurrent, cost)
     return Prediction(
-        plan, r.max_staleness, answers, tokens, t_gen_sync, t_train, t_ws, t_gen_full,
+        plan, r.max_staleness, answers, tokens, lengths.longest(answers), t_gen_sync, t_train, t_ws, t_gen_full,
         gen_memory(m, hw, plan.gen_tp, lengths, cost), train_memory(m, plan.train_tp, plan.train_pp, cfg, cost),
         hw.memory,
     )  # fmt: skip
@@ -420,8 +425,8 @@ def config_plan(cfg: Config) -> Plan:
 
 def candidates(cfg: Config, fixed: dict[str, int] | None = None):
     """Every plan the system can run: generator TP divides the GPUs of a node (an engine never spans
-    nodes), trainer TP stays inside a node, both divide the query and KV heads, PP divides the layers,
-    and TP x PP divides the trainer GPUs. Fields in `fixed` keep their value."""
+    nodes), trainer TP stays inside a node, both divide the query and KV heads, PP (at most 16) divides
+    the layers, and TP x PP divides the trainer GPUs. Fields in `fixed` keep their value."""
     fixed = fixed or {}
     m, n, g = cfg.model, cfg.cluster.nodes, cfg.cluster.gpus_per_node
 
@@ -507,11 +512,10 @@ def report(cfg: Config, p: Prediction) -> str:
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     sweep = ", ".join(f"{e}: {_tok(p.tokens_per_s(e))}" for e in (0, 1, 2, 4, 8, 16))
-    lengths = Lengths.from_config(cfg)
     lines += [
         f"speed-up asynchronous / synchronous: {p.t_sync / p.t_async():.2f}x; "
         f"effective tokens/s by max_staleness: {sweep}",
-        f"per step: {p.answers} answers x {lengths.mean:,.0f} tokens on average (longest {lengths.longest(p.answers):,}); "
+        f"per step: {p.answers} answers x {p.tokens / p.answers:,.0f} tokens on average (longest {p.longest:,}); "
         f"synchronous: decode until the longest ends {p.t_gen_sync:,.1f} s + train {p.t_train:,.1f} s + "
         f"weight sync {p.t_weight_sync:,.1f} s",
         f"asynchronous: generation at full load {p.t_gen_full:,.1f} s/step, training {p.t_train + p.t_weight_sync:,.1f} "
@@ -521,6 +525,10 @@ def report(cfg: Config, p: Prediction) -> str:
         "model and constants: docs/planner.md (GPU figures from cluster.gpu_tflops, gpu_memory_bandwidth_gbs, "
         "interconnect_gbps)",
     ]
+    if cfg.cluster.device == "cpu":
+        lines.append(
+            "cluster.device is cpu: these figures are for GPUs with the cluster.gpu_* numbers, not this machine"
+        )
     return "\n".join(lines)
 
 
