@@ -4,6 +4,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from areal_hpc import planner
 from areal_hpc.config import ConfigError, load_config
@@ -103,6 +105,31 @@ def test_chosen_plans_fit_memory_and_add_up_to_the_nodes(name, nodes, gpus):
     # nothing that fits is predicted faster (every third candidate, to keep the test quick)
     others = [planner.predict(cfg, plan) for plan in list(planner.candidates(cfg))[::3]]
     assert all(o.tokens_per_s() <= best.tokens_per_s() * 1.001 for o in others if o.fits)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    name=st.sampled_from(["qwen1.5b", "qwen7b", "qwen32b"]),
+    nodes=st.integers(2, 12),
+    gpus=st.sampled_from([1, 2, 4, 8]),
+    memory=st.sampled_from([24, 40, 80, 141]),
+    mb=st.sampled_from([32768, 65536]),
+    eta=st.integers(0, 16),
+)
+def test_any_chosen_plan_fits_and_adds_up(name, nodes, gpus, memory, mb, eta):
+    start = ["allocation.gen_nodes=1", "allocation.gen_tp=1", "allocation.train_tp=1", "allocation.train_pp=1"]
+    cluster = [f"cluster.gpus_per_node={gpus}", f"cluster.gpu_memory_gb={memory}", f"ppo.max_tokens_per_mb={mb}"]
+    cfg = cfg_of(name, nodes, *start, *cluster, f"rollout.max_staleness={eta}")
+    try:
+        best, _ = planner.choose(cfg)
+    except ConfigError:  # nothing fits: then truly no candidate does
+        assert not any(planner.predict(cfg, plan).fits for plan in planner.candidates(cfg))
+        return
+    assert best.fits
+    layout = Layout.from_config(planner.with_plan(cfg, best.plan))
+    assert layout.gen_nodes + layout.train_nodes == nodes
+    assert layout.generators * layout.gen_tp + layout.train_tp * layout.train_pp * layout.train_dp == nodes * gpus
+    assert best.tokens_per_s() >= best.tokens / best.t_sync * (1 - 1e-9)  # asynchronous never slower
 
 
 def test_qwen32b_on_16_nodes_adds_up_and_needs_model_parallel_training():
