@@ -1,0 +1,2 @@
+"""Generator ranks: one interruptible vLLM engine each (`engine.GenerationEngine`), served over MPI
+by `worker.serve(ctx, sync)`."""

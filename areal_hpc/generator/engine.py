@@ -1,0 +1,284 @@
+"""One vLLM engine, interruptible: answers with behaviour logprobs and per-token policy versions.
+
+vLLM's `LLMEngine` (v1) is driven step by step: `add` queues the answers of a prompt group,
+`step` runs one continuous-batching iteration and returns the answers that finished in it (each
+goes back as soon as it finishes, never held for a batch), `update_weights` interrupts and reloads.
+
+Behaviour logprobs (the convention the trainer matches): vLLM runs with
+`logprobs_mode="processed_logprobs"`, so the logprob of each sampled token y_t is taken from the
+distribution it was actually sampled from,
+
+    behav_logprob_t = log_softmax(logits_t / temperature)[y_t]       (fp32; top_p = 1)
+
+which is what the trainer computes as `log_softmax(logits / temperature)` gathered at the token.
+(vLLM's default, "raw_logprobs", is log_softmax(logits) before temperature: it coincides only at
+temperature 1.) With top_p < 1 the distribution is also truncated to the nucleus and renormalised,
+so behav_logprob >= the trainer's full-vocabulary logprob; keep top_p = 1 for exact agreement.
+
+Interruption (`update_weights`), nothing lost or duplicated:
+  1. abort every in-flight vLLM request; each answer keeps the tokens, logprobs and versions
+     already returned to us (tokens vLLM computed but had not returned are simply sampled again);
+  2. load the new weights bucket by bucket inside vLLM's worker(s) (`WeightLoader` below);
+  3. reset the prefix cache (its KV entries were computed by the old weights);
+  4. resubmit each answer as prompt + partial output with the remaining token budget; tokens
+     sampled from then on carry the new version.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from areal_hpc.protocol import Trajectory
+
+# In-process engine core: under mpirun a spawned engine process would fail in MPI init, and it starts
+# ~4x faster. Must be set before vLLM is imported (vLLM is only imported inside functions here).
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+WORKER_EXTENSION = "areal_hpc.generator.engine.WeightLoader"
+
+
+class WeightLoader:
+    """Mixed into vLLM's worker class (`worker_extension_cls`): runs where the model lives, so with
+    gen_tp > 1 every tensor-parallel worker receives the broadcast itself and loads its shard.
+
+    Loading goes through the worker's `reload_weights` (vLLM's in-place layerwise reload): a plain
+    `model.load_weights` fails after the first load on CPU, where weights were repacked into kernel
+    format. The iterator is lazy, so each bucket is loaded as it arrives.
+    """
+
+    def areal_load_weights(self, buckets: list) -> int:
+        """Load buckets of Hugging Face named tensors (the model shards them by its own TP rank)."""
+        named = [item for bucket in buckets for item in bucket]
+        self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
+        return len(named)
+
+    def areal_receive_weights(self, receiver) -> int:
+        """Join the weight-sync groups as this worker's rank and load each bucket as it arrives."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        count = 0
+
+        def stream():
+            nonlocal count
+            for bucket in receiver.receive(get_tensor_model_parallel_rank()):
+                count += len(bucket)
+                yield from bucket
+
+        self.reload_weights(weights_iterator=stream(), is_checkpoint_format=True)
+        return count
+
+
+@dataclass
+class _Answer:
+    """One answer of a group, across interruptions."""
+
+    group_id: int
+    sample_idx: int
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    behav_logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    attempt: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return f"{self.group_id}.{self.sample_idx}.{self.attempt}"
+
+
+class GenerationEngine:
+    """A vLLM engine serving prompt groups, interruptible for weight updates.
+
+    `engine` is a vLLM v1 `LLMEngine` built with `engine_args(...)` (or `GenerationEngine.create`).
+    """
+
+    def __init__(self, engine, temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 32):
+        self.engine = engine
+        self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
+        self.version = 0
+        """Policy version of the loaded weights (0: the initial model)."""
+        self._running: dict[str, _Answer] = {}  # vLLM request id -> answer
+
+    # --- construction ---
+    @staticmethod
+    def engine_args(
+        model_path: str,
+        *,
+        dtype: str = "float32",
+        tp: int = 1,
+        seed: int = 0,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        enforce_eager: bool = False,
+    ):
+        """vLLM `EngineArgs` for a generator: processed logprobs (see the module doc), our worker extension."""
+        from vllm import EngineArgs
+
+        kv_bytes = _cpu_kv_cache_bytes(model_path, tp, max_num_seqs, max_model_len)
+        return EngineArgs(
+            model=str(model_path),
+            dtype=dtype,
+            tensor_parallel_size=tp,
+            seed=seed,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=WORKER_EXTENSION,
+            enable_prefix_caching=True,
+            enforce_eager=enforce_eager,
+            disable_log_stats=True,
+            kv_cache_memory_bytes=kv_bytes,
+        )
+
+    @classmethod
+    def create(cls, model_path, *, temperature=1.0, top_p=1.0, max_new_tokens=32, **engine_kwargs):
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine.from_engine_args(cls.engine_args(model_path, **engine_kwargs))
+        return cls(engine, temperature, top_p, max_new_tokens)
+
+    @classmethod
+    def from_config(cls, cfg, model_path, seed_offset: int = 0) -> GenerationEngine:
+        """The engine of a generator rank, from the run config (model, allocation.gen_tp, rollout)."""
+        r, m = cfg.rollout, cfg.model
+        return cls.create(
+            model_path,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            max_new_tokens=r.max_new_tokens,
+            dtype=m.dtype,
+            tp=cfg.allocation.gen_tp,
+            seed=cfg.experiment.seed + seed_offset,
+            max_model_len=m.max_position_embeddings,
+            max_num_seqs=min(1024, r.max_concurrent * r.group_size),
+        )
+
+    # --- serving ---
+    def add(self, group_id: int, prompt_ids, n: int) -> None:
+        """Queue `n` answers to one prompt (a GRPO group)."""
+        prompt = [int(t) for t in prompt_ids]
+        for i in range(n):
+            self._submit(_Answer(group_id, i, prompt))
+
+    def step(self) -> list[Trajectory]:
+        """One engine iteration; returns the answers that finished in it."""
+        finished = []
+        for out in self.engine.step():
+            answer = self._running.get(out.request_id)
+            if answer is None:  # a request aborted by an interruption
+                continue
+            completion = out.outputs[0]
+            new = list(completion.token_ids)
+            answer.output_ids += new
+            # flat logprobs with logprobs=0: exactly the sampled token's logprob at each new position
+            answer.behav_logprobs += completion.logprobs.logprobs[-len(new) :] if new else []
+            answer.versions += [self.version] * len(new)
+            if out.finished:
+                del self._running[out.request_id]
+                finished.append(_trajectory(answer, completion.finish_reason))
+        return finished
+
+    @property
+    def in_flight(self) -> int:
+        """Answers queued or being generated."""
+        return len(self._running)
+
+    def interrupt(self) -> list[_Answer]:
+        """Abort every in-flight request, keeping what each answer produced so far."""
+        answers = list(self._running.values())
+        if answers:
+            self.engine.abort_request(list(self._running))
+        self._running.clear()
+        return answers
+
+    def update_weights(self, weights, version: int) -> float:
+        """Interrupt, load `weights`, reset the prefix cache, resume; returns the seconds it took.
+
+        `weights` is a `weight_sync.WeightReceiver` (the broadcast is received and loaded inside
+        vLLM's workers) or an iterable of buckets, each a list of (hf_name, tensor).
+        """
+        t0 = time.perf_counter()
+        paused = self.interrupt()
+        if hasattr(weights, "receive"):
+            self.engine.collective_rpc("areal_receive_weights", args=(weights,))
+        else:
+            self.engine.collective_rpc("areal_load_weights", args=([list(b) for b in weights],))
+        if not self.engine.reset_prefix_cache():
+            raise RuntimeError("vLLM did not reset its prefix cache after the weight update")
+        self.version = version
+        for answer in paused:
+            answer.attempt += 1
+            self._submit(answer)
+        return time.perf_counter() - t0
+
+    def load_weights(self, named_tensors: Iterable, version: int) -> float:
+        """`update_weights` with one bucket of in-memory tensors (tests, benchmarks)."""
+        return self.update_weights([list(named_tensors)], version)
+
+    def _submit(self, answer: _Answer) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        remaining = self.max_new_tokens - len(answer.output_ids)
+        params = SamplingParams(
+            n=1,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            max_tokens=remaining,
+            logprobs=0,  # the sampled token's logprob only
+            flat_logprobs=True,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,  # new tokens each step: partial output survives an abort
+        )
+        prompt = {"prompt_token_ids": answer.prompt_ids + answer.output_ids}
+        self.engine.add_request(answer.request_id, prompt, params)
+        self._running[answer.request_id] = answer
+
+
+def _trajectory(answer: _Answer, finish_reason: str | None) -> Trajectory:
+    return Trajectory(
+        group_id=answer.group_id,
+        sample_idx=answer.sample_idx,
+        prompt_ids=np.asarray(answer.prompt_ids, dtype=np.int32),
+        output_ids=np.asarray(answer.output_ids, dtype=np.int32),
+        behav_logprobs=np.asarray(answer.behav_logprobs, dtype=np.float32),
+        versions=np.asarray(answer.versions, dtype=np.int32),
+        finish_reason="stop" if finish_reason == "stop" else "length",
+    )
+
+
+def _cpu_kv_cache_bytes(model_path, tp: int, max_num_seqs: int, max_model_len: int | None) -> int | None:
+    """On CPU, the KV cache this engine can use at most (every sequence at full length, within
+    [64 MiB, 4 GiB]): vLLM's CPU default reserves 92% of the node's memory, which fails on a machine
+    shared with the other roles. On GPU: None (vLLM sizes it from gpu_memory_utilization).
+
+    Also fails at start, with the fix, on a head size vLLM's CPU attention does not support, rather
+    than at the first step.
+    """
+    import json
+    from pathlib import Path
+
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    hf = json.loads((Path(model_path) / "config.json").read_text())
+
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    if head_dim not in supported:
+        raise ValueError(
+            f"head size {head_dim} (model.hidden_size {hf['hidden_size']} / model.num_attention_heads "
+            f"{hf['num_attention_heads']}) is not supported by vLLM's CPU attention; supported: "
+            f"{', '.join(map(str, supported))} (e.g. fewer attention heads)"
+        )
+    kv_heads = max(1, hf.get("num_key_value_heads", hf["num_attention_heads"]) // tp)
+    per_token = 2 * hf["num_hidden_layers"] * kv_heads * head_dim * 4  # K and V, fp32 at most
+    tokens = max_num_seqs * (max_model_len or hf.get("max_position_embeddings", 4096))
+    return int(min(max(per_token * tokens, 64 << 20), 4 << 30))

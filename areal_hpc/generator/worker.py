@@ -1,0 +1,60 @@
+"""A generator rank: one vLLM engine serving the controller.
+
+```
+ loop:  poll the controller (never blocks)
+          GenerateRequest(group_id, prompt_ids, n) -> queue n answers
+          WeightSync(version) -> interrupt, receive + load the broadcast, resume -> SyncDone(version, s)
+          Stop                -> flush, exit
+        step the engine if anything is in flight -> one Trajectory per answer that finished
+```
+
+Messages are handled in arrival order, so a request sent before a WeightSync is queued before the
+interruption and resumes under the new weights with what it produced so far.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+
+IDLE_S = 0.001
+"""Sleep between polls when nothing is in flight (keeps an idle generator off the CPU)."""
+
+
+def serve(ctx, sync) -> None:
+    """Run the generator rank until the controller sends Stop. `sync` is this rank's
+    `weight_sync.WeightReceiver` (from `setup_weight_sync`)."""
+    # Before vLLM is imported: keep the engine in this process (a spawned engine fails in MPI init).
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from areal_hpc.generator.engine import GenerationEngine
+    from areal_hpc.protocol import Failure, GenerateRequest, Mailbox, Stop, SyncDone, WeightSync
+    from areal_hpc.runtime import CONTROLLER_RANK
+
+    mailbox = Mailbox(ctx.world)
+    try:
+        engine = GenerationEngine.from_config(ctx.cfg, ctx.model_path, seed_offset=ctx.rank)
+        while True:
+            for envelope in mailbox.poll(source=CONTROLLER_RANK):
+                msg = envelope.msg
+                if isinstance(msg, GenerateRequest):
+                    engine.add(msg.group_id, msg.prompt_ids, msg.n)
+                elif isinstance(msg, WeightSync):
+                    seconds = engine.update_weights(sync, msg.version)
+                    mailbox.send(CONTROLLER_RANK, SyncDone(msg.version, seconds))
+                elif isinstance(msg, Stop):
+                    mailbox.flush()
+                    return
+                else:
+                    raise RuntimeError(f"generator got an unexpected {type(msg).__name__} from the controller")
+            if engine.in_flight:
+                for trajectory in engine.step():
+                    mailbox.send(CONTROLLER_RANK, trajectory)
+            else:
+                time.sleep(IDLE_S)
+    except Exception:
+        mailbox.send(
+            CONTROLLER_RANK, Failure(ctx.rank, f"{ctx.layout.describe_rank(ctx.rank)}: {traceback.format_exc()}")
+        )
+        mailbox.flush(timeout_s=10)
+        raise

@@ -1,0 +1,157 @@
+"""Weight sync: bucketed broadcast of named tensors from trainer stage sources to generators.
+
+Ladder: one process with gloo (sender and receivers as threads), then real MPI ranks through
+`setup_weight_sync` (two pipeline stages sending in parallel to two generators), and the timeout.
+"""
+
+import datetime
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from areal_hpc.weight_sync import GroupSpec, WeightReceiver, WeightSender, WeightSyncError, _Group
+
+
+def _local_group(size: int, timeout_s: float = 20.0, name: str = "t"):
+    master = dist.TCPStore(
+        "127.0.0.1", 0, size, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+    )
+    spec = GroupSpec(f"areal-ws-{name}", 0, "127.0.0.1", master.port, size, "gloo", timeout_s)
+    return WeightSender(0, True, spec, master), spec
+
+
+def _tensors():
+    g = torch.Generator().manual_seed(0)
+    return [
+        ("model.embed_tokens.weight", torch.randn(128, 64, generator=g)),
+        ("model.layers.0.self_attn.q_proj.bias", torch.randn(63, generator=g)),  # odd size: alignment
+        ("model.norm.weight", torch.randn(64, generator=g).to(torch.bfloat16)),
+        ("big", torch.randn(512, 256, generator=g)),  # larger than a bucket: travels alone
+        ("ids", torch.arange(7, dtype=torch.int64)),
+        ("scalar", torch.tensor(3.5, dtype=torch.float16)),
+    ]
+
+
+def test_threads_bit_exact_buckets():
+    sender, spec = _local_group(3)
+    receivers = [WeightReceiver([spec], g, 1) for g in range(2)]
+    got = [[], []]
+
+    def recv(i):
+        for bucket in receivers[i].receive():
+            got[i].append([(n, t.clone()) for n, t in bucket])
+
+    threads = [threading.Thread(target=recv, args=(i,)) for i in range(2)]
+    for th in threads:
+        th.start()
+    stats = sender.send(_tensors(), bucket_bytes=40_000)
+    for th in threads:
+        th.join(timeout=30)
+    expected = _tensors()
+    assert stats["tensors"] == len(expected)
+    assert stats["buckets"] == len(got[0]) >= 3  # the 512 KiB tensor forces its own bucket
+    for buckets in got:
+        flat = [item for bucket in buckets for item in bucket]
+        assert [n for n, _ in flat] == [n for n, _ in expected]
+        for (_, a), (_, b) in zip(flat, expected):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert torch.equal(a.view(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    # A second sync over the same (already connected) group works too.
+    th = threading.Thread(target=lambda: got.append(list(receivers[0].receive())))
+    th2 = threading.Thread(target=lambda: list(receivers[1].receive()))
+    th.start(), th2.start()
+    sender.send([("x", torch.ones(3))], bucket_bytes=1 << 20)
+    th.join(30), th2.join(30)
+    assert torch.equal(got[-1][0][0][1], torch.ones(3))
+
+
+def test_receiver_times_out_when_sender_is_silent():
+    sender, spec = _local_group(2, timeout_s=1.5, name="silent")
+    receiver = WeightReceiver([spec], 0, 1)
+    # The source joins the group but never sends: the receiver's first broadcast must time out.
+    joined = threading.Thread(target=_Group, args=(spec, 0, sender._master_store))
+    joined.start()
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match="within 1.5 s"):
+        list(receiver.receive())
+    assert time.monotonic() - t0 < 20
+    joined.join(10)
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, time, torch
+    from mpi4py import MPI
+    from areal_hpc.config import load_config
+    from areal_hpc.layout import Layout, Role
+    from areal_hpc.runtime import RankContext
+    from areal_hpc.weight_sync import WeightReceiver, WeightSender, WeightSyncError, setup_weight_sync
+
+    cfg = load_config(None, ["cluster.nodes=2", "cluster.gpus_per_node=2", "allocation.gen_nodes=1",
+                             "allocation.train_pp=2", "train.collective_timeout_s=3",
+                             "model.hidden_size=64", "model.num_attention_heads=2", "model.num_key_value_heads=1"])
+    layout = Layout.from_config(cfg)
+    world = MPI.COMM_WORLD
+    ctx = RankContext(cfg, layout, world, layout.split(world), run_dir=".", model_path=".")
+    sync = setup_weight_sync(ctx)
+    rank, role = world.Get_rank(), layout.role_of(world.Get_rank())
+    state = torch.load(os.environ["AREAL_TEST_STATE"])  # a Hugging Face Qwen2 state dict, saved by the test
+    names = sorted(state)
+    # stage 0 sends the embedding and layer 0, stage 1 the rest (as a pipeline would).
+    stage_names = [[n for n in names if "embed" in n or ".layers.0." in n], None]
+    stage_names[1] = [n for n in names if n not in stage_names[0]]
+    out = {"ok": 1}
+    if role == Role.TRAINER:
+        assert isinstance(sync, WeightSender) and sync.is_source, sync
+        stats = sync.send(((n, state[n]) for n in stage_names[sync.stage]), bucket_bytes=16_000)
+        assert stats["buckets"] >= 2, stats
+    elif role == Role.GENERATOR:
+        assert isinstance(sync, WeightReceiver) and len(sync.specs) == 2
+        got = {}
+        for bucket in sync.receive():
+            for n, t in bucket:
+                assert n not in got, n
+                got[n] = t.clone()
+        assert sorted(got) == names, (len(got), len(names))
+        for n in names:
+            assert got[n].dtype == state[n].dtype and torch.equal(got[n], state[n]), n
+    else:
+        assert sync is None
+    world.Barrier()
+    # Round 2: the sources never send; every receiver must fail with a timeout, not hang.
+    if role == Role.GENERATOR:
+        t0 = time.monotonic()
+        try:
+            list(sync.receive())
+            out["ok"] = 0
+        except WeightSyncError as e:
+            assert "within 3 s" in str(e), e
+            print(f"rank {rank}: timed out after {time.monotonic() - t0:.1f} s: {str(e)[:120]}", flush=True)
+    elif role == Role.TRAINER:
+        time.sleep(4.5)  # stay alive, silent, while the receivers time out
+    ok = world.allreduce(out["ok"], op=MPI.MIN)
+    if rank == 0:
+        print("RESULT", ok, flush=True)
+    """
+)
+
+
+@pytest.mark.mpi
+def test_mpi_two_stages_bit_exact_then_timeout(run_mpi, tmp_path):
+    from transformers import Qwen2ForCausalLM
+
+    from areal_hpc.config import ModelConfig
+    from areal_hpc.tiny import qwen2_config
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(qwen2_config(ModelConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1)))
+    torch.save(model.state_dict(), tmp_path / "state.pt")
+    # world: controller, reward, 2 generators, 2 trainers (PP 2: one source per stage)
+    proc = run_mpi(SCRIPT, n=6, timeout=180, env={"AREAL_TEST_STATE": str(tmp_path / "state.pt")})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "RESULT 1" in proc.stdout, proc.stdout[-3000:]
+    assert proc.stdout.count("timed out after") == 2, proc.stdout[-3000:]
