@@ -1,0 +1,133 @@
+"""A generator rank under mpirun: `generator.worker.serve` with a real vLLM engine, driven by a
+scripted controller (world rank 0) and a stand-in trainer rank that sends new weights through the
+real weight-sync sender. Checked here: trajectories come back per answer, a WeightSync mid-way
+interrupts and resumes them under the broadcast weights, and every token's behaviour logprob
+matches transformers under the weights of its version.
+"""
+
+import pickle
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from areal_hpc.config import ModelConfig
+from areal_hpc.tiny import build_tiny_model
+
+MODEL = ModelConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+TEMPERATURE = 0.8
+MAX_NEW = 96
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, pickle, time
+    from pathlib import Path
+    import numpy as np, torch
+    from mpi4py import MPI
+    from areal_hpc.config import load_config
+    from areal_hpc.layout import Layout, Role
+    from areal_hpc.protocol import Failure, GenerateRequest, Mailbox, Stop, SyncDone, Trajectory, WeightSync
+    from areal_hpc.runtime import RankContext
+    from areal_hpc.weight_sync import setup_weight_sync
+
+    cfg = load_config(None, os.environ["OVERRIDES"].split())
+    layout, world = Layout.from_config(cfg), MPI.COMM_WORLD
+    ctx = RankContext(cfg, layout, world, layout.split(world), Path("."), Path(os.environ["MODEL"]))
+    sync = setup_weight_sync(ctx)
+    role, gen, trainer = layout.role_of(world.Get_rank()), layout.ranks(Role.GENERATOR)[0], layout.ranks(Role.TRAINER)[0]
+    mb = Mailbox(world)
+
+    def expect(n_traj, done=False):
+        trajs, syncs = [], []
+        while len(trajs) < n_traj or (done and not syncs):
+            msg = mb.recv(timeout_s=240).msg
+            if isinstance(msg, Failure):
+                raise RuntimeError(msg.error)
+            (trajs if isinstance(msg, Trajectory) else syncs).append(msg)
+        return trajs, syncs
+
+    if role == Role.GENERATOR:
+        from areal_hpc.generator.worker import serve
+        serve(ctx, sync)
+    elif role == Role.TRAINER:
+        state = torch.load(os.environ["WEIGHTS_B"])
+        while not isinstance(msg := mb.recv(source=0, timeout_s=300).msg, Stop):
+            assert isinstance(msg, WeightSync)
+            sync.send(sorted(state.items()), bucket_bytes=32_000)
+    elif role == Role.CONTROLLER:
+        mb.send(gen, GenerateRequest(0, np.array([5, 6, 7], np.int32), 4))
+        first, _ = expect(4)  # the engine is up and serving
+        for g in (1, 2):
+            mb.send(gen, GenerateRequest(g, np.array([5 + g, 6, 7], np.int32), 4))
+        time.sleep(0.05)
+        mb.send(trainer, WeightSync(1))
+        mb.send(gen, WeightSync(1))
+        rest, syncs = expect(8, done=True)
+        for r in (gen, trainer):
+            mb.send(r, Stop("done"))
+        mb.flush()
+        with open(os.environ["OUT"], "wb") as f:
+            pickle.dump({"first": first, "rest": rest, "syncs": syncs}, f)
+    world.Barrier()
+    """
+)
+
+
+def _logprobs(model, t) -> np.ndarray:
+    ids = torch.tensor([list(t.prompt_ids) + list(t.output_ids)], dtype=torch.long)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0].float() / TEMPERATURE, -1)[len(t.prompt_ids) - 1 : -1]
+    return logp.gather(-1, torch.as_tensor(t.output_ids, dtype=torch.long)[:, None])[:, 0].numpy()
+
+
+@pytest.mark.mpi
+@pytest.mark.vllm
+def test_generator_rank_serves_and_syncs(run_mpi, tmp_path):
+    from transformers import Qwen2ForCausalLM
+
+    path = build_tiny_model(MODEL, tmp_path / "root", seed=1)
+    model_a = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model_b = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model_b.parameters():
+            p.add_(0.5 * torch.randn(p.shape, generator=g))
+    torch.save(model_b.state_dict(), tmp_path / "b.pt")
+    overrides = [
+        "cluster.nodes=2",
+        "allocation.gen_nodes=1",
+        "train.collective_timeout_s=120",
+        f"rollout.temperature={TEMPERATURE}",
+        f"rollout.max_new_tokens={MAX_NEW}",
+        "rollout.max_concurrent=4",
+        "rollout.group_size=4",
+        "rollout.prompts_per_step=4",
+        "ppo.minibatches=1",
+        *(f"model.{k}={v}" for k, v in vars(MODEL).items() if k != "path"),
+    ]
+    env = {
+        "OVERRIDES": " ".join(overrides),
+        "MODEL": str(path),
+        "WEIGHTS_B": str(tmp_path / "b.pt"),
+        "OUT": str(tmp_path / "out.pkl"),
+    }
+    proc = run_mpi(SCRIPT, n=4, timeout=300, env=env)  # controller, reward (idle), generator, trainer
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    out = pickle.loads((tmp_path / "out.pkl").read_bytes())
+
+    assert [(s.version, s.seconds > 0) for s in out["syncs"]] == [(1, True)]
+    assert sorted((t.group_id, t.sample_idx) for t in out["first"]) == [(0, i) for i in range(4)]
+    assert sorted((t.group_id, t.sample_idx) for t in out["rest"]) == [(g, i) for g in (1, 2) for i in range(4)]
+    for t in out["first"]:
+        assert (t.versions == 0).all()
+        np.testing.assert_allclose(t.behav_logprobs, _logprobs(model_a, t), atol=1e-3, rtol=0)
+    new_tokens = 0
+    for t in out["rest"]:
+        k = int((t.versions == 0).sum())
+        assert list(t.versions) == [0] * k + [1] * (len(t.versions) - k)
+        assert len(t.output_ids) == MAX_NEW or t.finish_reason == "stop"
+        np.testing.assert_allclose(t.behav_logprobs[:k], _logprobs(model_a, t)[:k], atol=1e-3, rtol=0)
+        np.testing.assert_allclose(t.behav_logprobs[k:], _logprobs(model_b, t)[k:], atol=1e-3, rtol=0)
+        new_tokens += len(t.versions) - k
+    assert new_tokens > 0
