@@ -1,22 +1,236 @@
-"""`areal-hpc run`: the whole system on this machine."""
+"""`areal-hpc run`: the whole system on this machine, one mpirun MPMD launch.
+
+```
+ run_local:  run directory (resume unless --fresh) -> model built once (tiny + warm start, cached)
+             mpirun (own session) -- controller : reward x R : generator x G : trainer x T
+               every rank: python -m areal_hpc.main RUN_DIR (pins generator/trainer ranks to cores)
+             while it runs: a progress line per metrics.jsonl row; mpirun's own lines, the dead
+             rank named by its role
+             Ctrl-C:  STOP file + SIGUSR2 -> the controller checkpoints, stops every rank, exits 75;
+                      a second Ctrl-C ends the job at once
+             after:   nothing left running (every process carrying this launch's token is ended)
+```
+
+Exit codes: 0 the run finished; 130 stopped by Ctrl-C after a checkpoint (run the same command again
+to resume); 75 stopped by a signal to the controller after a checkpoint; 1 a rank failed (the
+message names it).
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
 import sys
+import threading
+import time
+import uuid
+from pathlib import Path
 
 from areal_hpc.config import Config
-from areal_hpc.layout import Layout
-from areal_hpc.rundir import prepare_run_dir
+from areal_hpc.layout import Layout, Role
+from areal_hpc.metrics import progress_line
+from areal_hpc.rundir import STOP_FILE, latest_checkpoint, prepare_run_dir
+
+EXIT_STOPPED = 75  # the controller's code after a checkpoint on a stop request (areal_hpc.controller)
+TOKEN_ENV = "AREAL_RUN_TOKEN"
+"""Every process of one launch carries this variable (value unique to the launch): how the launcher
+finds what is left after mpirun exits, without touching anything it did not start."""
+
+
+def mpirun_command(layout: Layout, run_dir: Path, python: str = sys.executable) -> list[str]:
+    """One MPMD launch: an app context per role, in world-rank order (the layout's)."""
+    base = ["mpirun", "--oversubscribe", "--bind-to", "none"]
+    if os.geteuid() == 0:
+        base.append("--allow-run-as-root")
+    cmd = base
+    for i, role in enumerate(Role):
+        n = len(layout.ranks(role))
+        if n == 0:
+            continue
+        if i:
+            cmd.append(":")
+        cmd += [
+            "-n",
+            str(n),
+            "-x",
+            f"AREAL_ROLE={role.name.lower()}",
+            python,
+            "-u",
+            "-m",
+            "areal_hpc.main",
+            str(run_dir),
+        ]
+    return cmd
 
 
 def run_local(cfg: Config, fresh: bool = False) -> int:
+    from areal_hpc.sft import initial_model
+
     layout = Layout.from_config(cfg)
-    run_dir = prepare_run_dir(cfg, fresh=fresh)
+    run_dir = prepare_run_dir(cfg, fresh=fresh).resolve()
     print(layout.table())
     print(f"run directory: {run_dir}")
-    print(
-        "areal-hpc: the controller that starts the ranks is not built yet (issue 6); the run directory and "
-        "resolved config are written, nothing is trained.",
-        file=sys.stderr,
+    resume = latest_checkpoint(run_dir)
+    print(f"resuming from {resume}" if resume else "starting afresh")
+    t0 = time.monotonic()
+    model = initial_model(cfg)
+    print(f"initial model: {model} ({time.monotonic() - t0:.1f} s)", flush=True)
+
+    token = uuid.uuid4().hex
+    env = {
+        **os.environ,
+        "OMPI_MCA_btl": os.environ.get("OMPI_MCA_btl", "self,tcp"),
+        "OMPI_MCA_mpi_yield_when_idle": "1",  # ranks outnumber cores: waiting ranks give theirs up
+        "AREAL_PIN_CORES": "1",
+        "PYTHONUNBUFFERED": "1",
+        TOKEN_ENV: token,
+    }
+    cmd = mpirun_command(layout, run_dir)
+    # Its own session: a Ctrl-C in the terminal reaches only this launcher, which asks for a clean stop.
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
     )
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()
+    interrupts = []
+
+    def on_signal(signum, frame):
+        interrupts.append(signum)
+        if len(interrupts) == 1:
+            print(
+                "\nareal-hpc: stopping: the controller saves a checkpoint, then every rank stops "
+                "(Ctrl-C again to end at once)",
+                flush=True,
+            )
+            (run_dir / STOP_FILE).touch()
+            _signal(proc, signal.SIGUSR2)
+        else:
+            _signal(proc, signal.SIGTERM)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    metrics = _Tail(run_dir / "metrics.jsonl")
+    dead_rank = None
+    try:
+        while True:
+            code = proc.poll()
+            for row in metrics.rows():
+                if row["step"] % max(1, cfg.logging.progress_every) == 0 or row["step"] == cfg.train.total_steps:
+                    print(progress_line(row, cfg.train.total_steps), flush=True)
+            while not lines.empty():
+                line = lines.get()
+                if line is None:
+                    continue
+                dead_rank = _dead_rank(line, dead_rank)
+                print(_annotate(line, layout), end="", flush=True)
+            if code is not None:
+                break
+            time.sleep(0.2)
+        while not lines.empty():
+            line = lines.get()
+            if line is not None:
+                dead_rank = _dead_rank(line, dead_rank)
+                print(_annotate(line, layout), end="", flush=True)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        left = _end_leftovers(token)
+        if left:
+            print(f"areal-hpc: ended {left} process(es) left over from the run", flush=True)
+        (run_dir / STOP_FILE).unlink(missing_ok=True)
+    return _summary(code, interrupts, dead_rank, layout, run_dir, cfg)
+
+
+def _summary(code: int, interrupts: list, dead_rank, layout: Layout, run_dir: Path, cfg: Config) -> int:
+    ckpt = latest_checkpoint(run_dir)
+    if code == 0:
+        print(f"areal-hpc: done, {cfg.train.total_steps} steps; checkpoint {ckpt}; metrics {run_dir / 'metrics.jsonl'}")
+        return 0
+    if code == EXIT_STOPPED:
+        print(f"areal-hpc: stopped after a checkpoint ({ckpt}); run the same command again to resume")
+        return 130 if interrupts else EXIT_STOPPED
+    who = f"{layout.describe_rank(dead_rank)} ended first; " if dead_rank is not None else ""
+    logs = run_dir / "logs"
+    print(f"areal-hpc: the run failed (mpirun exit code {code}); {who}logs in {logs}", file=sys.stderr)
     return 1
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+
+def _pump(stream, out: queue.Queue) -> None:
+    for line in stream:
+        out.put(line)
+    out.put(None)
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        proc.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+_RANK_PATTERNS = (
+    re.compile(r"process rank (\d+) with PID"),  # "mpirun noticed that process rank 3 with PID ... exited on signal 9"
+    re.compile(r"Process name: \[\[\d+,\d+\],(\d+)\]"),  # "...exited with non-zero status ... Process name: [[x,1],3]"
+)
+
+
+def _dead_rank(line: str, known):
+    if known is not None:
+        return known
+    for pattern in _RANK_PATTERNS:
+        m = pattern.search(line)
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def _annotate(line: str, layout: Layout) -> str:
+    """mpirun names ranks by number; add the role (`generator 0 (world rank 2)`)."""
+    for pattern in _RANK_PATTERNS:
+        m = pattern.search(line)
+        if m and int(m.group(1)) < layout.world_size:
+            return line.rstrip("\n") + f"   <- {layout.describe_rank(int(m.group(1)))}\n"
+    return line
+
+
+class _Tail:
+    """New complete lines of a JSONL file since the last call."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = path.stat().st_size if path.exists() else 0
+
+    def rows(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        return [json.loads(line) for line in data[:end].decode().splitlines() if line.strip()]
+
+
+def _end_leftovers(token: str) -> int:
+    """SIGKILL every process that carries this launch's token (vLLM helpers, a rank mpirun missed)."""
+    mine = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            if f"{TOKEN_ENV}={token}".encode() in (d / "environ").read_bytes().split(b"\0"):
+                mine.append(int(d.name))
+        except OSError:
+            continue
+    for pid in mine:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return len(mine)

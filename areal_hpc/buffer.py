@@ -1,0 +1,122 @@
+"""The controller's rollouts: prompt groups in flight, and the buffer of finished groups, oldest first.
+
+A group is one prompt and its `n` answers (the GRPO group). It lives in `running` from admission
+until every answer has come back from a generator and been scored by a reward worker; then it moves
+to the buffer, where it waits to be trained on. The buffer is ordered by admission (group id), so
+`take` gives the trainer the oldest groups first: those most at risk of going stale.
+
+Pure bookkeeping over numpy arrays, no MPI: the controller drives it, tests drive it directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from areal_hpc.algo.staleness import oldest_version
+from areal_hpc.protocol import Trajectory
+
+
+@dataclass
+class Group:
+    group_id: int
+    row: dict
+    """The prompt row of the data set (prompt, answer or tests, ...); saved in checkpoints."""
+    prompt_ids: np.ndarray  # [P] int32
+    n: int
+    generator: int = -1
+    """World rank of the generator it runs on (-1: restored from a checkpoint, finished)."""
+    trajectories: list = field(default_factory=list)
+    """Trajectory per sample index (None until it arrives)."""
+    rewards: list = field(default_factory=list)
+    """Reward per sample index (None until scored)."""
+
+    def __post_init__(self):
+        if not self.trajectories:
+            self.trajectories = [None] * self.n
+        if not self.rewards:
+            self.rewards = [None] * self.n
+
+    @property
+    def generated(self) -> bool:
+        """Every answer has come back from the generator."""
+        return all(t is not None for t in self.trajectories)
+
+    @property
+    def complete(self) -> bool:
+        """Every answer is back and scored."""
+        return self.generated and all(r is not None for r in self.rewards)
+
+    @property
+    def oldest_version(self) -> int | None:
+        return oldest_version(t.versions for t in self.trajectories if t is not None)
+
+    @property
+    def response_tokens(self) -> int:
+        return sum(len(t.output_ids) for t in self.trajectories if t is not None)
+
+    def to_state(self) -> dict:
+        """Plain data (numpy arrays inside) for the controller checkpoint."""
+        return {
+            "group_id": self.group_id,
+            "row": self.row,
+            "prompt_ids": self.prompt_ids,
+            "n": self.n,
+            "rewards": list(self.rewards),
+            "trajectories": [vars(t).copy() for t in self.trajectories],
+        }
+
+    @classmethod
+    def from_state(cls, s: dict) -> Group:
+        return cls(
+            group_id=s["group_id"],
+            row=s["row"],
+            prompt_ids=np.asarray(s["prompt_ids"], np.int32),
+            n=s["n"],
+            trajectories=[Trajectory(**t) for t in s["trajectories"]],
+            rewards=list(s["rewards"]),
+        )
+
+
+class Rollouts:
+    """Groups in flight (`running`, by group id) and finished groups (`buffer`, oldest first)."""
+
+    def __init__(self):
+        self.running: dict[int, Group] = {}
+        self.buffer: list[Group] = []
+
+    def start(self, group: Group) -> None:
+        self.running[group.group_id] = group
+
+    def add_trajectory(self, traj: Trajectory) -> Group:
+        group = self.running[traj.group_id]
+        if group.trajectories[traj.sample_idx] is not None:
+            raise RuntimeError(f"group {traj.group_id} answer {traj.sample_idx} arrived twice")
+        group.trajectories[traj.sample_idx] = traj
+        return group
+
+    def add_reward(self, group_id: int, sample_idx: int, reward: float) -> Group | None:
+        """Record a reward; returns the group if that completed it (it moves to the buffer)."""
+        group = self.running[group_id]
+        group.rewards[sample_idx] = float(reward)
+        if not group.complete:
+            return None
+        del self.running[group_id]
+        self.buffer.append(group)
+        self.buffer.sort(key=lambda g: g.group_id)  # a late group goes before younger ones
+        return group
+
+    def drop_stale(self, is_fresh) -> list[Group]:
+        """Remove and return the buffered groups for which `is_fresh(oldest_version)` is false."""
+        stale = [g for g in self.buffer if not is_fresh(g.oldest_version)]
+        if stale:
+            self.buffer = [g for g in self.buffer if is_fresh(g.oldest_version)]
+        return stale
+
+    def take(self, k: int) -> list[Group] | None:
+        """The k oldest buffered groups (removed), or None when fewer are buffered."""
+        if len(self.buffer) < k:
+            return None
+        taken, self.buffer = self.buffer[:k], self.buffer[k:]
+        return taken

@@ -1,0 +1,58 @@
+"""Which rank stopped answering: the controller's watch over the ranks it is waiting for.
+
+A rank that dies is mpirun's (or srun's) to notice: the launcher ends the whole job. A rank that hangs
+(a deadlock, a stopped process, a collective that never returns) is noticed here: every piece of
+work the controller hands out (a generation, a reward, a training step, a save, a weight sync) is
+expected back, and a rank with work outstanding that sends nothing for `timeout_s` is taken as hung.
+
+    hung(r)  <=>  outstanding(r) > 0  and  now - last_heard(r) > limit(r)
+    limit(r) =  timeout_s                                   after r's first message
+                max(timeout_s, startup_s)                   before it (engine start, model load)
+
+`last_heard(r)` is the later of r's last message and the moment it got work while it had none, so
+time spent idle never counts. The error names the rank (`layout.describe_rank`) and what it owed.
+"""
+
+from __future__ import annotations
+
+
+class RankFailure(RuntimeError):
+    """A rank failed or hung; the message names it. main.py ends the whole run (MPI Abort)."""
+
+
+class Liveness:
+    def __init__(self, layout, timeout_s: float, startup_s: float):
+        self.layout = layout
+        self.timeout_s = timeout_s
+        self.startup_s = max(timeout_s, startup_s)
+        self.outstanding: dict[int, int] = {}
+        self.last: dict[int, float] = {}
+        self.what: dict[int, str] = {}
+        self.answered: set[int] = set()
+
+    def heard(self, rank: int, now: float) -> None:
+        self.last[rank] = now
+        self.answered.add(rank)
+
+    def expect(self, rank: int, now: float, what: str) -> None:
+        """`rank` owes the controller an answer for `what`."""
+        if self.outstanding.get(rank, 0) == 0:
+            self.last[rank] = max(self.last.get(rank, now), now)
+        self.outstanding[rank] = self.outstanding.get(rank, 0) + 1
+        self.what[rank] = what
+
+    def done(self, rank: int) -> None:
+        self.outstanding[rank] = max(0, self.outstanding.get(rank, 0) - 1)
+
+    def check(self, now: float) -> None:
+        for rank, n in self.outstanding.items():
+            if n == 0:
+                continue
+            limit = self.timeout_s if rank in self.answered else self.startup_s
+            silent = now - self.last[rank]
+            if silent > limit:
+                raise RankFailure(
+                    f"{self.layout.describe_rank(rank)} has not answered for {silent:.0f} s "
+                    f"(limit {limit:.0f} s; owes {n} answer(s), the latest for {self.what[rank]}): "
+                    "taken as hung, ending the run"
+                )

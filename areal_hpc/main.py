@@ -1,0 +1,194 @@
+"""`python -m areal_hpc.main RUN_DIR`: what every MPI rank runs, on this machine or on Slurm.
+
+```
+ every rank:  config.yaml -> Layout -> role, log file logs/<role>-<i>.log, signals, cores
+              role communicator (collective)
+              model dir + latest complete checkpoint (world rank 0 finds or builds them, bcast)
+              RankContext -> setup_weight_sync (collective) -> the role's serve
+              exit barrier (bounded), exit code
+```
+
+A rank that fails prints one line naming itself to the launcher's console, its traceback to its
+log, and ends the whole run with MPI Abort: nothing hangs, nothing stays running. A rank that dies
+outright is mpirun's (srun's) to notice; one that hangs is the controller's (areal_hpc.liveness).
+
+Signals: only the controller acts on SIGUSR2, SIGTERM and SIGINT (checkpoint, then Stop to everyone,
+exit code 75); the other ranks ignore SIGUSR2 and SIGINT and wait for the controller's Stop.
+
+mpi4py is imported inside functions only: a generator rank's vLLM must not see MPI initialised at
+import time (CONTEXT.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from areal_hpc.config import load_config
+from areal_hpc.layout import Layout, Role
+from areal_hpc.rundir import latest_checkpoint, log_path
+
+EXIT_BARRIER_S = 60.0
+"""How long a rank that finished waits for the others before leaving anyway."""
+PIN_ENV = "AREAL_PIN_CORES"
+"""Set to 1 by the local launcher: pin generator and trainer ranks to disjoint cores of this machine
+(on Slurm the scheduler binds ranks)."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m areal_hpc.main RUN_DIR", file=sys.stderr)
+        return 2
+    run_dir = Path(args[0]).resolve()
+    cfg = load_config(run_dir / "config.yaml")
+    layout = Layout.from_config(cfg)
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+    role = layout.role_of(rank)
+    name = layout.describe_rank(rank)
+    log_file = log_path(run_dir, role.name.lower(), rank - layout.ranks(role).start)
+    console = _redirect_output(log_file)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role.name.lower()} %(levelname)s %(message)s")
+    _signals(role)
+    if os.environ.get(PIN_ENV) == "1":
+        _pin(core_plan(layout, sorted(os.sched_getaffinity(0))).get(rank))
+    logging.info("%s starting (pid %d, cores %s)", name, os.getpid(), sorted(os.sched_getaffinity(0)))
+
+    code = 0
+    try:
+        role_comm = layout.split(world)
+        found = None
+        if rank == 0:
+            from areal_hpc.sft import initial_model
+
+            found = (str(initial_model(cfg)), latest_checkpoint(run_dir))
+        model_path, resume_from = world.bcast(found, root=0)
+        from areal_hpc.runtime import RankContext
+
+        ctx = RankContext(cfg, layout, world, role_comm, run_dir, Path(model_path), resume_from)
+        from areal_hpc.weight_sync import setup_weight_sync
+
+        sync = setup_weight_sync(ctx)
+        code = _serve(ctx, sync) or 0
+    except BaseException as e:  # noqa: BLE001 - every failure ends the whole run, loudly
+        _fail(world, name, e, console, log_file)
+    _exit_barrier(world, rank, name, console)
+    logging.info("%s exits with code %d", name, code)
+    return code
+
+
+def _serve(ctx, sync) -> int | None:
+    role = ctx.role
+    if role == Role.CONTROLLER:
+        from areal_hpc.controller import serve
+
+        return serve(ctx)
+    if role == Role.REWARD:
+        from areal_hpc.reward.worker import serve
+
+        return serve(ctx)
+    if role == Role.GENERATOR:
+        from areal_hpc.generator.worker import serve
+
+        return serve(ctx, sync)
+    from areal_hpc.trainer.worker import serve
+
+    return serve(ctx, sync)
+
+
+# --- cores -------------------------------------------------------------------------------------
+
+
+def core_plan(layout: Layout, cores: list[int]) -> dict[int, list[int]]:
+    """World rank -> cores it is pinned to: generator and trainer ranks get disjoint equal shares of
+    `cores` (each its own "device", as on a cluster); the controller and reward ranks float (absent).
+    Empty when there are fewer cores than generator + trainer ranks: then nothing is pinned.
+
+    2 cores, 1 generator (rank 2) + 1 trainer (rank 3): {2: [c0], 3: [c1]}.
+    """
+    pinned = [*layout.ranks(Role.GENERATOR), *layout.ranks(Role.TRAINER)]
+    if len(cores) < len(pinned):
+        return {}
+    share = len(cores) // len(pinned)
+    return {r: cores[i * share : (i + 1) * share] for i, r in enumerate(pinned)}
+
+
+def _pin(cores: list[int] | None) -> None:
+    if not cores:
+        return
+    os.sched_setaffinity(0, cores)
+    # Before torch or vLLM is imported: one compute thread per core of this rank.
+    os.environ["OMP_NUM_THREADS"] = str(len(cores))
+
+
+# --- output, signals, failure, exit ------------------------------------------------------------
+
+
+def _redirect_output(path: Path):
+    """Send this process's stdout and stderr (vLLM's and Megatron's chatter included) to its log; return
+    a file on the original stderr for the few lines the launcher's console should show."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    console = os.fdopen(os.dup(2), "w", buffering=1)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    return console
+
+
+def _signals(role: Role) -> None:
+    if role == Role.CONTROLLER:
+        from areal_hpc.controller import install_stop_signals
+
+        install_stop_signals()
+    else:
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _fail(world, name: str, error: BaseException, console, log_file: Path) -> None:
+    """Log, tell the console in one line, end every rank of the run."""
+    traceback.print_exc()
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    from areal_hpc.liveness import RankFailure
+
+    if isinstance(error, RankFailure):  # the controller names the rank at fault
+        message = f"areal-hpc: {error}"
+    else:
+        message = f"areal-hpc: {name} failed: {type(error).__name__}: {first} (traceback in {log_file})"
+    print(message, file=sys.stderr, flush=True)
+    try:
+        print(message, file=console, flush=True)
+    except OSError:
+        pass
+    world.Abort(1)
+
+
+def _exit_barrier(world, rank: int, name: str, console) -> None:
+    """Leave together: MPI_Finalize would wait for ranks that are still busy, and mpirun ends the
+    job as soon as one rank exits with an error. The controller ends the run if a rank never comes."""
+    request = world.Ibarrier()
+    deadline = time.monotonic() + EXIT_BARRIER_S
+    while not request.Test():
+        if time.monotonic() > deadline:
+            message = f"areal-hpc: {name}: not every rank stopped within {EXIT_BARRIER_S:.0f} s of the end"
+            print(message, file=sys.stderr, flush=True)
+            if rank == 0:
+                print(message, file=console, flush=True)
+                world.Abort(1)
+            return
+        time.sleep(0.01)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

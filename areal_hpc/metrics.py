@@ -1,0 +1,109 @@
+"""Per-step metrics: one line of `metrics.jsonl` and TensorBoard scalars, with the DESIGN.md names, and
+the idle-time clocks behind `timing/gen_idle_frac` and `timing/train_idle_frac`.
+
+Names (one per concept): reward/mean, staleness/max, staleness/dropped,
+throughput/effective_tokens_per_s, timing/step_s, timing/weight_sync_s, timing/gen_idle_frac,
+timing/train_idle_frac, and the trainer's ppo/* statistics. Each line also has `step` (the policy
+version after the step) and `time_s` (seconds since the run, or its resumed attempt, started).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+REQUIRED = (
+    "reward/mean",
+    "staleness/max",
+    "staleness/dropped",
+    "throughput/effective_tokens_per_s",
+    "timing/step_s",
+    "timing/weight_sync_s",
+    "timing/gen_idle_frac",
+    "timing/train_idle_frac",
+)
+
+
+class MetricsWriter:
+    """Appends one JSON line per step (flushed at once, so `tail -f` and the launcher see it) and
+    mirrors every numeric value as a TensorBoard scalar."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._file = open(self.path, "a")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+
+    def write(self, step: int, metrics: dict) -> None:
+        row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, int | float) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _plain(v):
+    if hasattr(v, "item"):
+        v = v.item()
+    return float(v) if isinstance(v, float) else v
+
+
+def progress_line(row: dict, total_steps: int) -> str:
+    """'step 12/100  reward 0.41  staleness 1 (0 dropped)  820 tok/s  step 1.9 s  sync 0.12 s'"""
+    return (
+        f"step {row['step']}/{total_steps}  reward {row['reward/mean']:.3f}  "
+        f"staleness {row['staleness/max']} ({row['staleness/dropped']} dropped)  "
+        f"{row['throughput/effective_tokens_per_s']:.0f} tok/s  step {row['timing/step_s']:.2f} s  "
+        f"sync {row['timing/weight_sync_s']:.2f} s  idle gen {row['timing/gen_idle_frac']:.0%} "
+        f"train {row['timing/train_idle_frac']:.0%}"
+    )
+
+
+class IdleClock:
+    """Time a set of workers spent with nothing to do, as a fraction of a window.
+
+    `busy(i, flag)` marks worker i busy or idle from now on; `take_fraction()` returns the mean idle
+    fraction over the workers since the previous call and starts a new window:
+
+        idle_frac = (1 / n) * sum_i idle_time_i / window
+    """
+
+    def __init__(self, n: int, now=time.monotonic):
+        self.now = now
+        self.n = n
+        self._busy = [False] * n
+        self._idle = [0.0] * n
+        self._since = [now()] * n
+        self._window_start = now()
+
+    def busy(self, i: int, flag: bool) -> None:
+        if flag == self._busy[i]:
+            return
+        t = self.now()
+        if not self._busy[i]:
+            self._idle[i] += t - self._since[i]
+        self._busy[i], self._since[i] = flag, t
+
+    def take_fraction(self) -> float:
+        t = self.now()
+        window = t - self._window_start
+        total = 0.0
+        for i in range(self.n):
+            idle = self._idle[i] + (0.0 if self._busy[i] else t - self._since[i])
+            total += idle
+            self._idle[i], self._since[i] = 0.0, t
+        self._window_start = t
+        return 0.0 if window <= 0 else min(1.0, total / (self.n * window))
