@@ -27,6 +27,9 @@ def initial_model(cfg: Config) -> Path:
     Builds what is missing (the tiny model, the warm start); cheap when both are cached. Call it from
     one process at a time per run root (the launcher, or world rank 0 before the others look).
     """
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     if cfg.model.path == "tiny":
         base = build_tiny_model(cfg.model, cfg.experiment.root, cfg.experiment.seed)
     else:
@@ -75,34 +78,50 @@ def warm_start(cfg: Config, base: Path) -> Path:
 
     def build(out: Path) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        torch.manual_seed(cfg.experiment.seed)
-        tok = AutoTokenizer.from_pretrained(base)
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-        examples = []
-        for row in sft_rows(cfg):
-            prompt = tok(row["prompt"])["input_ids"]
-            response = tok(f"{BOXED}{row['answer']}}}")["input_ids"] + [tok.eos_token_id]
-            examples.append((prompt, response))
-        opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
-        rng = random.Random(cfg.experiment.seed)
-        model.train()
-        for _ in range(s.epochs):
-            rng.shuffle(examples)
-            for i in range(0, len(examples), s.batch_size):
-                batch = examples[i : i + s.batch_size]
-                width = max(len(p) + len(r) for p, r in batch)
-                ids = torch.full((len(batch), width), tok.pad_token_id)  # [batch, width]
-                labels = torch.full((len(batch), width), -100)  # -100: no loss (prompt, padding)
-                for j, (p, r) in enumerate(batch):
-                    ids[j, : len(p) + len(r)] = torch.tensor(p + r)
-                    labels[j, len(p) : len(p) + len(r)] = torch.tensor(r)
-                loss = model(input_ids=ids, labels=labels).loss
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-        model.to(getattr(torch, cfg.model.dtype)).save_pretrained(out, safe_serialization=True)
-        tok.save_pretrained(out)
+        # One thread: a model this small gains nothing from more, and on a busy machine (the ranks of
+        # another run, a test suite) extra threads make it 25x slower.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            _train(cfg, base, out)
+        finally:
+            torch.set_num_threads(threads)
 
     return _build_atomically(Path(cfg.experiment.root) / ".assets" / f"sft-{key}", build)
+
+
+def _train(cfg: Config, base: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    s = cfg.sft
+    hf_logging.disable_progress_bar()
+    torch.manual_seed(cfg.experiment.seed)
+    tok = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    examples = []
+    for row in sft_rows(cfg):
+        prompt = tok(row["prompt"])["input_ids"]
+        response = tok(f"{BOXED}{row['answer']}}}")["input_ids"] + [tok.eos_token_id]
+        examples.append((prompt, response))
+    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
+    rng = random.Random(cfg.experiment.seed)
+    model.train()
+    for _ in range(s.epochs):
+        rng.shuffle(examples)
+        for i in range(0, len(examples), s.batch_size):
+            batch = examples[i : i + s.batch_size]
+            width = max(len(p) + len(r) for p, r in batch)
+            ids = torch.full((len(batch), width), tok.pad_token_id)  # [batch, width]
+            labels = torch.full((len(batch), width), -100)  # -100: no loss (prompt, padding)
+            for j, (p, r) in enumerate(batch):
+                ids[j, : len(p) + len(r)] = torch.tensor(p + r)
+                labels[j, len(p) : len(p) + len(r)] = torch.tensor(r)
+            loss = model(input_ids=ids, labels=labels).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    model.to(getattr(torch, cfg.model.dtype)).save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
