@@ -16,8 +16,10 @@ job id parsing, `Job` objects with `cancel()`, `stdout()`, `stderr()`, its log n
 from __future__ import annotations
 
 import datetime as dt
+import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from submitit.core import utils
@@ -77,27 +79,69 @@ class HetSlurmExecutor(SlurmExecutor):
             raise LaunchError(f"sbatch rejected the job: {str(e).strip()}") from None
 
 
-def partitions() -> list[str] | None:
+@dataclass(frozen=True)
+class Partition:
+    nodes: int
+    gpus_per_node: int
+    """Most GPUs (gres gpu) on one of its nodes."""
+    default: bool
+
+
+def partitions() -> dict[str, Partition] | None:
     """The cluster's partitions from `sinfo` (None when sinfo cannot answer)."""
     try:
-        out = subprocess.run(["sinfo", "--noheader", "--format=%R"], capture_output=True, text=True, timeout=30)
+        out = subprocess.run(["sinfo", "--noheader", "--format=%P|%D|%G"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    if out.returncode != 0:
-        return None
-    return sorted({line.strip() for line in out.stdout.splitlines() if line.strip()})
+    return parse_sinfo(out.stdout) if out.returncode == 0 else None
 
 
-def check_partitions(cfg: Config, available: list[str] | None) -> None:
-    """A clear error when the config names a partition the cluster does not have."""
-    if available is None:
+def parse_sinfo(text: str) -> dict[str, Partition]:
+    """`NAME[*]|NODES|GRES` lines (one per node configuration) -> {name: Partition}."""
+    found: dict[str, Partition] = {}
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) != 3 or not parts[1].isdigit():
+            continue
+        name, nodes, gres = parts
+        default = name.endswith("*")
+        name = name.rstrip("*")
+        gpus = max([int(m) for m in re.findall(r"gpu(?::[\w.-]+)*?:(\d+)", gres)] or [0])
+        old = found.get(name, Partition(0, 0, False))
+        found[name] = Partition(old.nodes + int(nodes), max(old.gpus_per_node, gpus), old.default or default)
+    return found
+
+
+def check_cluster(cfg: Config, available: dict[str, Partition] | None) -> None:
+    """A clear error when the cluster cannot give what the config asks for: a partition it does not have,
+    more nodes than a partition holds, more GPUs per node than its nodes have. (sbatch accepts a
+    heterogeneous job larger than its partition and leaves it pending for ever.)"""
+    if not available:
         return
+    c = cfg.cluster
+    default = next((n for n, p in available.items() if p.default), None)
     for key in ("partition", "cpu_partition"):
-        name = getattr(cfg.cluster, key)
+        name = getattr(c, key)
         if name and name not in available:
             raise LaunchError(
-                f"cluster.{key} '{name}' is not a partition of this cluster (sinfo lists: {', '.join(available)})"
+                f"cluster.{key} '{name}' is not a partition of this cluster (sinfo lists: {', '.join(sorted(available))})"
             )
+    layout = Layout.from_config(cfg)
+    gpu_part = c.partition or default
+    cpu_part = c.cpu_partition or gpu_part
+    need = {gpu_part: layout.nodes}
+    need[cpu_part] = need.get(cpu_part, 0) + 1
+    for name, nodes in need.items():
+        if name in available and nodes > available[name].nodes:
+            raise LaunchError(
+                f"the job needs {nodes} nodes in partition '{name}' ({describe_request(cfg)}), which has "
+                f"{available[name].nodes}; lower --nodes (cluster.nodes = {c.nodes} accelerator nodes + 1 CPU node)"
+            )
+    if c.device == "cuda" and gpu_part in available and c.gpus_per_node > available[gpu_part].gpus_per_node:
+        raise LaunchError(
+            f"cluster.gpus_per_node ({c.gpus_per_node}) exceeds the {available[gpu_part].gpus_per_node} GPUs per node "
+            f"of partition '{gpu_part}'"
+        )
 
 
 def describe_request(cfg: Config) -> str:
@@ -133,7 +177,7 @@ class SlurmLauncher:
 
     def submit(self, cfg: Config, fresh: bool = False) -> str:
         """Prepare the run directory, submit the job, write RUN_DIR/job.json; returns the job id."""
-        check_partitions(cfg, partitions())
+        check_cluster(cfg, partitions())
         script = self.script(cfg)  # before touching the run directory: a config error changes nothing
         run_dir = prepare_run_dir(cfg, fresh=fresh).resolve()
         record = JobRecord.load(run_dir)
@@ -182,6 +226,6 @@ __all__ = [
     "HetSlurmExecutor",
     "HetSlurmJob",
     "SlurmLauncher",
-    "check_partitions",
+    "check_cluster",
     "partitions",
 ]

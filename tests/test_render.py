@@ -20,7 +20,7 @@ from areal_hpc.config import load_config
 from launch import LaunchError, get_launcher
 from launch.record import JobRecord, parse_squeue, status
 from launch.sbatch import REQUEUE_EXIT_CODE, fill, render_sbatch
-from launch.slurm import check_partitions
+from launch.slurm import Partition, check_cluster, parse_sinfo
 
 REPO = Path(__file__).resolve().parent.parent
 SNAPSHOTS = Path(__file__).resolve().parent / "snapshots"
@@ -151,11 +151,23 @@ def test_fill_refuses_missing_or_unknown_names():
         fill("a {{x}}", {"x": "1", "z": "2"})
 
 
-def test_unknown_partition_is_a_clear_error():
+def test_cluster_capacity_errors():
+    parts = parse_sinfo("debug*|4|gpu:4\ncpu|2|(null)\nbig|2|gpu:a100:8(S:0-1)\nbig|1|gpu:a100:4\n")
+    assert parts["debug"] == Partition(4, 4, True) and parts["big"] == Partition(3, 8, False)
+    assert parts["cpu"].gpus_per_node == 0
     cfg = load_config(REPO / "configs/tiny-cpu.yaml", ["cluster.partition=gpu-big"])
-    with pytest.raises(LaunchError, match="cluster.partition 'gpu-big' is not a partition.*debug, cpu"):
-        check_partitions(cfg, ["debug", "cpu"])
-    check_partitions(cfg, None)  # sinfo cannot answer: leave it to sbatch
+    with pytest.raises(LaunchError, match="cluster.partition 'gpu-big' is not a partition.*big, cpu, debug"):
+        check_cluster(cfg, parts)
+    check_cluster(cfg, None)  # sinfo cannot answer: leave it to sbatch
+    check_cluster(load_config(REPO / "configs/tiny-cpu.yaml", ["cluster.nodes=3"]), parts)  # 3 + 1 = 4 fit
+    with pytest.raises(LaunchError, match="needs 5 nodes in partition 'debug'.*which has 4"):
+        check_cluster(load_config(REPO / "configs/tiny-cpu.yaml", ["cluster.nodes=4"]), parts)
+    # the controller's node from another partition frees one
+    check_cluster(load_config(REPO / "configs/tiny-cpu.yaml", ["cluster.nodes=4", "cluster.cpu_partition=cpu"]), parts)
+    cuda = ["cluster.device=cuda", "cluster.gpus_per_node=8", "cluster.nodes=2"]
+    with pytest.raises(LaunchError, match=r"gpus_per_node \(8\) exceeds the 4 GPUs per node of partition 'debug'"):
+        check_cluster(load_config(REPO / "configs/tiny-cpu.yaml", cuda), parts)
+    check_cluster(load_config(REPO / "configs/tiny-cpu.yaml", [*cuda, "cluster.partition=big"]), parts)
 
 
 def test_parse_squeue_gives_each_component_and_the_worst_state():

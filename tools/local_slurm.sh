@@ -108,13 +108,17 @@ start() {
   usage
 }
 
-# slurmstepd daemonizes away from slurmd; ours are those that inherited this cluster's SLURM_CONF.
-step_daemons() {
-  local p
+# Step daemons (slurmstepd daemonizes away from slurmd), batch scripts, srun and ranks of this cluster's
+# jobs: the processes that inherited this cluster's SLURM_CONF and are a step daemon or run inside a
+# job (SLURM_JOB_ID) -- not a shell that merely exported SLURM_CONF. A step daemon left by a failed
+# PMIx launch may ignore SIGTERM; stop_daemons then SIGKILLs it by pid.
+job_processes() {
+  local p env
   for p in /proc/[0-9]*; do
-    [ -r "$p/environ" ] || continue
-    if tr '\0' '\n' <"$p/environ" 2>/dev/null | grep -qx "SLURM_CONF=$conf"; then
-      case "$(cat "$p/comm" 2>/dev/null)" in slurmstepd) echo "${p#/proc/}" ;; esac
+    env=$({ tr '\0' '\n' <"$p/environ"; } 2>/dev/null) || continue
+    grep -qx "SLURM_CONF=$conf" <<<"$env" || continue
+    if [ "$(cat "$p/comm" 2>/dev/null)" = slurmstepd ] || grep -q "^SLURM_JOB_ID=" <<<"$env"; then
+      echo "${p#/proc/}"
     fi
   done
 }
@@ -124,8 +128,8 @@ stop_daemons() {
   if alive "$(recorded slurmctld)"; then
     scancel --full --quiet -u "$(id -un)" 2>/dev/null || true  # end our jobs before their nodes go
   fi
-  local stepds list name pid
-  stepds=$(step_daemons)
+  local stepds list pid
+  stepds=$(job_processes)
   list=$(awk '{ print $2 }' "$pids")
   # shellcheck disable=SC2086
   kill -TERM $list $stepds 2>/dev/null || true

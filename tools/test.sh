@@ -13,5 +13,13 @@ echo "[test] ruff check"
 ruff check .
 echo "[test] ruff format --check"
 ruff format --check .
+# The slurm-marked tests run against the local test cluster: start it (unless it is already up) and
+# stop it when the tests end, whatever their outcome.
+if ! tools/local_slurm.sh status >/dev/null 2>&1; then
+  echo "[test] starting the local Slurm cluster (tools/local_slurm.sh)"
+  trap 'tools/local_slurm.sh stop >/dev/null' EXIT
+  tools/local_slurm.sh start >/dev/null
+fi
+eval "$(tools/local_slurm.sh env)"
 echo "[test] pytest"
-exec python -m pytest "$@"
+python -m pytest "$@"

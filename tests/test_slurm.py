@@ -1,0 +1,275 @@
+"""The Slurm launcher against a real Slurm: the local test cluster of tools/local_slurm.sh (fake nodes on
+loopback, fake GPUs). tools/test.sh starts it and exports SLURM_CONF; run alone, these tests start it
+themselves and stop it afterwards.
+
+The ranks run small stand-in entry points (written below) instead of `areal_hpc.main`, so what is tested
+is the launcher: one heterogeneous job, one MPI world across the fake nodes, cancel, the whole step
+ending when one rank fails, and the checkpoint/requeue cycle. tests/test_slurm_e2e.py runs the real
+system.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from areal_hpc.cli import main as cli_main
+from areal_hpc.config import load_config
+from launch.record import ACTIVE, JobRecord, query_states
+from launch.slurm import SlurmLauncher
+
+pytestmark = pytest.mark.slurm
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "configs" / "tiny-cpu.yaml"
+
+HELLO = """
+import json, os, sys
+from mpi4py import MPI
+world = MPI.COMM_WORLD
+total = world.allreduce(world.Get_rank())
+keys = ("SLURM_PROCID", "SLURMD_NODENAME", "CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID")
+info = {"rank": world.Get_rank(), "size": world.Get_size(), "sum": total, **{k: os.environ.get(k) for k in keys}}
+with open(os.path.join(sys.argv[1], f"rank{world.Get_rank()}.json"), "w") as f:
+    json.dump(info, f)
+"""
+
+# Stand-in for the controller's checkpoint/resume: rank 0 counts steps, checkpoints the count after each
+# step, and on SIGUSR2 saves it and exits with the "requeue me" code 75 (the others follow its decision).
+COUNTER = """
+import json, os, signal, sys, time
+from pathlib import Path
+from mpi4py import MPI
+run_dir, total, delay = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+world = MPI.COMM_WORLD
+stop = False
+def on_stop(signum, frame):
+    global stop
+    stop = True
+if world.Get_rank() == 0:
+    signal.signal(signal.SIGUSR2, on_stop)
+ckpt = run_dir / "counter.json"
+step = world.bcast(json.loads(ckpt.read_text())["step"] if ckpt.exists() else 0)
+attempt = int(os.environ.get("SLURM_RESTART_COUNT", 0))
+while step < total:
+    if world.bcast(stop):
+        sys.exit(75 if world.Get_rank() == 0 else 0)
+    time.sleep(delay)
+    step += 1
+    world.allreduce(1)
+    if world.Get_rank() == 0:
+        with open(run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "attempt": attempt}) + "\\n")
+        ckpt.write_text(json.dumps({"step": step}))
+"""
+
+FAIL_ONE = """
+import sys, time
+from mpi4py import MPI
+world = MPI.COMM_WORLD
+if world.Get_rank() == world.Get_size() - 1:
+    sys.exit(3)
+time.sleep(600)
+"""
+
+
+def _answers() -> bool:
+    try:
+        return subprocess.run(["sinfo", "-h"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """SLURM_CONF of a running cluster: the one tools/test.sh started, or one started here."""
+    started = False
+    if not (os.environ.get("SLURM_CONF") and _answers()):
+        out = subprocess.run([str(REPO / "tools/local_slurm.sh"), "start"], capture_output=True, text=True)
+        assert out.returncode == 0, f"tools/local_slurm.sh start failed:\n{out.stdout}\n{out.stderr}"
+        os.environ["SLURM_CONF"] = str(REPO / ".slurm" / "etc" / "slurm.conf")
+        started = True
+    yield os.environ["SLURM_CONF"]
+    if started:
+        subprocess.run([str(REPO / "tools/local_slurm.sh"), "stop"], capture_output=True)
+
+
+@pytest.fixture
+def submit(slurm_cluster, tmp_path, monkeypatch):
+    """Submit tiny-cpu on 3 nodes (4 fake nodes with the controller's) with a stand-in entry; returns
+    (job id, run dir). Cancels what is left at the end."""
+    # only because the fake nodes share one host: OpenMPI's shared-memory segments collide (sbatch passes
+    # the submitter's environment on to the ranks)
+    monkeypatch.setenv("OMPI_MCA_btl", "self,tcp")
+    jobs = []
+
+    def run(script: str, args: list[str], overrides=()):
+        entry = tmp_path / "entry.py"
+        entry.write_text(script)
+        cfg = load_config(TINY, ["cluster.nodes=3", f"experiment.root={tmp_path / 'runs'}", *overrides])
+        run_dir = cfg.run_dir.resolve()
+        command = [sys.executable, str(entry), *[a.replace("RUN_DIR", str(run_dir)) for a in args]]
+        job_id = SlurmLauncher(command=command).submit(cfg)
+        jobs.append(job_id)
+        return job_id, run_dir
+
+    yield run
+    for job_id in jobs:
+        subprocess.run(["scancel", job_id], capture_output=True)
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.5):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def components(job_id: str) -> dict[str, dict[str, str]]:
+    return {k: v for k, v in (query_states(job_id) or {}).items() if "+" in k}
+
+
+def nodes_idle() -> bool:
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True).stdout.split()
+    return bool(out) and all(state == "idle" for state in out)
+
+
+def wait_done(run_dir: Path, timeout: float) -> str:
+    record = JobRecord.load(run_dir)
+    return wait_for(lambda: (s := record.state()) not in ACTIVE and s, timeout, f"job {record.job_id} to end")
+
+
+def test_cluster_has_fake_gpu_nodes(slurm_cluster):
+    out = subprocess.run(["sinfo", "-N", "-h", "-o", "%N %G"], capture_output=True, text=True, check=True).stdout
+    nodes = dict(line.split() for line in out.splitlines())
+    assert sorted(nodes) == ["node1", "node2", "node3", "node4"]
+    assert all(g.startswith("gpu:4") for g in nodes.values())
+
+
+def test_hetjob_is_one_mpi_world_across_nodes(submit, tmp_path):
+    out = tmp_path / "hello"
+    out.mkdir()
+    # device cuda, 2 fake GPUs per node: controller + 1 reward | 1 node x 2 generators | 2 nodes x 2 trainers
+    job_id, run_dir = submit(HELLO, [str(out)], ["cluster.device=cuda", "cluster.gpus_per_node=2"])
+    assert wait_done(run_dir, 90) == "COMPLETED"
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(8)]
+    assert all(r["size"] == 8 and r["sum"] == sum(range(8)) for r in ranks)
+    assert [int(r["SLURM_PROCID"]) for r in ranks] == list(range(8))  # MPI rank == SLURM_PROCID
+    nodes = [r["SLURMD_NODENAME"] for r in ranks]
+    assert nodes[0] == nodes[1]  # controller and reward worker share the CPU node
+    assert nodes[2] == nodes[3] and nodes[2] != nodes[0]  # generator node
+    assert len({nodes[0], nodes[2], *nodes[4:]}) == 4  # trainers on two more nodes
+    assert ranks[0]["CUDA_VISIBLE_DEVICES"] is None  # no GPU asked for the controller
+    assert all(r["CUDA_VISIBLE_DEVICES"] == "0,1" for r in ranks[2:])
+    # each rank's output in the attempt's log directory
+    logs = run_dir / "logs" / f"slurm-{job_id}" / "attempt-0"
+    assert sorted(p.name for p in logs.iterdir()) == [f"rank{r}.log" for r in range(8)]
+
+
+def test_one_failing_rank_ends_the_job(submit):
+    job_id, run_dir = submit(FAIL_ONE, [])
+    state = wait_done(run_dir, 60)  # the others sleep 600 s unless --kill-on-bad-exit ends them
+    assert state == "FAILED"
+    events = JobRecord.load(run_dir).attempts()
+    assert events[-1]["event"] == "end" and events[-1]["exit_code"] != 0
+
+
+def test_cancel_shows_in_status(submit, capsys):
+    job_id, run_dir = submit(COUNTER, ["RUN_DIR", "1000", "0.3"])
+    wait_for(lambda: (run_dir / "metrics.jsonl").exists(), 60, "the first step")
+    assert cli_main(["status", str(run_dir)]) == 0
+    assert f"job {job_id}: RUNNING" in capsys.readouterr().out
+    assert cli_main(["cancel", str(run_dir)]) == 0
+    assert f"cancelled job {job_id}" in capsys.readouterr().out
+
+    def cancelled():
+        cli_main(["status", str(run_dir)])
+        out = capsys.readouterr().out
+        return f"job {job_id}: CANCELLED" in out and out
+
+    out = wait_for(cancelled, 30, "status to show CANCELLED")
+    assert "cancelled at" in out and "last step:" in out
+    assert cli_main(["cancel", str(run_dir)]) == 0
+    assert "nothing to cancel" in capsys.readouterr().out
+
+
+def test_requeued_job_resumes_from_its_checkpoint(submit):
+    total = 14
+    job_id, run_dir = submit(COUNTER, ["RUN_DIR", str(total), "0.4"])
+    metrics = run_dir / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 60, "three steps")
+    # What Slurm does cluster.requeue_signal_s before the time limit (--signal=B:USR2@...)
+    subprocess.run(["scancel", "--signal=USR2", "--batch", job_id], check=True)
+
+    spool = Path(os.environ["SLURM_CONF"]).parent.parent / "spool"
+
+    def requeued_and_nodes_clean():
+        comps = components(job_id)
+        pending = comps and all(c["State"] == "PENDING" for c in comps.values())
+        # the old step's daemons are gone once their PMIx sockets are (same job id, same step id)
+        return pending and nodes_idle() and not list(spool.glob(f"*/stepd.slurm.pmix.{job_id}.*"))
+
+    def restarted():
+        comps = components(job_id)
+        return comps and all(c["State"] == "RUNNING" for c in comps.values())
+
+    wait_for(requeued_and_nodes_clean, 60, "the requeued job to be pending on clean nodes")
+    # A requeued job may start again only after ~2 min, which gives the nodes time to end the old step
+    # (a new step with the same id fails to bind its PMIx socket). The test starts it as soon as the
+    # nodes are clean.
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
+    wait_for(restarted, 60, "the requeued job to run again", interval=1)
+    assert wait_done(run_dir, 90) == "COMPLETED"
+
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, total + 1))  # every step once, none repeated
+    first = [r for r in rows if r["attempt"] == 0]
+    second = [r for r in rows if r["attempt"] == 1]
+    assert first and second and second[0]["step"] == first[-1]["step"] + 1
+    events = JobRecord.load(run_dir).attempts()
+    assert [(e["attempt"], e["event"]) for e in events] == [
+        (0, "start"),
+        (0, "end"),
+        (0, "requeue"),
+        (1, "start"),
+        (1, "end"),
+    ]
+    assert events[1]["exit_code"] == 75 and events[1]["stop_signal"] == "USR2"
+    assert (run_dir / "logs" / f"slurm-{job_id}" / "attempt-1" / "rank0.log").exists()
+
+
+def test_sbatch_rejection_is_shown(slurm_cluster, tmp_path, capsys):
+    code = cli_main(
+        [
+            "submit",
+            str(TINY),
+            "--nodes",
+            "3",
+            "cluster.sbatch_args=[--constraint=nosuchfeature]",
+            f"experiment.root={tmp_path}",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "sbatch rejected the job" in err and "Invalid feature specification" in err
+    assert "the job asked for: controller 1 node(s) x 2 task(s)" in err
+    assert not (tmp_path / "tiny-cpu/trial0/job.json").exists()
+
+
+def test_too_big_for_the_cluster_is_refused_before_sbatch(slurm_cluster, tmp_path, capsys):
+    # 4 accelerator nodes + the controller's: sbatch would accept it and leave it pending for ever
+    code = cli_main(["submit", str(TINY), "--nodes", "4", f"experiment.root={tmp_path}"])
+    assert code == 1
+    assert "the job needs 5 nodes in partition 'debug'" in capsys.readouterr().err
+    code = cli_main(["submit", str(TINY), "--nodes", "3", "cluster.partition=gpu-big", f"experiment.root={tmp_path}"])
+    assert code == 1
+    assert (
+        "cluster.partition 'gpu-big' is not a partition of this cluster (sinfo lists: debug)" in capsys.readouterr().err
+    )
