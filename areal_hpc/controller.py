@@ -244,6 +244,7 @@ class Controller:
         for group in groups:
             if not self.gate.consume(group.oldest_version, group.n):
                 raise AssertionError(f"group {group.group_id} passed drop_stale but failed the consumption check")
+        log.info("step %d trains prompts %s", self.version, [g.row.get("index") for g in groups])
         p, a = self.cfg.ppo, self.cfg.allocation
         batches, self.training = build_train_batches(
             groups, self.version, self.layout.train_dp, p.minibatches, p.max_tokens_per_mb, p.adv_norm, a.train_pp

@@ -45,14 +45,20 @@ class Liveness:
         self.outstanding[rank] = max(0, self.outstanding.get(rank, 0) - 1)
 
     def check(self, now: float) -> None:
+        """Raise RankFailure if a rank is hung. When one rank hangs, the ranks waiting for it in a
+        collective fall silent too, later: the error names the one silent longest, then the others."""
+        hung = []
         for rank, n in self.outstanding.items():
-            if n == 0:
-                continue
             limit = self.timeout_s if rank in self.answered else self.startup_s
-            silent = now - self.last[rank]
-            if silent > limit:
-                raise RankFailure(
-                    f"{self.layout.describe_rank(rank)} has not answered for {silent:.0f} s "
-                    f"(limit {limit:.0f} s; owes {n} answer(s), the latest for {self.what[rank]}): "
-                    "taken as hung, ending the run"
-                )
+            if n and now - self.last[rank] > limit:
+                hung.append((now - self.last[rank], rank, limit))
+        if not hung:
+            return
+        hung.sort(reverse=True)
+        silent, rank, limit = hung[0]
+        others = "; also silent: " + ", ".join(self.layout.describe_rank(r) for _, r, _ in hung[1:]) if hung[1:] else ""
+        raise RankFailure(
+            f"{self.layout.describe_rank(rank)} has not answered for {silent:.0f} s (limit {limit:.0f} s; owes "
+            f"{self.outstanding[rank]} answer(s), the latest for {self.what[rank]}): taken as hung, ending the run"
+            + others
+        )

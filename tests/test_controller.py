@@ -239,3 +239,24 @@ def test_a_rank_that_stops_answering_ends_the_run_naming_it(tmp_path):
     world = World(layout, build_tokenizer(), hang=reward_rank)
     with pytest.raises(RankFailure, match=r"reward 0 \(world rank 1\) has not answered"):
         run(cfg, layout, run_dir, tok_dir, world, Prompts())
+
+
+def test_liveness_names_the_rank_silent_longest_and_ignores_idle_time():
+    from areal_hpc.liveness import Liveness
+
+    lay = Layout.from_config(load_config("configs/tiny-cpu.yaml"))
+    live = Liveness(lay, timeout_s=10, startup_s=30)
+    gen, trainer = lay.ranks(Role.GENERATOR)[0], lay.ranks(Role.TRAINER)[0]
+    for r in (gen, trainer):
+        live.heard(r, 0.0)
+    live.check(1000.0)  # nothing outstanding: silence is fine
+    live.expect(trainer, 1000.0, "training step 3")  # idle time before this does not count
+    live.check(1009.0)
+    live.expect(gen, 1005.0, "the weight sync of version 4")  # waits for the trainer, falls silent later
+    with pytest.raises(
+        RankFailure, match=r"^trainer 0 \(world rank 3\) has not answered for 16 s.*also silent: generator 0"
+    ):
+        live.check(1016.0)
+    live.done(trainer)
+    live.done(gen)
+    live.check(2000.0)
