@@ -212,6 +212,8 @@ class RewardConfig:
     """Reward function: math (boxed-answer equivalence) or code (tests in a sandbox)."""
     timeout_s: float = 10.0
     """Time limit of one reward call; a call over it scores 0."""
+    processes: int = 0
+    """Scorer processes per reward worker rank (0: one per CPU core the rank may run on)."""
 
 
 @dataclass
@@ -381,6 +383,8 @@ def validate(cfg: Config) -> None:
     )
     need(c.device in ("cpu", "cuda"), f"cluster.device must be cpu or cuda (got '{c.device}')")
     need(cfg.reward.kind in ("math", "code"), f"reward.kind must be math or code (got '{cfg.reward.kind}')")
+    need(cfg.reward.timeout_s > 0, f"reward.timeout_s must be > 0 (got {cfg.reward.timeout_s})")
+    need(cfg.reward.processes >= 0, f"reward.processes must be >= 0 (got {cfg.reward.processes}); 0 is one per core")
     need(p.adv_norm in ("group", "mean", "batch"), f"ppo.adv_norm must be group, mean or batch (got '{p.adv_norm}')")
     for name, value in [
         ("model.hidden_size", m.hidden_size),
