@@ -164,8 +164,20 @@ def _metrics_lines(path: Path) -> list[str]:
     if last is None:
         return ["metrics: none yet"]
     step = last.get("step", len(rows))
-    shown = ", ".join(f"{k}={_fmt(v)}" for k, v in last.items() if k != "step")
+    keys = [k for k in SHOWN_METRICS if k in last] or [k for k in last if k != "step"]
+    shown = ", ".join(f"{k}={_fmt(last[k])}" for k in keys)
     return [f"last step: {step}", f"metrics: {shown}"]
+
+
+SHOWN_METRICS = (
+    "reward/mean",
+    "staleness/max",
+    "throughput/effective_tokens_per_s",
+    "timing/step_s",
+    "ppo/loss",
+    "ppo/grad_norm",
+)
+"""What `status` shows of the last metrics line (all of it when none of these is there)."""
 
 
 def _fmt(v) -> str:

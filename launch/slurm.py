@@ -25,7 +25,7 @@ from pathlib import Path
 from submitit.core import utils
 from submitit.slurm.slurm import SlurmExecutor, SlurmInfoWatcher, SlurmJob
 
-from areal_hpc.config import Config, save_config
+from areal_hpc.config import Config
 from areal_hpc.layout import Layout
 from areal_hpc.rundir import prepare_run_dir
 from launch import LaunchError
@@ -179,19 +179,18 @@ class SlurmLauncher:
         """Prepare the run directory, submit the job, write RUN_DIR/job.json; returns the job id."""
         check_cluster(cfg, partitions())
         script = self.script(cfg)  # before touching the run directory: a config error changes nothing
-        run_dir = prepare_run_dir(cfg, fresh=fresh).resolve()
-        record = JobRecord.load(run_dir)
-        if record is not None and record.active():
+        record = JobRecord.load(cfg.run_dir)
+        if record is not None and record.active():  # two jobs must never write one run directory
             raise LaunchError(
                 f"job {record.job_id} of this run is still {record.state()}; "
-                f"cancel it first (areal-hpc cancel {run_dir}) or pick another experiment.trial"
+                f"cancel it first (areal-hpc cancel {cfg.run_dir}) or pick another experiment.trial"
             )
+        run_dir = prepare_run_dir(cfg, fresh=fresh).resolve()
         executor = HetSlurmExecutor(run_dir / "slurm", script)
         try:
             job = executor.submit_script()
         except LaunchError as e:
             raise LaunchError(f"{e}\n  the job asked for: {describe_request(cfg)}") from None
-        save_config(cfg, run_dir / "config.yaml")
         JobRecord(
             job_id=job.job_id,
             submitted_at=dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),

@@ -143,6 +143,12 @@ def test_stand_in_command_is_quoted():
     assert shlex.quote("print('hi there')") in step
 
 
+def test_requeue_exit_code_is_the_controllers():
+    from areal_hpc.controller import EXIT_STOPPED
+
+    assert REQUEUE_EXIT_CODE == EXIT_STOPPED
+
+
 def test_fill_refuses_missing_or_unknown_names():
     assert fill("a {{x}} b", {"x": "1"}) == "a 1 b"
     with pytest.raises(KeyError):
@@ -191,11 +197,12 @@ def test_status_reads_the_record_when_slurm_forgot_the_job(tmp_path, monkeypatch
         {"job_id": "41", "attempt": 1, "event": "end", "exit_code": 0},
     ]
     (tmp_path / "slurm" / "attempts.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
-    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.1}\n{"step": 2, "reward/mean": 0.25}\n')
+    rows = '{"step": 1, "reward/mean": 0.1}\n{"step": 2, "reward/mean": 0.25, "ppo/clip_frac": 0.5}\n{"step"'
+    (tmp_path / "metrics.jsonl").write_text(rows)  # the last line is being written
     text = status(tmp_path)
     assert "job 41: COMPLETED" in text
     assert "attempts: 2 (1 requeue(s)); current logs: L1" in text
-    assert "last step: 2" in text and "reward/mean=0.25" in text
+    assert "last step: 2" in text and "metrics: reward/mean=0.25" in text and "clip_frac" not in text
 
 
 def test_dry_run_prints_the_script_and_touches_nothing(tmp_path, capsys):

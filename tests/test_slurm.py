@@ -186,6 +186,10 @@ def test_cancel_shows_in_status(submit, capsys):
     wait_for(lambda: (run_dir / "metrics.jsonl").exists(), 60, "the first step")
     assert cli_main(["status", str(run_dir)]) == 0
     assert f"job {job_id}: RUNNING" in capsys.readouterr().out
+    # a second job for the same run directory is refused while the first runs
+    overrides = ["--nodes", "3", f"experiment.root={run_dir.parent.parent}"]
+    assert cli_main(["submit", str(TINY), *overrides]) == 1
+    assert f"job {job_id} of this run is still RUNNING" in capsys.readouterr().err
     assert cli_main(["cancel", str(run_dir)]) == 0
     assert f"cancelled job {job_id}" in capsys.readouterr().out
 
