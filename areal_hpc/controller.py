@@ -132,6 +132,7 @@ class Controller:
         self.gen_idle = IdleClock(len(self.generators))
         self.train_idle = IdleClock(1)
         self.last_step_end = time.monotonic()
+        self.generating_since_start = False
         self.last_sync_s = 0.0
         self.stop_file = Path(ctx.run_dir) / STOP_FILE
         self._next_stop_check = 0.0
@@ -172,7 +173,9 @@ class Controller:
         elif isinstance(msg, Saved):
             self.on_saved(src, msg)
         elif isinstance(msg, Failure):
-            raise RankFailure(f"{self.layout.describe_rank(msg.rank)} failed:\n{msg.error}")
+            log.error("%s reports a failure:\n%s", self.layout.describe_rank(msg.rank), msg.error)
+            last = msg.error.strip().splitlines()[-1] if msg.error.strip() else "(no message)"
+            raise RankFailure(f"{self.layout.describe_rank(msg.rank)} failed: {last} (see its log)")
         else:
             raise RuntimeError(f"controller got an unexpected {type(msg).__name__} from rank {src}")
 
@@ -206,6 +209,11 @@ class Controller:
         self.liveness.expect(gen, time.monotonic(), "a generation")
 
     def on_trajectory(self, src: int, traj: Trajectory) -> None:
+        if not self.generating_since_start:  # the first step is timed from the first answer, not the
+            self.generating_since_start = True  # engines' start-up
+            self.last_step_end = time.monotonic()
+            self.gen_idle.take_fraction()
+            self.train_idle.take_fraction()
         group = self.rollouts.add_trajectory(traj)
         if group.generated:  # the generator is done with this group
             self.gen_load[src] -= 1
