@@ -15,9 +15,9 @@ The sandbox is bubblewrap, one per test run:
   - limits (setrlimit, set by a small launcher inside the sandbox before the program runs): CPU
     seconds, address space, processes, file size, open files, no core dumps; output is read with a
     cap; a wall-clock deadline;
-  - cleanup: bwrap is PID 1 of the sandbox's PID namespace; when it exits (or we SIGKILL its process
-    group at the deadline, or our process dies: `--die-with-parent`) the kernel kills every process
-    left in the namespace, so nothing the program started outlives the call.
+  - cleanup: bwrap's child is PID 1 of the sandbox's PID namespace; when it exits, or we SIGKILL it
+    at the deadline, the kernel kills every process left in the namespace, and we return only once
+    they are gone: nothing the program started outlives the call.
 
 Processes limit and root. RLIMIT_NPROC counts processes per user and is not enforced for uid 0 of
 the host. Run as root, bwrap keeps the host's user namespace (a new one would map the sandbox to
@@ -186,7 +186,9 @@ def run_program(source: str, stdin: str = "", limits: SandboxLimits = SandboxLim
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             pass_fds=(src_fd, info_w),
-            start_new_session=True,  # one process group to kill: bwrap and anything outside its session
+            # bwrap and the sandbox's PID 1 stay in our process group: whoever kills that group (the
+            # scorer pool does, for a scorer over its deadline) ends the sandbox too. Their death
+            # alone would not: bwrap's PID 1 outlives a killed bwrap, blocked for good.
             env={"PATH": "/usr/bin:/bin"},  # bwrap's own environ (readable in /proc) holds nothing of ours
         )
     except OSError as e:
@@ -250,12 +252,10 @@ def _end(proc: subprocess.Popen, init_pid: int | None) -> None:
     PID 1 only becomes a zombie (or vanishes) once they are all reaped: so we wait for that state.
     bwrap itself may exit before its PID 1 has finished (it reports the program's exit status as soon
     as it has it), which is why waiting for bwrap alone is not enough."""
-    if init_pid is not None and proc.poll() is None:  # while bwrap lives, PID 1's pid cannot be reused
-        _sigkill(init_pid)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # bwrap and whatever else is in its process group
-    except (ProcessLookupError, PermissionError):
-        pass
+    if proc.poll() is None:  # while bwrap lives, its child's pid cannot be reused: safe to signal
+        if init_pid is not None:
+            _sigkill(init_pid)
+        _sigkill(proc.pid)
     proc.wait()
     proc.stdout.close()
     proc.stderr.close()

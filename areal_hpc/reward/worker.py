@@ -1,0 +1,82 @@
+"""The reward worker rank: scores the controller's RewardRequests in a pool of processes, in parallel.
+
+```
+ loop (never blocks for long):
+   mailbox.poll(controller)  RewardRequest -> pool queue          Stop -> answer what is left, flush, return
+   pool.poll(few ms)         (traj_id, reward, reason) -> RewardResult to the controller, as each finishes
+```
+
+Every request is answered exactly once: a call over `reward.timeout_s` scores 0 with reason
+"timeout" (its process is killed and replaced if it does not stop by itself), a scorer process that
+dies scores its request 0 with "error: scorer process died (...)", and a request still open at Stop
+is answered "error: cancelled (stop)". The controller counts the reasons in its metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from areal_hpc.protocol import Failure, Mailbox, RewardRequest, RewardResult, Stop
+from areal_hpc.reward.pool import ScorerPool
+from areal_hpc.runtime import CONTROLLER_RANK
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.01
+"""Longest wait for a scorer while nothing is running (bounds how late a new request is noticed)."""
+BUSY_WAIT_S = 0.002
+"""Wait for a scorer while requests are running."""
+
+
+def pool_size(processes: int) -> int:
+    """`reward.processes`, or one scorer per core this rank may run on when it is 0."""
+    return processes if processes > 0 else max(1, len(os.sched_getaffinity(0)))
+
+
+def serve(ctx) -> int:
+    """Answer RewardRequests from the controller until Stop; returns 0."""
+    cfg = ctx.cfg.reward
+    box = Mailbox(ctx.world)
+    pool = ScorerPool(pool_size(cfg.processes), timeout_s=cfg.timeout_s)
+    log.info("reward worker: %d scorer processes, time limit %.1f s per call", len(pool.pids), cfg.timeout_s)
+    pending: dict[int, int] = {}  # pool key -> traj_id (the key is unique even if a traj_id repeats)
+    next_key, answered, reported_broken = 0, 0, False
+    started = time.monotonic()
+
+    def reply(results) -> None:
+        nonlocal answered
+        for key, reward, reason in results:
+            box.send(CONTROLLER_RANK, RewardResult(pending.pop(key), reward, reason))
+            answered += 1
+
+    try:
+        while True:
+            stop = None
+            for env in box.poll(source=CONTROLLER_RANK):
+                msg = env.msg
+                if isinstance(msg, RewardRequest):
+                    pending[next_key] = msg.traj_id
+                    pool.submit(next_key, msg.kind, msg.response, msg.target)
+                    next_key += 1
+                elif isinstance(msg, Stop):
+                    stop = msg
+                else:
+                    log.warning("reward worker: ignoring unexpected %s", type(msg).__name__)
+            if stop is not None:
+                log.info("reward worker: stop (%s); %d requests still open", stop.reason, pool.pending)
+                reply(pool.cancel("error: cancelled (stop)"))
+                break
+            reply(pool.poll(BUSY_WAIT_S if pool.pending else IDLE_WAIT_S))
+            if pool.broken and not reported_broken:
+                box.send(CONTROLLER_RANK, Failure(ctx.rank, f"reward worker: {pool.broken}"))
+                reported_broken = True
+    finally:
+        pool.close()
+        box.flush()
+    elapsed = time.monotonic() - started
+    log.info(
+        "reward worker: %d requests answered in %.0f s; %d scorer processes replaced", answered, elapsed, pool.replaced
+    )
+    return 0

@@ -1,0 +1,248 @@
+"""The reward worker: a pool of scorer processes that answers every request once, and the rank over real MPI."""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from areal_hpc.reward.pool import ScorerPool
+
+TESTS = '[{"input": "2 3", "output": "5"}, {"input": "1 1", "output": "2"}]'
+ADD = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+
+
+def children_of(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def drain(pool: ScorerPool, limit_s: float = 60) -> dict:
+    out, give_up = {}, time.monotonic() + limit_s
+    while pool.pending:
+        for key, reward, reason in pool.poll(0.01):
+            assert key not in out, f"task {key} answered twice"
+            out[key] = (reward, reason)
+        assert time.monotonic() < give_up, f"{pool.pending} tasks unanswered"
+    return out
+
+
+def test_pool_answers_every_task_once_and_survives_crashes():
+    pool = ScorerPool(2, timeout_s=2.0)
+    try:
+        tasks = {
+            0: ("math", "\\boxed{19}", "19", (1.0, "ok")),
+            1: ("math", "\\boxed{18}", "19", (0.0, "ok")),
+            2: ("math", "\\boxed{\\frac{1}{2}}", "0.5", (1.0, "ok")),
+            3: ("math", "\\boxed{2^{2^{30}}}", "1", (0.0, "timeout")),
+            4: ("code", ADD, TESTS, (1.0, "ok")),
+            5: ("code", "```python\nwhile True: pass\n```", TESTS, (0.0, "timeout")),
+        }
+        for key, (kind, response, target, _) in tasks.items():
+            pool.submit(key, kind, response, target)
+        pool.submit(6, "poetry", "", "")
+        got = drain(pool)
+        for key, (*_, want) in tasks.items():
+            assert got[key] == want, (key, got[key])
+        assert got[6][0] == 0.0 and got[6][1].startswith("error: unknown reward kind")
+
+        # A scorer process that dies mid-call: its task is answered with the cause, a new process takes over.
+        pool.submit(10, "code", "```python\nimport time\ntime.sleep(1.5)\nprint(5)\n```", TESTS)
+        busy = wait_for_busy_scorer(pool)
+        os.kill(busy, signal.SIGKILL)
+        got = drain(pool)
+        assert got[10][0] == 0.0 and got[10][1] == "error: scorer process died (signal SIGKILL)"
+        assert busy not in pool.pids and len(pool.pids) == 2
+        for key in range(20, 30):
+            pool.submit(key, "math", f"\\boxed{{{key}}}", str(key))
+        assert set(drain(pool).values()) == {(1.0, "ok")}
+    finally:
+        pool.close()
+    assert all(not Path(f"/proc/{pid}").exists() or _zombie(pid) for pid in pool.pids)
+
+
+def test_pool_kills_a_scorer_that_overruns_its_deadline():
+    """The pool's deadline is the last line of defence when the scorer's own limit fails (a C call that
+    a timer cannot interrupt). A negative grace makes the pool's deadline fall before the scorer's own."""
+    pool = ScorerPool(1, timeout_s=3.0, grace_s=-2.5)
+    try:
+        wait_ready(pool)
+        first = pool.pids[0]
+        started = time.monotonic()
+        pool.submit("slow", "code", "```python\nimport time\ntime.sleep(2)\n```", TESTS)
+        assert drain(pool) == {"slow": (0.0, "timeout")}
+        assert time.monotonic() - started < 1.5
+        assert pool.pids != [first], "the overrunning process was replaced"
+        pool.submit("next", "math", "\\boxed{4}", "4")
+        assert drain(pool) == {"next": (1.0, "ok")}
+    finally:
+        pool.close()
+
+
+def test_pool_cancel_answers_queued_and_running_tasks():
+    pool = ScorerPool(1, timeout_s=5.0)
+    try:
+        for key in range(3):
+            pool.submit(key, "code", "```python\nimport time\ntime.sleep(3)\n```", TESTS)
+        wait_for_busy_scorer(pool)
+        cancelled = pool.cancel("error: cancelled (stop)")
+        assert sorted(k for k, *_ in cancelled) == [0, 1, 2] and pool.pending == 0
+    finally:
+        pool.close()
+
+
+def wait_ready(pool: ScorerPool, limit_s: float = 60) -> None:
+    give_up = time.monotonic() + limit_s
+    while not all(c.ready for c in pool.children):
+        pool.poll(0.01)
+        assert time.monotonic() < give_up
+
+
+def wait_for_busy_scorer(pool: ScorerPool, limit_s: float = 60) -> int:
+    """The scorer process that is running a sandbox (it has a bwrap child); polls the pool meanwhile."""
+    give_up = time.monotonic() + limit_s
+    while time.monotonic() < give_up:
+        assert pool.poll(0.005) == [], "a task finished before its sandbox was seen"
+        for pid in pool.pids:
+            if any(_comm(c) == "bwrap" for c in children_of(pid)):
+                return pid
+    raise AssertionError("no scorer started a sandbox")
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+# --- the rank under mpirun ----------------------------------------------------------------------
+
+SCRIPT = r"""
+import os, time
+from pathlib import Path
+
+
+def children_of(pid):
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def comm(pid):
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def main():
+    from mpi4py import MPI
+    from areal_hpc.config import Config
+    from areal_hpc.layout import Layout
+    from areal_hpc.protocol import Mailbox, RewardRequest, RewardResult, Stop
+    from areal_hpc.runtime import RankContext
+
+    world = MPI.COMM_WORLD
+    cfg = Config()
+    cfg.reward.timeout_s = 1.5
+    cfg.reward.processes = 2
+    layout = Layout.from_config(cfg)
+    if world.rank == 1:
+        from areal_hpc.reward.worker import serve
+
+        world.send(os.getpid(), dest=0)
+        assert serve(RankContext(cfg, layout, world, None, Path("."), Path("."))) == 0
+        time.sleep(0.2)
+        left = [p for p in children_of(os.getpid()) if comm(p) != "sh"]
+        bwraps = [p for p in Path("/proc").iterdir() if p.name.isdigit() and comm(int(p.name)) == "bwrap"
+                  and b"/sandbox/solution.py" in (p / "cmdline").read_bytes()]
+        print("WORKER CLEAN", left, len(bwraps), flush=True)
+        return
+
+    box = Mailbox(world)
+    worker = world.recv(source=1)
+
+    def collect(ids, timeout_s=60):
+        got = {}
+        while set(got) != set(ids):
+            msg = box.recv(source=1, timeout_s=timeout_s).msg
+            assert isinstance(msg, RewardResult), msg
+            assert msg.traj_id in ids and msg.traj_id not in got, f"unexpected or repeated {msg.traj_id}"
+            got[msg.traj_id] = (msg.reward, msg.reason)
+        return got
+
+    # 1. A scorer process crashes mid-request (killed from outside): answered with the cause.
+    box.send(1, RewardRequest(100, "code", "```python\nimport time\ntime.sleep(1.2)\nprint(5)\n```", TESTS))
+    give_up, busy = time.monotonic() + 60, None
+    while busy is None:
+        assert time.monotonic() < give_up, "no scorer started the sandbox"
+        for pid in children_of(worker):
+            if any(comm(c) == "bwrap" for c in children_of(pid)):
+                busy = pid
+        time.sleep(0.005)
+    os.kill(busy, 9)
+    got = collect({100})
+    assert got[100] == (0.0, "error: scorer process died (signal SIGKILL)"), got
+
+    # 2. Math and code, right and wrong, hanging, broken: every one answered with its reward and reason.
+    want = {
+        1: ("math", "\\boxed{19}", "19", (1.0, "ok")),
+        2: ("math", "I think \\boxed{18}", "19", (0.0, "ok")),
+        3: ("math", "\\boxed{\\frac{1}{2}}", "0.5", (1.0, "ok")),
+        4: ("math", "\\boxed{2^{2^{30}}}", "1", (0.0, "timeout")),
+        5: ("code", ADD, TESTS, (1.0, "ok")),
+        6: ("code", ADD.replace("a + b", "a * b if a > 1 else a + b"), TESTS, (0.5, "ok")),
+        7: ("code", "```python\nwhile True:\n    pass\n```", TESTS, (0.0, "timeout")),
+        8: ("code", ADD, "not json", None),
+        9: ("poetry", "roses", "red", None),
+    }
+    for i in range(10, 50):
+        want[i] = ("math", f"\\boxed{{{i}}}", str(i), (1.0, "ok"))
+    started = time.monotonic()
+    for traj_id, (kind, response, target, _) in want.items():
+        box.send(1, RewardRequest(traj_id, kind, response, target))
+    got = collect(set(want))
+    for traj_id, (*_, expected) in want.items():
+        if expected is None:
+            assert got[traj_id][0] == 0.0 and got[traj_id][1].startswith("error: "), got[traj_id]
+        else:
+            assert got[traj_id] == expected, (traj_id, got[traj_id], expected)
+    print(f"BATCH {len(want)} requests answered in {time.monotonic() - started:.2f} s", flush=True)
+
+    # 3. Stop with a request still running: it is answered (cancelled) before the worker returns.
+    box.send(1, RewardRequest(200, "code", "```python\nimport time\ntime.sleep(5)\n```", TESTS))
+    time.sleep(0.3)
+    box.send(1, Stop("done"))
+    got = collect({200})
+    assert got[200] == (0.0, "error: cancelled (stop)"), got
+    box.flush()
+    print("CONTROLLER OK", flush=True)
+
+
+TESTS = '[{"input": "2 3", "output": "5"}, {"input": "1 1", "output": "2"}]'
+ADD = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.mpi
+def test_reward_worker_rank_answers_every_request(run_mpi):
+    r = run_mpi(SCRIPT, n=2, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "CONTROLLER OK" in r.stdout, r.stdout + r.stderr
+    assert "WORKER CLEAN [] 0" in r.stdout, r.stdout + r.stderr
+    print(next(line for line in r.stdout.splitlines() if line.startswith("BATCH")))
