@@ -163,7 +163,9 @@ def _bwrap_args(limits: SandboxLimits, src_fd: int, as_root: bool) -> list[str]:
 
 def _memfd(name: str, data: bytes) -> int:
     fd = os.memfd_create(name)
-    os.write(fd, data)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
 
