@@ -277,3 +277,32 @@ def test_too_big_for_the_cluster_is_refused_before_sbatch(slurm_cluster, tmp_pat
     assert (
         "cluster.partition 'gpu-big' is not a partition of this cluster (sinfo lists: debug)" in capsys.readouterr().err
     )
+
+
+def test_time_limit_signal_checkpoints_and_requeues(submit):
+    """The real thing: Slurm itself sends SIGUSR2 cluster.requeue_signal_s before the 1-minute limit
+    (it checks time limits about every 30 s, so each attempt gets it within ~30 s), and every attempt
+    resumes where the last one stopped. 40 s of work: at least one signal must come."""
+    total = 80
+    job_id, run_dir = submit(
+        COUNTER,
+        ["RUN_DIR", str(total), "0.5"],
+        ["cluster.time=00:01:00", "cluster.requeue_signal_s=55", "cluster.max_requeues=10"],
+    )
+    spool = Path(os.environ["SLURM_CONF"]).parent.parent / "spool"
+
+    def finished():
+        comps = components(job_id)
+        pending = comps and all(c["State"] == "PENDING" for c in comps.values())
+        if pending and nodes_idle() and not list(spool.glob(f"*/stepd.slurm.pmix.{job_id}.*")):
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
+        state = JobRecord.load(run_dir).state()
+        return state not in ACTIVE and state
+
+    assert wait_for(finished, 240, "the job to end", interval=1) == "COMPLETED"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, total + 1))
+    events = JobRecord.load(run_dir).attempts()
+    stops = [e for e in events if e["event"] == "end" and e["stop_signal"] == "USR2"]
+    assert stops and all(e["exit_code"] == 75 for e in stops)
+    assert len({r["attempt"] for r in rows}) == len(stops) + 1
