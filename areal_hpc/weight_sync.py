@@ -77,9 +77,11 @@ class _Group:
             torch.device("cuda", torch.cuda.current_device()) if spec.backend == "nccl" else torch.device("cpu")
         )
         try:
-            store = master_store or dist.TCPStore(
-                spec.host, spec.port, spec.size, False, timeout=self.timeout, wait_for_workers=False
-            )
+            store = master_store
+            if store is None:
+                store = dist.TCPStore(
+                    spec.host, spec.port, spec.size, False, timeout=self.timeout, wait_for_workers=False
+                )
             prefixed = dist.PrefixStore(spec.name, store)
             if spec.backend == "nccl":
                 opts = dist.ProcessGroupNCCL.Options()

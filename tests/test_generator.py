@@ -109,28 +109,35 @@ def test_answers_return_as_they_finish(setup):
 
 
 def test_interrupt_switches_versions_and_weights(setup):
+    """Two updates mid-generation (A -> B -> A): versions switch exactly at each interruption and
+    every segment's logprobs match the weights of its version."""
     engine, model_a, model_b = setup
     v0 = engine.version + 1
     load(engine, model_a, v0)
     for g in range(4):
         engine.add(10 + g, [5 + g, 6, 7], n=4)
-    done_before = drain(engine, steps=8)  # 8 tokens each, unless EOS came first
-    partial = {(a.group_id, a.sample_idx): list(a.output_ids) for a in engine._running.values()}
-    assert partial and all(1 <= len(p) < MAX_NEW for p in partial.values())
-    seconds = load(engine, model_b, v0 + 1)
-    assert seconds > 0
+    done = drain(engine, steps=8)  # 8 tokens each, unless EOS came first
+    first = {key: a.output_ids for key, a in engine.partial().items()}
+    assert first and all(1 <= len(p) < MAX_NEW for p in first.values())
+    assert load(engine, model_b, v0 + 1) > 0
+    done += drain(engine, steps=5)
+    second = {key: a.output_ids for key, a in engine.partial().items()}
+    load(engine, model_a, v0 + 2)
     trajs = drain(engine)
-    check_shape(done_before + trajs, 16)
+    check_shape(done + trajs, 16)
     switched = 0
     for t in trajs:
-        k = len(partial[(t.group_id, t.sample_idx)])
-        assert list(t.output_ids[:k]) == partial[(t.group_id, t.sample_idx)]  # nothing lost or duplicated
-        assert list(t.versions) == [v0] * k + [v0 + 1] * (len(t.output_ids) - k)  # switch exactly at k
+        k1, k2 = len(first[(t.group_id, t.sample_idx)]), len(second[(t.group_id, t.sample_idx)])
+        assert list(t.output_ids[:k2]) == second[(t.group_id, t.sample_idx)]  # nothing lost or duplicated
+        assert list(t.output_ids[:k1]) == first[(t.group_id, t.sample_idx)]
+        n = len(t.output_ids)
+        assert list(t.versions) == [v0] * k1 + [v0 + 1] * (k2 - k1) + [v0 + 2] * (n - k2)  # switch exactly there
         ref_a = hf_logprobs(model_a, t.prompt_ids, t.output_ids)
         ref_b = hf_logprobs(model_b, t.prompt_ids, t.output_ids)
-        np.testing.assert_allclose(t.behav_logprobs[:k], ref_a[:k], atol=TOL, rtol=0)
-        np.testing.assert_allclose(t.behav_logprobs[k:], ref_b[k:], atol=TOL, rtol=0)
-        switched += len(t.output_ids) > k
+        np.testing.assert_allclose(t.behav_logprobs[:k1], ref_a[:k1], atol=TOL, rtol=0)
+        np.testing.assert_allclose(t.behav_logprobs[k1:k2], ref_b[k1:k2], atol=TOL, rtol=0)
+        np.testing.assert_allclose(t.behav_logprobs[k2:], ref_a[k2:], atol=TOL, rtol=0)
+        switched += k1 < k2 < n
     assert switched >= 1
 
 
