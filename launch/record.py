@@ -144,6 +144,12 @@ def status(run_dir: Path) -> str:
         last = starts[-1]
         requeues = sum(e["event"] == "requeue" for e in events)
         lines.append(f"attempts: {len(starts)} ({requeues} requeue(s)); current logs: {last.get('log_dir', '?')}")
+    ends = [e for e in events if e["event"] in ("end", "requeue")]
+    if ends and ends[-1]["event"] == "end" and ends[-1].get("stop_signal") and ends[-1].get("exit_code"):
+        lines.append(
+            "stopped at the time limit after the last allowed requeue (cluster.max_requeues); submit again to "
+            "resume from the last checkpoint"
+        )
     if record.cancelled_at:
         lines.append(f"cancelled at {record.cancelled_at}")
     lines += _metrics_lines(run_dir / "metrics.jsonl")

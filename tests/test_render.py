@@ -233,3 +233,16 @@ def test_status_and_cancel_without_a_job_say_so(tmp_path, capsys):
     assert "no Slurm job record" in capsys.readouterr().err
     assert cli_main(["cancel", str(tmp_path)]) == 1
     assert "nothing to cancel" in capsys.readouterr().err
+
+
+def test_status_says_when_the_requeue_limit_stopped_the_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm"))
+    (tmp_path / "slurm").mkdir()
+    JobRecord("7", "2026-01-01T00:00:00Z", "s.sh", str(tmp_path), ["controller", "generator", "trainer"]).save(tmp_path)
+    events = [
+        {"job_id": "7", "attempt": 0, "event": "start"},
+        {"job_id": "7", "attempt": 0, "event": "end", "exit_code": 75, "stop_signal": "USR2"},
+    ]
+    (tmp_path / "slurm" / "attempts.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    text = status(tmp_path)
+    assert "job 7: FAILED (exit code 75)" in text and "after the last allowed requeue" in text
