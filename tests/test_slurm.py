@@ -20,7 +20,7 @@ import pytest
 from areal_hpc.cli import main as cli_main
 from areal_hpc.config import load_config
 from launch.record import ACTIVE, JobRecord, query_states
-from launch.slurm import SlurmLauncher
+from launch.slurm import HetSlurmJob, SlurmLauncher
 
 pytestmark = pytest.mark.slurm
 
@@ -171,6 +171,10 @@ def test_hetjob_is_one_mpi_world_across_nodes(submit, tmp_path):
     # each rank's output in the attempt's log directory
     logs = run_dir / "logs" / f"slurm-{job_id}" / "attempt-0"
     assert sorted(p.name for p in logs.iterdir()) == [f"rank{r}.log" for r in range(8)]
+    # submitit's Job sees the heterogeneous job through squeue (its sacct watcher would say UNKNOWN)
+    job = HetSlurmJob(folder=run_dir / "slurm", job_id=job_id)
+    assert job.state == "COMPLETED" and job.done()
+    assert job.paths.submission_file.read_text().count("#SBATCH hetjob") == 2
 
 
 def test_one_failing_rank_ends_the_job(submit):
