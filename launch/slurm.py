@@ -62,7 +62,10 @@ class HetSlurmExecutor(SlurmExecutor):
         if "%j" in str(folder):
             # ranks of components 1+ fail with "Slurmd could not connect IO" and the step hangs
             raise LaunchError(f"the submitit folder must not contain %j (got {folder})")
-        super().__init__(folder)
+        try:
+            super().__init__(folder)
+        except RuntimeError as e:  # no srun on this machine
+            raise LaunchError(f"{e} (areal-hpc submit needs the Slurm client commands; `--dry-run` does not)") from None
         self.script = script
 
     def _make_submission_file_text(self, command: str, uid: str) -> str:
@@ -185,8 +188,8 @@ class SlurmLauncher:
                 f"job {record.job_id} of this run is still {record.state()}; "
                 f"cancel it first (areal-hpc cancel {cfg.run_dir}) or pick another experiment.trial"
             )
+        executor = HetSlurmExecutor(cfg.run_dir.resolve() / "slurm", script)
         run_dir = prepare_run_dir(cfg, fresh=fresh).resolve()
-        executor = HetSlurmExecutor(run_dir / "slurm", script)
         try:
             job = executor.submit_script()
         except LaunchError as e:

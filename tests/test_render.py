@@ -246,3 +246,11 @@ def test_status_says_when_the_requeue_limit_stopped_the_run(tmp_path, monkeypatc
     (tmp_path / "slurm" / "attempts.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     text = status(tmp_path)
     assert "job 7: FAILED (exit code 75)" in text and "after the last allowed requeue" in text
+
+
+def test_submit_without_slurm_says_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm"))
+    code = cli_main(["submit", str(REPO / "configs/tiny-cpu.yaml"), "--nodes", "3", f"experiment.root={tmp_path}"])
+    assert code == 1
+    assert "needs the Slurm client commands" in capsys.readouterr().err
+    assert not (tmp_path / "tiny-cpu").exists()
