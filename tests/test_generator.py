@@ -39,7 +39,8 @@ def setup(tmp_path_factory):
     with torch.no_grad():
         for p in model_b.parameters():
             p.add_(0.5 * torch.randn(p.shape, generator=g))
-    return engine, model_a, model_b
+    yield engine, model_a, model_b
+    engine.close()
 
 
 def hf_logprobs(model, prompt, output) -> np.ndarray:

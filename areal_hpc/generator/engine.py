@@ -125,7 +125,7 @@ class GenerationEngine:
         """vLLM `EngineArgs` for a generator: processed logprobs (see the module doc), our worker extension."""
         from vllm import EngineArgs
 
-        kv_bytes = _cpu_kv_cache_bytes(model_path, tp, max_num_seqs, max_model_len)
+        kv_bytes = _cpu_setup(model_path, tp, max_num_seqs, max_model_len)
         return EngineArgs(
             model=str(model_path),
             dtype=dtype,
@@ -163,6 +163,11 @@ class GenerationEngine:
             max_model_len=m.max_position_embeddings,
             max_num_seqs=min(1024, r.max_concurrent * r.group_size),
         )
+
+    def close(self) -> None:
+        """Shut the engine down (its worker processes too, when gen_tp > 1)."""
+        self.interrupt()
+        self.engine.engine_core.shutdown()
 
     # --- serving ---
     def add(self, group_id: int, prompt_ids, n: int) -> None:
@@ -289,13 +294,14 @@ def _trajectory(answer: _Answer, finish_reason: str | None) -> Trajectory:
     )
 
 
-def _cpu_kv_cache_bytes(model_path, tp: int, max_num_seqs: int, max_model_len: int | None) -> int | None:
+def _cpu_setup(model_path, tp: int, max_num_seqs: int, max_model_len: int | None) -> int | None:
     """On CPU, the KV cache this engine can use at most (every sequence at full length, within
     [64 MiB, 4 GiB]): vLLM's CPU default reserves 92% of the node's memory, which fails on a machine
     shared with the other roles. On GPU: None (vLLM sizes it from gpu_memory_utilization).
 
     Also fails at start, with the fix, on a head size vLLM's CPU attention does not support, rather
-    than at the first step.
+    than at the first step; and with tp > 1 lets the workers' threads float (vLLM's CPU auto-binding
+    wants one NUMA node per worker, which a single machine does not have).
     """
     import json
     from pathlib import Path
@@ -305,6 +311,9 @@ def _cpu_kv_cache_bytes(model_path, tp: int, max_num_seqs: int, max_model_len: i
     if not current_platform.is_cpu():
         return None
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    if tp > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
     hf = json.loads((Path(model_path) / "config.json").read_text())
 

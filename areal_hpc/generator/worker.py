@@ -43,6 +43,7 @@ def serve(ctx, sync) -> None:
                     seconds = engine.update_weights(sync, msg.version)
                     mailbox.send(CONTROLLER_RANK, SyncDone(msg.version, seconds))
                 elif isinstance(msg, Stop):
+                    engine.close()
                     mailbox.flush()
                     return
                 else:

@@ -1,0 +1,64 @@
+"""gen_tp = 2: the engine's two tensor-parallel workers are separate processes, and each joins the
+weight-sync group with its own rank and loads its shard of every bucket as it arrives (the path a
+GPU generator with gen_tp > 1 takes; here over gloo, with vLLM's CPU tensor parallelism).
+
+The sender is a thread of the test process; the reference logprobs come from transformers.
+"""
+
+import datetime
+import threading
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from areal_hpc.config import ModelConfig
+from areal_hpc.tiny import build_tiny_model
+from areal_hpc.weight_sync import GroupSpec, WeightReceiver, WeightSender
+
+pytestmark = pytest.mark.vllm
+
+TEMPERATURE = 0.8
+
+
+def test_tp2_workers_receive_and_load_their_shards(tmp_path):
+    from transformers import Qwen2ForCausalLM
+
+    from areal_hpc.generator.engine import GenerationEngine
+
+    # 4 query / 2 key-value heads of size 32: both split over 2 workers
+    path = build_tiny_model(ModelConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2), tmp_path, 1)
+    model = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5 * torch.randn(p.shape, generator=g))
+    engine = GenerationEngine.create(
+        path, temperature=TEMPERATURE, max_new_tokens=16, max_model_len=256, max_num_seqs=16, tp=2
+    )
+    try:
+        master = dist.TCPStore("127.0.0.1", 0, 3, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+        spec = GroupSpec("areal-ws-tp", 0, "127.0.0.1", master.port, 3, "gloo", 60.0)
+        sender = WeightSender(0, True, spec, master)
+        receiver = WeightReceiver([spec], generator_index=0, gen_tp=2)  # group ranks 1 and 2
+        state = sorted(model.state_dict().items())
+        for version in (1, 2):  # the second sync reuses each worker's connected group
+            th = threading.Thread(target=sender.send, args=(state, 16_000))
+            th.start()
+            engine.update_weights(receiver, version)
+            th.join(60)
+        engine.add(0, [5, 6, 7], n=4)
+        trajs = []
+        while engine.in_flight:
+            trajs += engine.step()
+        assert len(trajs) == 4
+        for t in trajs:
+            assert (t.versions == 2).all()
+            ids = torch.tensor([list(t.prompt_ids) + list(t.output_ids)])
+            with torch.no_grad():
+                logp = torch.log_softmax(model(ids).logits[0] / TEMPERATURE, -1)[len(t.prompt_ids) - 1 : -1]
+            ref = logp.gather(-1, torch.as_tensor(t.output_ids, dtype=torch.long)[:, None])[:, 0].numpy()
+            np.testing.assert_allclose(t.behav_logprobs, ref, atol=1e-3, rtol=0)
+    finally:
+        engine.close()
