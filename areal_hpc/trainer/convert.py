@@ -1,0 +1,221 @@
+"""Hugging Face Qwen2 weights <-> one rank's Megatron shard, in both directions.
+
+One table (`_rules`) says, for each Megatron parameter of a pipeline stage, which Hugging Face
+tensors it holds and how it is split over tensor-parallel ranks:
+
+| Megatron (stage-local layer l)                 | Hugging Face (global layer g = offset + l)       | TP split                    |
+|------------------------------------------------|--------------------------------------------------|-----------------------------|
+| embedding.word_embeddings.weight               | model.embed_tokens.weight                        | rows (vocab)                |
+| decoder.layers.l.input_layernorm.weight        | model.layers.g.input_layernorm.weight            | replicated                  |
+| decoder.layers.l.self_attention.linear_qkv.*   | model.layers.g.self_attn.{q,k,v}_proj.*          | by key/value group: [q k v] |
+| decoder.layers.l.self_attention.linear_proj.w  | model.layers.g.self_attn.o_proj.weight           | columns                     |
+| decoder.layers.l.pre_mlp_layernorm.weight      | model.layers.g.post_attention_layernorm.weight   | replicated                  |
+| decoder.layers.l.mlp.linear_fc1.weight         | model.layers.g.mlp.{gate,up}_proj.weight         | rows of each: [gate; up]    |
+| decoder.layers.l.mlp.linear_fc2.weight         | model.layers.g.mlp.down_proj.weight              | columns                     |
+| decoder.final_layernorm.weight                 | model.norm.weight                                | replicated                  |
+| output_layer.weight                            | lm_head.weight (model.embed_tokens when tied)    | rows (vocab)                |
+
+Megatron's fused QKV interleaves by key/value group: for each group, its query heads, then its key
+head, then its value head; a TP rank holds whole groups.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from areal_hpc.trainer.model import Qwen2Arch
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def _hf_layer_names(g: int, rest: str) -> list[str]:
+    p = f"model.layers.{g}."
+    return {
+        "input_layernorm.weight": [p + "input_layernorm.weight"],
+        "self_attention.linear_qkv.weight": [p + f"self_attn.{x}_proj.weight" for x in "qkv"],
+        "self_attention.linear_qkv.bias": [p + f"self_attn.{x}_proj.bias" for x in "qkv"],
+        "self_attention.linear_proj.weight": [p + "self_attn.o_proj.weight"],
+        "pre_mlp_layernorm.weight": [p + "post_attention_layernorm.weight"],
+        "mlp.linear_fc1.weight": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+        "mlp.linear_fc2.weight": [p + "mlp.down_proj.weight"],
+    }[rest]
+
+
+def hf_names(name: str, arch: Qwen2Arch, layer_offset: int) -> tuple[list[str], str]:
+    """The Hugging Face tensors of Megatron parameter `name`, and its TP split kind.
+
+    Kinds: "rows", "cols", "replicated", "qkv", "gate_up".
+    """
+    m = _LAYER.match(name)
+    if m:
+        rest = m.group(2)
+        kind = {
+            "self_attention.linear_qkv.weight": "qkv",
+            "self_attention.linear_qkv.bias": "qkv",
+            "self_attention.linear_proj.weight": "cols",
+            "mlp.linear_fc1.weight": "gate_up",
+            "mlp.linear_fc2.weight": "cols",
+        }.get(rest, "replicated")
+        return _hf_layer_names(layer_offset + int(m.group(1)), rest), kind
+    if name == "embedding.word_embeddings.weight":
+        return ["model.embed_tokens.weight"], "rows"
+    if name == "decoder.final_layernorm.weight":
+        return ["model.norm.weight"], "replicated"
+    if name == "output_layer.weight":
+        return ["model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"], "rows"
+    raise KeyError(f"no Hugging Face name for Megatron parameter {name}")
+
+
+def shard(hf: list[torch.Tensor], kind: str, arch: Qwen2Arch, tp_rank: int, tp: int) -> torch.Tensor:
+    """TP rank `tp_rank`'s Megatron tensor from the full Hugging Face tensors `hf`."""
+    if kind == "replicated":
+        return hf[0]
+    if kind == "rows":
+        return hf[0].chunk(tp, 0)[tp_rank]
+    if kind == "cols":
+        return hf[0].chunk(tp, 1)[tp_rank]
+    if kind == "gate_up":
+        return torch.cat([t.chunk(tp, 0)[tp_rank] for t in hf], 0)
+    q, k, v = hf  # [heads*d, (h)]
+    groups, d = arch.num_key_value_heads, arch.head_dim
+    tail = q.shape[1:]
+    qkv = torch.cat(
+        [q.reshape(groups, -1, d, *tail), k.reshape(groups, 1, d, *tail), v.reshape(groups, 1, d, *tail)], 1
+    )  # [groups, q_per_group + 2, d, (h)]
+    return qkv.chunk(tp, 0)[tp_rank].reshape(-1, *tail)
+
+
+def unshard(shards: list[torch.Tensor], kind: str, arch: Qwen2Arch) -> list[torch.Tensor]:
+    """The full Hugging Face tensors from every TP rank's Megatron tensor (inverse of `shard`)."""
+    if kind == "replicated":
+        return [shards[0]]
+    if kind == "rows":
+        return [torch.cat(shards, 0)]
+    if kind == "cols":
+        return [torch.cat(shards, 1)]
+    if kind == "gate_up":
+        halves = [s.chunk(2, 0) for s in shards]
+        return [torch.cat([h[0] for h in halves], 0), torch.cat([h[1] for h in halves], 0)]
+    groups, d = arch.num_key_value_heads, arch.head_dim
+    tail = shards[0].shape[1:]
+    qkv = torch.cat(shards, 0).reshape(groups, -1, d, *tail)
+    q_per_group = qkv.shape[1] - 2
+    return [
+        qkv[:, :q_per_group].reshape(-1, *tail),
+        qkv[:, q_per_group].reshape(-1, *tail),
+        qkv[:, q_per_group + 1].reshape(-1, *tail),
+    ]
+
+
+def stage_params(model) -> list[tuple[str, torch.Tensor]]:
+    """The stage's parameters by Megatron name (unwrapping DDP), without the tied duplicate.
+
+    With tied embeddings and several stages the last stage holds a copy of the embedding as
+    output_layer.weight; Hugging Face has one tensor, sent by the first stage.
+    """
+    inner = model.module if hasattr(model, "module") else model
+    out = []
+    for name, p in inner.named_parameters():
+        if name == "output_layer.weight" and getattr(inner, "share_embeddings_and_output_weights", False):
+            continue
+        out.append((name, p))
+    return out
+
+
+def layer_offset(arch: Qwen2Arch, pp_rank: int, pp: int) -> int:
+    return pp_rank * (arch.num_layers // pp)
+
+
+def load_hf_into(model, model_dir: str | Path, arch: Qwen2Arch, tp_rank: int, tp: int, pp_rank: int, pp: int) -> None:
+    """Copy this rank's shard of the Hugging Face checkpoint in `model_dir` into `model`."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors files")
+    where = {}
+    handles = [safe_open(str(f), framework="pt") for f in files]
+    for h in handles:
+        for key in h.keys():
+            where[key] = h
+    offset = layer_offset(arch, pp_rank, pp)
+    inner = model.module if hasattr(model, "module") else model
+    with torch.no_grad():
+        for name, p in inner.named_parameters():
+            names, kind = hf_names(name, arch, offset)
+            missing = [n for n in names if n not in where]
+            if missing:
+                raise KeyError(f"{model_dir}: missing tensors {missing} (for Megatron {name})")
+            value = shard([where[n].get_tensor(n) for n in names], kind, arch, tp_rank, tp)
+            if value.shape != p.shape:
+                raise ValueError(f"{name}: checkpoint shard {tuple(value.shape)} != parameter {tuple(p.shape)}")
+            p.copy_(value)
+
+
+def export_stage(
+    model, arch: Qwen2Arch, pp_rank: int, pp: int, tp_group, dst: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """This stage's weights under Hugging Face names, full (TP-gathered) tensors, one at a time.
+
+    Collective over `tp_group`: every TP rank of the stage iterates it to the end; the tensors are
+    gathered to global rank `dst` (the stage's TP rank 0) and only there yielded.
+    """
+    tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+    me = dist.get_rank() if dist.is_initialized() else dst
+    offset = layer_offset(arch, pp_rank, pp)
+    for name, p in stage_params(model):
+        names, kind = hf_names(name, arch, offset)
+        local = p.detach().contiguous()
+        if tp == 1:
+            shards = [local]
+        elif kind == "replicated":
+            shards = [local]
+        else:
+            shards = [torch.empty_like(local) for _ in range(tp)] if me == dst else None
+            dist.gather(local, shards, dst=dst, group=tp_group)
+        if me == dst:
+            yield from zip(names, unshard(shards, kind, arch))
+
+
+def buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group a (name, tensor) stream into lists of at most `bucket_bytes` (a bigger tensor alone)."""
+    bucket, size = [], 0
+    for name, t in named:
+        n = t.numel() * t.element_size()
+        if bucket and size + n > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += n
+    if bucket:
+        yield bucket
+
+
+def read_hf(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face safetensors checkpoint."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def save_hf(state: dict[str, torch.Tensor], model_dir: str | Path, src_dir: str | Path | None = None) -> None:
+    """Write `state` as model.safetensors (+ config and tokenizer files copied from `src_dir`)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out = Path(model_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if src_dir is not None:
+        for f in Path(src_dir).iterdir():
+            if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+                shutil.copy2(f, out / f.name)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -1,0 +1,156 @@
+"""Run megatron-core on a machine without CUDA: its few CUDA-only calls, routed to the CPU.
+
+megatron-core 0.16.1 assumes a GPU in a handful of places on the trainer's path. Without CUDA each of
+them raises; with these routes the same Megatron code (GPTModel, tensor/pipeline parallel layers, the
+1F1B schedule, DDP, the optimizer) runs on the CPU over gloo. Every route:
+
+| megatron-core call                                   | where                                     | on CPU            |
+|------------------------------------------------------|-------------------------------------------|-------------------|
+| `torch.cuda.current_device()` as a device argument   | global memory buffer, p2p shapes, layers, | `"cpu"`           |
+|                                                      | rotary embeddings, DDP buffers            |                   |
+| `tensor.cuda()`                                      | language_module (tied embedding copy)     | the tensor itself |
+| `torch.cuda.synchronize()`                           | pipeline_parallel.p2p_communication       | no-op             |
+| the CUDA RNG tracker (`torch.cuda.get_rng_state`...) | tensor_parallel.random                    | CPU RNG states    |
+| `torch.zeros/tensor(..., device="cuda")` literals    | pipeline_parallel.schedules (token count),| `device="cpu"`    |
+|                                                      | optimizer (loss scale, grad-norm buffers),|                   |
+|                                                      | utils (local multi-tensor l2 norm)        |                   |
+| `clip_grad_by_total_norm_fp32` asserts CUDA grads    | optimizer.clip_grads                      | same math, CPU    |
+
+`enable()` installs them once and only when `torch.cuda.is_available()` is false: on GPUs nothing is
+patched and Megatron runs unmodified. Call it before building any Megatron object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+
+_enabled = False
+
+
+def enabled() -> bool:
+    """Whether the CPU routes are installed in this process."""
+    return _enabled
+
+
+def device() -> torch.device:
+    """The trainer's compute device: the current CUDA device, or the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def enable() -> bool:
+    """Install the CPU routes when CUDA is absent (idempotent); returns whether they are active."""
+    global _enabled
+    if _enabled or torch.cuda.is_available():
+        return _enabled
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.grad_scaler as grad_scaler
+    import megatron.core.optimizer.optimizer as optimizer
+    import megatron.core.pipeline_parallel.schedules as schedules
+    import megatron.core.tensor_parallel.random as mrandom
+    import megatron.core.utils as mutils
+
+    # Megatron passes `torch.cuda.current_device()` as `device=` when it allocates; "cpu" works there.
+    torch.cuda.current_device = lambda: "cpu"
+    # Without CUDA, `.cuda()` can only fail; Megatron calls it to move a weight it already placed.
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    # p2p calls synchronize against a race of batched isend/irecv on CUDA streams; CPU ops are synchronous.
+    torch.cuda.synchronize = lambda device=None: None
+    # The tracker's class is looked up at `initialize_rng_tracker` time, so this one is used from then on.
+    mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
+    mrandom._get_cuda_rng_state = lambda device=None, clone=False, graph_safe=False: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    # These modules create small tensors with a literal device="cuda": give each a torch whose factory
+    # functions map "cuda" to the CPU (every other attribute is the real torch).
+    for module in (schedules, optimizer, clip_grads, grad_scaler, mutils):
+        module.torch = _CpuTorch()
+    optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    _enabled = True
+    return True
+
+
+class CpuRNGStatesTracker:
+    """Megatron's named RNG states (`get_cuda_rng_tracker().add/fork`) kept as CPU generator states.
+
+    `fork(name)` runs its body with the named state and stores the advanced state back, leaving the
+    default RNG as it was: the semantics of Megatron's CudaRNGStatesTracker on the CPU generator.
+    """
+
+    def __init__(self, use_cudagraphable_rng=False, is_inference_rng_tracker=False):
+        self.use_cudagraphable_rng = False
+        self.is_inference_rng_tracker = is_inference_rng_tracker
+        self.reset()
+
+    def is_initialized(self):
+        return self._is_initialized
+
+    def reset(self):
+        self._is_initialized = False
+        self.states_ = {}
+        self.seeds_ = set()
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name, seed):
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        orig = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+
+def _cpu(dev):
+    return "cpu" if dev is not None and torch.device(dev).type == "cuda" else dev
+
+
+class _CpuTorch(types.ModuleType):
+    """`torch` with `device="cuda"` in its tensor factories mapped to the CPU."""
+
+    def __init__(self):
+        super().__init__("torch")
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def zeros(self, *args, device=None, **kwargs):
+        return torch.zeros(*args, device=_cpu(device), **kwargs)
+
+    def ones(self, *args, device=None, **kwargs):
+        return torch.ones(*args, device=_cpu(device), **kwargs)
+
+    def empty(self, *args, device=None, **kwargs):
+        return torch.empty(*args, device=_cpu(device), **kwargs)
+
+    def tensor(self, *args, device=None, **kwargs):
+        return torch.tensor(*args, device=_cpu(device), **kwargs)
+
+
+def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """Megatron's grad clip (scale every grad by max_norm / total_norm when that is < 1), without its
+    assertion that the grads are CUDA tensors."""
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr).detach() for p in parameters if getattr(p, attr, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)

@@ -1,0 +1,216 @@
+"""One trainer rank's Megatron state: the process groups, its model stage, the optimizer.
+
+`init_parallel` starts torch.distributed among the trainer ranks and Megatron's parallel state in
+its default rank order (tp fastest, then dp, then pp: trainer-local rank = tp + TP * (dp + DP * pp),
+what `layout.stage_source_rank` assumes). `Engine` builds this rank's stage of a Qwen2 model from a
+Hugging Face directory, wraps it in Megatron's DistributedDataParallel, builds Megatron's optimizer,
+and runs Megatron's forward/backward schedule (1F1B across pipeline stages) over packed micro-batches.
+
+Optimizer: Megatron's distributed optimizer (optimizer state sharded over data-parallel ranks) needs
+reduce-scatter and all-gather of the gradient buffers; gloo has no reduce-scatter, so on the CPU
+the engine uses Megatron's non-distributed optimizer (the same Adam, replicated state, gradients
+all-reduced). On CUDA (NCCL) the distributed optimizer is used.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from areal_hpc.trainer import cpu_compat
+from areal_hpc.trainer.convert import export_stage, load_hf_into
+from areal_hpc.trainer.model import Qwen2Arch, build_stage, transformer_config
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """This rank's place in the TP x DP x PP grid (Megatron's default order)."""
+
+    rank: int
+    world: int
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+
+    @property
+    def stage_source(self) -> bool:
+        """Whether this rank sends its pipeline stage's weights (dp 0, tp 0)."""
+        return self.tp_rank == 0 and self.dp_rank == 0
+
+
+def init_parallel(rank: int, world: int, tp: int, pp: int, addr: str, port: int, timeout_s: float = 300.0) -> Parallel:
+    """torch.distributed (gloo on CPU, NCCL on CUDA) + Megatron parallel state; checks the rank order."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    cpu_compat.enable()
+    if world % (tp * pp):
+        raise ValueError(f"train_tp x train_pp ({tp} x {pp}) must divide the trainer ranks ({world})")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{addr}:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    ps.initialize_model_parallel(tp, pp, distributed_timeout_minutes=max(1, int(timeout_s // 60)))
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    dp = world // (tp * pp)
+    got = Parallel(
+        rank,
+        world,
+        tp,
+        pp,
+        dp,
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_pipeline_model_parallel_rank(),
+        ps.get_data_parallel_rank(),
+    )
+    expected = (rank % tp, rank // (tp * dp), (rank // tp) % dp)
+    if (got.tp_rank, got.pp_rank, got.dp_rank) != expected:
+        raise RuntimeError(
+            f"Megatron placed trainer rank {rank} at (tp, pp, dp) = {(got.tp_rank, got.pp_rank, got.dp_rank)}, "
+            f"the layout expects {expected} (rank = tp + TP * (dp + DP * pp))"
+        )
+    return got
+
+
+def shutdown_parallel() -> None:
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@dataclass
+class OptimConfig:
+    """Adam settings (the `ppo` config section's fields of the same names)."""
+
+    lr: float = 2e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    grad_clip: float = 1.0
+    adam_eps: float = 1e-8
+
+
+class Engine:
+    """This rank's model stage (in Megatron's DDP), its optimizer, and the forward/backward schedule."""
+
+    def __init__(self, model_dir: str | Path, par: Parallel, optim: OptimConfig, dtype: torch.dtype = torch.float32):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.par = par
+        self.model_dir = Path(model_dir)
+        self.arch = Qwen2Arch.from_hf(model_dir)
+        self.arch.check_parallel(par.tp, par.pp)
+        self.device = cpu_compat.device()
+        self.config = transformer_config(self.arch, par.tp, par.pp, dtype)
+        # Micro-batches differ in length: the pipeline sends each activation's shape before it.
+        self.config.variable_seq_lengths = True
+        stage = build_stage(self.arch, self.config, self.device)
+        load_hf_into(stage, model_dir, self.arch, par.tp_rank, par.tp, par.pp_rank, par.pp)
+        distributed = torch.cuda.is_available()  # see the module docstring: gloo has no reduce-scatter
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed
+        )
+        self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=stage)
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=optim.lr,
+                min_lr=optim.lr,
+                weight_decay=optim.weight_decay,
+                adam_beta1=optim.adam_beta1,
+                adam_beta2=optim.adam_beta2,
+                clip_grad=optim.grad_clip,
+                adam_eps=optim.adam_eps,
+                params_dtype=dtype,
+                bf16=dtype == torch.bfloat16,
+                fp16=dtype == torch.float16,
+                use_distributed_optimizer=distributed,
+            ),
+            [self.model],
+        )
+        self.config.no_sync_func = self.model.no_sync
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.grad_scale_func = self.optimizer.scale_loss if dtype == torch.float16 else None
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.par.pp_rank == self.par.pp - 1
+
+    def forward_backward(
+        self, microbatches: list, forward_step: Callable, forward_only: bool, seq_length: int
+    ) -> list[dict]:
+        """Megatron's schedule over `microbatches`; the loss dicts of the last stage (else [])."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if not forward_only:
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        self.model.train(not forward_only)
+        run = get_forward_backward_func()
+        return run(
+            forward_step_func=forward_step,
+            data_iterator=iter(microbatches),
+            model=self.model,
+            num_microbatches=len(microbatches),
+            seq_length=seq_length,
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+
+    def optimizer_step(self) -> float:
+        """Clip the gradients and step; returns the gradient norm before clipping."""
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise RuntimeError("optimizer step skipped (non-finite gradients)")
+        return float(grad_norm) if grad_norm is not None else 0.0
+
+    def export(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """This stage's weights under Hugging Face names (yielded on the stage source; collective in TP)."""
+        from megatron.core import parallel_state as ps
+
+        return export_stage(
+            self.model,
+            self.arch,
+            self.par.pp_rank,
+            self.par.pp,
+            ps.get_tensor_model_parallel_group(),
+            dst=ps.get_tensor_model_parallel_src_rank(),
+        )
+
+    def export_full(self) -> dict[str, torch.Tensor] | None:
+        """The whole model under Hugging Face names on trainer rank 0 (None elsewhere); collective."""
+        from megatron.core import parallel_state as ps
+
+        stage = dict(self.export()) if self.par.dp_rank == 0 else {}
+        stage = {k: v.cpu() for k, v in stage.items()}
+        if self.par.pp == 1:
+            return stage if self.par.rank == 0 else None
+        parts = [None] * self.par.pp if self.par.rank == 0 else None
+        # gather over the pipeline group of (tp 0, dp 0): rank 0's group
+        group = ps.get_pipeline_model_parallel_group()
+        if self.par.tp_rank == 0 and self.par.dp_rank == 0:
+            dist.gather_object(stage, parts, dst=0, group=group)
+        if self.par.rank != 0:
+            return None
+        full = {}
+        for part in parts:
+            full.update(part)
+        return full

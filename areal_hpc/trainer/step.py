@@ -1,0 +1,261 @@
+"""One PPO training step on a trainer rank: prox logprob recompute, then one optimizer step per PPO
+minibatch, each over its packed micro-batches with the decoupled loss.
+
+    prox_logp <- logprobs of every token under the weights at the start of the step (forward only)
+    for each minibatch k:
+        for each micro-batch j of k (Megatron's schedule, 1F1B across pipeline stages):
+            logp      = log_softmax(logits / T)[next token]                  (T = rollout.temperature)
+            loss_sum += sum_t loss_t(logp, prox_logp, behav_logp, A)          (decoupled_ppo_loss)
+        grads /= tokens of minibatch k over all data-parallel ranks          (Megatron, per-token loss)
+        clip grad norm, Adam step
+
+Token weighting: every micro-batch returns the *sum* of its token losses and its token count;
+Megatron's schedule adds the counts and `finalize_model_grads` divides the gradients by the total over
+the data-parallel ranks. Gradient accumulation over micro-batches therefore gives the gradient of one
+big batch, whatever the packing.
+
+The cheaper option `prox_logp="loglinear"` skips the recompute pass. It interpolates the proximal
+logprob in log space between the behaviour and the current policy by policy version (A-3PO):
+
+    prox_logp = behav_logp + alpha * (logp - behav_logp),  alpha = (v - v_behav) / (v + k/K - v_behav)
+
+with v the step's version, v_behav the token's version and k/K the fraction of the step's minibatches
+already applied. For the first minibatch alpha = 1 (prox = logp, exact); a token sampled by v itself
+gets alpha = 0 at k > 0 (prox = behav, exact when generator and trainer agree).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from areal_hpc.algo.ppo import decoupled_ppo_loss
+from areal_hpc.trainer.model import PackedRows, pack_rows
+
+
+@dataclass
+class StepConfig:
+    """Settings of the PPO step (from the `ppo` and `rollout` config sections)."""
+
+    temperature: float = 1.0
+    """Logprobs are log_softmax(logits / temperature), the generator's sampling convention."""
+    eps_clip: float = 0.2
+    eps_clip_high: float | None = None
+    behav_weight_cap: float | None = None
+    prox_logp: str = "recompute"
+    """recompute (a forward pass with the step's starting weights; exact) or loglinear (no extra pass)."""
+    padded: bool = False
+    """One row per sequence, padded, instead of packing a micro-batch's sequences into one row (for
+    comparison; packing is never slower)."""
+
+    def __post_init__(self):
+        if self.prox_logp not in ("recompute", "loglinear"):
+            raise ValueError(f"ppo.prox_logp must be recompute or loglinear (got {self.prox_logp!r})")
+
+    @classmethod
+    def from_config(cls, cfg) -> StepConfig:
+        p = cfg.ppo
+        return cls(
+            temperature=cfg.rollout.temperature,
+            eps_clip=p.eps_clip,
+            eps_clip_high=p.eps_clip_high,
+            behav_weight_cap=p.behav_weight_cap,
+            prox_logp=getattr(p, "prox_logp", "recompute"),
+        )
+
+
+@dataclass
+class MicroBatch:
+    """A micro-batch's model inputs and per-token data, tokens in the order of its sequences."""
+
+    rows: PackedRows
+    where: tuple[torch.Tensor, torch.Tensor]  # ([n], [n]): (row, column) of the logits predicting each token
+    loss_mask: torch.Tensor  # [n] bool; never on a sequence's first token (nothing predicts it)
+    behav_logprobs: torch.Tensor  # [n]
+    advantages: torch.Tensor  # [n]
+    versions: torch.Tensor  # [n] int64
+    prox_logprobs: torch.Tensor | None = None  # [n], filled on the last stage
+
+    @property
+    def width(self) -> int:
+        return self.rows.tokens.shape[1]
+
+
+def make_microbatch(batch, seq_ids: list[int], padded: bool = False, device=None) -> MicroBatch:
+    """The micro-batch of sequences `seq_ids` of a TrainBatch."""
+    cu = np.asarray(batch.cu_seqlens)
+    spans = [(int(cu[i]), int(cu[i + 1])) for i in seq_ids]
+    take = np.concatenate([np.arange(a, b) for a, b in spans])
+    tokens = torch.from_numpy(np.asarray(batch.tokens)[take].astype(np.int64))
+    seqs, start = [], 0
+    for a, b in spans:
+        seqs.append(tokens[start : start + b - a])
+        start += b - a
+    rows = pack_rows(seqs, padded=padded)
+    r_idx, c_idx, first = [], [], []
+    for r, a, n in rows.seq_slices:
+        r_idx.append(torch.full((n,), r))
+        # token t of the sequence is predicted by the logits at t - 1 (the first token by none: use t)
+        c_idx.append(torch.cat([torch.tensor([a]), torch.arange(a, a + n - 1)]))
+        first.append(torch.arange(n) == 0)
+    first = torch.cat(first)
+    mask = torch.from_numpy(np.asarray(batch.loss_mask)[take].astype(bool)) & ~first
+
+    def arr(x, dtype):
+        return torch.from_numpy(np.asarray(x)[take].astype(dtype))
+
+    mb = MicroBatch(
+        rows,
+        (torch.cat(r_idx), torch.cat(c_idx)),
+        mask,
+        arr(batch.behav_logprobs, np.float32),
+        arr(batch.advantages, np.float32),
+        arr(batch.versions, np.int64),
+    )
+    if device is not None and torch.device(device).type != "cpu":
+        mb = _to(mb, device)
+    return mb
+
+
+def _to(mb: MicroBatch, device) -> MicroBatch:
+    r = mb.rows
+    rows = PackedRows(r.tokens.to(device), r.position_ids.to(device), r.attention_mask.to(device), r.seq_slices)
+    return MicroBatch(
+        rows,
+        (mb.where[0].to(device), mb.where[1].to(device)),
+        mb.loss_mask.to(device),
+        mb.behav_logprobs.to(device),
+        mb.advantages.to(device),
+        mb.versions.to(device),
+    )
+
+
+def token_logprobs(logits: torch.Tensor, mb: MicroBatch, temperature: float) -> torch.Tensor:
+    """[n] log_softmax(logits / T) of each token given the tokens before it in its own sequence.
+
+    `logits` is [b, s, V / TP] (vocab-parallel); the softmax is over the whole vocabulary.
+    """
+    from megatron.core import tensor_parallel
+
+    tokens = mb.rows.tokens
+    target = torch.roll(tokens, -1, dims=1)  # [b, s]: the next token of each position
+    nll = tensor_parallel.vocab_parallel_cross_entropy(logits.float() / temperature, target)  # [b, s]
+    return -nll[mb.where]
+
+
+def _forward(mb: MicroBatch, model):
+    """The model's forward on one micro-batch (the output is logits on the last stage)."""
+    r = mb.rows
+    return model(r.tokens, r.position_ids, r.attention_mask)
+
+
+def _forward_step(loss_of):
+    """Megatron's forward_step_func: the next micro-batch's forward, and its loss function."""
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        return _forward(mb, model), partial(loss_of, mb)
+
+    return forward_step
+
+
+def _logprob_loss(temperature: float, mb: MicroBatch, output: torch.Tensor):
+    logp = token_logprobs(output, mb, temperature).detach()
+    return output.sum() * 0.0, torch.tensor(0, dtype=torch.int), {"logprobs": logp}
+
+
+def _ppo_loss(cfg: StepConfig, alpha_step: float, version: int, mb: MicroBatch, output: torch.Tensor):
+    logp = token_logprobs(output, mb, cfg.temperature)
+    if cfg.prox_logp == "recompute":
+        prox = mb.prox_logprobs
+    else:
+        v_behav = mb.versions.to(logp.dtype)
+        denom = version + alpha_step - v_behav
+        alpha = torch.where(denom > 0, (version - v_behav) / denom.clamp(min=1e-9), torch.ones_like(denom))
+        prox = mb.behav_logprobs + alpha * (logp.detach() - mb.behav_logprobs)
+    mask = mb.loss_mask
+    loss, stats = decoupled_ppo_loss(
+        logp,
+        prox,
+        mb.behav_logprobs,
+        mb.advantages,
+        mask,
+        eps_clip=cfg.eps_clip,
+        eps_clip_high=cfg.eps_clip_high,
+        behav_weight_cap=cfg.behav_weight_cap,
+    )
+    n = mask.sum()
+    loss_sum = loss * n  # the loss is the mean over the mask; Megatron divides by the total count
+    with torch.no_grad():
+        current = mask & (mb.versions == version)
+        if cfg.prox_logp != "recompute" and alpha_step > 0:
+            current = torch.zeros_like(current)  # the approximate prox says nothing about the mismatch
+        report = {
+            "loss_sum": loss_sum.detach().double(),
+            "n": n.double(),
+            "clip_sum": (stats["clip_frac"] * n).double(),
+            "behav_weight_sum": (stats["behav_weight_mean"] * n).double(),
+            "mismatch_sum": ((mb.behav_logprobs - prox).abs() * current).sum().double(),
+            "mismatch_n": current.sum().double(),
+        }
+    return loss_sum, n.int(), report
+
+
+def compute_logprobs(engine, mbs: list[MicroBatch], temperature: float) -> list[torch.Tensor] | None:
+    """[n] logprobs of each micro-batch's tokens under the current weights (on the last stage; else None)."""
+    out = engine.forward_backward(
+        mbs,
+        _forward_step(partial(_logprob_loss, temperature)),
+        forward_only=True,
+        seq_length=max(mb.width for mb in mbs),
+    )
+    return [o["logprobs"] for o in out] if engine.is_last_stage else None
+
+
+_STAT_KEYS = ("loss_sum", "n", "clip_sum", "behav_weight_sum", "mismatch_sum", "mismatch_n")
+
+
+def ppo_step(engine, batch, cfg: StepConfig) -> dict[str, float]:
+    """Train on one TrainBatch (this data-parallel rank's shard); returns the step's stats on every rank.
+
+    Collective over all trainer ranks (every TP/PP rank of a replica gets the same batch).
+    """
+    version = int(batch.version)
+    minibatches = [[make_microbatch(batch, ids, cfg.padded, engine.device) for ids in mb] for mb in batch.microbatches]
+    if cfg.prox_logp == "recompute":
+        flat = [mb for k in minibatches for mb in k]
+        prox = compute_logprobs(engine, flat, cfg.temperature)
+        if prox is not None:
+            for mb, lp in zip(flat, prox):
+                mb.prox_logprobs = lp
+    totals = torch.zeros(len(_STAT_KEYS), dtype=torch.float64)
+    grad_norms = []
+    K = len(minibatches)
+    for k, mbs in enumerate(minibatches):
+        loss = partial(_ppo_loss, cfg, k / K, version)
+        out = engine.forward_backward(
+            mbs,
+            _forward_step(loss),
+            forward_only=False,
+            seq_length=max(mb.width for mb in mbs),
+        )
+        grad_norms.append(engine.optimizer_step())
+        if engine.is_last_stage and engine.par.tp_rank == 0:
+            for o in out:
+                totals += torch.stack([o[key].cpu() for key in _STAT_KEYS])
+    # Only the last stage's TP rank 0 of each replica holds the token stats: sum them everywhere.
+    dist.all_reduce(totals)
+    s = dict(zip(_STAT_KEYS, totals.tolist()))
+    n = max(s["n"], 1.0)
+    return {
+        "ppo/loss": s["loss_sum"] / n,
+        "ppo/clip_frac": s["clip_sum"] / n,
+        "ppo/grad_norm": sum(grad_norms) / len(grad_norms),
+        "ppo/behav_weight_mean": s["behav_weight_sum"] / n,
+        "ppo/logp_mismatch": s["mismatch_sum"] / max(s["mismatch_n"], 1.0),
+        "ppo/tokens": s["n"],
+    }

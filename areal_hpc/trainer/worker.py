@@ -1,0 +1,117 @@
+"""The trainer rank: Megatron state up, then the controller's messages in order until Stop.
+
+    TrainBatch(v)   -> one PPO step (every rank); trainer-local rank 0 replies TrainResult(v + 1, stats)
+    WeightSync(v)   -> each stage's (dp 0, tp 0) rank sends the stage's HF-named weights through the
+                       weight-sync handle; its TP peers take part in the gather; other ranks skip
+    Save(v, path)   -> every rank writes its part under path/trainer/ (atomic) and replies Saved(v)
+    Stop            -> flush and exit
+
+Every trainer rank receives the same messages in the same order from the controller (MPI keeps the
+order between two ranks), so the collectives inside each handler line up across ranks. Any error is
+reported to the controller as Failure before it propagates.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from areal_hpc.protocol import Failure, Mailbox, Save, Saved, Stop, TrainBatch, TrainResult, WeightSync
+from areal_hpc.runtime import CONTROLLER_RANK
+from areal_hpc.trainer import checkpoint
+from areal_hpc.trainer.engine import Engine, OptimConfig, init_parallel, shutdown_parallel
+from areal_hpc.trainer.step import StepConfig, ppo_step
+
+log = logging.getLogger("areal_hpc.trainer")
+
+
+def rendezvous(role_comm) -> tuple[str, int]:
+    """(address, port) for torch.distributed: chosen by trainer-local rank 0, broadcast over MPI."""
+    addr_port = None
+    if role_comm.Get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        try:
+            addr = socket.gethostbyname(socket.getfqdn())
+        except OSError:
+            addr = "127.0.0.1"
+        addr_port = (addr, port)
+    return role_comm.bcast(addr_port, root=0)
+
+
+def build_engine(ctx) -> Engine:
+    """torch.distributed + Megatron state, the model from ctx.model_path, resumed when asked."""
+    cfg = ctx.cfg
+    comm = ctx.role_comm
+    addr, port = rendezvous(comm)
+    par = init_parallel(
+        comm.Get_rank(),
+        comm.Get_size(),
+        cfg.allocation.train_tp,
+        cfg.allocation.train_pp,
+        addr,
+        port,
+        cfg.train.collective_timeout_s,
+    )
+    p = cfg.ppo
+    optim = OptimConfig(
+        lr=p.lr, weight_decay=p.weight_decay, adam_beta1=p.adam_beta1, adam_beta2=p.adam_beta2, grad_clip=p.grad_clip
+    )
+    engine = Engine(ctx.model_path, par, optim, getattr(torch, cfg.model.dtype))
+    if ctx.resume_from is not None:
+        checkpoint.load(engine, Path(ctx.resume_from) / "trainer")
+        log.info("trainer rank %d resumed from %s", par.rank, ctx.resume_from)
+    return engine
+
+
+def send_weights(engine: Engine, sync, bucket_bytes: int) -> dict | None:
+    """Stream this stage's weights (HF names, TP-gathered) to the generators; collective in TP."""
+    if engine.par.dp_rank != 0:
+        return None
+    stream = engine.export()
+    if engine.par.stage_source and sync is not None:
+        return sync.send(stream, bucket_bytes)
+    for _ in stream:  # TP peers (and a source without generators) take part in the gather
+        pass
+    return None
+
+
+def serve(ctx, sync) -> None:
+    """The trainer rank's loop (see the module docstring)."""
+    box = Mailbox(ctx.world)
+    try:
+        engine = build_engine(ctx)
+        step_cfg = StepConfig.from_config(ctx.cfg)
+        bucket_bytes = ctx.cfg.train.weight_sync_bucket_mb << 20
+        while True:
+            envelopes = box.poll(source=CONTROLLER_RANK)
+            if not envelopes:
+                time.sleep(0.001)
+                continue
+            for env in envelopes:
+                msg = env.msg
+                if isinstance(msg, TrainBatch):
+                    stats = ppo_step(engine, msg, step_cfg)
+                    if engine.par.rank == 0:
+                        box.send(CONTROLLER_RANK, TrainResult(int(msg.version) + 1, stats))
+                elif isinstance(msg, WeightSync):
+                    send_weights(engine, sync, bucket_bytes)
+                elif isinstance(msg, Save):
+                    checkpoint.save(engine, msg.path)
+                    box.send(CONTROLLER_RANK, Saved(msg.version))
+                elif isinstance(msg, Stop):
+                    box.flush()
+                    shutdown_parallel()
+                    return
+                else:
+                    raise RuntimeError(f"trainer got an unexpected {type(msg).__name__}")
+    except Exception as e:
+        box.send(CONTROLLER_RANK, Failure(ctx.rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        box.flush(timeout_s=10)
+        raise
