@@ -11,6 +11,7 @@ Pure bookkeeping over numpy arrays, no MPI: the controller drives it, tests driv
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -48,8 +49,9 @@ class Group:
         """Every answer is back and scored."""
         return self.generated and all(r is not None for r in self.rewards)
 
-    @property
+    @cached_property
     def oldest_version(self) -> int | None:
+        """Oldest generated-token version over the answers (read once the group is complete)."""
         return oldest_version(t.versions for t in self.trajectories if t is not None)
 
     @property

@@ -113,7 +113,16 @@ def run_local(cfg: Config, fresh: bool = False) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     metrics = _Tail(run_dir / "metrics.jsonl")
-    dead_rank = None
+    dead_rank, held = None, []
+
+    def show(line: str) -> None:
+        nonlocal dead_rank
+        if interrupts:  # after a stop request mpirun reports the controller's exit code 75 as an error:
+            held.append(line)  # keep its lines unless the stop turns out not to be clean
+            return
+        dead_rank = _dead_rank(line, dead_rank)
+        print(_annotate(line, layout), end="", flush=True)
+
     try:
         while True:
             code = proc.poll()
@@ -122,16 +131,17 @@ def run_local(cfg: Config, fresh: bool = False) -> int:
                     print(progress_line(row, cfg.train.total_steps), flush=True)
             while not lines.empty():
                 line = lines.get()
-                if line is None:
-                    continue
-                dead_rank = _dead_rank(line, dead_rank)
-                print(_annotate(line, layout), end="", flush=True)
+                if line is not None:
+                    show(line)
             if code is not None:
                 break
             time.sleep(0.2)
         while not lines.empty():
             line = lines.get()
             if line is not None:
+                show(line)
+        if code != EXIT_STOPPED:
+            for line in held:
                 dead_rank = _dead_rank(line, dead_rank)
                 print(_annotate(line, layout), end="", flush=True)
     finally:
