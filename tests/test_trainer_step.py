@@ -1,0 +1,157 @@
+"""The PPO step on real Megatron ranks: TP=2, PP=2 and DP=2 give the loss and updated weights of
+TP=1, PP=1; gradient accumulation and padding do not change the result; packed sequences get the
+logprobs they get alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from areal_hpc.config import ModelConfig
+from areal_hpc.protocol import TrainBatch
+from areal_hpc.tiny import build_tiny_model
+from areal_hpc.trainer.launch import run_ranks
+
+pytestmark = pytest.mark.megatron
+
+MODEL = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_attention_heads=4, num_key_value_heads=2)
+VERSION = 3
+MICROBATCHES = [[[0, 1], [2]], [[3], [4, 5]]]
+
+
+def make_batch(vocab: int, n_seqs: int = 6, seed: int = 0) -> TrainBatch:
+    """Random sequences: prompt tokens (version -1), response tokens of versions VERSION-1 and VERSION."""
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(6, 20, n_seqs)
+    parts = {k: [] for k in ("tokens", "mask", "behav", "adv", "versions")}
+    for n in lens:
+        prompt = int(rng.integers(2, 5))
+        mask = np.zeros(n, np.uint8)
+        mask[prompt:] = 1
+        parts["tokens"].append(rng.integers(0, vocab, n))
+        parts["mask"].append(mask)
+        parts["behav"].append(np.where(mask, -rng.random(n) * 3 - 3, 0))
+        parts["adv"].append(np.where(mask, rng.normal(size=n), 0))
+        parts["versions"].append(np.where(mask, rng.integers(VERSION - 1, VERSION + 1, n), -1))
+    cat = {k: np.concatenate(v) for k, v in parts.items()}
+    return TrainBatch(
+        VERSION,
+        cat["tokens"].astype(np.int32),
+        np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
+        cat["mask"],
+        cat["behav"].astype(np.float32),
+        cat["adv"].astype(np.float32),
+        cat["versions"].astype(np.int32),
+        microbatches=MICROBATCHES,
+    )
+
+
+def subset(batch: TrainBatch, seqs: list[int], microbatches: list) -> TrainBatch:
+    """The TrainBatch of sequences `seqs` (renumbered 0..), as a data-parallel shard."""
+    cu = batch.cu_seqlens
+    take = np.concatenate([np.arange(cu[i], cu[i + 1]) for i in seqs])
+    lens = [cu[i + 1] - cu[i] for i in seqs]
+    new = {old: j for j, old in enumerate(seqs)}
+    return TrainBatch(
+        batch.version,
+        batch.tokens[take],
+        np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
+        batch.loss_mask[take],
+        batch.behav_logprobs[take],
+        batch.advantages[take],
+        batch.versions[take],
+        microbatches=[[[new[i] for i in mb] for mb in k] for k in microbatches],
+    )
+
+
+# Adam with eps = 1 makes the update ~ lr * gradient, so the weights after a step show any gradient error.
+def _optim():
+    from areal_hpc.trainer.engine import OptimConfig
+
+    return OptimConfig(lr=1.0, weight_decay=0.0, adam_eps=1.0, grad_clip=1.0)
+
+
+def _train(par, model_dir, variants):
+    """One PPO step per variant (fresh weights each); per variant the stats and the exported weights."""
+    from areal_hpc.trainer.engine import Engine
+    from areal_hpc.trainer.step import StepConfig, ppo_step
+
+    out = {}
+    for name, (batches, padded) in variants.items():
+        engine = Engine(model_dir, par, _optim())
+        batch = batches[par.dp_rank]
+        stats = ppo_step(engine, batch, StepConfig(padded=padded, eps_clip=0.2))
+        out[name] = {"stats": stats, "weights": engine.export_full()}
+    return out if par.rank == 0 else None
+
+
+def _logprobs(par, model_dir, batch):
+    """Logprobs of sequences 0..2 packed in one micro-batch, and each alone."""
+    from areal_hpc.trainer.engine import Engine
+    from areal_hpc.trainer.step import compute_logprobs, make_microbatch
+
+    engine = Engine(model_dir, par, _optim())
+    packed = compute_logprobs(engine, [make_microbatch(batch, [0, 1, 2])], 0.7)
+    alone = compute_logprobs(engine, [make_microbatch(batch, [i]) for i in range(3)], 0.7)
+    mask = make_microbatch(batch, [0, 1, 2]).loss_mask
+    return {"packed": packed[0], "alone": torch.cat(alone), "mask": mask}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(build_tiny_model(MODEL, tmp_path_factory.mktemp("model"), seed=5))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    batch = make_batch(MODEL.vocab_size)
+    regrouped = TrainBatch(**{**batch.__dict__, "microbatches": [[[0], [1], [2]], [[3, 4], [5]]]})
+    variants = {"packed": ([batch], False), "padded": ([batch], True), "regrouped": ([regrouped], False)}
+    return run_ranks(_train, 1, 1, 1, model_dir, variants)[0]
+
+
+def _assert_same(got, want):
+    for key in ("ppo/loss", "ppo/clip_frac", "ppo/grad_norm", "ppo/behav_weight_mean", "ppo/logp_mismatch"):
+        assert got["stats"][key] == pytest.approx(want["stats"][key], rel=1e-4, abs=1e-6), key
+    assert sorted(got["weights"]) == sorted(want["weights"])
+    for name, w in want["weights"].items():
+        torch.testing.assert_close(got["weights"][name], w, rtol=0, atol=2e-6, msg=name)
+
+
+def test_step_changes_weights_and_reports_stats(reference, model_dir):
+    from areal_hpc.trainer.convert import read_hf
+
+    got = reference["packed"]
+    before = read_hf(model_dir)
+    assert max((got["weights"][k] - v).abs().max().item() for k, v in before.items()) > 1e-3
+    s = got["stats"]
+    assert s["ppo/tokens"] > 0 and s["ppo/grad_norm"] > 0 and 0 <= s["ppo/clip_frac"] <= 1
+    # behav logprobs are random here: prox (the model's own) differs from them
+    assert s["ppo/logp_mismatch"] > 0.1 and s["ppo/behav_weight_mean"] > 1
+
+
+def test_padding_and_regrouping_give_the_same_step(reference):
+    _assert_same(reference["padded"], reference["packed"])
+    _assert_same(reference["regrouped"], reference["packed"])
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_tensor_and_pipeline_parallel_step_equals_single_rank(reference, model_dir, tp, pp):
+    batch = make_batch(MODEL.vocab_size)
+    got = run_ranks(_train, tp * pp, tp, pp, model_dir, {"packed": ([batch], False)})[0]
+    _assert_same(got["packed"], reference["packed"])
+
+
+def test_data_parallel_step_equals_single_rank(reference, model_dir):
+    """Two DP ranks with half the sequences each: every token still weighs the same."""
+    batch = make_batch(MODEL.vocab_size)
+    shards = [subset(batch, [0, 1, 3], [[[0, 1]], [[3]]]), subset(batch, [2, 4, 5], [[[2]], [[4, 5]]])]
+    got = run_ranks(_train, 2, 1, 1, model_dir, {"packed": (shards, False)})[0]
+    _assert_same(got["packed"], reference["packed"])
+
+
+def test_packed_sequence_gets_its_logprobs_alone(model_dir):
+    got = run_ranks(_logprobs, 1, 1, 1, model_dir, make_batch(MODEL.vocab_size))[0]
+    mask = got["mask"]
+    assert (got["packed"][mask] - got["alone"][mask]).abs().max().item() <= 1e-5
