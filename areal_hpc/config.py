@@ -187,6 +187,10 @@ class PPOConfig:
     minibatches: int = 4
     """PPO minibatches (optimizer steps) per training step; the policy version advances once per
     training step."""
+    prox_logp: str = "recompute"
+    """Proximal logprobs of the decoupled loss: recompute (a forward pass with the weights at the start of
+    the step; exact) or loglinear (no extra pass: interpolated between behaviour and current logprobs by
+    policy version, exact for the first minibatch)."""
 
 
 @dataclass
@@ -386,6 +390,10 @@ def validate(cfg: Config) -> None:
     need(cfg.reward.timeout_s > 0, f"reward.timeout_s must be > 0 (got {cfg.reward.timeout_s})")
     need(cfg.reward.processes >= 0, f"reward.processes must be >= 0 (got {cfg.reward.processes}); 0 is one per core")
     need(p.adv_norm in ("group", "mean", "batch"), f"ppo.adv_norm must be group, mean or batch (got '{p.adv_norm}')")
+    need(
+        p.prox_logp in ("recompute", "loglinear"),
+        f"ppo.prox_logp must be recompute or loglinear (got '{p.prox_logp}')",
+    )
     for name, value in [
         ("model.hidden_size", m.hidden_size),
         ("model.num_layers", m.num_layers),
