@@ -78,10 +78,10 @@ def _train(par, model_dir, variants):
     from areal_hpc.trainer.step import StepConfig, ppo_step
 
     out = {}
-    for name, (batches, padded) in variants.items():
+    for name, (batches, step_cfg) in variants.items():
         engine = Engine(model_dir, par, _optim())
         batch = batches[par.dp_rank]
-        stats = ppo_step(engine, batch, StepConfig(padded=padded, eps_clip=0.2))
+        stats = ppo_step(engine, batch, StepConfig(**step_cfg))
         out[name] = {"stats": stats, "weights": engine.export_full()}
     return out if par.rank == 0 else None
 
@@ -107,7 +107,15 @@ def model_dir(tmp_path_factory):
 def reference(model_dir):
     batch = make_batch(MODEL.vocab_size)
     regrouped = TrainBatch(**{**batch.__dict__, "microbatches": [[[0], [1], [2]], [[3, 4], [5]]]})
-    variants = {"packed": ([batch], False), "padded": ([batch], True), "regrouped": ([regrouped], False)}
+    one_minibatch = TrainBatch(**{**batch.__dict__, "microbatches": [[[0, 1], [2], [3], [4, 5]]]})
+    variants = {
+        "packed": ([batch], {}),
+        "padded": ([batch], {"padded": True}),
+        "regrouped": ([regrouped], {}),
+        "recompute-1": ([one_minibatch], {}),
+        "loglinear-1": ([one_minibatch], {"prox_logp": "loglinear"}),
+        "loglinear": ([batch], {"prox_logp": "loglinear"}),
+    }
     return run_ranks(_train, 1, 1, 1, model_dir, variants)[0]
 
 
@@ -136,10 +144,17 @@ def test_padding_and_regrouping_give_the_same_step(reference):
     _assert_same(reference["regrouped"], reference["packed"])
 
 
+def test_loglinear_prox_is_exact_on_the_first_minibatch_only(reference):
+    """With one minibatch the interpolated prox is the recomputed one; with two it is an approximation."""
+    _assert_same(reference["loglinear-1"], reference["recompute-1"])
+    approx, exact = reference["loglinear"]["stats"], reference["packed"]["stats"]
+    assert approx["ppo/loss"] != pytest.approx(exact["ppo/loss"], rel=1e-6)
+
+
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_tensor_and_pipeline_parallel_step_equals_single_rank(reference, model_dir, tp, pp):
     batch = make_batch(MODEL.vocab_size)
-    got = run_ranks(_train, tp * pp, tp, pp, model_dir, {"packed": ([batch], False)})[0]
+    got = run_ranks(_train, tp * pp, tp, pp, model_dir, {"packed": ([batch], {})})[0]
     _assert_same(got["packed"], reference["packed"])
 
 
@@ -147,7 +162,7 @@ def test_data_parallel_step_equals_single_rank(reference, model_dir):
     """Two DP ranks with half the sequences each: every token still weighs the same."""
     batch = make_batch(MODEL.vocab_size)
     shards = [subset(batch, [0, 1, 3], [[[0, 1]], [[3]]]), subset(batch, [2, 4, 5], [[[2]], [[4, 5]]])]
-    got = run_ranks(_train, 2, 1, 1, model_dir, {"packed": (shards, False)})[0]
+    got = run_ranks(_train, 2, 1, 1, model_dir, {"packed": (shards, {})})[0]
     _assert_same(got["packed"], reference["packed"])
 
 

@@ -64,7 +64,7 @@ class StepConfig:
             eps_clip=p.eps_clip,
             eps_clip_high=p.eps_clip_high,
             behav_weight_cap=p.behav_weight_cap,
-            prox_logp=getattr(p, "prox_logp", "recompute"),
+            prox_logp=p.prox_logp,
         )
 
 
