@@ -56,8 +56,8 @@ class ModelConfig:
     """Width of the SwiGLU feed-forward layer."""
     num_layers: int = 2
     """Number of transformer layers (`num_hidden_layers`)."""
-    num_attention_heads: int = 4
-    """Query heads per layer."""
+    num_attention_heads: int = 2
+    """Query heads per layer (head size = hidden_size / heads; vLLM's CPU attention needs at least 32)."""
     num_key_value_heads: int = 2
     """Key/value heads per layer (grouped-query attention when fewer than the query heads)."""
     vocab_size: int = 128
@@ -208,6 +208,9 @@ class TrainConfig:
     """A rank with work outstanding (a generation, a reward, a training step, a save) that sends the
     controller nothing for this long is taken as hung: the controller ends the run naming it. Must
     exceed the longest training step and the longest single generation."""
+    startup_timeout_s: float = 600.0
+    """How long a rank may take to start (loading the model, compiling the engine) before its first
+    answer to the controller; past it the rank is taken as hung."""
 
 
 @dataclass

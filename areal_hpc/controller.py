@@ -119,7 +119,7 @@ class Controller:
         self.gen_load = dict.fromkeys(self.generators, 0)  # groups in flight per generator
         self.reward_load = dict.fromkeys(self.rewarders, 0)
         self.reward_pending: dict[int, tuple[int, int, int]] = {}  # traj_id -> (group, sample, rank)
-        self.liveness = Liveness(layout, cfg.train.rank_timeout_s, cfg.train.collective_timeout_s)
+        self.liveness = Liveness(layout, cfg.train.rank_timeout_s, cfg.train.startup_timeout_s)
 
         self.training: BatchInfo | None = None  # the step in flight on the trainers
         self.syncing: dict[int, set[int]] = {}  # version -> generators not yet done

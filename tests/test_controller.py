@@ -234,7 +234,7 @@ def test_stop_checkpoints_and_resume_continues_without_reusing_data(tmp_path):
 
 
 def test_a_rank_that_stops_answering_ends_the_run_naming_it(tmp_path):
-    cfg, layout, run_dir, tok_dir = make(tmp_path, "train.rank_timeout_s=0.5", "train.collective_timeout_s=0.5")
+    cfg, layout, run_dir, tok_dir = make(tmp_path, "train.rank_timeout_s=0.5", "train.startup_timeout_s=0.5")
     reward_rank = layout.ranks(Role.REWARD)[0]
     world = World(layout, build_tokenizer(), hang=reward_rank)
     with pytest.raises(RankFailure, match=r"reward 0 \(world rank 1\) has not answered"):
