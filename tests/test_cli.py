@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tests.test_config import REPO, TINY
+from tests.test_config import REPO
 
 COMMANDS = ["run", "submit", "render", "status", "cancel", "plan"]
 
@@ -44,10 +44,3 @@ def test_config_help_documents_fields():
 def test_missing_config_file_is_a_config_error():
     r = areal("plan", "no/such.yaml")
     assert r.returncode == 2 and "config file not found" in r.stderr
-
-
-def test_run_writes_the_resolved_config(tmp_path):
-    areal("run", str(TINY), f"experiment.root={tmp_path}", timeout=120)
-    saved = tmp_path / "tiny-cpu" / "trial0" / "config.yaml"
-    assert saved.exists()
-    assert "max_staleness: 2" in saved.read_text()
