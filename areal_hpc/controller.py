@@ -51,7 +51,7 @@ from areal_hpc.algo.staleness import StalenessGate
 from areal_hpc.batch import BatchInfo, build_train_batches
 from areal_hpc.buffer import Group, Rollouts
 from areal_hpc.layout import Role
-from areal_hpc.liveness import Liveness, RankFailure
+from areal_hpc.liveness import SYNC, Liveness, RankFailure
 from areal_hpc.metrics import IdleClock, MetricsWriter
 from areal_hpc.protocol import (
     Failure,
@@ -68,6 +68,7 @@ from areal_hpc.protocol import (
     WeightSync,
 )
 from areal_hpc.rundir import STOP_FILE, checkpoint_dir, checkpoint_version, mark_complete
+from areal_hpc.timeline import Timeline
 
 log = logging.getLogger("areal_hpc.controller")
 
@@ -129,6 +130,7 @@ class Controller:
         self.dropped_since_step = 0
 
         self.metrics = MetricsWriter(ctx.run_dir, cfg.logging.tensorboard)
+        self.timeline = Timeline(ctx.run_dir)  # phases of every role, for tools/plot_run.py
         self.gen_idle = IdleClock(len(self.generators))
         self.train_idle = IdleClock(1)
         self.last_step_end = time.monotonic()
@@ -204,6 +206,7 @@ class Controller:
         self.next_group_id += 1
         self.rollouts.start(group)
         self.box.send(gen, GenerateRequest(group.group_id, prompt_ids, n))
+        self.timeline.mark("gen_start", rank=gen, group=group.group_id)
         self.gen_load[gen] += 1
         self.gen_idle.busy(self.generators.index(gen), True)
         self.liveness.expect(gen, time.monotonic(), "a generation")
@@ -216,6 +219,7 @@ class Controller:
             self.train_idle.take_fraction()
         group = self.rollouts.add_trajectory(traj)
         if group.generated:  # the generator is done with this group
+            self.timeline.mark("gen_done", rank=src, group=group.group_id)
             self.gen_load[src] -= 1
             self.liveness.done(src)
             if self.gen_load[src] == 0:
@@ -260,12 +264,14 @@ class Controller:
         for t, rank in enumerate(self.trainers):
             self.box.send(rank, batches[(t // a.train_tp) % self.layout.train_dp])
         self.train_idle.busy(0, True)
+        self.timeline.mark("train_start", version=self.version)
         self.liveness.expect(self.trainers[0], time.monotonic(), f"training step {self.version}")
         return True
 
     def on_train_result(self, res: TrainResult) -> None:
         info, self.training = self.training, None
         self.train_idle.busy(0, False)
+        self.timeline.mark("train_end", version=res.version)
         self.liveness.done(self.trainers[0])
         self.version = res.version
         if self.version < self.cfg.train.total_steps and not self.stop_reason:
@@ -280,11 +286,13 @@ class Controller:
         for rank in self.trainers + self.generators:
             self.box.send(rank, WeightSync(self.version))
         self.syncing[self.version] = set(self.generators)
+        self.timeline.mark("sync_start", version=self.version)
         for g in self.generators:
-            self.liveness.expect(g, time.monotonic(), f"the weight sync of version {self.version}")
+            self.liveness.expect(g, time.monotonic(), f"{SYNC} of version {self.version}")
 
     def on_sync_done(self, src: int, msg: SyncDone) -> None:
         self.syncing[msg.version].discard(src)
+        self.timeline.mark("sync_done", rank=src, version=msg.version, seconds=msg.seconds)
         self.liveness.done(src)
         self.last_sync_s = max(self.last_sync_s if self.syncing[msg.version] else 0.0, msg.seconds)
         if not self.syncing[msg.version]:
@@ -385,6 +393,7 @@ class Controller:
             self.box.send(rank, Stop(reason))
         self.box.flush()
         self.metrics.close()
+        self.timeline.close()
 
 
 # --- helpers -----------------------------------------------------------------------------------

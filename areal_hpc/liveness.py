@@ -11,10 +11,15 @@ expected back, and a rank with work outstanding that sends nothing for `timeout_
                                                             engine start, model load)
 
 `last_heard(r)` is the later of r's last message and the moment it got work while it had none, so
-time spent idle never counts. The error names the rank (`layout.describe_rank`) and what it owed.
+time spent idle never counts. The error names the rank (`layout.describe_rank`) and what it owed;
+when several are silent, the one silent longest, except that a generator waiting in a weight sync
+comes after a silent trainer (it waits for the trainer's broadcast).
 """
 
 from __future__ import annotations
+
+SYNC = "the weight sync"
+"""How the controller names an owed SyncDone (`expect(rank, now, f"{SYNC} of version {v}")`)."""
 
 
 class RankFailure(RuntimeError):
@@ -55,7 +60,9 @@ class Liveness:
                 hung.append((now - self.last[rank], rank, limit))
         if not hung:
             return
-        hung.sort(reverse=True)
+        # A generator in a weight sync waits for the trainers' broadcast: when both are silent, the
+        # trainer is the likelier cause. Otherwise the rank silent longest comes first.
+        hung.sort(key=lambda h: (self.what[h[1]].startswith(SYNC), -h[0]))
         silent, rank, limit = hung[0]
         others = "; also silent: " + ", ".join(self.layout.describe_rank(r) for _, r, _ in hung[1:]) if hung[1:] else ""
         raise RankFailure(

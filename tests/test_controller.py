@@ -257,6 +257,13 @@ def test_liveness_names_the_rank_silent_longest_and_ignores_idle_time():
         RankFailure, match=r"^trainer 0 \(world rank 3\) has not answered for 16 s.*also silent: generator 0"
     ):
         live.check(1016.0)
+    live.heard(gen, 990.0)  # silent longer than the trainer, but inside a weight sync: the trainer is named
+    with pytest.raises(RankFailure, match=r"^trainer 0 \(world rank 3\)"):
+        live.check(1016.0)
+    live.done(gen)
+    live.expect(gen, 995.0, "a generation")  # silent longest, not waiting on anyone: named first
+    with pytest.raises(RankFailure, match=r"^generator 0 \(world rank 2\)"):
+        live.check(1016.0)
     live.done(trainer)
     live.done(gen)
     live.check(2000.0)
