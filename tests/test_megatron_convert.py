@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -84,8 +86,12 @@ def _one_model(par, model_dir):
     return result
 
 
-def _hf_logits(model_dir, seqs):
+@functools.cache
+def _hf_logits(model_dir, name):
+    """transformers' logits of each test sequence, alone."""
     from transformers import Qwen2ForCausalLM
+
+    seqs = _sequences(CONFIGS[name].vocab_size)
 
     model = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -100,7 +106,7 @@ def test_logits_match_transformers_and_export_round_trips(models, tp, pp):
     results = run_ranks(_rank_logits, tp * pp, tp, pp, {k: str(v) for k, v in models.items()})
     for name, model_dir in models.items():
         logits = next(r[name]["logits"] for r in results.values() if "logits" in r[name])
-        want = _hf_logits(model_dir, _sequences(CONFIGS[name].vocab_size))
+        want = _hf_logits(str(model_dir), name)
         for got, ref in zip(logits, want):
             assert got.shape == ref.shape
             assert (got - ref).abs().max().item() <= 1e-4, name

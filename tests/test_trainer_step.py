@@ -72,7 +72,7 @@ def _optim():
     return OptimConfig(lr=1.0, weight_decay=0.0, adam_eps=1.0, grad_clip=1.0)
 
 
-def _train(par, model_dir, variants):
+def _train(par, model_dir, variants, logprobs=False):
     """One PPO step per variant (fresh weights each); per variant the stats and the exported weights."""
     from areal_hpc.trainer.engine import Engine
     from areal_hpc.trainer.step import StepConfig, ppo_step
@@ -83,6 +83,8 @@ def _train(par, model_dir, variants):
         batch = batches[par.dp_rank]
         stats = ppo_step(engine, batch, StepConfig(**step_cfg))
         out[name] = {"stats": stats, "weights": engine.export_full()}
+    if logprobs:
+        out["logprobs"] = _logprobs(par, model_dir, variants["packed"][0][0])
     return out if par.rank == 0 else None
 
 
@@ -116,7 +118,7 @@ def reference(model_dir):
         "loglinear-1": ([one_minibatch], {"prox_logp": "loglinear"}),
         "loglinear": ([batch], {"prox_logp": "loglinear"}),
     }
-    return run_ranks(_train, 1, 1, 1, model_dir, variants)[0]
+    return run_ranks(_train, 1, 1, 1, model_dir, variants, True)[0]
 
 
 def _assert_same(got, want):
@@ -166,7 +168,7 @@ def test_data_parallel_step_equals_single_rank(reference, model_dir):
     _assert_same(got["packed"], reference["packed"])
 
 
-def test_packed_sequence_gets_its_logprobs_alone(model_dir):
-    got = run_ranks(_logprobs, 1, 1, 1, model_dir, make_batch(MODEL.vocab_size))[0]
+def test_packed_sequence_gets_its_logprobs_alone(reference):
+    got = reference["logprobs"]
     mask = got["mask"]
     assert (got["packed"][mask] - got["alone"][mask]).abs().max().item() <= 1e-5
