@@ -124,7 +124,7 @@ def test_cluster_settings_reach_the_script():
     assert "export MY_VAR='a b'" in text and "export NCCL_DEBUG=WARN" in text
     step = next(line for line in text.splitlines() if line.startswith("srun "))
     assert "--container-image=nvcr.io/nvidia/pytorch:24.05" in step and "--cpu-bind=none" in step
-    assert f"-eq {REQUEUE_EXIT_CODE} ]" in text
+    assert f'if [ "$rc" -eq {REQUEUE_EXIT_CODE} ]' in text
 
 
 def test_default_command_is_the_agreed_entry_point():
