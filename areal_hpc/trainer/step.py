@@ -257,5 +257,6 @@ def ppo_step(engine, batch, cfg: StepConfig) -> dict[str, float]:
         "ppo/grad_norm": sum(grad_norms) / len(grad_norms),
         "ppo/behav_weight_mean": s["behav_weight_sum"] / n,
         "ppo/logp_mismatch": s["mismatch_sum"] / max(s["mismatch_n"], 1.0),
+        "ppo/logp_mismatch_tokens": s["mismatch_n"],  # 0: no token of the current version in the batch
         "ppo/tokens": s["n"],
     }
