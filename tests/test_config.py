@@ -35,7 +35,7 @@ def test_override_changes_a_field():
         (["rollout.group_size"], "not of the form section.field=value"),
         (["rollout.group_size=many"], "rollout.group_size: wrong type"),
         (["rollout.max_staleness=-1"], "rollout.max_staleness must be >= 0"),
-        (["allocation.train_tp=3"], "allocation.train_tp (3) must divide model.num_attention_heads (2)"),
+        (["allocation.train_tp=3"], "allocation.train_tp (3) must divide model.num_attention_heads (4)"),
         (
             ["model.num_attention_heads=8", "allocation.train_tp=4"],
             "allocation.train_tp (4) must divide model.num_key_value_heads (2)",
