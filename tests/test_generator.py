@@ -53,7 +53,9 @@ def hf_logprobs(model, prompt, output) -> np.ndarray:
 
 
 def load(engine, model, version):
-    return engine.load_weights(list(model.state_dict().items()), version)
+    """Load as the trainer sends: a tied model's state has no `lm_head.weight` (HF checkpoint layout)."""
+    named = [(k, v) for k, v in model.state_dict().items() if not (MODEL.tie_word_embeddings and k == "lm_head.weight")]
+    return engine.load_weights(named, version)
 
 
 def drain(engine, steps=None) -> list:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -55,8 +55,22 @@ class WeightLoader:
     def areal_load_weights(self, buckets: list) -> int:
         """Load buckets of Hugging Face named tensors (the model shards them by its own TP rank)."""
         named = [item for bucket in buckets for item in bucket]
-        self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
+        self.reload_weights(weights_iterator=self._areal_tied(iter(named)), is_checkpoint_format=True)
         return len(named)
+
+    def _areal_tied(self, named: Iterator) -> Iterator:
+        """With tied embeddings, also load the input embedding as `lm_head.weight`.
+
+        Hugging Face checkpoints of tied models (and the trainer's export) carry no `lm_head.weight`,
+        but vLLM's CPU backend keeps the output projection repacked in its own kernel format, which
+        an in-place reload refreshes only when `lm_head.weight` itself arrives: without it the
+        generator would keep sampling from the old output projection.
+        """
+        tied = getattr(self.model_config.hf_config, "tie_word_embeddings", False)
+        for name, tensor in named:
+            yield name, tensor
+            if tied and name == "model.embed_tokens.weight":
+                yield "lm_head.weight", tensor
 
     def areal_receive_weights(self, receiver) -> int:
         """Join the weight-sync groups as this worker's rank and load each bucket as it arrives."""
@@ -76,7 +90,7 @@ class WeightLoader:
                 count += len(bucket)
                 yield from bucket
 
-        self.reload_weights(weights_iterator=stream(), is_checkpoint_format=True)
+        self.reload_weights(weights_iterator=self._areal_tied(stream()), is_checkpoint_format=True)
         return count
 
 
