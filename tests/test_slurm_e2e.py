@@ -1,16 +1,26 @@
 """The whole system as one heterogeneous Slurm job: `areal-hpc submit configs/tiny-cpu.yaml --nodes 3` on
 the local test cluster (controller + reward worker on node1, the generator on node2, two trainers on
-node3-4), run to the end, then `areal-hpc status` reads its metrics."""
+node3-4): a run to the end, then `areal-hpc status` reads its metrics; and a run stopped by the
+time-limit signal, requeued, resumed from the controller's checkpoint, repeating no step."""
 
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from launch.record import JobRecord
-from tests.test_slurm import REPO, slurm_cluster, wait_done  # noqa: F401 - slurm_cluster is a fixture
+from tests.test_slurm import (  # noqa: F401 - slurm_cluster is a fixture
+    REPO,
+    components,
+    nodes_idle,
+    slurm_cluster,
+    wait_done,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e, pytest.mark.mpi, pytest.mark.vllm, pytest.mark.megatron]
 pytestmark.append(pytest.mark.slow)
@@ -27,15 +37,26 @@ SMALL = [
 ]
 
 
-def test_submit_tiny_cpu_runs_to_the_end(slurm_cluster, tmp_path):  # noqa: F811
-    # OMPI_MCA_btl: only because the fake nodes share one host (sbatch passes the environment on)
-    env = {**os.environ, "OMPI_MCA_btl": "self,tcp"}
+# OMPI_MCA_btl: only because the fake nodes share one host (sbatch passes the environment on)
+ENV = {**os.environ, "OMPI_MCA_btl": "self,tcp"}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("slurm-e2e")  # the tiny model and its warm start are built once here
+
+
+def submit(root: Path, trial: str, *overrides: str) -> Path:
     cmd = [sys.executable, "-m", "areal_hpc.cli", "submit", "configs/tiny-cpu.yaml", "--nodes", "3"]
-    cmd += [f"experiment.root={tmp_path}", *SMALL]
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    cmd += [f"experiment.root={root}", f"experiment.trial={trial}", *SMALL, *overrides]
+    out = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "submitted job" in out.stdout
-    run_dir = tmp_path / "tiny-cpu" / "trial0"
+    return root / "tiny-cpu" / trial
+
+
+def test_submit_tiny_cpu_runs_to_the_end(slurm_cluster, root):  # noqa: F811
+    run_dir = submit(root, "to-the-end")
     record = JobRecord.load(run_dir)
     try:
         state = wait_done(run_dir, 480)
@@ -48,6 +69,49 @@ def test_submit_tiny_cpu_runs_to_the_end(slurm_cluster, tmp_path):  # noqa: F811
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all("reward/mean" in r and "ppo/loss" in r for r in rows)
     status = subprocess.run(
-        [sys.executable, "-m", "areal_hpc.cli", "status", str(run_dir)], capture_output=True, text=True, env=env
+        [sys.executable, "-m", "areal_hpc.cli", "status", str(run_dir)], capture_output=True, text=True, env=ENV
     )
     assert "COMPLETED" in status.stdout and "last step: 3" in status.stdout, status.stdout
+
+
+def test_time_limit_signal_checkpoints_requeues_and_resumes(slurm_cluster, root):  # noqa: F811
+    run_dir = submit(root, "requeue", "train.total_steps=6")
+    job_id = JobRecord.load(run_dir).job_id
+    metrics = run_dir / "metrics.jsonl"
+    try:
+        wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 300, "two steps")
+        # what Slurm sends cluster.requeue_signal_s before the time limit
+        subprocess.run(["scancel", "--signal=USR2", "--batch", job_id], check=True)
+        spool = Path(os.environ["SLURM_CONF"]).parent.parent / "spool"
+
+        def finished():
+            comps = components(job_id)
+            pending = comps and all(c["State"] == "PENDING" for c in comps.values())
+            if pending and nodes_idle() and not list(spool.glob(f"*/stepd.slurm.pmix.{job_id}.*")):
+                # start the requeued job now rather than after Slurm's ~2 min
+                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
+            state = JobRecord.load(run_dir).state()
+            return state not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED") and state
+
+        state = wait_for(finished, 420, "the requeued job to end", interval=1)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)
+    events = JobRecord.load(run_dir).attempts()
+    assert [(e["attempt"], e["event"]) for e in events] == [
+        (0, "start"),
+        (0, "end"),
+        (0, "requeue"),
+        (1, "start"),
+        (1, "end"),
+    ]
+    # the controller checkpointed and exited 75; srun's code is 143 when --kill-on-bad-exit had to end the others
+    assert events[1]["exit_code"] in (75, 143) and events[1]["stop_signal"] == "USR2"
+    assert "checkpoint of version" in (run_dir / "logs" / "controller-0.log").read_text()
+    assert state == "COMPLETED"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6], "every step once across the requeue"
+    log = (run_dir / "logs" / "controller-0.log").read_text()
+    assert "resumed from" in log
+    steps = [(int(s), json.loads(p)) for s, p in re.findall(r"step (\d+) trains prompts (\[.*\])", log)]
+    prompts = [i for _, indices in steps for i in indices]
+    assert len(prompts) == len(set(prompts)), "no prompt trained twice across the requeue"
