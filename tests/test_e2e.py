@@ -136,7 +136,7 @@ def test_runs_stops_on_ctrl_c_after_a_checkpoint_and_resumes(root):
     assert not left_running(run_dir)
 
 
-@pytest.mark.parametrize("victim", ["generator-0", "trainer-0"])
+@pytest.mark.parametrize("victim", ["controller-0", "reward-0", "generator-0", "trainer-0"])
 def test_kill_9_of_a_rank_ends_the_run_naming_it(root, victim):
     run = Run(root, f"kill-{victim}", "train.total_steps=100")
     run.wait_rows(1)
