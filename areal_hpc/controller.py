@@ -128,6 +128,7 @@ class Controller:
         self.saved_version = -1
         self.stop_reason: str | None = None
         self.dropped_since_step = 0
+        self.reward_errors_since_step = 0  # rewards scored 0 for a timeout or an error
 
         self.metrics = MetricsWriter(ctx.run_dir, cfg.logging.tensorboard)
         self.timeline = Timeline(ctx.run_dir)  # phases of every role, for tools/plot_run.py
@@ -237,6 +238,7 @@ class Controller:
         self.reward_load[rank] -= 1
         self.liveness.done(rank)
         if res.reason != "ok":
+            self.reward_errors_since_step += 1
             log.warning("reward of trajectory %d: %s (scored %s)", res.traj_id, res.reason, res.reward)
         if self.rollouts.add_reward(group_id, sample_idx, res.reward) is not None:
             self.gate.finish(accepted=True)
@@ -305,6 +307,7 @@ class Controller:
             "reward/mean": info.reward_mean,
             "staleness/max": info.staleness_max,
             "staleness/dropped": self.dropped_since_step,
+            "reward/errors": self.reward_errors_since_step,
             "throughput/effective_tokens_per_s": info.response_tokens / max(step_s, 1e-9),
             "timing/step_s": step_s,
             "timing/weight_sync_s": self.last_sync_s,
@@ -312,7 +315,7 @@ class Controller:
             "timing/train_idle_frac": self.train_idle.take_fraction(),
             **{k: float(v) for k, v in stats.items()},
         }
-        self.dropped_since_step = 0
+        self.dropped_since_step = self.reward_errors_since_step = 0
         self.metrics.write(self.version, row)
 
     # --- checkpoints and stopping -----------------------------------------------------------

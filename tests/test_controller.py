@@ -84,7 +84,10 @@ class World:
                 self.later.append((1, Envelope(dest, SyncDone(msg.version, 0.01))))
         elif isinstance(msg, RewardRequest):
             a, b = msg.target, msg.response.removeprefix(BOXED).removesuffix("}")
-            self.later.append((self.rng.randint(0, 2), Envelope(dest, RewardResult(msg.traj_id, float(a == b), "ok"))))
+            result = RewardResult(msg.traj_id, float(a == b), "ok")
+            if msg.traj_id % 17 == 0:  # now and then a reward call times out: scored 0, counted
+                result = RewardResult(msg.traj_id, 0.0, "timeout")
+            self.later.append((self.rng.randint(0, 2), Envelope(dest, result)))
         elif isinstance(msg, TrainBatch):
             self.on_train_batch(dest, msg)
         elif isinstance(msg, Save):
@@ -195,6 +198,7 @@ def test_staleness_bound_and_every_prompt_once(tmp_path, eta):
         assert set(REQUIRED) <= set(r) and r["ppo/loss"] == 0.1
         assert 0 <= r["staleness/max"] <= eta
         assert 0 <= r["timing/gen_idle_frac"] <= 1 and 0 <= r["timing/train_idle_frac"] <= 1
+    assert sum(r["reward/errors"] for r in rows) > 0
     if eta == 0:  # synchronous: each step trains what the weights of that very version generated
         assert all(r["staleness/max"] == 0 and r["staleness/dropped"] == 0 for r in rows)
     assert eta == 0 or max(r["staleness/max"] for r in rows) > 0  # asynchronous: it does run ahead
