@@ -141,6 +141,36 @@ def nodes_idle() -> bool:
     return bool(out) and all(state == "idle" for state in out)
 
 
+class RequeueStarter:
+    """Starts a requeued job as soon as that is safe, rather than after Slurm's ~2 min hold.
+
+    Safe means: every component is PENDING, the nodes are idle, the old step's PMIx sockets are gone
+    (a new step with the same job and step id fails to bind them), and 2 s have passed since the job
+    was first seen pending: slurmd revokes the old attempt's credential with a time in whole seconds,
+    and a start within the same second is killed as "Job credential revoked".
+    """
+
+    def __init__(self, job_id: str):
+        self.job_id = job_id
+        self.spool = Path(os.environ["SLURM_CONF"]).parent.parent / "spool"
+        self.pending_since: float | None = None
+
+    def __call__(self) -> bool:
+        """True once it has asked Slurm to start the job now."""
+        comps = components(self.job_id)
+        pending = comps and all(c["State"] == "PENDING" for c in comps.values())
+        if not pending:
+            self.pending_since = None
+            return False
+        self.pending_since = self.pending_since or time.time()
+        if time.time() - self.pending_since < 2 or not nodes_idle():
+            return False
+        if list(self.spool.glob(f"*/stepd.slurm.pmix.{self.job_id}.*")):
+            return False
+        subprocess.run(["scontrol", "update", f"JobId={self.job_id}", "StartTime=now"], capture_output=True)
+        return True
+
+
 def wait_done(run_dir: Path, timeout: float) -> str:
     record = JobRecord.load(run_dir)
     return wait_for(lambda: (s := record.state()) not in ACTIVE and s, timeout, f"job {record.job_id} to end")
@@ -216,23 +246,11 @@ def test_requeued_job_resumes_from_its_checkpoint(submit):
     # What Slurm does cluster.requeue_signal_s before the time limit (--signal=B:USR2@...)
     subprocess.run(["scancel", "--signal=USR2", "--batch", job_id], check=True)
 
-    spool = Path(os.environ["SLURM_CONF"]).parent.parent / "spool"
-
-    def requeued_and_nodes_clean():
-        comps = components(job_id)
-        pending = comps and all(c["State"] == "PENDING" for c in comps.values())
-        # the old step's daemons are gone once their PMIx sockets are (same job id, same step id)
-        return pending and nodes_idle() and not list(spool.glob(f"*/stepd.slurm.pmix.{job_id}.*"))
-
     def restarted():
         comps = components(job_id)
         return comps and all(c["State"] == "RUNNING" for c in comps.values())
 
-    wait_for(requeued_and_nodes_clean, 60, "the requeued job to be pending on clean nodes")
-    # A requeued job may start again only after ~2 min, which gives the nodes time to end the old step
-    # (a new step with the same id fails to bind its PMIx socket). The test starts it as soon as the
-    # nodes are clean.
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
+    wait_for(RequeueStarter(job_id), 60, "the requeued job to be pending on clean nodes")
     wait_for(restarted, 60, "the requeued job to run again", interval=1)
     assert wait_done(run_dir, 90) == "COMPLETED"
 
@@ -293,13 +311,10 @@ def test_time_limit_signal_checkpoints_and_requeues(submit):
         ["RUN_DIR", str(total), "0.5"],
         ["cluster.time=00:01:00", "cluster.requeue_signal_s=55", "cluster.max_requeues=10"],
     )
-    spool = Path(os.environ["SLURM_CONF"]).parent.parent / "spool"
+    start_requeued = RequeueStarter(job_id)
 
     def finished():
-        comps = components(job_id)
-        pending = comps and all(c["State"] == "PENDING" for c in comps.values())
-        if pending and nodes_idle() and not list(spool.glob(f"*/stepd.slurm.pmix.{job_id}.*")):
-            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
+        start_requeued()
         state = JobRecord.load(run_dir).state()
         return state not in ACTIVE and state
 

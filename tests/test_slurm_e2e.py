@@ -15,8 +15,7 @@ import pytest
 from launch.record import JobRecord
 from tests.test_slurm import (  # noqa: F401 - slurm_cluster is a fixture
     REPO,
-    components,
-    nodes_idle,
+    RequeueStarter,
     slurm_cluster,
     wait_done,
     wait_for,
@@ -82,14 +81,10 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(slurm_cluster, root)
         wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 300, "two steps")
         # what Slurm sends cluster.requeue_signal_s before the time limit
         subprocess.run(["scancel", "--signal=USR2", "--batch", job_id], check=True)
-        spool = Path(os.environ["SLURM_CONF"]).parent.parent / "spool"
+        start_requeued = RequeueStarter(job_id)
 
         def finished():
-            comps = components(job_id)
-            pending = comps and all(c["State"] == "PENDING" for c in comps.values())
-            if pending and nodes_idle() and not list(spool.glob(f"*/stepd.slurm.pmix.{job_id}.*")):
-                # start the requeued job now rather than after Slurm's ~2 min
-                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
+            start_requeued()
             state = JobRecord.load(run_dir).state()
             return state not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED") and state
 
