@@ -24,12 +24,13 @@ setup(
         "mpi4py>=4",
         "submitit==1.5.4",
         "tensorboard",
-        "math-verify[antlr4_13_2]",
+        "math-verify",
         "pyyaml",
+        "matplotlib",  # tools/plot_run.py
     ],
     extras_require={
         "test": ["pytest", "hypothesis", "ruff"],
-        "bench": ["matplotlib", "trl"],
+        "bench": ["trl"],
     },
     entry_points={"console_scripts": ["areal-hpc = areal_hpc.cli:main"]},
 )
