@@ -99,8 +99,11 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(slurm_cluster, root)
         (1, "start"),
         (1, "end"),
     ]
-    # the controller checkpointed and exited 75; srun's code is 143 when --kill-on-bad-exit had to end the others
-    assert events[1]["exit_code"] in (75, 143) and events[1]["stop_signal"] == "USR2"
+    # the controller checkpointed and exited 75; srun's code is 143 when --kill-on-bad-exit had to end the
+    # others, 137 when srun outlived its step and the script ended it (seen on the fake cluster)
+    end = events[1]
+    assert end["stop_signal"] == "USR2"
+    assert end["exit_code"] in (75, 143) or (end["exit_code"] == 137 and end["srun_ended_by_script"])
     assert "checkpoint of version" in (run_dir / "logs" / "controller-0.log").read_text()
     assert state == "COMPLETED"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
