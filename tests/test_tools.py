@@ -1,0 +1,182 @@
+"""The benchmark scripts' pure parts (reading metrics, steady-state figures, ratios) and plot_run on a
+synthetic run directory. The benchmarks themselves are not run here: they print figures, they assert none."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from areal_hpc.timeline import Timeline, read_events
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench_sync = _load("bench_async_vs_sync")
+bench_trl = _load("bench_vs_trl")
+
+
+def _row(step, tok_s, step_s, gen_idle, train_idle, staleness=0, reward=0.5, dropped=0):
+    return {
+        "step": step,
+        "reward/mean": reward,
+        "staleness/max": staleness,
+        "staleness/dropped": dropped,
+        "throughput/effective_tokens_per_s": tok_s,
+        "timing/step_s": step_s,
+        "timing/weight_sync_s": 0.01,
+        "timing/gen_idle_frac": gen_idle,
+        "timing/train_idle_frac": train_idle,
+    }
+
+
+def _write_metrics(path: Path, rows: list[dict], torn_tail: bool = False) -> None:
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    path.write_text(text + ('{"step": 9' if torn_tail else ""))
+
+
+# --- bench_async_vs_sync -------------------------------------------------------------------------
+
+
+def test_read_metrics_sorts_by_step_and_skips_a_torn_line(tmp_path):
+    _write_metrics(tmp_path / "metrics.jsonl", [_row(2, 1, 1, 0, 0), _row(1, 1, 1, 0, 0)], torn_tail=True)
+    assert [r["step"] for r in bench_sync.read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+def test_summarize_weights_by_step_time_and_skips_warmup():
+    rows = [
+        _row(1, 99999.0, 5.0, 1.0, 1.0),  # warm-up: left out
+        _row(2, 100.0, 1.0, 0.5, 0.0),  # 100 tokens
+        _row(3, 300.0, 3.0, 0.0, 0.5, staleness=2),  # 900 tokens
+    ]
+    s = bench_sync.summarize(rows, warmup=1)
+    assert s.steps == 2
+    assert s.effective_tokens_per_s == pytest.approx(1000 / 4)  # totals over totals, not the mean of rates
+    assert s.gen_idle_frac == pytest.approx(0.5 * 1 / 4)
+    assert s.train_idle_frac == pytest.approx(0.5 * 3 / 4)
+    assert s.step_s == pytest.approx(2.0)
+    assert s.gen_s == pytest.approx((1 - 0.125) * 2.0)
+    assert s.train_s == pytest.approx((1 - 0.375) * 2.0)
+    assert s.staleness_max == 2
+    with pytest.raises(ValueError, match="no steps after"):
+        bench_sync.summarize(rows, warmup=3)
+
+
+def test_ideal_ratio_and_speedup():
+    assert bench_sync.ideal_ratio(1.0, 1.0) == pytest.approx(2.0)
+    assert bench_sync.ideal_ratio(3.0, 1.0) == pytest.approx(4 / 3)
+    assert bench_sync.ideal_ratio(0.5, 2.0) == pytest.approx(1.25)
+    sync = bench_sync.summarize([_row(1, 100.0, 1.0, 0.5, 0.5)], warmup=0)
+    asyn = bench_sync.summarize([_row(1, 180.0, 1.0, 0.1, 0.1)], warmup=0)
+    assert bench_sync.speedup(sync, asyn) == pytest.approx(1.8)
+    assert "1.8" not in bench_sync.describe("sync", sync)  # describes one run, not the ratio
+    assert "100 effective tok/s" in bench_sync.describe("sync", sync)
+
+
+# --- bench_vs_trl --------------------------------------------------------------------------------
+
+
+def test_trl_bench_rates():
+    rows = [_row(1, 0, 10.0, 0, 0), _row(2, 0, 2.0, 0, 0), _row(3, 0, 2.0, 0, 0)]
+    assert bench_trl.samples_per_s_from_metrics(rows, warmup=1, samples_per_step=64) == pytest.approx(128 / 4)
+    # step ends at 10 (warm-up), 14, 18: two steps of 64 samples in 8 s
+    assert bench_trl.samples_per_s_from_step_ends([10.0, 14.0, 18.0], warmup=1, samples_per_step=64) == 16.0
+    with pytest.raises(ValueError):
+        bench_trl.samples_per_s_from_step_ends([10.0], warmup=1, samples_per_step=64)
+    assert bench_trl.ratio(32.0, 16.0) == 2.0
+    assert bench_trl.SAMPLES_PER_STEP == 64
+
+
+# --- timeline and plot_run -----------------------------------------------------------------------
+
+
+def _synthetic_run(run_dir: Path, steps: int = 8) -> None:
+    """A run's metrics and the controller's timeline, as an asynchronous run of two generators writes them."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _write_metrics(
+        run_dir / "metrics.jsonl",
+        [
+            _row(s, 500.0 + 10 * s, 0.5, 0.1, 0.2, staleness=min(s - 1, 2), reward=s / steps)
+            for s in range(1, steps + 1)
+        ],
+    )
+    clock = [1000.0]
+    tl = Timeline(run_dir, now=lambda: clock[0])
+
+    def at(t, event, **fields):
+        clock[0] = 1000.0 + t
+        tl.mark(event, **fields)
+
+    group = 0
+    for v in range(steps):
+        t = v * 1.0
+        for rank in (2, 3):
+            at(t + 0.01, "gen_start", rank=rank, group=group)
+            at(t + 0.6, "gen_done", rank=rank, group=group)
+            group += 1
+        at(t + 0.05, "train_start", version=v)
+        at(t + 0.5, "train_end", version=v + 1)
+        at(t + 0.5, "sync_start", version=v + 1)
+        at(t + 0.7, "sync_done", rank=2, version=v + 1, seconds=0.2)
+        at(t + 0.75, "sync_done", rank=3, version=v + 1, seconds=0.25)
+    tl.close()
+
+
+def test_timeline_phases(tmp_path):
+    _synthetic_run(tmp_path)
+    plot_run = _load("plot_run")
+    events = read_events(tmp_path)
+    assert events[0]["event"] == "gen_start" and events[0]["t"] == pytest.approx(1000.01)
+    lanes = plot_run.phases(events)
+    assert set(lanes) == {"generator 2", "generator 3", "trainer"}
+    assert lanes["generator 2"]["generate"][0] == pytest.approx((1000.01, 1000.6))
+    assert lanes["generator 3"]["sync"][0] == pytest.approx((1000.5, 1000.75))
+    assert lanes["trainer"]["sync"][0] == pytest.approx((1000.5, 1000.75))  # until the last SyncDone
+    # step 1 is sent at 1001.05, after the sync of version 1 ended (1000.75): it trains from 1001.05
+    assert lanes["trainer"]["train"][1] == pytest.approx((1001.05, 1001.5))
+    assert len(lanes["trainer"]["train"]) == 8
+
+
+def test_trainer_step_waits_for_the_weight_sync_before_it(tmp_path):
+    plot_run = _load("plot_run")
+    events = [
+        {"t": 0.0, "event": "train_end", "version": 1},
+        {"t": 0.0, "event": "sync_start", "version": 1},
+        {"t": 0.1, "event": "train_start", "version": 1},  # queued behind the WeightSync on the trainer
+        {"t": 0.4, "event": "sync_done", "rank": 2, "version": 1, "seconds": 0.4},
+        {"t": 1.0, "event": "train_end", "version": 2},
+    ]
+    lanes = plot_run.phases(events)
+    assert lanes["trainer"]["train"] == [pytest.approx((0.4, 1.0))]
+    assert lanes["trainer"]["sync"] == [pytest.approx((0.0, 0.4))]
+
+
+def test_plot_run_writes_a_png(tmp_path):
+    _synthetic_run(tmp_path / "run")
+    plot_run = _load("plot_run")
+    out = tmp_path / "run.png"
+    assert plot_run.main([str(tmp_path / "run"), "-o", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    height, width, _ = matplotlib.image.imread(out).shape
+    assert (width, height) == (1200, 900)
+
+
+def test_plot_run_without_timeline_or_metrics(tmp_path):
+    plot_run = _load("plot_run")
+    _write_metrics(tmp_path / "metrics.jsonl", [_row(1, 10.0, 1.0, 0.5, 0.5)])
+    assert plot_run.main([str(tmp_path)]) == 0  # metrics only: the timeline panel says it is missing
+    assert (tmp_path / "run.png").read_bytes()[:4] == b"\x89PNG"
+    assert plot_run.main([str(tmp_path / "nothing")]) == 2
