@@ -67,7 +67,7 @@ def _one_model(par, model_dir):
 
     def forward_step(it, model):
         r = next(it)
-        out = model(r.tokens, r.position_ids, r.attention_mask)
+        out = r.forward(model)
 
         def loss(output):
             logits.append(tensor_parallel.gather_from_tensor_model_parallel_region(output).detach())

@@ -122,10 +122,8 @@ def make_microbatch(batch, seq_ids: list[int], padded: bool = False, device=None
 
 
 def _to(mb: MicroBatch, device) -> MicroBatch:
-    r = mb.rows
-    rows = PackedRows(r.tokens.to(device), r.position_ids.to(device), r.attention_mask.to(device), r.seq_slices)
     return MicroBatch(
-        rows,
+        mb.rows.to(device),
         (mb.where[0].to(device), mb.where[1].to(device)),
         mb.loss_mask.to(device),
         mb.behav_logprobs.to(device),
@@ -147,18 +145,12 @@ def token_logprobs(logits: torch.Tensor, mb: MicroBatch, temperature: float) -> 
     return -nll[mb.where]
 
 
-def _forward(mb: MicroBatch, model):
-    """The model's forward on one micro-batch (the output is logits on the last stage)."""
-    r = mb.rows
-    return model(r.tokens, r.position_ids, r.attention_mask)
-
-
 def _forward_step(loss_of):
     """Megatron's forward_step_func: the next micro-batch's forward, and its loss function."""
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        return _forward(mb, model), partial(loss_of, mb)
+        return mb.rows.forward(model), partial(loss_of, mb)
 
     return forward_step
 
