@@ -57,6 +57,17 @@ class MetricsWriter:
             self._tb.close()
 
 
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl in step order (a torn last line, the one being written, is skipped)."""
+    rows = []
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return sorted(rows, key=lambda r: r["step"])
+
+
 def _plain(v):
     if hasattr(v, "item"):
         v = v.item()

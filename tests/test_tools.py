@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from areal_hpc.metrics import read_metrics
 from areal_hpc.timeline import Timeline, read_events
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
@@ -51,7 +52,7 @@ def _write_metrics(path: Path, rows: list[dict], torn_tail: bool = False) -> Non
 
 def test_read_metrics_sorts_by_step_and_skips_a_torn_line(tmp_path):
     _write_metrics(tmp_path / "metrics.jsonl", [_row(2, 1, 1, 0, 0), _row(1, 1, 1, 0, 0)], torn_tail=True)
-    assert [r["step"] for r in bench_sync.read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
 
 
 def test_summarize_weights_by_step_time_and_skips_warmup():

@@ -1,10 +1,12 @@
 """Asynchronous versus synchronous RL on this machine: the speedup of overlapping generation and training.
 
-Runs the tiny config twice in one invocation, identical but for `rollout.max_staleness` (0: synchronous,
-generation and training take turns; > 0: asynchronous, they overlap), each with a fresh run directory
-under one root. `areal-hpc run` pins the generator rank and the trainer rank to their own cores (the CPU
-stand-in for separate GPUs; areal_hpc.main.core_plan). Then prints, per mode, over the steady-state
-steps (the first `--warmup` steps left out: engine warm-up, and the asynchronous pipeline filling):
+Runs the tiny config in both modes in one invocation, identical but for `rollout.max_staleness` (0:
+synchronous, generation and training take turns; > 0: asynchronous, they overlap), each run with a fresh
+run directory under one root, the modes alternating for `--rounds` rounds (sync, async, sync, async, ...)
+so that a change in the machine's load over the invocation falls on both. `areal-hpc run` pins the
+generator rank and the trainer rank to their own cores (the CPU stand-in for separate GPUs;
+areal_hpc.main.core_plan). Then prints, per mode, over the steady-state steps of all its rounds (the
+first `--warmup` steps of each run left out: engine warm-up, and the asynchronous pipeline filling):
 
   effective throughput   generated tokens consumed by training per second, computed from metrics.jsonl:
                          sum(throughput/effective_tokens_per_s * timing/step_s) / sum(timing/step_s)
@@ -13,21 +15,23 @@ steps (the first `--warmup` steps left out: engine warm-up, and the asynchronous
                          G = (1 - gen_idle_frac) * step_s, T = (1 - train_idle_frac) * step_s
 
 and the ideal speedup the synchronous run's costs allow, (G + T) / max(G, T) (2.0 when generation and
-training cost the same; overlap cannot hide more than the cheaper of the two), then last
-`async/sync effective throughput: X.XXx`.
+training cost the same; overlap cannot hide more than the cheaper of the two), each round's ratio, then
+last `async/sync effective throughput: X.XXx` over all rounds.
 
-    python tools/bench_async_vs_sync.py                   # BENCH_OVERRIDES, 40 steps per mode
-    python tools/bench_async_vs_sync.py --steps 60 rollout.max_new_tokens=24
+    python tools/bench_async_vs_sync.py                   # BENCH_OVERRIDES, 2 rounds of 60 steps per mode
+    python tools/bench_async_vs_sync.py --rounds 1 --steps 100 ppo.prox_logp=loglinear
 
 The benchmark's own settings (BENCH_OVERRIDES) make generation and training comparable in cost on two
-cores; without them the tiny config's steps take ~0.1 s and the controller's per-message overhead, not
-the overlap, decides the ratio. Settings given on the command line come after them and win.
+cores: vLLM's cost per decode step hardly depends on the batch while the trainer's grows with its tokens,
+and with tiny-cpu's own batch (8 prompts x 16 answers) the trainer takes about twice the generator's
+time, so overlap could hide only the cheaper third. Settings given on the command line come after them
+and win. The measured ratio can come close to the ideal one, or pass it: the synchronous step also waits
+for the rewards and the weight sync (step_s > G + T), which the asynchronous run overlaps too.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -35,13 +39,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from areal_hpc.metrics import read_metrics
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "tiny-cpu.yaml"
 ASYNC_STALENESS = 2
 BENCH_OVERRIDES = [
-    "rollout.prompts_per_step=16",
-    "rollout.max_new_tokens=12",
-    "rollout.max_concurrent=48",
+    # 4 prompt groups per step instead of tiny-cpu's 8: the trainer's time (tokens) halves, the
+    # generator's (decode steps) hardly changes, and the two come out about equal (G ~ T).
+    "rollout.prompts_per_step=4",
+    "rollout.max_concurrent=12",  # 3 steps' worth in flight, as tiny-cpu's 24 is for 8 groups per step
     "logging.tensorboard=false",
 ]
 
@@ -58,17 +65,6 @@ class Summary:
     train_s: float  # T: trainer busy time per step
     step_s: float
     staleness_max: int
-
-
-def read_metrics(path: str | Path) -> list[dict]:
-    """The rows of a metrics.jsonl, in step order (a torn last line is skipped)."""
-    rows = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return sorted(rows, key=lambda r: r["step"])
 
 
 def summarize(rows: list[dict], warmup: int) -> Summary:
@@ -121,7 +117,7 @@ def describe(name: str, s: Summary) -> str:
 
 
 def run_mode(root: Path, trial: str, staleness: int, steps: int, overrides: list[str], log: Path) -> Path:
-    """One fresh `areal-hpc run` of the tiny config; returns its run directory."""
+    """One fresh `areal-hpc run` of the tiny config; returns its run directory (under root/tiny-cpu/trial)."""
     cmd = [
         sys.executable,
         "-m",
@@ -148,22 +144,31 @@ def run_mode(root: Path, trial: str, staleness: int, steps: int, overrides: list
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=40, help="training steps per mode")
-    p.add_argument("--warmup", type=int, default=5, help="first steps left out of the figures")
-    p.add_argument("--staleness", type=int, default=ASYNC_STALENESS, help="max_staleness of the async run")
-    p.add_argument("--root", default=str(REPO / "runs" / "bench"), help="run root of both runs")
-    p.add_argument("overrides", nargs="*", help="more config overrides for both runs (section.field=value)")
+    p.add_argument("--steps", type=int, default=60, help="training steps per run")
+    p.add_argument("--warmup", type=int, default=5, help="first steps of each run left out of the figures")
+    p.add_argument("--rounds", type=int, default=2, help="runs per mode, alternating sync and async")
+    p.add_argument("--staleness", type=int, default=ASYNC_STALENESS, help="max_staleness of the async runs")
+    p.add_argument("--root", default=str(REPO / "runs" / "bench"), help="run root of all runs")
+    p.add_argument("overrides", nargs="*", help="more config overrides for every run (section.field=value)")
     args = p.parse_args(argv)
+    if args.rounds < 1 or args.steps <= args.warmup:
+        p.error(f"need --rounds >= 1 and --steps > --warmup (got {args.rounds}, {args.steps}, {args.warmup})")
     root = Path(args.root).resolve()
     root.mkdir(parents=True, exist_ok=True)
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} cores)")
     print(f"settings: {' '.join(BENCH_OVERRIDES + args.overrides)}", flush=True)
-    runs = {}
-    for name, staleness in (("sync", 0), ("async", args.staleness)):
-        run_dir = run_mode(root, name, staleness, args.steps, args.overrides, root / f"{name}.out")
-        runs[name] = summarize(read_metrics(run_dir / "metrics.jsonl"), args.warmup)
+    steady: dict[str, list[dict]] = {"sync": [], "async": []}
+    for k in range(1, args.rounds + 1):
+        this_round = {}
+        for name, staleness in (("sync", 0), ("async", args.staleness)):
+            trial = f"{name}{k}"
+            run_dir = run_mode(root, trial, staleness, args.steps, args.overrides, root / f"{trial}.out")
+            rows = [r for r in read_metrics(run_dir) if r["step"] > args.warmup]
+            this_round[name] = summarize(rows, 0)
+            steady[name] += rows
+        print(f"round {k}: async/sync {speedup(this_round['sync'], this_round['async']):.2f}x", flush=True)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    sync, asyn = runs["sync"], runs["async"]
+    sync, asyn = summarize(steady["sync"], 0), summarize(steady["async"], 0)
     print(describe("sync", sync))
     print(describe("async", asyn))
     print(

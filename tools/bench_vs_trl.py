@@ -5,16 +5,21 @@ the tiny tokenizer's vocabulary; built by areal_hpc.tiny, no warm start) in floa
 `a+b=` task with boxed answers (areal_hpc.tiny.arithmetic_rows, the same math reward), 8 prompts x 8
 answers per step, up to 128 new tokens, one optimizer step per batch, no KL term:
 
-  areal-hpc   `areal-hpc run` (asynchronous, max_staleness 2): vLLM generator on one core, Megatron
-              trainer on the other, controller and reward worker floating.
+  areal-hpc   `areal-hpc run` (asynchronous, max_staleness 2) as tiny-cpu lays it out: the vLLM
+              generator pinned to one core, the Megatron trainer to the other, controller and reward
+              worker floating. The proximal logprobs by ppo.prox_logp=loglinear: with one minibatch per
+              step it gives exactly the recomputed ones (the first minibatch's prox is the current
+              logprob) without the extra forward pass, and TRL with one iteration per batch makes none
+              either.
   TRL         GRPOTrainer in this process on both cores: transformers generation, then training, in turn.
 
 Prints each one's trained samples per second over the steps after `--warmup` (areal-hpc: from
 metrics.jsonl, samples / summed timing/step_s; TRL: from the step-end times of a trainer callback),
 and their ratio last. Needs the `bench` extra (pip install -e .[bench]).
 
-    python tools/bench_vs_trl.py                 # 2 warm-up + 4 measured steps each
+    python tools/bench_vs_trl.py                          # 2 warm-up + 8 measured steps each
     python tools/bench_vs_trl.py --steps 6 --warmup 2
+    python tools/bench_vs_trl.py ppo.prox_logp=recompute  # areal-hpc settings given last win
 """
 
 from __future__ import annotations
@@ -42,8 +47,9 @@ OVERRIDES = [
     f"rollout.prompts_per_step={PROMPTS}",
     f"rollout.group_size={GROUP}",
     f"rollout.max_new_tokens={MAX_NEW}",
-    "rollout.max_concurrent=24",
+    "rollout.max_concurrent=64",
     "rollout.max_staleness=2",
+    "ppo.prox_logp=loglinear",
     "ppo.minibatches=1",
     "ppo.max_tokens_per_mb=4096",
     "logging.tensorboard=false",
@@ -74,18 +80,18 @@ def ratio(areal: float, trl: float) -> float:
 # --- areal-hpc ---------------------------------------------------------------------------------
 
 
-def bench_areal(root: Path, steps: int, warmup: int) -> float:
-    import json
+def bench_areal(root: Path, steps: int, warmup: int, extra: list[str]) -> float:
+    from areal_hpc.metrics import read_metrics
 
     cmd = [sys.executable, "-m", "areal_hpc.cli", "run", str(CONFIG), "--fresh", f"experiment.root={root}"]
-    cmd += ["experiment.trial=areal", f"train.total_steps={steps}", f"train.save_every={steps}", *OVERRIDES]
+    cmd += ["experiment.trial=areal", f"train.total_steps={steps}", f"train.save_every={steps}", *OVERRIDES, *extra]
     log = root / "areal.out"
     t0 = time.monotonic()
     with open(log, "w") as out:
         code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO).returncode
     if code != 0:
         sys.exit(f"areal-hpc run failed (exit {code}); its output: {log}")
-    rows = [json.loads(line) for line in (root / "tiny-cpu" / "areal" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(root / "tiny-cpu" / "areal")
     print(f"areal-hpc: {steps} steps in {time.monotonic() - t0:.0f} s (start-up included); output {log}", flush=True)
     for r in rows:
         print(
@@ -165,9 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     from areal_hpc.sft import initial_model
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=6, help="steps of each system (warm-up included)")
+    p.add_argument("--steps", type=int, default=10, help="steps of each system (warm-up included)")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the figures")
     p.add_argument("--root", default=None, help="run root (default: a temporary directory)")
+    p.add_argument("overrides", nargs="*", help="more areal-hpc settings (section.field=value), e.g. cluster.nodes=3")
     args = p.parse_args(argv)
     root = Path(args.root or tempfile.mkdtemp(prefix="bench-trl-")).resolve()
     root.mkdir(parents=True, exist_ok=True)
@@ -182,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         f"per step, up to {MAX_NEW} new tokens; torch {torch.__version__}"
     )
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} cores)", flush=True)
-    areal = bench_areal(root, args.steps, args.warmup)
+    areal = bench_areal(root, args.steps, args.warmup, args.overrides)
     trl = bench_trl(cfg, model_dir, root / "trl", args.steps, args.warmup)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"areal-hpc: {areal:.2f} trained samples/s")

@@ -10,7 +10,6 @@ per generator and one for the trainer, coloured by what it did: generate, train,
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -20,20 +19,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from areal_hpc.metrics import read_metrics  # noqa: E402
 from areal_hpc.timeline import read_events  # noqa: E402
 
 COLORS = {"generate": "#4c9be8", "train": "#e8744c", "sync": "#7a3fb0", "idle": "#e6e6e6"}
 Interval = tuple[float, float]
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    rows = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return sorted(rows, key=lambda r: r["step"])
 
 
 def phases(events: list[dict]) -> dict[str, dict[str, list[Interval]]]:
@@ -122,7 +112,8 @@ def plot(run_dir: Path, out: Path, timeline_steps: int = 6) -> Path:
     ax = fig.add_subplot(grid[0, 1])
     ax.step(steps, [r["staleness/max"] for r in rows], where="mid", label="staleness/max (versions)")
     ax.bar(steps, [r["staleness/dropped"] for r in rows], color="#c33", alpha=0.6, label="staleness/dropped (samples)")
-    ax.set(title="staleness", xlabel="step")
+    top = max([1] + [r["staleness/max"] for r in rows] + [r["staleness/dropped"] for r in rows])
+    ax.set(title="staleness", xlabel="step", ylim=(-0.05 * top, 1.25 * top))
     ax.legend(fontsize=8, loc="upper left")
 
     ax = fig.add_subplot(grid[1, 0])
