@@ -28,6 +28,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import NamedTuple
 
 from areal_hpc.config import load_config
 from areal_hpc.layout import Layout, Role
@@ -107,26 +108,36 @@ def _serve(ctx, sync) -> int | None:
 # --- cores -------------------------------------------------------------------------------------
 
 
-def core_plan(layout: Layout, cores: list[int]) -> dict[int, list[int]]:
-    """World rank -> cores it is pinned to: generator and trainer ranks get disjoint equal shares of
-    `cores` (each its own "device", as on a cluster); the controller and reward ranks float (absent).
-    Empty when there are fewer cores than generator + trainer ranks: then nothing is pinned.
+class Placement(NamedTuple):
+    cores: list[int]  # where the rank may run
+    threads: int  # its compute threads (OMP_NUM_THREADS)
 
-    2 cores, 1 generator (rank 2) + 1 trainer (rank 3): {2: [c0], 3: [c1]}.
+
+def core_plan(layout: Layout, cores: list[int]) -> dict[int, Placement]:
+    """World rank -> where a generator or trainer rank runs (the controller and reward ranks float: absent).
+
+    Enough cores: disjoint equal shares, one thread per core, so each rank has its own "device", as on
+    a cluster. 2 cores, 1 generator (rank 2) + 1 trainer (rank 3): {2: ([c0], 1), 3: ([c1], 1)}.
+    Fewer cores than these ranks: every one of them runs anywhere with one thread, and the kernel's
+    scheduler shares the cores (a core a generator leaves idle goes to a trainer). Several threads per
+    rank would be worse than none pinned: a rank's parallel regions wait for threads that are not running.
     """
-    pinned = [*layout.ranks(Role.GENERATOR), *layout.ranks(Role.TRAINER)]
-    if len(cores) < len(pinned):
-        return {}
-    share = len(cores) // len(pinned)
-    return {r: cores[i * share : (i + 1) * share] for i, r in enumerate(pinned)}
+    ranks = [*layout.ranks(Role.GENERATOR), *layout.ranks(Role.TRAINER)]
+    if len(cores) < len(ranks):
+        return {r: Placement(list(cores), 1) for r in ranks}
+    share = len(cores) // len(ranks)
+    return {r: Placement(cores[i * share : (i + 1) * share], share) for i, r in enumerate(ranks)}
 
 
-def _pin(cores: list[int] | None) -> None:
-    if not cores:
+def _pin(place: Placement | None) -> None:
+    if place is None:
         return
-    os.sched_setaffinity(0, cores)
-    # Before torch or vLLM is imported: one compute thread per core of this rank.
-    os.environ["OMP_NUM_THREADS"] = str(len(cores))
+    os.sched_setaffinity(0, place.cores)
+    # Before torch or vLLM is imported: the rank's compute threads, and no binding of vLLM's own
+    # (its CPU backend binds one thread to every core it may use, whatever the thread count).
+    os.environ["OMP_NUM_THREADS"] = str(place.threads)
+    if place.threads < len(place.cores):
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
 
 
 # --- output, signals, failure, exit ------------------------------------------------------------

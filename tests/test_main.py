@@ -15,11 +15,12 @@ def layout(*overrides):
 
 def test_generator_and_trainer_get_disjoint_cores_controller_and_reward_float():
     lay = layout()  # ranks: controller 0, reward 1, generator 2, trainer 3
-    assert core_plan(lay, [0, 1]) == {2: [0], 3: [1]}
+    assert core_plan(lay, [0, 1]) == {2: ([0], 1), 3: ([1], 1)}
     plan = core_plan(lay, list(range(8)))
-    assert plan == {2: [0, 1, 2, 3], 3: [4, 5, 6, 7]}
+    assert plan == {2: ([0, 1, 2, 3], 4), 3: ([4, 5, 6, 7], 4)}
     assert 0 not in plan and 1 not in plan
-    assert core_plan(lay, [0]) == {}  # fewer cores than pinned ranks: nothing pinned
+    # fewer cores than generator + trainer ranks: each runs anywhere, with one thread
+    assert core_plan(lay, [0]) == {2: ([0], 1), 3: ([0], 1)}
 
 
 def test_mpirun_command_is_one_mpmd_launch_in_world_rank_order(tmp_path):
