@@ -5,12 +5,13 @@ the tiny tokenizer's vocabulary; built by areal_hpc.tiny, no warm start) in floa
 `a+b=` task with boxed answers (areal_hpc.tiny.arithmetic_rows, the same math reward), 8 prompts x 8
 answers per step, up to 128 new tokens, one optimizer step per batch, no KL term:
 
-  areal-hpc   `areal-hpc run` (asynchronous, max_staleness 2) as tiny-cpu lays it out: the vLLM
-              generator pinned to one core, the Megatron trainer to the other, controller and reward
-              worker floating. The proximal logprobs by ppo.prox_logp=loglinear: with one minibatch per
-              step it gives exactly the recomputed ones (the first minibatch's prox is the current
-              logprob) without the extra forward pass, and TRL with one iteration per batch makes none
-              either.
+  areal-hpc   `areal-hpc run` (asynchronous, max_staleness 2) with cluster.nodes=3: a vLLM generator
+              and two Megatron trainer ranks (data parallel), one thread each, sharing both cores with
+              the controller and the reward worker (training is about two thirds of the work here: with
+              one core each, the generator's core would stand idle half the time). The proximal
+              logprobs by ppo.prox_logp=loglinear: with one minibatch per step it gives exactly the
+              recomputed ones (the first minibatch's prox is the current logprob) without the extra
+              forward pass, and TRL with one iteration per batch makes none either.
   TRL         GRPOTrainer in this process on both cores: transformers generation, then training, in turn.
 
 Prints each one's trained samples per second over the steps after `--warmup` (areal-hpc: from
@@ -49,6 +50,7 @@ OVERRIDES = [
     f"rollout.max_new_tokens={MAX_NEW}",
     "rollout.max_concurrent=64",
     "rollout.max_staleness=2",
+    "cluster.nodes=3",  # 1 generator + 2 trainer ranks (areal_hpc.main.core_plan: one thread each, unpinned)
     "ppo.prox_logp=loglinear",
     "ppo.minibatches=1",
     "ppo.max_tokens_per_mb=4096",
@@ -124,6 +126,16 @@ def bench_trl(cfg, model_dir: Path, out_dir: Path, steps: int, warmup: int) -> f
         return [math_reward(c, a, cfg.reward.timeout_s) for c, a in zip(completions, answer, strict=True)]
 
     ends: list[float] = []
+    gen_s: list[float] = []  # each generate call's seconds (one per step: the whole batch at once)
+    plain_generate = model.generate
+
+    def timed_generate(*args, **kwargs):  # GRPOTrainer calls the model's own generate (one CPU process)
+        t = time.monotonic()
+        out = plain_generate(*args, **kwargs)
+        gen_s.append(time.monotonic() - t)
+        return out
+
+    model.generate = timed_generate
 
     class StepTimes(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -139,6 +151,9 @@ def bench_trl(cfg, model_dir: Path, out_dir: Path, steps: int, warmup: int) -> f
         learning_rate=cfg.ppo.lr,
         epsilon=cfg.ppo.eps_clip,
         beta=0.0,
+        # TRL's GRPO default recomputes activations in the backward pass to save memory; a 21M model needs
+        # none saved, and areal-hpc's trainer recomputes nothing: off, so both train at full speed.
+        gradient_checkpointing=False,
         temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p,
         use_cpu=True,
@@ -162,7 +177,10 @@ def bench_trl(cfg, model_dir: Path, out_dir: Path, steps: int, warmup: int) -> f
     trainer.train()
     print(f"TRL: {steps} steps in {time.monotonic() - t0:.0f} s", flush=True)
     for i in range(len(ends)):
-        print(f"  step {i + 1}: {ends[i] - (ends[i - 1] if i else t0):.2f} s")
+        step = ends[i] - (ends[i - 1] if i else t0)
+        print(f"  step {i + 1}: {step:.2f} s, of which generation {gen_s[i]:.2f} s")
+    steady = ends[-1] - ends[warmup - 1]
+    print(f"TRL: generation {sum(gen_s[warmup:]) / steady:.0%} of the measured steps' time, training the rest")
     return samples_per_s_from_step_ends(ends, warmup, SAMPLES_PER_STEP)
 
 
