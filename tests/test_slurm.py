@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -325,6 +326,24 @@ def test_time_limit_signal_checkpoints_and_requeues(submit):
     assert [r["step"] for r in rows] == list(range(1, total + 1))
     events = JobRecord.load(run_dir).attempts()
     stops = [e for e in events if e["event"] == "end" and e["stop_signal"] == "USR2"]
-    # 75 from the controller; 137 when srun outlived its step and the script ended it (fake cluster)
-    assert stops and all(e["exit_code"] == 75 or (e["exit_code"] == 137 and e["srun_ended_by_script"]) for e in stops)
-    assert len({r["attempt"] for r in rows}) == len(stops) + 1
+    steps_in = Counter(r["attempt"] for r in rows)
+
+    def clean(stop) -> bool:
+        # 75 from the controller; 137 when srun outlived its step and the script ended it (fake cluster);
+        # 143 when the signal came before the program had its handler (Slurm signals within ~30 s of
+        # the start): rank 0 died of it, --kill-on-bad-exit ended the others, the recorded signal
+        # still requeued the job; so only in an attempt that finished no step. 0: the program had
+        # finished when the signal came (the script does not requeue a finished run).
+        code = stop["exit_code"]
+        return (
+            code in (0, 75)
+            or (code == 137 and stop["srun_ended_by_script"])
+            or (code == 143 and not steps_in[stop["attempt"]])
+        )
+
+    assert stops and all(clean(e) for e in stops), stops
+    # every requeue started one more attempt; the work spread over several, each going on from the last
+    starts = [e for e in events if e["event"] == "start"]
+    assert len(starts) == len([e for e in events if e["event"] == "requeue"]) + 1
+    attempts = [r["attempt"] for r in rows]
+    assert len(set(attempts)) >= 2 and attempts == sorted(attempts)
