@@ -58,14 +58,20 @@ class MetricsWriter:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    """The rows of a run's metrics.jsonl in step order (a torn last line, the one being written, is skipped)."""
+    """The rows of a run's metrics.jsonl in step order."""
+    return read_jsonl(Path(run_dir) / "metrics.jsonl", "step")
+
+
+def read_jsonl(path: Path, order_by: str) -> list[dict]:
+    """The rows of a JSONL file the run appends to, sorted by `order_by`; a torn line (the one being
+    written, or the last one of a crash) is skipped."""
     rows = []
-    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+    for line in path.read_text().splitlines():
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
             continue
-    return sorted(rows, key=lambda r: r["step"])
+    return sorted(rows, key=lambda r: r[order_by])
 
 
 def _plain(v):

@@ -22,6 +22,8 @@ import json
 import time
 from pathlib import Path
 
+from areal_hpc.metrics import read_jsonl
+
 FILE = "timeline.jsonl"
 
 
@@ -42,12 +44,4 @@ class Timeline:
 def read_events(run_dir: str | Path) -> list[dict]:
     """The events of a run, oldest first (a torn last line is skipped); [] without a timeline."""
     path = Path(run_dir) / FILE
-    if not path.exists():
-        return []
-    events = []
-    for line in path.read_text().splitlines():
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return sorted(events, key=lambda e: e["t"])
+    return read_jsonl(path, "t") if path.exists() else []

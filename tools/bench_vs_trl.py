@@ -192,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10, help="steps of each system (warm-up included)")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the figures")
     p.add_argument("--root", default=None, help="run root (default: a temporary directory)")
-    p.add_argument("overrides", nargs="*", help="more areal-hpc settings (section.field=value), e.g. cluster.nodes=3")
+    p.add_argument(
+        "overrides", nargs="*", help="more areal-hpc settings (section.field=value), e.g. ppo.prox_logp=recompute"
+    )
     args = p.parse_args(argv)
     root = Path(args.root or tempfile.mkdtemp(prefix="bench-trl-")).resolve()
     root.mkdir(parents=True, exist_ok=True)
