@@ -133,11 +133,8 @@ def _pin(place: Placement | None) -> None:
     if place is None:
         return
     os.sched_setaffinity(0, place.cores)
-    # Before torch or vLLM is imported: the rank's compute threads, and no binding of vLLM's own
-    # (its CPU backend binds one thread to every core it may use, whatever the thread count).
+    # Before torch or vLLM is imported: the rank's compute threads (the generator engine follows them).
     os.environ["OMP_NUM_THREADS"] = str(place.threads)
-    if place.threads < len(place.cores):
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
 
 
 # --- output, signals, failure, exit ------------------------------------------------------------

@@ -314,8 +314,10 @@ def _cpu_setup(model_path, tp: int, max_num_seqs: int, max_model_len: int | None
     shared with the other roles. On GPU: None (vLLM sizes it from gpu_memory_utilization).
 
     Also fails at start, with the fix, on a head size vLLM's CPU attention does not support, rather
-    than at the first step; and with tp > 1 lets the workers' threads float (vLLM's CPU auto-binding
-    wants one NUMA node per worker, which a single machine does not have).
+    than at the first step; and lets the workers' threads float (no auto-binding) with tp > 1 (vLLM's
+    CPU auto-binding wants one NUMA node per worker, which a single machine does not have) and when
+    OMP_NUM_THREADS asks for fewer threads than the cores this process may use (auto-binding would put
+    a thread on each of them: areal_hpc.main.core_plan's ranks that share the cores).
     """
     import json
     from pathlib import Path
@@ -326,7 +328,8 @@ def _cpu_setup(model_path, tp: int, max_num_seqs: int, max_model_len: int | None
         return None
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    if tp > 1:
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if tp > 1 or (threads and int(threads) < len(os.sched_getaffinity(0))):
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
     hf = json.loads((Path(model_path) / "config.json").read_text())
