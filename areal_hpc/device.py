@@ -1,0 +1,43 @@
+"""The compute device, decided once per rank and handed down (DESIGN.md, "Devices").
+
+`cluster.device` is auto, cpu or cuda. Each rank resolves it once at start, after its
+`CUDA_VISIBLE_DEVICES` is set, and passes the result to whatever it builds; this is the one module
+that asks torch whether CUDA is there. Everything below takes a device: the torch.distributed backend
+follows from it (`backend`), and so do the megatron-core CPU routes (`trainer/cpu_compat.py`).
+"""
+
+from __future__ import annotations
+
+CHOICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(requested: str = "auto", gpus: bool = True) -> str:
+    """'cpu' or 'cuda' for this process.
+
+    `gpus`: whether the rank map gives this rank any GPU. A rank without GPUs (the controller, a
+    reward worker, any rank of a CPU run) is on the CPU whatever is asked. auto: cuda when torch sees
+    a GPU. cuda without a visible GPU is an error that says what this process sees.
+    """
+    if requested not in CHOICES:
+        raise ValueError(f"cluster.device must be one of {', '.join(CHOICES)} (got {requested!r})")
+    if requested == "cpu" or not gpus:
+        return "cpu"
+    import torch
+
+    available = torch.cuda.is_available()
+    if requested == "auto":
+        return "cuda" if available else "cpu"
+    if not available:
+        import os
+
+        raise RuntimeError(
+            "cluster.device is cuda but torch sees no GPU here "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r}, "
+            f"torch {torch.__version__} built for CUDA {torch.version.cuda})"
+        )
+    return "cuda"
+
+
+def backend(device: str) -> str:
+    """The torch.distributed backend of a device: nccl on cuda, gloo on cpu."""
+    return "nccl" if device == "cuda" else "gloo"
