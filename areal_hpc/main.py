@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from areal_hpc.config import load_config
+from areal_hpc.device import resolve_device
 from areal_hpc.layout import Layout, Role
 from areal_hpc.rundir import latest_checkpoint, log_path
 
@@ -74,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         model_path, resume_from = world.bcast(found, root=0)
         from areal_hpc.runtime import RankContext
 
-        ctx = RankContext(cfg, layout, world, role_comm, run_dir, Path(model_path), resume_from)
+        device = resolve_device(cfg.cluster.device, gpus=role in (Role.GENERATOR, Role.TRAINER))
+        ctx = RankContext(cfg, layout, world, role_comm, run_dir, Path(model_path), resume_from, device)
         from areal_hpc.weight_sync import setup_weight_sync
 
         sync = setup_weight_sync(ctx)

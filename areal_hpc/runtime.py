@@ -29,6 +29,8 @@ class RankContext:
     """Hugging Face directory of the initial weights (the built tiny model, or `model.path`)."""
     resume_from: Path | None = None
     """The latest complete checkpoint directory to resume from, or None for a fresh start."""
+    device: str = "cpu"
+    """This rank's compute device, cpu or cuda, resolved once at start (`areal_hpc.device`)."""
 
     @property
     def rank(self) -> int:

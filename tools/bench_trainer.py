@@ -24,7 +24,7 @@ from areal_hpc.config import ModelConfig
 from areal_hpc.packing import pack_microbatches
 from areal_hpc.protocol import TrainBatch
 from areal_hpc.tiny import build_tiny_model
-from areal_hpc.trainer.launch import free_port, run_ranks
+from areal_hpc.trainer.spawn import free_port, run_ranks
 
 
 def make_batch(vocab: int, seqs: int, prompt: int, max_new: int, budget: int, minibatches: int, seed: int = 0):

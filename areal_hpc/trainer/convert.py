@@ -113,12 +113,14 @@ def unshard(shards: list[torch.Tensor], kind: str, arch: Qwen2Arch) -> list[torc
 
 
 def stage_params(model) -> list[tuple[str, torch.Tensor]]:
-    """The stage's parameters by Megatron name (unwrapping DDP), without the tied duplicate.
+    """The stage's parameters by Megatron name (unwrapping DDP and Float16Module), without the tied duplicate.
 
     With tied embeddings and several stages the last stage holds a copy of the embedding as
     output_layer.weight; Hugging Face has one tensor, sent by the first stage.
     """
-    inner = model.module if hasattr(model, "module") else model
+    from megatron.core.utils import unwrap_model
+
+    inner = unwrap_model(model)
     out = []
     for name, p in inner.named_parameters():
         if name == "output_layer.weight" and getattr(inner, "share_embeddings_and_output_weights", False):
@@ -143,8 +145,10 @@ def load_hf_into(model, model_dir: str | Path, arch: Qwen2Arch, tp_rank: int, tp
     for h in handles:
         for key in h.keys():
             where[key] = h
+    from megatron.core.utils import unwrap_model
+
     offset = layer_offset(arch, pp_rank, pp)
-    inner = model.module if hasattr(model, "module") else model
+    inner = unwrap_model(model)
     with torch.no_grad():
         for name, p in inner.named_parameters():
             names, kind = hf_names(name, arch, offset)

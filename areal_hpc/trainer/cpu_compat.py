@@ -15,9 +15,12 @@ them raises; with these routes the same Megatron code (GPTModel, tensor/pipeline
 |                                                      | optimizer (loss scale, grad-norm buffers),|                   |
 |                                                      | utils (local multi-tensor l2 norm)        |                   |
 | `clip_grad_by_total_norm_fp32` asserts CUDA grads    | optimizer.clip_grads                      | same math, CPU    |
+| `param.type()` must name a `torch.cuda.*Tensor`       | DistributedOptimizer and Float16Optimizer | CPU tensors named |
+|                                                      | constructors (the main-param setup)       | as CUDA ones      |
 
-`enable()` installs them once and only when `torch.cuda.is_available()` is false: on GPUs nothing is
-patched and Megatron runs unmodified. Call it before building any Megatron object.
+`enable(device)` installs them once, and only for a CPU device: on GPUs nothing is patched and
+Megatron runs unmodified. The device comes from `areal_hpc.device` (decided once per rank); call this
+before building any Megatron object.
 """
 
 from __future__ import annotations
@@ -35,17 +38,13 @@ def enabled() -> bool:
     return _enabled
 
 
-def device() -> torch.device:
-    """The trainer's compute device: the current CUDA device, or the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def enable() -> bool:
-    """Install the CPU routes when CUDA is absent (idempotent); returns whether they are active."""
+def enable(device: torch.device) -> bool:
+    """Install the CPU routes when `device` is the CPU (idempotent); returns whether they are active."""
     global _enabled
-    if _enabled or torch.cuda.is_available():
+    if _enabled or torch.device(device).type != "cpu":
         return _enabled
     import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
     import megatron.core.optimizer.grad_scaler as grad_scaler
     import megatron.core.optimizer.optimizer as optimizer
     import megatron.core.pipeline_parallel.schedules as schedules
@@ -67,6 +66,10 @@ def enable() -> bool:
     for module in (schedules, optimizer, clip_grads, grad_scaler, mutils):
         module.torch = _CpuTorch()
     optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    # The mixed-precision and distributed optimizers sort parameters by `param.type()`, a string that
+    # names the CUDA tensor types only; while they are built, CPU tensors answer with those names.
+    for cls in (distrib_optimizer.DistributedOptimizer, optimizer.Float16OptimizerWithFloat16Params):
+        cls.__init__ = _with_cuda_type_names(cls.__init__)
     _enabled = True
     return True
 
@@ -118,6 +121,34 @@ class CpuRNGStatesTracker:
         finally:
             self.states_[name] = torch.get_rng_state()
             torch.set_rng_state(orig)
+
+
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+
+
+def _with_cuda_type_names(init):
+    """`init` run with `Tensor.type()` (no arguments) naming CPU float tensors as their CUDA types."""
+
+    def wrapped(self, *args, **kwargs):
+        real = torch.Tensor.type
+
+        def type_(tensor, dtype=None, non_blocking=False, **kw):
+            if dtype is None and not kw:
+                name = real(tensor)
+                return _CUDA_TYPE_NAMES.get(name, name)
+            return real(tensor, dtype, non_blocking, **kw)
+
+        torch.Tensor.type = type_
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            torch.Tensor.type = real
+
+    return wrapped
 
 
 def _cpu(dev):

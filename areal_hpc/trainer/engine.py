@@ -6,15 +6,20 @@ what `layout.stage_source_rank` assumes). `Engine` builds this rank's stage of a
 Hugging Face directory, wraps it in Megatron's DistributedDataParallel, builds Megatron's optimizer,
 and runs Megatron's forward/backward schedule (1F1B across pipeline stages) over packed micro-batches.
 
-Optimizer: Megatron's distributed optimizer (optimizer state sharded over data-parallel ranks) needs
-reduce-scatter and all-gather of the gradient buffers; gloo has no reduce-scatter, so on the CPU
-the engine uses Megatron's non-distributed optimizer (the same Adam, replicated state, gradients
-all-reduced). On CUDA (NCCL) the distributed optimizer is used.
+Device: decided once per rank (`areal_hpc.device`) and handed to `init_parallel`; the backend follows
+from it (NCCL on cuda, gloo on cpu) and everything the engine allocates lives on it. A trainer rank
+sees one GPU, its own (the launcher narrows CUDA_VISIBLE_DEVICES), so its CUDA device is cuda:0.
+
+Optimizer: Megatron's distributed optimizer on every device (fp32 main weights and Adam moments
+sharded over the data-parallel ranks; gradients reduce-scattered, weights all-gathered: gloo in torch
+2.13 has both collectives). Its step is Megatron's `step()` taken apart so that a non-finite loss or
+gradient norm stops the run before any weight changes (`optimizer_step`).
 """
 
 from __future__ import annotations
 
 import datetime
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from areal_hpc.device import backend
 from areal_hpc.trainer import cpu_compat
 from areal_hpc.trainer.convert import export_stage, load_hf_into
 from areal_hpc.trainer.model import Qwen2Arch, build_stage, transformer_config
@@ -39,6 +45,7 @@ class Parallel:
     tp_rank: int
     pp_rank: int
     dp_rank: int
+    device: torch.device
 
     @property
     def stage_source(self) -> bool:
@@ -46,19 +53,24 @@ class Parallel:
         return self.tp_rank == 0 and self.dp_rank == 0
 
 
-def init_parallel(rank: int, world: int, tp: int, pp: int, addr: str, port: int, timeout_s: float = 300.0) -> Parallel:
-    """torch.distributed (gloo on CPU, NCCL on CUDA) + Megatron parallel state; checks the rank order."""
+def init_parallel(
+    rank: int, world: int, tp: int, pp: int, addr: str, port: int, device: str, timeout_s: float = 300.0
+) -> Parallel:
+    """torch.distributed (gloo on cpu, NCCL on cuda) + Megatron parallel state; checks the rank order.
+
+    `device` is the rank's resolved device, "cpu" or "cuda" (`areal_hpc.device.resolve_device`).
+    """
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    cpu_compat.enable()
     if world % (tp * pp):
         raise ValueError(f"train_tp x train_pp ({tp} x {pp}) must divide the trainer ranks ({world})")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dev = torch.device("cpu") if device == "cpu" else torch.device(device, 0)  # its own GPU: see above
+    cpu_compat.enable(dev)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
     dist.init_process_group(
-        backend,
+        backend(device),
         init_method=f"tcp://{addr}:{port}",
         rank=rank,
         world_size=world,
@@ -76,6 +88,7 @@ def init_parallel(rank: int, world: int, tp: int, pp: int, addr: str, port: int,
         ps.get_tensor_model_parallel_rank(),
         ps.get_pipeline_model_parallel_rank(),
         ps.get_data_parallel_rank(),
+        dev,
     )
     expected = (rank % tp, rank // (tp * dp), (rank // tp) % dp)
     if (got.tp_rank, got.pp_rank, got.dp_rank) != expected:
@@ -106,6 +119,10 @@ class OptimConfig:
     adam_eps: float = 1e-8
 
 
+class NonFiniteError(RuntimeError):
+    """A training step's loss or gradient norm is not finite; raised before any weight changes."""
+
+
 class Engine:
     """This rank's model stage (in Megatron's DDP), its optimizer, and the forward/backward schedule."""
 
@@ -113,22 +130,32 @@ class Engine:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.transformer.module import Float16Module
+        from megatron.core.utils import unwrap_model
 
         self.par = par
         self.model_dir = Path(model_dir)
         self.arch = Qwen2Arch.from_hf(model_dir)
         self.arch.check_parallel(par.tp, par.pp)
-        self.device = cpu_compat.device()
-        self.config = transformer_config(self.arch, par.tp, par.pp, dtype)
+        self.device = par.device
+        self.resumed_from: Path | None = None
+        """The checkpoint this engine's state was loaded from (named in a non-finite step's error)."""
+        self.config = transformer_config(self.arch, par.tp, par.pp, self.device, dtype)
         # Micro-batches differ in length: the pipeline sends each activation's shape before it.
         self.config.variable_seq_lengths = True
         stage = build_stage(self.arch, self.config, self.device)
         load_hf_into(stage, model_dir, self.arch, par.tp_rank, par.tp, par.pp_rank, par.pp)
-        distributed = torch.cuda.is_available()  # see the module docstring: gloo has no reduce-scatter
+        if dtype != torch.float32:
+            # As Megatron's own training does: every parameter in the 16-bit dtype (the local layer
+            # spec makes its norms fp32; the distributed optimizer needs one dtype per gradient buffer).
+            stage = Float16Module(self.config, stage)
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
         )
         self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=stage)
+        self.stage = unwrap_model(self.model)
+        """This rank's GPTModel stage itself, inside DDP (and Float16Module in bf16/fp16)."""
+        self.grad_clip = optim.grad_clip
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam",
@@ -142,7 +169,7 @@ class Engine:
                 params_dtype=dtype,
                 bf16=dtype == torch.bfloat16,
                 fp16=dtype == torch.float16,
-                use_distributed_optimizer=distributed,
+                use_distributed_optimizer=True,
             ),
             [self.model],
         )
@@ -175,12 +202,29 @@ class Engine:
             forward_only=forward_only,
         )
 
-    def optimizer_step(self) -> float:
-        """Clip the gradients and step; returns the gradient norm before clipping."""
-        ok, grad_norm, _ = self.optimizer.step()
-        if not ok:
-            raise RuntimeError("optimizer step skipped (non-finite gradients)")
-        return float(grad_norm) if grad_norm is not None else 0.0
+    def optimizer_step(self, what: str) -> float:
+        """Clip the gradients and step; returns the gradient norm before clipping.
+
+        Megatron's `MixedPrecisionOptimizer.step()` in its own order (gradients to the main params,
+        norm and clip, step), with a check before the step: a non-finite norm (or fp16 overflow)
+        raises NonFiniteError naming `what` (the step) and leaves every weight as it was.
+        Collective over the trainer ranks (the norm is all-reduced).
+        """
+        opt = self.optimizer
+        found_inf = opt.prepare_grads()
+        grad_norm = opt.clip_grad_norm(self.grad_clip) if self.grad_clip > 0 else opt.get_grad_norm()
+        if found_inf or not math.isfinite(grad_norm):
+            raise NonFiniteError(f"{what}: gradient norm is {grad_norm}{self._origin()}; no weight was changed")
+        opt.step_with_ready_grads()
+        return float(grad_norm)
+
+    def check_finite(self, value: float, name: str, what: str) -> None:
+        """Raise NonFiniteError when `value` (a step's `name`) is not finite."""
+        if not math.isfinite(value):
+            raise NonFiniteError(f"{what}: {name} is {value}{self._origin()}; no weight was changed")
+
+    def _origin(self) -> str:
+        return f" (resumed from {self.resumed_from})" if self.resumed_from is not None else ""
 
     def export(self) -> Iterable[tuple[str, torch.Tensor]]:
         """This stage's weights under Hugging Face names (yielded on the stage source; collective in TP)."""

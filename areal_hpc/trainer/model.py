@@ -86,8 +86,8 @@ class Qwen2Arch:
             )
 
 
-def transformer_config(arch: Qwen2Arch, tp: int, pp: int, dtype: torch.dtype = torch.float32):
-    """Megatron's TransformerConfig of a Qwen2 model, with the CPU-safe kernels (no fusions)."""
+def transformer_config(arch: Qwen2Arch, tp: int, pp: int, device: torch.device, dtype: torch.dtype = torch.float32):
+    """Megatron's TransformerConfig of a Qwen2 model on `device`, with the CPU-safe kernels (no fusions)."""
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
@@ -114,7 +114,7 @@ def transformer_config(arch: Qwen2Arch, tp: int, pp: int, dtype: torch.dtype = t
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         attention_softmax_in_fp32=True,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        use_cpu_initialization=torch.device(device).type == "cpu",
         # The weights come from the checkpoint, but Megatron marks a weight as tensor-parallel (which the
         # grad norm and clipping rely on) only in its initialization path: keep it.
         perform_initialization=True,

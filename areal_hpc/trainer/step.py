@@ -85,8 +85,8 @@ class MicroBatch:
         return self.rows.tokens.shape[1]
 
 
-def make_microbatch(batch, seq_ids: list[int], padded: bool = False, device=None) -> MicroBatch:
-    """The micro-batch of sequences `seq_ids` of a TrainBatch."""
+def make_microbatch(batch, seq_ids: list[int], padded: bool = False, device="cpu") -> MicroBatch:
+    """The micro-batch of sequences `seq_ids` of a TrainBatch, on `device`."""
     cu = np.asarray(batch.cu_seqlens)
     spans = [(int(cu[i]), int(cu[i + 1])) for i in seq_ids]
     take = np.concatenate([np.arange(a, b) for a, b in spans])
@@ -108,27 +108,13 @@ def make_microbatch(batch, seq_ids: list[int], padded: bool = False, device=None
     def arr(x, dtype):
         return torch.from_numpy(np.asarray(x)[take].astype(dtype))
 
-    mb = MicroBatch(
-        rows,
-        (torch.cat(r_idx), torch.cat(c_idx)),
-        mask,
-        arr(batch.behav_logprobs, np.float32),
-        arr(batch.advantages, np.float32),
-        arr(batch.versions, np.int64),
-    )
-    if device is not None and torch.device(device).type != "cpu":
-        mb = _to(mb, device)
-    return mb
-
-
-def _to(mb: MicroBatch, device) -> MicroBatch:
     return MicroBatch(
-        mb.rows.to(device),
-        (mb.where[0].to(device), mb.where[1].to(device)),
-        mb.loss_mask.to(device),
-        mb.behav_logprobs.to(device),
-        mb.advantages.to(device),
-        mb.versions.to(device),
+        rows.to(device),
+        (torch.cat(r_idx).to(device), torch.cat(c_idx).to(device)),
+        mask.to(device),
+        arr(batch.behav_logprobs, np.float32).to(device),
+        arr(batch.advantages, np.float32).to(device),
+        arr(batch.versions, np.int64).to(device),
     )
 
 
@@ -214,7 +200,9 @@ _STAT_KEYS = ("loss_sum", "n", "clip_sum", "behav_weight_sum", "mismatch_sum", "
 def ppo_step(engine, batch, cfg: StepConfig) -> dict[str, float]:
     """Train on one TrainBatch (this data-parallel rank's shard); returns the step's stats on every rank.
 
-    Collective over all trainer ranks (every TP/PP rank of a replica gets the same batch).
+    Collective over all trainer ranks (every TP/PP rank of a replica gets the same batch). Before each
+    optimizer step every rank learns the minibatch's loss (one all-reduce of the token stats, on the
+    engine's device) and the gradient norm: a non-finite one stops the run, weights untouched.
     """
     version = int(batch.version)
     minibatches = [[make_microbatch(batch, ids, cfg.padded, engine.device) for ids in mb] for mb in batch.microbatches]
@@ -224,10 +212,11 @@ def ppo_step(engine, batch, cfg: StepConfig) -> dict[str, float]:
         if prox is not None:
             for mb, lp in zip(flat, prox):
                 mb.prox_logprobs = lp
-    totals = torch.zeros(len(_STAT_KEYS), dtype=torch.float64)
+    totals = torch.zeros(len(_STAT_KEYS), dtype=torch.float64, device=engine.device)
     grad_norms = []
     K = len(minibatches)
     for k, mbs in enumerate(minibatches):
+        what = f"training step {version + 1} (minibatch {k + 1} of {K})"
         loss = partial(_ppo_loss, cfg, k / K, version)
         out = engine.forward_backward(
             mbs,
@@ -235,12 +224,15 @@ def ppo_step(engine, batch, cfg: StepConfig) -> dict[str, float]:
             forward_only=False,
             seq_length=max(mb.width for mb in mbs),
         )
-        grad_norms.append(engine.optimizer_step())
+        # Only the last stage's TP rank 0 of each replica holds the token stats: sum them everywhere.
+        part = torch.zeros_like(totals)
         if engine.is_last_stage and engine.par.tp_rank == 0:
             for o in out:
-                totals += torch.stack([o[key].cpu() for key in _STAT_KEYS])
-    # Only the last stage's TP rank 0 of each replica holds the token stats: sum them everywhere.
-    dist.all_reduce(totals)
+                part += torch.stack([o[key] for key in _STAT_KEYS])
+        dist.all_reduce(part)
+        engine.check_finite(part[0].item() / max(part[1].item(), 1.0), "the loss", what)
+        grad_norms.append(engine.optimizer_step(what))
+        totals += part
     s = dict(zip(_STAT_KEYS, totals.tolist()))
     n = max(s["n"], 1.0)
     return {

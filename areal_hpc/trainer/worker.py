@@ -57,6 +57,7 @@ def build_engine(ctx) -> Engine:
         cfg.allocation.train_pp,
         addr,
         port,
+        ctx.device,
         cfg.train.collective_timeout_s,
     )
     p = cfg.ppo

@@ -1,0 +1,104 @@
+"""Run a function on N local trainer ranks (spawned processes): for tests, benchmarks and the GPU check.
+
+`run_ranks(fn, world, tp, pp, *args)` starts `world` processes; each calls `init_parallel` and then
+`fn(par, *args)`; what a rank returns (if not None) comes back in a dict rank -> value. A rank that
+fails fails the call with its traceback; nothing waits longer than `timeout_s`.
+
+The device is the one of `default_device()` unless given: AREAL_DEVICE (auto, cpu or cuda; auto when
+unset) resolved by `areal_hpc.device`, so that the same tests and checks run on a CPU machine and on a
+GPU machine. On GPUs each rank sees one GPU of its own, as trainer ranks do in a run (the launcher
+narrows CUDA_VISIBLE_DEVICES); a world larger than the visible GPUs is refused (NCCL cannot put two
+ranks on one GPU).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from areal_hpc.device import resolve_device
+
+
+def default_device() -> str:
+    """The device of trainer tests and checks: AREAL_DEVICE (auto, cpu, cuda), resolved."""
+    return resolve_device(os.environ.get("AREAL_DEVICE", "auto"))
+
+
+def visible_gpus() -> list[str]:
+    """This process's GPUs, as CUDA_VISIBLE_DEVICES entries."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [g for g in env.split(",") if g.strip()]
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, tp, pp, port, device, out_dir, fn, args):
+    from areal_hpc.trainer.engine import init_parallel, shutdown_parallel
+
+    if device == "cpu":
+        torch.set_num_threads(1)  # several ranks share this machine's cores
+    try:
+        par = init_parallel(rank, world, tp, pp, "127.0.0.1", port, device, timeout_s=120)
+        result = fn(par, *args)
+        if result is not None:
+            torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+        shutdown_parallel()
+    except BaseException:
+        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+def run_ranks(fn, world: int, tp: int, pp: int, *args, device: str | None = None, timeout_s: float = 240.0) -> dict:
+    """`fn(par, *args)` on `world` spawned ranks (TP x PP x DP); returns {rank: value} of non-None results."""
+    device = device or default_device()
+    gpus = visible_gpus() if device == "cuda" else []
+    if device == "cuda" and world > len(gpus):
+        raise RuntimeError(f"{world} trainer ranks need {world} GPUs; this process sees {len(gpus)} ({gpus})")
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="areal-ranks-") as out:
+        port = free_port()
+        procs = []
+        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+        try:
+            for r in range(world):
+                if gpus:  # a spawned process reads its environment at start
+                    os.environ["CUDA_VISIBLE_DEVICES"] = gpus[r]
+                p = ctx.Process(target=_entry, args=(r, world, tp, pp, port, device, out, fn, args))
+                p.start()
+                procs.append(p)
+        finally:
+            if gpus:
+                if saved is None:
+                    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+                else:
+                    os.environ["CUDA_VISIBLE_DEVICES"] = saved
+        deadline = time.monotonic() + timeout_s
+        try:
+            while any(p.is_alive() for p in procs):
+                if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join()
+        errors = sorted(Path(out).glob("*.err"))
+        if errors:
+            raise RuntimeError("\n".join(e.read_text() for e in errors))
+        if any(p.exitcode != 0 for p in procs):
+            raise RuntimeError(f"ranks exited with {[p.exitcode for p in procs]} (timeout {timeout_s} s?)")
+        return {int(f.stem[4:]): torch.load(f, weights_only=False) for f in Path(out).glob("rank*.pt")}
