@@ -25,14 +25,17 @@ def mpirun_cmd(n: int) -> list[str]:
 
 @pytest.fixture
 def run_mpi(tmp_path):
-    """Run a Python script under mpirun with `n` ranks; returns the CompletedProcess."""
+    """Run a Python script (its text, or a file) under mpirun with `n` ranks; returns the CompletedProcess."""
 
-    def run(script: str, n: int, timeout: float = 120, env: dict | None = None):
-        path = tmp_path / "mpi_script.py"
-        path.write_text(script)
-        full_env = {**os.environ, "OMPI_MCA_btl": "self,tcp", **(env or {})}
+    def run(script: str | Path, n: int, timeout: float = 120, env: dict | None = None, args: list[str] = ()):
+        path = script
+        if isinstance(script, str):
+            path = tmp_path / "mpi_script.py"
+            path.write_text(script)
+        python_path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+        full_env = {**os.environ, "OMPI_MCA_btl": "self,tcp", "PYTHONPATH": python_path, **(env or {})}
         return subprocess.run(
-            [*mpirun_cmd(n), sys.executable, str(path)],
+            [*mpirun_cmd(n), sys.executable, str(path), *args],
             capture_output=True,
             text=True,
             timeout=timeout,

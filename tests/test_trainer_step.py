@@ -4,65 +4,15 @@ logprobs they get alone."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from areal_hpc.config import ModelConfig
 from areal_hpc.protocol import TrainBatch
 from areal_hpc.tiny import build_tiny_model
-from areal_hpc.trainer.launch import run_ranks
+from areal_hpc.trainer.checks import MODEL, random_batch, shard
+from areal_hpc.trainer.spawn import run_ranks
 
 pytestmark = pytest.mark.megatron
-
-MODEL = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_attention_heads=4, num_key_value_heads=2)
-VERSION = 3
-MICROBATCHES = [[[0, 1], [2]], [[3], [4, 5]]]
-
-
-def make_batch(vocab: int, n_seqs: int = 6, seed: int = 0) -> TrainBatch:
-    """Random sequences: prompt tokens (version -1), response tokens of versions VERSION-1 and VERSION."""
-    rng = np.random.default_rng(seed)
-    lens = rng.integers(6, 20, n_seqs)
-    parts = {k: [] for k in ("tokens", "mask", "behav", "adv", "versions")}
-    for n in lens:
-        prompt = int(rng.integers(2, 5))
-        mask = np.zeros(n, np.uint8)
-        mask[prompt:] = 1
-        parts["tokens"].append(rng.integers(0, vocab, n))
-        parts["mask"].append(mask)
-        parts["behav"].append(np.where(mask, -rng.random(n) * 3 - 3, 0))
-        parts["adv"].append(np.where(mask, rng.normal(size=n), 0))
-        parts["versions"].append(np.where(mask, rng.integers(VERSION - 1, VERSION + 1, n), -1))
-    cat = {k: np.concatenate(v) for k, v in parts.items()}
-    return TrainBatch(
-        VERSION,
-        cat["tokens"].astype(np.int32),
-        np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
-        cat["mask"],
-        cat["behav"].astype(np.float32),
-        cat["adv"].astype(np.float32),
-        cat["versions"].astype(np.int32),
-        microbatches=MICROBATCHES,
-    )
-
-
-def subset(batch: TrainBatch, seqs: list[int], microbatches: list) -> TrainBatch:
-    """The TrainBatch of sequences `seqs` (renumbered 0..), as a data-parallel shard."""
-    cu = batch.cu_seqlens
-    take = np.concatenate([np.arange(cu[i], cu[i + 1]) for i in seqs])
-    lens = [cu[i + 1] - cu[i] for i in seqs]
-    new = {old: j for j, old in enumerate(seqs)}
-    return TrainBatch(
-        batch.version,
-        batch.tokens[take],
-        np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
-        batch.loss_mask[take],
-        batch.behav_logprobs[take],
-        batch.advantages[take],
-        batch.versions[take],
-        microbatches=[[[new[i] for i in mb] for mb in k] for k in microbatches],
-    )
 
 
 # Adam with eps = 1 makes the update ~ lr * gradient, so the weights after a step show any gradient error.
@@ -82,7 +32,8 @@ def _train(par, model_dir, variants, logprobs=False):
         engine = Engine(model_dir, par, _optim())
         batch = batches[par.dp_rank]
         stats = ppo_step(engine, batch, StepConfig(**step_cfg))
-        out[name] = {"stats": stats, "weights": engine.export_full()}
+        weights = engine.export_full()
+        out[name] = {"stats": stats, "weights": weights and {k: v.cpu() for k, v in weights.items()}}
     if logprobs:
         out["logprobs"] = _logprobs(par, model_dir, variants["packed"][0][0])
     return out if par.rank == 0 else None
@@ -94,10 +45,10 @@ def _logprobs(par, model_dir, batch):
     from areal_hpc.trainer.step import compute_logprobs, make_microbatch
 
     engine = Engine(model_dir, par, _optim())
-    packed = compute_logprobs(engine, [make_microbatch(batch, [0, 1, 2])], 0.7)
-    alone = compute_logprobs(engine, [make_microbatch(batch, [i]) for i in range(3)], 0.7)
+    packed = compute_logprobs(engine, [make_microbatch(batch, [0, 1, 2], device=par.device)], 0.7)
+    alone = compute_logprobs(engine, [make_microbatch(batch, [i], device=par.device) for i in range(3)], 0.7)
     mask = make_microbatch(batch, [0, 1, 2]).loss_mask
-    return {"packed": packed[0], "alone": torch.cat(alone), "mask": mask}
+    return {"packed": packed[0].cpu(), "alone": torch.cat(alone).cpu(), "mask": mask}
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +58,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    batch = make_batch(MODEL.vocab_size)
+    batch = random_batch(MODEL.vocab_size)
     regrouped = TrainBatch(**{**batch.__dict__, "microbatches": [[[0], [1], [2]], [[3, 4], [5]]]})
     one_minibatch = TrainBatch(**{**batch.__dict__, "microbatches": [[[0, 1], [2], [3], [4, 5]]]})
     variants = {
@@ -155,15 +106,15 @@ def test_loglinear_prox_is_exact_on_the_first_minibatch_only(reference):
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_tensor_and_pipeline_parallel_step_equals_single_rank(reference, model_dir, tp, pp):
-    batch = make_batch(MODEL.vocab_size)
+    batch = random_batch(MODEL.vocab_size)
     got = run_ranks(_train, tp * pp, tp, pp, model_dir, {"packed": ([batch], {})})[0]
     _assert_same(got["packed"], reference["packed"])
 
 
 def test_data_parallel_step_equals_single_rank(reference, model_dir):
     """Two DP ranks with half the sequences each: every token still weighs the same."""
-    batch = make_batch(MODEL.vocab_size)
-    shards = [subset(batch, [0, 1, 3], [[[0, 1]], [[3]]]), subset(batch, [2, 4, 5], [[[2]], [[4, 5]]])]
+    batch = random_batch(MODEL.vocab_size)
+    shards = [shard(batch, [0, 1, 3], [[[0, 1]], [[3]]]), shard(batch, [2, 4, 5], [[[2]], [[4, 5]]])]
     got = run_ranks(_train, 2, 1, 1, model_dir, {"packed": (shards, {})})[0]
     _assert_same(got["packed"], reference["packed"])
 

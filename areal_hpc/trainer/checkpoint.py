@@ -1,14 +1,25 @@
-"""Trainer checkpoints: every rank's model shard and optimizer state, written atomically.
+"""Trainer checkpoints: Megatron's `dist_checkpointing` of the model and the distributed optimizer.
 
-Layout of `<step dir>/trainer/`:
+Layout of `<step dir>/trainer/`: what `dist_checkpointing.save` writes (`metadata.json`, `common.pt`,
+the torch_dist shard files) and `manifest.json` (parallel sizes and architecture, written last).
 
-    manifest.json        parallel sizes, architecture, one file per trainer rank (written last)
-    rank00000.pt ...     {"model": stage state_dict, "optimizer": Megatron optimizer state_dict}
+    {"model": model.sharded_state_dict(),
+     "optimizer": optimizer.sharded_state_dict(model, metadata={"distrib_optim_sharding_type": "fully_reshardable"})}
+
+Every tensor is stored by its global name and position, not by rank: the fp32 main weights and both
+Adam moments are in model space (`fully_reshardable`), so a checkpoint written at one TP x PP x DP
+loads at another. The device does not matter either: CPU and GPU runs write the same files.
+
+Adam's step, handled here: with torch's Adam (no TransformerEngine or Apex, as on the CPU and on a
+bare GPU machine) megatron-core 0.16.1 keeps the step in the saved parameter groups but cannot load
+it back with `fully_reshardable` (its parameter-state load copies every key of the live state,
+`step` included, from a state that has none: KeyError). `load` therefore restores the parameter
+groups (the step among them) first, then the parameter state without the step, then gives every
+parameter its own step tensor again (Megatron's group load hands one shared tensor to all).
 
 Atomicity: all ranks write into `<step dir>/.trainer.partial/`; after a barrier, trainer rank 0
 writes the manifest and renames the directory to `trainer/`. A crash before the rename leaves only
 the `.partial` directory, which `load` never reads; a `trainer/` directory always has every file.
-Resuming needs the same TP x PP x DP split (checked against the manifest).
 """
 
 from __future__ import annotations
@@ -23,21 +34,27 @@ import torch
 import torch.distributed as dist
 
 MANIFEST = "manifest.json"
+SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
-def _rank_file(rank: int) -> str:
-    return f"rank{rank:05d}.pt"
+def sharded_state_dict(engine, is_loading: bool) -> dict:
+    """The engine's model and optimizer as Megatron ShardedTensors (global names and offsets)."""
+    model = engine.stage.sharded_state_dict()  # the GPTModel itself: names without "module."
+    optimizer = engine.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=SHARDING)
+    return {"model": model, "optimizer": optimizer}
 
 
-def _fsync_write(path: Path, write) -> None:
+def _fsync_write(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
-        write(f)
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
 
 
 def save(engine, step_dir: str | Path) -> Path:
-    """Write this rank's part of the checkpoint under `step_dir/trainer/` (collective over trainer ranks)."""
+    """Write the checkpoint under `step_dir/trainer/` (collective over the trainer ranks)."""
+    from megatron.core import dist_checkpointing
+
     step_dir = Path(step_dir)
     final, partial = step_dir / "trainer", step_dir / ".trainer.partial"
     par = engine.par
@@ -45,19 +62,11 @@ def save(engine, step_dir: str | Path) -> Path:
         shutil.rmtree(partial, ignore_errors=True)  # a crashed save's leftovers
         partial.mkdir(parents=True)
     dist.barrier()
-    state = {"model": engine.model.state_dict(), "optimizer": engine.optimizer.state_dict()}
-    _fsync_write(partial / _rank_file(par.rank), lambda f: torch.save(state, f))
+    dist_checkpointing.save(sharded_state_dict(engine, is_loading=False), str(partial))
     dist.barrier()
     if par.rank == 0:
-        manifest = {
-            "tp": par.tp,
-            "pp": par.pp,
-            "dp": par.dp,
-            "world": par.world,
-            "arch": asdict(engine.arch),
-            "files": [_rank_file(r) for r in range(par.world)],
-        }
-        _fsync_write(partial / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+        manifest = {"tp": par.tp, "pp": par.pp, "dp": par.dp, "world": par.world, "arch": asdict(engine.arch)}
+        _fsync_write(partial / MANIFEST, json.dumps(manifest, indent=1).encode())
         if final.exists():  # overwrite a complete checkpoint: move it aside first, drop it after
             old = step_dir / ".trainer.old"
             shutil.rmtree(old, ignore_errors=True)
@@ -80,19 +89,41 @@ def is_complete(ckpt_dir: str | Path) -> bool:
     return (Path(ckpt_dir) / MANIFEST).is_file()
 
 
-def load(engine, ckpt_dir: str | Path) -> None:
-    """Restore this rank's model shard and optimizer state from a `trainer/` directory."""
+def manifest(ckpt_dir: str | Path) -> dict:
+    """The manifest of a complete checkpoint: {tp, pp, dp, world, arch}."""
     ckpt_dir = Path(ckpt_dir)
     if not is_complete(ckpt_dir):
         raise FileNotFoundError(f"{ckpt_dir}: not a complete trainer checkpoint (no {MANIFEST})")
-    manifest = json.loads((ckpt_dir / MANIFEST).read_text())
-    par = engine.par
-    have = (manifest["tp"], manifest["pp"], manifest["dp"])
-    if have != (par.tp, par.pp, par.dp):
-        raise ValueError(
-            f"{ckpt_dir} was written with TP x PP x DP = {have}; this run has {(par.tp, par.pp, par.dp)}. "
-            "Resume with the same allocation.train_tp, train_pp and trainer ranks."
-        )
-    state = torch.load(ckpt_dir / _rank_file(par.rank), map_location=engine.device, weights_only=False)
-    engine.model.load_state_dict(state["model"])
-    engine.optimizer.load_state_dict(state["optimizer"])
+    return json.loads((ckpt_dir / MANIFEST).read_text())
+
+
+def load(engine, ckpt_dir: str | Path) -> None:
+    """Restore the model and optimizer state from a `trainer/` directory written at any TP/PP/DP."""
+    from megatron.core import dist_checkpointing
+
+    ckpt_dir = Path(ckpt_dir)
+    saved = manifest(ckpt_dir)
+    if saved["arch"] != asdict(engine.arch):
+        changed = {k: (v, asdict(engine.arch)[k]) for k, v in saved["arch"].items() if asdict(engine.arch).get(k) != v}
+        raise ValueError(f"{ckpt_dir} holds another model: {changed} (checkpoint, this run)")
+    chained = engine.optimizer.chained_optimizers  # Megatron wraps even one optimizer in a chain
+    if len(chained) != 1:
+        raise RuntimeError(f"expected one distributed optimizer, Megatron built {len(chained)}")
+    opt = chained[0]
+    adam = opt.optimizer  # the torch optimizer inside Megatron's
+    if not adam.state:  # a fresh engine: Megatron builds the loading state dict from the live state
+        opt.init_state_fn(adam, opt.config)
+        for state in adam.state.values():
+            state["step"] = torch.tensor(0.0)
+    loaded = dist_checkpointing.load(sharded_state_dict(engine, is_loading=True), str(ckpt_dir))
+    engine.stage.load_state_dict(loaded["model"])
+    groups = dict(loaded["optimizer"])
+    param_state = groups.pop("param_state")
+    if groups.pop("param_state_sharding_type") != SHARDING["distrib_optim_sharding_type"]:
+        raise ValueError(f"{ckpt_dir}: optimizer state not in the {SHARDING} format")
+    opt.load_state_dict(groups)  # parameter groups, Adam's step among them (see the module docstring)
+    steps = {p: state.pop("step") for p, state in adam.state.items()}
+    opt.load_parameter_state_from_fully_reshardable(param_state)
+    for p, state in adam.state.items():
+        state["step"] = steps[p].detach().clone()
+    engine.resumed_from = ckpt_dir
