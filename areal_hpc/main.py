@@ -1,8 +1,9 @@
-"""`python -m areal_hpc.main RUN_DIR`: what every MPI rank runs, on this machine or on Slurm.
+"""`python -m areal_hpc.main RUN_DIR [--placement]`: what every MPI rank runs, on this machine or on Slurm.
 
 ```
  every rank:  config.yaml -> Layout -> role, log file logs/<role>-<i>.log, its GPUs, signals, cores
               first log line: role, host, GPUs; the device, resolved once (areal_hpc.device)
+              (--placement: exit barrier here)
               role communicator (collective)
               model dir + latest complete checkpoint (world rank 0 finds or builds them, bcast)
               RankContext -> setup_weight_sync (collective) -> the role's serve
@@ -47,6 +48,9 @@ from areal_hpc.rundir import latest_checkpoint, log_path
 
 EXIT_BARRIER_S = 60.0
 """How long a rank that finished waits for the others before leaving anyway."""
+PLACEMENT_FLAG = "--placement"
+"""Start as usual up to the device (GPUs narrowed, the first log lines, the device resolved), then
+leave: where every rank runs, checked in seconds (tests/test_slurm_placement.py)."""
 PIN_ENV = "AREAL_PIN_CORES"
 """Set to 1 by the local launcher, which starts every rank on this machine: pin generator and trainer
 ranks to disjoint cores of it (on Slurm the scheduler binds ranks), and share its GPUs between them."""
@@ -54,9 +58,10 @@ ranks to disjoint cores of it (on Slurm the scheduler binds ranks), and share it
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m areal_hpc.main RUN_DIR", file=sys.stderr)
+    if len(args) not in (1, 2) or args[1:] not in ([], [PLACEMENT_FLAG]):
+        print(f"usage: python -m areal_hpc.main RUN_DIR [{PLACEMENT_FLAG}]", file=sys.stderr)
         return 2
+    placement_only = args[1:] == [PLACEMENT_FLAG]
     run_dir = Path(args[0]).resolve()
     cfg = load_config(run_dir / "config.yaml")
     layout = Layout.from_config(cfg)
@@ -82,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         device = resolve_device(cfg.cluster.device, gpus=bool(layout.placement(rank).gpus))
         logging.info("%s device %s (cluster.device %s)", name, device, cfg.cluster.device)
+        if placement_only:
+            _exit_barrier(world, rank, name, console)
+            return 0
         role_comm = layout.split(world)
         found = None
         if rank == 0:
