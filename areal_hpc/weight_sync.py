@@ -84,15 +84,19 @@ class GroupSpec:
     timeout_s: float
 
 
+def _own_device(backend: str) -> torch.device:
+    """Where a member's tensors of a group live: on nccl the calling thread's current GPU (the
+    trainer's, or the one vLLM gave the engine worker), else the CPU. Read in the member's own thread
+    and handed to the receiving thread: the current GPU is per thread, and a new thread's is GPU 0."""
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
 class _Group:
     """One connected member of a weight-sync group."""
 
-    def __init__(self, spec: GroupSpec, rank: int, master_store=None):
-        self.spec, self.rank = spec, rank
+    def __init__(self, spec: GroupSpec, rank: int, device: torch.device, master_store=None):
+        self.spec, self.rank, self.device = spec, rank, device
         self.timeout = datetime.timedelta(seconds=spec.timeout_s)
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device()) if spec.backend == "nccl" else torch.device("cpu")
-        )
         try:
             store = master_store
             if store is None:
@@ -146,7 +150,7 @@ class WeightSender:
             raise RuntimeError(f"this trainer rank is not the weight-sync source of stage {self.stage}")
         t0 = time.perf_counter()
         if self._group is None:
-            self._group = _Group(self.spec, 0, self._master_store)
+            self._group = _Group(self.spec, 0, _own_device(self.spec.backend), self._master_store)
         stats = {"bytes": 0, "buckets": 0, "tensors": 0}
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
@@ -205,12 +209,13 @@ class WeightReceiver:
         """Yield each bucket (a list of (hf_name, tensor)) of every stage, in the agreed order (module
         docstring), until all stages have sent their end marker. One thread receives, in that order;
         the caller consumes a bucket while the next ones arrive (at most 2 waiting)."""
+        device = _own_device(self.specs[0].backend)  # the caller's: a thread does not inherit it
         out: queue.Queue = queue.Queue(maxsize=2)
         done = object()
 
         def pump() -> None:
             try:
-                for bucket in self._in_agreed_order(tp_rank):
+                for bucket in self._in_agreed_order(tp_rank, device):
                     out.put(bucket)
                 out.put(done)
             except BaseException as e:  # handed to the consumer, which raises it
@@ -232,11 +237,11 @@ class WeightReceiver:
             yield item
         thread.join()
 
-    def _in_agreed_order(self, tp_rank: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def _in_agreed_order(self, tp_rank: int, device: torch.device) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Round robin over the stages still sending, a bucket each, stages in index order. Every
         group is joined first, in stage order: each source waits at most `timeout_s` for its members."""
         specs = sorted(self.specs, key=lambda s: s.stage)
-        groups = {spec.stage: self._join(spec, tp_rank) for spec in specs}
+        groups = {spec.stage: self._join(spec, tp_rank, device) for spec in specs}
         streams = {stage: self._stream(group) for stage, group in groups.items()}
         while streams:
             for stage, stream in list(streams.items()):
@@ -246,10 +251,10 @@ class WeightReceiver:
                 else:
                     yield bucket
 
-    def _join(self, spec: GroupSpec, tp_rank: int) -> _Group:
+    def _join(self, spec: GroupSpec, tp_rank: int, device: torch.device) -> _Group:
         key = (spec.name, tp_rank)
         if key not in self._groups:
-            self._groups[key] = _Group(spec, self.group_rank(tp_rank))
+            self._groups[key] = _Group(spec, self.group_rank(tp_rank), device)
         return self._groups[key]
 
     def _stream(self, group: _Group) -> Iterator[list[tuple[str, torch.Tensor]]]:

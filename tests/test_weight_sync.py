@@ -77,7 +77,7 @@ def test_receiver_times_out_when_sender_is_silent():
     sender, spec = _local_group(2, timeout_s=1.5, name="silent")
     receiver = WeightReceiver([spec], 0, 1)
     # The source joins the group but never sends: the receiver's first broadcast must time out.
-    joined = threading.Thread(target=_Group, args=(spec, 0, sender._master_store))
+    joined = threading.Thread(target=_Group, args=(spec, 0, torch.device("cpu"), sender._master_store))
     joined.start()
     t0 = time.monotonic()
     with pytest.raises(WeightSyncError, match="within 1.5 s"):
