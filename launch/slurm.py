@@ -143,7 +143,7 @@ def check_cluster(cfg: Config, available: dict[str, Partition] | None) -> None:
     if layout.uses_gpus and gpu_part in available and c.gpus_per_node > available[gpu_part].gpus_per_node:
         raise LaunchError(
             f"cluster.gpus_per_node ({c.gpus_per_node}) exceeds the {available[gpu_part].gpus_per_node} GPUs per node "
-            f"of partition '{gpu_part}'"
+            f"of partition '{gpu_part}' (cluster.device {c.device} asks Slurm for GPUs; cluster.device=cpu asks for none)"
         )
 
 

@@ -175,6 +175,11 @@ def test_cluster_capacity_errors():
     with pytest.raises(LaunchError, match=r"gpus_per_node \(8\) exceeds the 4 GPUs per node of partition 'debug'"):
         check_cluster(load_config(REPO / "configs/tiny-cpu.yaml", cuda), parts)
     check_cluster(load_config(REPO / "configs/tiny-cpu.yaml", [*cuda, "cluster.partition=big"]), parts)
+    # cluster.device auto asks for GPUs: a partition without any is refused with the fix, cpu fits it
+    on_cpus = ["cluster.partition=cpu", "cluster.cpu_partition=debug"]
+    with pytest.raises(LaunchError, match=r"exceeds the 0 GPUs per node of partition 'cpu'.*cluster.device=cpu"):
+        check_cluster(load_config(REPO / "configs/tiny-cpu.yaml", on_cpus), parts)
+    check_cluster(load_config(REPO / "configs/tiny-cpu.yaml", [*on_cpus, "cluster.device=cpu"]), parts)
 
 
 def test_parse_squeue_gives_each_component_and_the_worst_state():
