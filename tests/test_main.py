@@ -1,15 +1,19 @@
-"""The pieces of the rank entry point and the local launcher that need no running world: each
-rank's GPUs, core pinning, the MPMD command line, naming a dead rank from mpirun's report."""
+"""The rank entry point and the local launcher: each rank's GPUs, core pinning, the MPMD command
+line, naming a dead rank from mpirun's report (pieces that need no running world); then the local
+launcher's mpirun starting every rank up to its device (`--placement`)."""
 
 import logging
 import os
+import socket
+import subprocess
 
 import pytest
 
 from areal_hpc import device
 from areal_hpc.config import load_config
 from areal_hpc.layout import Layout
-from areal_hpc.main import PIN_ENV, SlurmTask, core_plan, narrow_gpus, own_gpus
+from areal_hpc.main import PIN_ENV, PLACEMENT_FLAG, SlurmTask, core_plan, narrow_gpus, own_gpus
+from areal_hpc.rundir import log_path, prepare_run_dir
 from launch.local import _annotate, _dead_rank, mpirun_command
 
 
@@ -103,3 +107,36 @@ def test_visible_gpus_without_the_variable_come_from_the_driver(monkeypatch, tmp
     assert device.visible_gpus() == []
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert device.visible_gpus() == []
+
+
+@pytest.mark.mpi
+def test_the_local_launcher_gives_each_rank_its_own_gpu_of_this_machine(tmp_path):
+    # tiny-cpu (device auto): controller, reward, one generator node and one trainer node of 1 GPU each,
+    # started by the local launcher's mpirun on a machine whose shell shows three (fake) GPUs
+    cfg = load_config("configs/tiny-cpu.yaml", [f"experiment.root={tmp_path}"])
+    lay, run_dir = Layout.from_config(cfg), prepare_run_dir(cfg).resolve()
+    cmd = [a for arg in mpirun_command(lay, run_dir) for a in ([arg, PLACEMENT_FLAG] if arg == str(run_dir) else [arg])]
+    env = {**os.environ, PIN_ENV: "1", "OMPI_MCA_btl": "self,tcp", "CUDA_VISIBLE_DEVICES": "GPU-a,GPU-b,GPU-c"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    firsts = {
+        (role, i): log_path(run_dir, role, i).read_text().splitlines()[0]
+        for role, i in [("controller", 0), ("reward", 0), ("generator", 0), ("trainer", 0)]
+    }
+    host = socket.gethostname()
+    assert (
+        f"generator 0 (world rank 2) on host {host}: generator node 0, GPUs GPU-a of GPU-a,GPU-b,GPU-c (pid"
+        in (firsts[("generator", 0)])
+    )
+    assert (
+        f"trainer 0 (world rank 3) on host {host}: trainer node 0, GPUs GPU-b of GPU-a,GPU-b,GPU-c (pid"
+        in (firsts[("trainer", 0)])
+    )
+    for key in (("controller", 0), ("reward", 0)):
+        assert ": controller node 0, GPUs none of GPU-a,GPU-b,GPU-c (pid" in firsts[key]
+    # no Slurm node named even if this shell runs inside an allocation: the local launcher's ranks are not its tasks
+    assert all("Slurm node" not in line for line in firsts.values())
+    # the GPUs are fake: torch finds none behind them and auto resolves to cpu
+    assert (
+        "generator 0 (world rank 2) device cpu (cluster.device auto)" in log_path(run_dir, "generator", 0).read_text()
+    )
