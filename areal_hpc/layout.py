@@ -12,6 +12,16 @@ locally every "node" is a set of cores of this machine.
 
 Each rank asks `Layout.role_of(rank)`; `Layout.split(comm)` gives the role communicators. Nothing
 else computes ranks.
+
+Placement (`Layout.placement(rank)`): a component's ranks fill its nodes in world-rank order,
+`ntasks_per_node` each, which is what srun's default block distribution does (measured on the local
+Slurm cluster: in the one `srun --het-group=0,1,2` step SLURM_NODEID counts the nodes of all
+components in order and SLURM_LOCALID counts a node's tasks; tests/test_slurm_placement.py). Slurm
+shows every task of a node all of the node's `--gpus-per-node` GPUs; within that list generator
+engine i of a node holds GPUs [i * gen_tp, (i + 1) * gen_tp) and trainer rank i of a node holds GPU
+i, so no GPU of a node is shared and every one is used. Trainer ranks of a node are consecutive, so
+Megatron's tensor-parallel groups (consecutive ranks) stay within a node. A `cpu` run places no GPU:
+its `gpus_per_node` are process slots.
 """
 
 from __future__ import annotations
@@ -47,6 +57,28 @@ class Component:
     def ranks(self) -> range:
         return range(self.first_rank, self.first_rank + self.ntasks)
 
+    @property
+    def ntasks_per_node(self) -> int:
+        return self.ntasks // self.nodes
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """Where one world rank runs: `Layout.placement(rank)`."""
+
+    rank: int
+    role: Role
+    component: str
+    node: int
+    """Index of its node within its component (0 .. component.nodes - 1)."""
+    job_node: int
+    """Index of its node among all nodes of the job, components in order (SLURM_NODEID in the one step)."""
+    slot: int
+    """Its task index on that node (SLURM_LOCALID)."""
+    gpus: tuple[int, ...]
+    """Indices into the GPUs Slurm shows every task of the node (CUDA_VISIBLE_DEVICES); empty for the
+    controller, the reward workers and every rank of a cpu run."""
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -59,6 +91,9 @@ class Layout:
     train_pp: int
     why: str
     """One sentence on how the split was chosen (shown in the table)."""
+    uses_gpus: bool
+    """Whether generator and trainer ranks hold GPUs: cluster.device is auto or cuda (in a cpu run
+    `gpus_per_node` counts process slots and nothing asks Slurm for GPUs)."""
 
     # --- derived sizes ---
     @property
@@ -119,7 +154,7 @@ class Layout:
     @property
     def components(self) -> tuple[Component, ...]:
         """The heterogeneous job's components, in world-rank order."""
-        g = self.gpus_per_node
+        g = self.gpus_per_node if self.uses_gpus else 0
         return (
             Component("controller", (Role.CONTROLLER, Role.REWARD), 1, 1 + self.reward_workers, 0, 0, 0),
             Component(
@@ -128,13 +163,52 @@ class Layout:
                 self.gen_nodes,
                 self.generators,
                 g,
-                self.gen_tp,
+                self.gen_tp if g else 0,
                 self.ranks(Role.GENERATOR).start,
             ),
             Component(
-                "trainer", (Role.TRAINER,), self.train_nodes, self.trainers, g, 1, self.ranks(Role.TRAINER).start
+                "trainer",
+                (Role.TRAINER,),
+                self.train_nodes,
+                self.trainers,
+                g,
+                1 if g else 0,
+                self.ranks(Role.TRAINER).start,
             ),
         )
+
+    def placement(self, rank: int) -> RankPlacement:
+        """Component, node, task slot and node-local GPUs of a world rank (see the module docstring)."""
+        role = self.role_of(rank)  # raises for a rank outside the world
+        nodes_before = 0
+        for comp in self.components:
+            if rank in comp.ranks:
+                break
+            nodes_before += comp.nodes
+        node, slot = divmod(rank - comp.first_rank, comp.ntasks_per_node)
+        first = slot * comp.gpus_per_task
+        gpus = tuple(range(first, first + comp.gpus_per_task))
+        return RankPlacement(rank, role, comp.name, node, nodes_before + node, slot, gpus)
+
+    def machine_gpus(self, rank: int) -> tuple[int, ...]:
+        """A rank's GPUs when every node of the job is this one machine (`areal-hpc run`): the
+        accelerator nodes' GPUs laid end to end, generator nodes first (indices into the machine's)."""
+        p = self.placement(rank)
+        before = 0  # accelerator nodes of the components before this rank's
+        for comp in self.components:
+            if comp.name == p.component:
+                break
+            before += comp.nodes if comp.gpus_per_node else 0
+        return tuple((before + p.node) * self.gpus_per_node + i for i in p.gpus)
+
+    def rank_table(self) -> str:
+        """One row per world rank: rank, role, component, node (within the component), gpus."""
+        rows = [("rank", "role", "component", "node", "gpus")]
+        for r in range(self.world_size):
+            p = self.placement(r)
+            gpus = ",".join(map(str, p.gpus)) or "-"
+            rows.append((str(r), p.role.name.lower(), p.component, str(p.node), gpus))
+        return _columns(rows)
 
     def split(self, comm):
         """The role communicator of this rank: `comm.Split` by role, ordered by world rank."""
@@ -187,7 +261,8 @@ class Layout:
                 f"allocation.gen_share {a.gen_share:g} of {n} nodes = {target:g}; nearest split whose trainer "
                 f"GPUs divide by train_tp x train_pp ({group}): {gen_nodes} generator nodes"
             )
-        return cls(n, g, a.reward_workers, gen_nodes, a.gen_tp, a.train_tp, a.train_pp, why)
+        uses_gpus = c.device != "cpu"
+        return cls(n, g, a.reward_workers, gen_nodes, a.gen_tp, a.train_tp, a.train_pp, why, uses_gpus)
 
     def table(self) -> str:
         """The split as a table that adds up, with the reason for it."""
@@ -220,12 +295,17 @@ class Layout:
             ),
             ("total", f"{self.nodes} + 1 CPU", str(self.nodes * g), str(self.world_size), "", ""),
         ]
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
-        lines.insert(1, "  ".join("-" * w for w in widths))
         gen_share = self.gen_nodes * g / (self.nodes * g)
-        lines.append(f"generation gets {self.gen_nodes}/{self.nodes} nodes ({gen_share:.0%} of the GPUs): {self.why}")
-        return "\n".join(lines)
+        why = f"generation gets {self.gen_nodes}/{self.nodes} nodes ({gen_share:.0%} of the GPUs): {self.why}"
+        return _columns(rows) + "\n" + why
+
+
+def _columns(rows: list[tuple[str, ...]]) -> str:
+    """Rows as left-aligned columns, a rule under the header."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
 
 
 def _span(r: range) -> str:

@@ -1,7 +1,9 @@
-"""`python -m areal_hpc.main RUN_DIR`: what every MPI rank runs, on this machine or on Slurm.
+"""`python -m areal_hpc.main RUN_DIR [--placement]`: what every MPI rank runs, on this machine or on Slurm.
 
 ```
- every rank:  config.yaml -> Layout -> role, log file logs/<role>-<i>.log, signals, cores
+ every rank:  config.yaml -> Layout -> role, log file logs/<role>-<i>.log, its GPUs, signals, cores
+              first log line: role, host, GPUs; the device, resolved once (areal_hpc.device)
+              (--placement: exit barrier here)
               role communicator (collective)
               model dir + latest complete checkpoint (world rank 0 finds or builds them, bcast)
               RankContext -> setup_weight_sync (collective) -> the role's serve
@@ -11,6 +13,14 @@
 A rank that fails prints one line naming itself to the launcher's console, its traceback to its
 log, and ends the whole run with MPI Abort: nothing hangs, nothing stays running. A rank that dies
 outright is mpirun's (srun's) to notice; one that hangs is the controller's (areal_hpc.liveness).
+
+GPUs: before torch or vLLM is imported, each rank narrows CUDA_VISIBLE_DEVICES to the GPUs the
+layout places it on (`Layout.placement`), as entries of the list it was started with: on Slurm the
+node's `--gpus-per-node` GPUs, which every task of the node sees (measured; indices or UUIDs); from the
+local launcher this machine's GPUs, every node of the layout being this machine
+(`Layout.machine_gpus`; with fewer GPUs than that, ranks share them). Under Slurm a rank first checks
+that Slurm started it where the layout says (node and task slot), so that no two ranks of a node take
+the same GPU. A rank without GPUs sees none.
 
 Signals: only the controller acts on SIGUSR2, SIGTERM and SIGINT (checkpoint, then Stop to everyone,
 exit code 75); the other ranks ignore SIGUSR2 and SIGINT and wait for the controller's Stop.
@@ -24,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -31,22 +42,26 @@ from pathlib import Path
 from typing import NamedTuple
 
 from areal_hpc.config import load_config
-from areal_hpc.device import resolve_device
+from areal_hpc.device import resolve_device, visible_gpus
 from areal_hpc.layout import Layout, Role
 from areal_hpc.rundir import latest_checkpoint, log_path
 
 EXIT_BARRIER_S = 60.0
 """How long a rank that finished waits for the others before leaving anyway."""
+PLACEMENT_FLAG = "--placement"
+"""Start as usual up to the device (GPUs narrowed, the first log lines, the device resolved), then
+leave: where every rank runs, checked in seconds (tests/test_slurm_placement.py)."""
 PIN_ENV = "AREAL_PIN_CORES"
-"""Set to 1 by the local launcher: pin generator and trainer ranks to disjoint cores of this machine
-(on Slurm the scheduler binds ranks)."""
+"""Set to 1 by the local launcher, which starts every rank on this machine: pin generator and trainer
+ranks to disjoint cores of it (on Slurm the scheduler binds ranks), and share its GPUs between them."""
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m areal_hpc.main RUN_DIR", file=sys.stderr)
+    if len(args) not in (1, 2) or args[1:] not in ([], [PLACEMENT_FLAG]):
+        print(f"usage: python -m areal_hpc.main RUN_DIR [{PLACEMENT_FLAG}]", file=sys.stderr)
         return 2
+    placement_only = args[1:] == [PLACEMENT_FLAG]
     run_dir = Path(args[0]).resolve()
     cfg = load_config(run_dir / "config.yaml")
     layout = Layout.from_config(cfg)
@@ -59,13 +74,22 @@ def main(argv: list[str] | None = None) -> int:
     log_file = log_path(run_dir, role.name.lower(), rank - layout.ranks(role).start)
     console = _redirect_output(log_file)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role.name.lower()} %(levelname)s %(message)s")
+    code = 0
+    try:
+        narrow_gpus(layout, rank)  # before torch or vLLM is imported; logs the first line
+    except BaseException as e:  # noqa: BLE001 - the launcher's console names the rank and the fix
+        _fail(world, name, e, console, log_file)
     _signals(role)
     if os.environ.get(PIN_ENV) == "1":
         _pin(core_plan(layout, sorted(os.sched_getaffinity(0))).get(rank))
-    logging.info("%s starting (pid %d, cores %s)", name, os.getpid(), sorted(os.sched_getaffinity(0)))
+    logging.info("%s cores %s", name, sorted(os.sched_getaffinity(0)))
 
-    code = 0
     try:
+        device = resolve_device(cfg.cluster.device, gpus=bool(layout.placement(rank).gpus))
+        logging.info("%s device %s (cluster.device %s)", name, device, cfg.cluster.device)
+        if placement_only:
+            _exit_barrier(world, rank, name, console)
+            return 0
         role_comm = layout.split(world)
         found = None
         if rank == 0:
@@ -75,7 +99,6 @@ def main(argv: list[str] | None = None) -> int:
         model_path, resume_from = world.bcast(found, root=0)
         from areal_hpc.runtime import RankContext
 
-        device = resolve_device(cfg.cluster.device, gpus=role in (Role.GENERATOR, Role.TRAINER))
         ctx = RankContext(cfg, layout, world, role_comm, run_dir, Path(model_path), resume_from, device)
         from areal_hpc.weight_sync import setup_weight_sync
 
@@ -105,6 +128,77 @@ def _serve(ctx, sync) -> int | None:
     from areal_hpc.trainer.worker import serve
 
     return serve(ctx, sync)
+
+
+# --- GPUs --------------------------------------------------------------------------------------
+
+
+class SlurmTask(NamedTuple):
+    node_name: str  # SLURMD_NODENAME
+    node_id: int  # SLURM_NODEID: the node's index among the nodes of the job's one step
+    local_id: int  # SLURM_LOCALID: the task's index on its node
+
+
+def slurm_task() -> SlurmTask | None:
+    """Where Slurm started this task (submitit's JobEnvironment reads it); None when the local
+    launcher started it."""
+    if os.environ.get(PIN_ENV) == "1" or "SLURM_LOCALID" not in os.environ:
+        return None
+    from submitit.slurm.slurm import SlurmJobEnvironment
+
+    env = SlurmJobEnvironment()
+    return SlurmTask(os.environ.get("SLURMD_NODENAME", env.hostname), env.node, env.local_rank)
+
+
+def narrow_gpus(layout: Layout, rank: int) -> None:
+    """Set CUDA_VISIBLE_DEVICES to this rank's GPUs (`own_gpus`) and log where the rank runs: its
+    role, host and GPUs (the first line of its log)."""
+    task = slurm_task()
+    given = visible_gpus()
+    gpus = own_gpus(layout, rank, given, task)
+    if given:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)  # empty: a rank without GPUs sees none
+    place = layout.placement(rank)
+    logging.info(
+        "%s on host %s%s: %s node %d, GPUs %s of %s (pid %d)",
+        layout.describe_rank(rank),
+        socket.gethostname(),
+        f", Slurm node {task.node_name}" if task else "",
+        place.component,
+        place.node,
+        ",".join(gpus) or "none",
+        ",".join(given) or "none",
+        os.getpid(),
+    )
+
+
+def own_gpus(layout: Layout, rank: int, given: list[str], task: SlurmTask | None) -> list[str]:
+    """The entries of `given` (the GPUs this task was started with) that are this rank's.
+
+    Slurm (`task`): the layout's node-local indices into the node's GPUs, after checking that Slurm
+    put the task where the layout says. Local launcher (`task` None): `Layout.machine_gpus` into this
+    machine's GPUs; with fewer of them, rank GPU i takes GPU i mod their number (shared).
+    """
+    place = layout.placement(rank)
+    if task is None:
+        return [given[i % len(given)] for i in layout.machine_gpus(rank)] if given else []
+    if (task.node_id, task.local_id) != (place.job_node, place.slot):
+        raise RuntimeError(
+            f"Slurm started {layout.describe_rank(rank)} as task {task.local_id} of the job's node "
+            f"{task.node_id} ({task.node_name}); the layout places it as task {place.slot} of node {place.job_node} "
+            f"({place.component} node {place.node}), srun's default block distribution: remove --distribution "
+            "(-m) from cluster.srun_args"
+        )
+    if not place.gpus or not given:
+        return []
+    if len(given) != layout.gpus_per_node:
+        raise RuntimeError(
+            f"{layout.describe_rank(rank)}: Slurm shows this task {len(given)} GPU(s) "
+            f"(CUDA_VISIBLE_DEVICES={','.join(given)}), but the layout shares cluster.gpus_per_node "
+            f"({layout.gpus_per_node}) GPUs of each node between the node's tasks, so every task must see all "
+            "of them: leave --gpus-per-task and --gpu-bind out of cluster.sbatch_args and cluster.srun_args"
+        )
+    return [given[i] for i in place.gpus]
 
 
 # --- cores -------------------------------------------------------------------------------------

@@ -30,7 +30,8 @@ class RankContext:
     resume_from: Path | None = None
     """The latest complete checkpoint directory to resume from, or None for a fresh start."""
     device: str = "cpu"
-    """This rank's compute device, cpu or cuda, resolved once at start (`areal_hpc.device`)."""
+    """This rank's compute device, 'cpu' or 'cuda', resolved once at start (`device.resolve_device`,
+    after CUDA_VISIBLE_DEVICES was narrowed to the rank's GPUs); everything the role builds takes it."""
 
     @property
     def rank(self) -> int:

@@ -3,7 +3,8 @@
 ```
  stage 0 source ──group "areal-ws-0"──┬──> generator 0 (engine worker tp 0 .. gen_tp-1)
  stage 1 source ──group "areal-ws-1"──┤──> generator 1 ...
-   ...     (stages send in parallel)  └──> ...
+   ...  (each source gathers, packs  └──> ...
+         and sends on its own)
 ```
 
 One process group per pipeline stage s: group rank 0 is `layout.stage_source_rank(s)`; group rank
@@ -14,9 +15,25 @@ the group with its own rank. For that reason the groups connect lazily, on the f
 `setup_weight_sync` (a collective over the MPI world, before any engine exists) only has each
 source open the group's TCPStore on a free port and share (host, port) over MPI.
 
-Backend: gloo on cpu, NCCL on cuda; the tensors' device is the only other difference. A group is
-`ProcessGroup{Gloo,NCCL}(PrefixStore(name, TCPStore(host, port, size, is_master)), rank, size, timeout)`,
-built directly beside the rank's own default group (no global torch.distributed state).
+The agreed order. Every receiver is a member of every stage's group, so on its device it drives one
+communicator per stage. NCCL documents concurrent communicators on one device as a deadlock risk
+unless every rank issues their collectives in the same order (two receivers that each wait in a
+different group's kernel can each hold up the other group). So a receiver issues all its collectives
+from one thread, in an order every receiver derives from the data alone: round robin over the stages
+that have not yet sent their end marker, a bucket (or the end marker) each, stages in index order:
+
+    (0, bucket 0), (1, bucket 0), (0, bucket 1), (1, bucket 1), (1, bucket 2), (1, end) ...
+
+A source belongs to one group only and issues its own bucket stream in order, which is that order's
+subsequence, so no cycle of waits can form. What overlaps, safely: the sources gather and pack their
+stages at the same time (each on its own device), and a receiver loads one bucket into its engine
+(the caller's thread) while its receiving thread takes the next ones.
+
+Backend: gloo on cpu, NCCL on cuda (`device.backend` of the rank's `RankContext.device`); the
+tensors' device is the only other difference. The members of a group must agree:
+`setup_weight_sync` refuses, on every member, a group whose members resolved different devices.
+A group is `ProcessGroup{Gloo,NCCL}(PrefixStore(name, TCPStore(host, port, size, is_master)), rank,
+size, timeout)`, built directly beside the rank's own default group (no global torch.distributed state).
 
 Wire format, per bucket (three broadcasts from group rank 0):
   1. int64 [2]: (header bytes, payload bytes); (0, 0) ends the stream;
@@ -67,15 +84,19 @@ class GroupSpec:
     timeout_s: float
 
 
+def _own_device(backend: str) -> torch.device:
+    """Where a member's tensors of a group live: on nccl the calling thread's current GPU (the
+    trainer's, or the one vLLM gave the engine worker), else the CPU. Read in the member's own thread
+    and handed to the receiving thread: the current GPU is per thread, and a new thread's is GPU 0."""
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
 class _Group:
     """One connected member of a weight-sync group."""
 
-    def __init__(self, spec: GroupSpec, rank: int, master_store=None):
-        self.spec, self.rank = spec, rank
+    def __init__(self, spec: GroupSpec, rank: int, device: torch.device, master_store=None):
+        self.spec, self.rank, self.device = spec, rank, device
         self.timeout = datetime.timedelta(seconds=spec.timeout_s)
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device()) if spec.backend == "nccl" else torch.device("cpu")
-        )
         try:
             store = master_store
             if store is None:
@@ -129,7 +150,7 @@ class WeightSender:
             raise RuntimeError(f"this trainer rank is not the weight-sync source of stage {self.stage}")
         t0 = time.perf_counter()
         if self._group is None:
-            self._group = _Group(self.spec, 0, self._master_store)
+            self._group = _Group(self.spec, 0, _own_device(self.spec.backend), self._master_store)
         stats = {"bytes": 0, "buckets": 0, "tensors": 0}
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
@@ -185,47 +206,58 @@ class WeightReceiver:
         return 1 + self.generator_index * self.gen_tp + tp_rank
 
     def receive(self, tp_rank: int = 0) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Yield each bucket (a list of (hf_name, tensor)) of every stage as it arrives, until all
-        stages have sent their end marker. Stages arrive in parallel (one thread each)."""
-        if len(self.specs) == 1:
-            yield from self._stream(self.specs[0], tp_rank)
-            return
-        out: queue.Queue = queue.Queue(maxsize=2 * len(self.specs))
+        """Yield each bucket (a list of (hf_name, tensor)) of every stage, in the agreed order (module
+        docstring), until all stages have sent their end marker. One thread receives, in that order;
+        the caller consumes a bucket while the next ones arrive (at most 2 waiting)."""
+        device = _own_device(self.specs[0].backend)  # the caller's: a thread does not inherit it
+        out: queue.Queue = queue.Queue(maxsize=2)
         done = object()
 
-        def pump(spec: GroupSpec) -> None:
+        def pump() -> None:
             try:
-                for bucket in self._stream(spec, tp_rank):
+                for bucket in self._in_agreed_order(tp_rank, device):
                     out.put(bucket)
                 out.put(done)
             except BaseException as e:  # handed to the consumer, which raises it
                 out.put(e)
 
-        threads = [threading.Thread(target=pump, args=(s,), daemon=True) for s in self.specs]
-        for th in threads:
-            th.start()
-        # Each stage's own collectives time out; this bound only guards against a thread that died silently.
+        thread = threading.Thread(target=pump, name="areal-weight-receive", daemon=True)
+        thread.start()
+        # Each collective times out on its own; this bound only guards against a thread that died silently.
         patience = max(s.timeout_s for s in self.specs) * 3 + 10
-        finished = 0
-        while finished < len(self.specs):
+        while True:
             try:
                 item = out.get(timeout=patience)
             except queue.Empty:
                 raise WeightSyncError(f"weight sync: no bucket from any stage within {patience:g} s") from None
             if item is done:
-                finished += 1
-            elif isinstance(item, BaseException):
+                break
+            if isinstance(item, BaseException):
                 raise item
-            else:
-                yield item
-        for th in threads:
-            th.join()
+            yield item
+        thread.join()
 
-    def _stream(self, spec: GroupSpec, tp_rank: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def _in_agreed_order(self, tp_rank: int, device: torch.device) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Round robin over the stages still sending, a bucket each, stages in index order. Every
+        group is joined first, in stage order: each source waits at most `timeout_s` for its members."""
+        specs = sorted(self.specs, key=lambda s: s.stage)
+        groups = {spec.stage: self._join(spec, tp_rank, device) for spec in specs}
+        streams = {stage: self._stream(group) for stage, group in groups.items()}
+        while streams:
+            for stage, stream in list(streams.items()):
+                bucket = next(stream, None)
+                if bucket is None:  # its end marker
+                    del streams[stage]
+                else:
+                    yield bucket
+
+    def _join(self, spec: GroupSpec, tp_rank: int, device: torch.device) -> _Group:
         key = (spec.name, tp_rank)
         if key not in self._groups:
-            self._groups[key] = _Group(spec, self.group_rank(tp_rank))
-        group = self._groups[key]
+            self._groups[key] = _Group(spec, self.group_rank(tp_rank), device)
+        return self._groups[key]
+
+    def _stream(self, group: _Group) -> Iterator[list[tuple[str, torch.Tensor]]]:
         while True:
             sizes = torch.empty(2, dtype=torch.int64, device=group.device)
             group.broadcast(sizes, "bucket sizes")
@@ -251,16 +283,18 @@ def setup_weight_sync(ctx: RankContext) -> WeightSender | WeightReceiver | None:
     """Every world rank calls this once, before `serve`. Returns a `WeightSender` on trainer ranks, a
     `WeightReceiver` on generator ranks, None on the controller and reward ranks.
 
-    For each stage s, the members ([stage_source_rank(s)] + generators) split off the world; the
-    source opens the group's TCPStore on a free port and broadcasts (host, port) to them.
+    For each stage s, the members ([stage_source_rank(s)] + generators) split off the world, check
+    that they all resolved the same device, and the source opens the group's TCPStore on a free port
+    and broadcasts (host, port) to them.
     """
     from mpi4py import MPI
 
+    from areal_hpc.device import backend as backend_of
     from areal_hpc.layout import Role
 
     layout, world, rank = ctx.layout, ctx.world, ctx.world.Get_rank()
     role = layout.role_of(rank)
-    backend = "nccl" if ctx.cfg.cluster.device == "cuda" else "gloo"
+    backend = backend_of(ctx.device)
     timeout_s = float(ctx.cfg.train.collective_timeout_s)
     size = 1 + layout.generators * layout.gen_tp
     specs, my_stage, master = [], None, None
@@ -270,7 +304,9 @@ def setup_weight_sync(ctx: RankContext) -> WeightSender | WeightReceiver | None:
         comm = world.Split(MPI.UNDEFINED if not member else 0, 0 if rank == source else 1 + rank)
         if comm == MPI.COMM_NULL:
             continue
-        hosts = comm.allgather(socket.gethostname())
+        members = comm.allgather((rank, socket.gethostname(), ctx.device))
+        _check_devices(f"areal-ws-{stage}", members, layout)
+        hosts = [host for _, host, _ in members]
         info = None
         if rank == source:
             host = "127.0.0.1" if len(set(hosts)) == 1 else _routable_host()
@@ -290,6 +326,24 @@ def setup_weight_sync(ctx: RankContext) -> WeightSender | WeightReceiver | None:
         local = rank - layout.ranks(Role.TRAINER).start
         return WeightSender(local // (layout.train_tp * layout.train_dp), False)
     return None
+
+
+def _check_devices(group: str, members: list[tuple[int, str, str]], layout) -> None:
+    """Every member of a group on the same device (one backend), or the same error on every member."""
+    on: dict[str, list[int]] = {}  # device -> the members (world ranks) on it
+    for rank, _, device in members:
+        on.setdefault(device, []).append(rank)
+    if len(on) > 1:
+        sides = " but ".join(
+            f"{layout.describe_rank(ranks[0])}{f' and {len(ranks) - 1} more' if len(ranks) > 1 else ''} on {dev}"
+            for dev, ranks in on.items()
+        )
+        raise WeightSyncError(
+            f"weight-sync group {group}: {sides}; its members must share one backend (nccl on cuda, gloo on cpu). "
+            "With cluster.device auto a rank is on the CPU when torch sees no GPU there: check the GPUs of "
+            "those nodes (each rank's log starts with them), or set cluster.device to cuda (a rank without a "
+            "GPU then fails at start) or cpu"
+        )
 
 
 def _routable_host() -> str:

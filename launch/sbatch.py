@@ -78,7 +78,7 @@ def render_sbatch(
         if c.qos:
             opts.append(f"--qos={c.qos}")
         opts += [f"--nodes={comp.nodes}", f"--ntasks-per-node={comp.ntasks // comp.nodes}"]
-        if gpu and c.device == "cuda":
+        if comp.gpus_per_node:  # the layout's: every accelerator node's GPUs unless cluster.device is cpu
             opts.append(f"--gpus-per-node={comp.gpus_per_node}")
         if gpu and c.constraint:
             opts.append(f"--constraint={c.constraint}")

@@ -140,10 +140,10 @@ def check_cluster(cfg: Config, available: dict[str, Partition] | None) -> None:
                 f"the job needs {nodes} nodes in partition '{name}' ({describe_request(cfg)}), which has "
                 f"{available[name].nodes}; lower --nodes (cluster.nodes = {c.nodes} accelerator nodes + 1 CPU node)"
             )
-    if c.device == "cuda" and gpu_part in available and c.gpus_per_node > available[gpu_part].gpus_per_node:
+    if layout.uses_gpus and gpu_part in available and c.gpus_per_node > available[gpu_part].gpus_per_node:
         raise LaunchError(
             f"cluster.gpus_per_node ({c.gpus_per_node}) exceeds the {available[gpu_part].gpus_per_node} GPUs per node "
-            f"of partition '{gpu_part}'"
+            f"of partition '{gpu_part}' (cluster.device {c.device} asks Slurm for GPUs; cluster.device=cpu asks for none)"
         )
 
 
@@ -151,7 +151,7 @@ def describe_request(cfg: Config) -> str:
     """What the job asks for, for error messages: 'controller 1 node x 2 tasks, generator ...'."""
     parts = []
     for comp in Layout.from_config(cfg).components:
-        gpus = f", {comp.gpus_per_node} GPUs/node" if comp.name != "controller" and cfg.cluster.device == "cuda" else ""
+        gpus = f", {comp.gpus_per_node} GPUs/node" if comp.gpus_per_node else ""
         parts.append(f"{comp.name} {comp.nodes} node(s) x {comp.ntasks // comp.nodes} task(s){gpus}")
     return "; ".join(parts)
 

@@ -44,3 +44,23 @@ def test_config_help_documents_fields():
 def test_missing_config_file_is_a_config_error():
     r = areal("plan", "no/such.yaml")
     assert r.returncode == 2 and "config file not found" in r.stderr
+
+
+def test_plan_ranks_gives_each_gpu_of_a_node_to_one_rank():
+    r = areal("plan", str(REPO / "configs" / "qwen32b.yaml"), "--nodes", "16", "--ranks")
+    assert r.returncode == 0, r.stderr
+    header, rule, *rows = r.stdout.splitlines()
+    assert header.split() == ["rank", "role", "component", "node", "gpus"]
+    rows = [row.split() for row in rows]
+    assert [int(row[0]) for row in rows] == list(range(len(rows)))
+    held = {}  # (component, node) -> GPUs held by its ranks
+    for _, role, component, node, gpus in rows:
+        if role in ("controller", "reward"):
+            assert (component, gpus) == ("controller", "-")
+            continue
+        held.setdefault((component, node), []).extend(int(g) for g in gpus.split(","))
+    assert len(held) == 16  # every accelerator node
+    for gpus in held.values():
+        assert sorted(gpus) == list(range(8))  # each GPU of the node once
+    generators = [row for row in rows if row[1] == "generator"]
+    assert all(len(row[4].split(",")) == 4 for row in generators)  # allocation.gen_tp 4

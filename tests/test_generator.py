@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from areal_hpc.config import ModelConfig
+from areal_hpc.device import resolve_device
 from areal_hpc.tiny import build_tiny_model
 
 pytestmark = pytest.mark.vllm
@@ -31,7 +32,13 @@ def setup(tmp_path_factory):
 
     path = build_tiny_model(MODEL, tmp_path_factory.mktemp("gen"), seed=1)
     engine = GenerationEngine.create(
-        path, temperature=TEMPERATURE, max_new_tokens=MAX_NEW, max_model_len=256, max_num_seqs=64, seed=0
+        path,
+        device=resolve_device(),
+        temperature=TEMPERATURE,
+        max_new_tokens=MAX_NEW,
+        max_model_len=256,
+        max_num_seqs=64,
+        seed=0,
     )
     model_a = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model_b = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

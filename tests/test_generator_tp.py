@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from areal_hpc.config import ModelConfig
+from areal_hpc.device import resolve_device
 from areal_hpc.tiny import build_tiny_model
 from areal_hpc.weight_sync import GroupSpec, WeightReceiver, WeightSender
 
@@ -35,7 +36,13 @@ def test_tp2_workers_receive_and_load_their_shards(tmp_path):
         for p in model.parameters():
             p.add_(0.5 * torch.randn(p.shape, generator=g))
     engine = GenerationEngine.create(
-        path, temperature=TEMPERATURE, max_new_tokens=16, max_model_len=256, max_num_seqs=16, tp=2
+        path,
+        device=resolve_device(),
+        temperature=TEMPERATURE,
+        max_new_tokens=16,
+        max_model_len=256,
+        max_num_seqs=16,
+        tp=2,
     )
     try:
         master = dist.TCPStore("127.0.0.1", 0, 3, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)

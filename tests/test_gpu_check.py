@@ -9,7 +9,8 @@ import subprocess
 
 import pytest
 
-from areal_hpc.trainer.spawn import default_device, visible_gpus
+from areal_hpc.device import visible_gpus
+from areal_hpc.trainer.spawn import default_device
 from tests.conftest import REPO
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]

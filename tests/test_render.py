@@ -84,12 +84,13 @@ def test_components_follow_the_layout():
         assert flag in step
 
 
-def test_gpus_only_on_gpu_components_and_only_with_cuda():
-    cpu = directives(render(["cluster.nodes=3"]))
+def test_gpus_only_on_gpu_components_and_never_with_cpu():
+    cpu = directives(render(["cluster.nodes=3", "cluster.device=cpu"]))
     assert not any("gpu" in o for comp in cpu for o in comp)
-    cuda = directives(render(["cluster.nodes=3", "cluster.device=cuda", "cluster.gpus_per_node=4"]))
-    assert not any("gpu" in o for o in cuda[0])
-    assert "--gpus-per-node=4" in cuda[1] and "--gpus-per-node=4" in cuda[2]
+    for device in ("cuda", "auto"):  # auto: the job asks for GPUs, whatever the submitting machine has
+        gpus = directives(render(["cluster.nodes=3", f"cluster.device={device}", "cluster.gpus_per_node=4"]))
+        assert not any("gpu" in o for o in gpus[0])
+        assert "--gpus-per-node=4" in gpus[1] and "--gpus-per-node=4" in gpus[2]
 
 
 def test_cluster_settings_reach_the_script():
@@ -174,6 +175,11 @@ def test_cluster_capacity_errors():
     with pytest.raises(LaunchError, match=r"gpus_per_node \(8\) exceeds the 4 GPUs per node of partition 'debug'"):
         check_cluster(load_config(REPO / "configs/tiny-cpu.yaml", cuda), parts)
     check_cluster(load_config(REPO / "configs/tiny-cpu.yaml", [*cuda, "cluster.partition=big"]), parts)
+    # cluster.device auto asks for GPUs: a partition without any is refused with the fix, cpu fits it
+    on_cpus = ["cluster.partition=cpu", "cluster.cpu_partition=debug"]
+    with pytest.raises(LaunchError, match=r"exceeds the 0 GPUs per node of partition 'cpu'.*cluster.device=cpu"):
+        check_cluster(load_config(REPO / "configs/tiny-cpu.yaml", on_cpus), parts)
+    check_cluster(load_config(REPO / "configs/tiny-cpu.yaml", [*on_cpus, "cluster.device=cpu"]), parts)
 
 
 def test_parse_squeue_gives_each_component_and_the_worst_state():

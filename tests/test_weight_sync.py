@@ -1,7 +1,9 @@
 """Weight sync: bucketed broadcast of named tensors from trainer stage sources to generators.
 
 Ladder: one process with gloo (sender and receivers as threads), then real MPI ranks through
-`setup_weight_sync` (two pipeline stages sending in parallel to two generators), and the timeout.
+`setup_weight_sync` (two pipeline stages sending in parallel to two generators, every receiver
+issuing its collectives in the agreed order), the timeout, and groups whose members disagree on
+the device.
 """
 
 import datetime
@@ -13,7 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from areal_hpc.weight_sync import GroupSpec, WeightReceiver, WeightSender, WeightSyncError, _Group
+from areal_hpc.config import load_config
+from areal_hpc.layout import Layout
+from areal_hpc.weight_sync import GroupSpec, WeightReceiver, WeightSender, WeightSyncError, _check_devices, _Group
 
 
 def _local_group(size: int, timeout_s: float = 20.0, name: str = "t"):
@@ -73,7 +77,7 @@ def test_receiver_times_out_when_sender_is_silent():
     sender, spec = _local_group(2, timeout_s=1.5, name="silent")
     receiver = WeightReceiver([spec], 0, 1)
     # The source joins the group but never sends: the receiver's first broadcast must time out.
-    joined = threading.Thread(target=_Group, args=(spec, 0, sender._master_store))
+    joined = threading.Thread(target=_Group, args=(spec, 0, torch.device("cpu"), sender._master_store))
     joined.start()
     t0 = time.monotonic()
     with pytest.raises(WeightSyncError, match="within 1.5 s"):
@@ -82,14 +86,42 @@ def test_receiver_times_out_when_sender_is_silent():
     joined.join(10)
 
 
+def test_members_on_different_devices_are_refused_by_name():
+    layout = Layout.from_config(
+        load_config(None, ["cluster.nodes=2", "cluster.gpus_per_node=2", "allocation.gen_nodes=1"])
+    )
+    _check_devices("areal-ws-0", [(4, "a", "cuda"), (2, "b", "cuda"), (3, "b", "cuda")], layout)
+    # every member gets the same list from the allgather, so every member raises the same error
+    with pytest.raises(WeightSyncError) as e:
+        _check_devices("areal-ws-0", [(4, "a", "cuda"), (2, "b", "cpu"), (3, "b", "cpu")], layout)
+    assert "trainer 0 (world rank 4) on cuda but generator 0 (world rank 2) and 1 more on cpu" in str(e.value)
+    assert "cluster.device" in str(e.value)
+
+
 SCRIPT = textwrap.dedent(
     """
-    import os, time, torch
+    import os, sys, time, torch
     from mpi4py import MPI
+
+    def abort(*exc):  # a failing rank ends the run at once instead of leaving the others waiting
+        sys.__excepthook__(*exc)
+        MPI.COMM_WORLD.Abort(1)
+    sys.excepthook = abort
+    from areal_hpc import weight_sync
     from areal_hpc.config import load_config
     from areal_hpc.layout import Layout, Role
     from areal_hpc.runtime import RankContext
     from areal_hpc.weight_sync import WeightReceiver, WeightSender, WeightSyncError, setup_weight_sync
+
+    # Record the order in which this rank issues its collectives: the stage of each bucket's first
+    # broadcast (its sizes; the end marker's too), from whichever thread issues it.
+    issued = []
+    broadcast = weight_sync._Group.broadcast
+    def traced(group, tensor, what):
+        if what == "bucket sizes":
+            issued.append(group.spec.stage)
+        return broadcast(group, tensor, what)
+    weight_sync._Group.broadcast = traced
 
     cfg = load_config(None, ["cluster.nodes=2", "cluster.gpus_per_node=2", "allocation.gen_nodes=1",
                              "allocation.train_pp=2", "train.collective_timeout_s=3",
@@ -105,10 +137,14 @@ SCRIPT = textwrap.dedent(
     stage_names = [[n for n in names if "embed" in n or ".layers.0." in n], None]
     stage_names[1] = [n for n in names if n not in stage_names[0]]
     out = {"ok": 1}
+    buckets = None
     if role == Role.TRAINER:
         assert isinstance(sync, WeightSender) and sync.is_source, sync
-        stats = sync.send(((n, state[n]) for n in stage_names[sync.stage]), bucket_bytes=16_000)
+        # smaller buckets for stage 1: the stages send different numbers of buckets
+        bucket_bytes = 16_000 if sync.stage == 0 else 6_000
+        stats = sync.send(((n, state[n]) for n in stage_names[sync.stage]), bucket_bytes=bucket_bytes)
         assert stats["buckets"] >= 2, stats
+        buckets = (sync.stage, stats["buckets"])
     elif role == Role.GENERATOR:
         assert isinstance(sync, WeightReceiver) and len(sync.specs) == 2
         got = {}
@@ -121,7 +157,28 @@ SCRIPT = textwrap.dedent(
             assert got[n].dtype == state[n].dtype and torch.equal(got[n], state[n]), n
     else:
         assert sync is None
+    # (stage, bucket) in the order each receiver issued them ("end": the stage's end marker)
+    seen, order = {}, []
+    for stage in issued:
+        seen[stage] = seen.get(stage, -1) + 1
+        order.append((stage, seen[stage]))
+    order = [(s, "end" if k == seen[s] else k) for s, k in order]
+    orders = world.gather(order if role == Role.GENERATOR else None)
+    counts = world.gather(buckets)
+    if rank == 0:
+        counts = dict(x for x in counts if x)
+        orders = [o for o in orders if o is not None]
+        print("ORDERS", orders, "BUCKETS", counts, flush=True)
+        # round robin over the stages still sending, stages in index order
+        agreed = [
+            (s, k if k < counts[s] else "end") for k in range(max(counts.values()) + 1) for s in sorted(counts)
+            if k <= counts[s]
+        ]
+        print("AGREED", agreed, flush=True)
+        if len(orders) != 2 or any(o != agreed for o in orders):
+            out["ok"] = 0
     world.Barrier()
+    issued.clear()
     # Round 2: the sources never send; every receiver must fail with a timeout, not hang.
     if role == Role.GENERATOR:
         t0 = time.monotonic()
@@ -141,7 +198,7 @@ SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.mpi
-def test_mpi_two_stages_bit_exact_then_timeout(run_mpi, tmp_path):
+def test_mpi_two_stages_bit_exact_in_the_agreed_order_then_timeout(run_mpi, tmp_path):
     from transformers import Qwen2ForCausalLM
 
     from areal_hpc.config import ModelConfig
@@ -154,4 +211,6 @@ def test_mpi_two_stages_bit_exact_then_timeout(run_mpi, tmp_path):
     proc = run_mpi(SCRIPT, n=6, timeout=180, env={"AREAL_TEST_STATE": str(tmp_path / "state.pt")})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "RESULT 1" in proc.stdout, proc.stdout[-3000:]
+    # both receivers issued (stage, bucket) in the agreed round-robin order, stages of unequal length
+    assert "ORDERS" in proc.stdout and "(1, 'end')]" in proc.stdout, proc.stdout[-3000:]
     assert proc.stdout.count("timed out after") == 2, proc.stdout[-3000:]

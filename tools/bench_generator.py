@@ -42,13 +42,16 @@ def child(size: str, args) -> dict:
     from vllm import LLM, EngineArgs, SamplingParams
 
     from areal_hpc.config import ModelConfig
+    from areal_hpc.device import resolve_device
     from areal_hpc.generator.engine import GenerationEngine
     from areal_hpc.tiny import build_tiny_model
 
     m = ModelConfig(max_position_embeddings=1024, **SIZES[size])
     path = build_tiny_model(m, args.root, seed=1)
     n_params = sum(p.numel() for p in _state(path).values())
-    eargs = GenerationEngine.engine_args(path, max_model_len=1024, max_num_seqs=args.groups * args.n, seed=0)
+    eargs = GenerationEngine.engine_args(
+        path, device=resolve_device(), max_model_len=1024, max_num_seqs=args.groups * args.n, seed=0
+    )
     base = EngineArgs(model=str(path))
     kwargs = {f.name: getattr(eargs, f.name) for f in dataclasses.fields(eargs) if f.name != "model"}
     kwargs = {k: v for k, v in kwargs.items() if v != getattr(base, k)}

@@ -175,10 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trainer-only", action="store_true", help="only the checks that need no vLLM")
     parser.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (default: a temporary directory)")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides of configs/gpu-smoke.yaml (e.g. model.path=DIR)")
+    parser.add_argument(
+        "overrides", nargs="*", help="key=value overrides of configs/gpu-smoke.yaml (e.g. model.path=DIR)"
+    )
     args = parser.parse_args(argv)
 
-    from areal_hpc.trainer.spawn import default_device, visible_gpus
+    from areal_hpc.device import visible_gpus
+    from areal_hpc.trainer.spawn import default_device
 
     device = default_device()
     env = environment(device)
@@ -192,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
             results.append(Result("GPU visible", "SKIP", "AREAL_DEVICE=cpu: the checks ran on the CPU"))
         elif device != "cuda":
             results.append(Result("GPU visible", "FAIL", "torch sees no GPU; the checks below ran on the CPU"))
-        results.append(_run("trainer logits vs transformers, export round trip (TP 1)", lambda: check_logits(work, 1, device)))
+        results.append(
+            _run("trainer logits vs transformers, export round trip (TP 1)", lambda: check_logits(work, 1, device))
+        )
         for dtype in ("float32", "bfloat16"):
             name = f"PPO step, save, resume = uninterrupted ({dtype}, TP 1)"
             results.append(_run(name, lambda dtype=dtype: check_resume(work, 1, dtype, device)))
@@ -200,13 +205,30 @@ def main(argv: list[str] | None = None) -> int:
             results.append(Result("TP 2 checks", "SKIP", f"need 2 GPUs, {gpus} visible"))
         else:
             results.append(_run("trainer logits vs transformers (TP 2)", lambda: check_logits(work, 2, device)))
-            results.append(_run("PPO step, save, resume = uninterrupted (bf16, TP 2)", lambda: check_resume(work, 2, "bfloat16", device)))
+            results.append(
+                _run(
+                    "PPO step, save, resume = uninterrupted (bf16, TP 2)",
+                    lambda: check_resume(work, 2, "bfloat16", device),
+                )
+            )
         if args.trainer_only:
             pass
         elif env["vllm"] is None:
-            results.append(Result("NCCL weight sync + 20 steps of gpu-smoke", "FAIL", "vLLM is not installed (AREAL_DEVICE=cuda tools/setup.sh)"))
+            results.append(
+                Result(
+                    "NCCL weight sync + 20 steps of gpu-smoke",
+                    "FAIL",
+                    "vLLM is not installed (AREAL_DEVICE=cuda tools/setup.sh)",
+                )
+            )
         elif device == "cuda" and gpus < 2:
-            results.append(Result("NCCL weight sync + 20 steps of gpu-smoke", "SKIP", f"needs 2 GPUs (a generator and a trainer), {gpus} visible"))
+            results.append(
+                Result(
+                    "NCCL weight sync + 20 steps of gpu-smoke",
+                    "SKIP",
+                    f"needs 2 GPUs (a generator and a trainer), {gpus} visible",
+                )
+            )
         else:
             results.append(_run("NCCL weight sync + 20 steps of gpu-smoke", lambda: check_run(work, args.overrides)))
 

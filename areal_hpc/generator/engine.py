@@ -129,6 +129,7 @@ class GenerationEngine:
     def engine_args(
         model_path: str,
         *,
+        device: str,
         dtype: str = "float32",
         tp: int = 1,
         seed: int = 0,
@@ -136,10 +137,11 @@ class GenerationEngine:
         max_num_seqs: int = 256,
         enforce_eager: bool = False,
     ):
-        """vLLM `EngineArgs` for a generator: processed logprobs (see the module doc), our worker extension."""
+        """vLLM `EngineArgs` for a generator: processed logprobs (see the module doc), our worker extension.
+        `device`: 'cpu' or 'cuda', the rank's (`RankContext.device`); vLLM's own platform is never asked."""
         from vllm import EngineArgs
 
-        kv_bytes = _cpu_setup(model_path, tp, max_num_seqs, max_model_len)
+        kv_bytes = _cpu_setup(model_path, tp, max_num_seqs, max_model_len) if device == "cpu" else None
         return EngineArgs(
             model=str(model_path),
             dtype=dtype,
@@ -163,11 +165,12 @@ class GenerationEngine:
         return cls(engine, temperature, top_p, max_new_tokens)
 
     @classmethod
-    def from_config(cls, cfg, model_path, seed_offset: int = 0) -> GenerationEngine:
+    def from_config(cls, cfg, model_path, device: str, seed_offset: int = 0) -> GenerationEngine:
         """The engine of a generator rank, from the run config (model, allocation.gen_tp, rollout)."""
         r, m = cfg.rollout, cfg.model
         return cls.create(
             model_path,
+            device=device,
             temperature=r.temperature,
             top_p=r.top_p,
             max_new_tokens=r.max_new_tokens,
@@ -308,10 +311,10 @@ def _trajectory(answer: _Answer, finish_reason: str | None) -> Trajectory:
     )
 
 
-def _cpu_setup(model_path, tp: int, max_num_seqs: int, max_model_len: int | None) -> int | None:
+def _cpu_setup(model_path, tp: int, max_num_seqs: int, max_model_len: int | None) -> int:
     """On CPU, the KV cache this engine can use at most (every sequence at full length, within
     [64 MiB, 4 GiB]): vLLM's CPU default reserves 92% of the node's memory, which fails on a machine
-    shared with the other roles. On GPU: None (vLLM sizes it from gpu_memory_utilization).
+    shared with the other roles. (On GPU vLLM sizes it from gpu_memory_utilization.)
 
     Also fails at start, with the fix, on a head size vLLM's CPU attention does not support, rather
     than at the first step; and lets the workers' threads float (no auto-binding) with tp > 1 (vLLM's
@@ -322,10 +325,6 @@ def _cpu_setup(model_path, tp: int, max_num_seqs: int, max_model_len: int | None
     import json
     from pathlib import Path
 
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return None
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     threads = os.environ.get("OMP_NUM_THREADS")

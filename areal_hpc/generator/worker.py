@@ -33,7 +33,7 @@ def serve(ctx, sync) -> None:
 
     mailbox = Mailbox(ctx.world)
     try:
-        engine = GenerationEngine.from_config(ctx.cfg, ctx.model_path, seed_offset=ctx.rank)
+        engine = GenerationEngine.from_config(ctx.cfg, ctx.model_path, ctx.device, seed_offset=ctx.rank)
         while True:
             for envelope in mailbox.poll(source=CONTROLLER_RANK):
                 msg = envelope.msg

@@ -23,20 +23,12 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from areal_hpc.device import resolve_device
+from areal_hpc.device import resolve_device, visible_gpus
 
 
 def default_device() -> str:
     """The device of trainer tests and checks: AREAL_DEVICE (auto, cpu, cuda), resolved."""
     return resolve_device(os.environ.get("AREAL_DEVICE", "auto"))
-
-
-def visible_gpus() -> list[str]:
-    """This process's GPUs, as CUDA_VISIBLE_DEVICES entries."""
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is not None:
-        return [g for g in env.split(",") if g.strip()]
-    return [str(i) for i in range(torch.cuda.device_count())]
 
 
 def free_port() -> int:
