@@ -186,6 +186,8 @@ class PPOConfig:
     """Adam beta1."""
     adam_beta2: float = 0.95
     """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0: no clipping)."""
     max_tokens_per_mb: int = 2048
@@ -197,6 +199,14 @@ class PPOConfig:
     """Proximal logprobs of the decoupled loss: recompute (a forward pass with the weights at the start of
     the step; exact) or loglinear (no extra pass: interpolated between behaviour and current logprobs by
     policy version, exact for the first minibatch)."""
+    recompute: str = "none"
+    """Activation recompute in the trainer (Megatron's): none (keep every layer's activations), selective
+    (recompute the core attention in the backward pass) or full (keep each layer's input only and
+    recompute the layer: the least memory, about a third more compute)."""
+    sequence_parallel: bool = True
+    """Megatron's sequence parallelism when allocation.train_tp > 1: the norms, dropout and the residual
+    stream are split over the tensor-parallel ranks along the sequence (packed rows are padded to a
+    multiple of train_tp). No effect at train_tp 1."""
 
 
 @dataclass
@@ -402,6 +412,10 @@ def validate(cfg: Config) -> None:
     need(
         p.prox_logp in ("recompute", "loglinear"),
         f"ppo.prox_logp must be recompute or loglinear (got '{p.prox_logp}')",
+    )
+    need(
+        p.recompute in ("none", "selective", "full"),
+        f"ppo.recompute must be none, selective or full (got '{p.recompute}')",
     )
     for name, value in [
         ("model.hidden_size", m.hidden_size),

@@ -7,10 +7,9 @@ import functools
 
 import pytest
 
-from areal_hpc.config import ModelConfig
+from areal_hpc.config import ModelConfig, PPOConfig
 from areal_hpc.tiny import build_tiny_model
 from areal_hpc.trainer.checks import export_problems, hf_logits, logits_and_export_rank, logits_problems, pick
-from areal_hpc.trainer.engine import OptimConfig
 from areal_hpc.trainer.spawn import run_ranks
 
 pytestmark = pytest.mark.megatron
@@ -54,7 +53,7 @@ def test_logits_match_transformers_and_export_round_trips(models, tp, pp):
     """Packed sequences get the logits transformers gives each sequence alone (max |diff| <= 1e-4)."""
     from areal_hpc.trainer.convert import read_hf
 
-    results = run_ranks(logits_and_export_rank, tp * pp, tp, pp, {k: str(v) for k, v in models.items()}, OptimConfig())
+    results = run_ranks(logits_and_export_rank, tp * pp, tp, pp, {k: str(v) for k, v in models.items()}, PPOConfig())
     for name, model_dir in models.items():
         assert logits_problems(pick(results, f"{name}/logits"), _hf_logits(str(model_dir)), tol=1e-4) == [], name
         # export(load(checkpoint)) is the checkpoint, bit for bit and name for name

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from areal_hpc.config import PPOConfig
 from areal_hpc.tiny import build_tiny_model
 from areal_hpc.trainer import checkpoint
 from areal_hpc.trainer.checks import (
@@ -21,12 +22,11 @@ from areal_hpc.trainer.checks import (
     resume_rank,
     save_rank,
 )
-from areal_hpc.trainer.engine import OptimConfig
 from areal_hpc.trainer.spawn import run_ranks
 
 pytestmark = pytest.mark.megatron
 
-OPTIM = OptimConfig(lr=1e-2, weight_decay=0.01)
+OPTIM = PPOConfig(lr=1e-2, weight_decay=0.01)
 
 
 @pytest.fixture(scope="module")

@@ -16,20 +16,22 @@ pytestmark = pytest.mark.megatron
 
 
 # Adam with eps = 1 makes the update ~ lr * gradient, so the weights after a step show any gradient error.
-def _optim():
-    from areal_hpc.trainer.engine import OptimConfig
+def _optim(**settings):
+    from areal_hpc.config import PPOConfig
 
-    return OptimConfig(lr=1.0, weight_decay=0.0, adam_eps=1.0, grad_clip=1.0)
+    return PPOConfig(lr=1.0, weight_decay=0.0, adam_eps=1.0, grad_clip=1.0, **settings)
 
 
 def _train(par, model_dir, variants, logprobs=False):
-    """One PPO step per variant (fresh weights each); per variant the stats and the exported weights."""
+    """One PPO step per variant (fresh weights each); per variant the stats and the exported weights.
+
+    A variant: (one batch per data-parallel rank, StepConfig fields[, PPOConfig fields])."""
     from areal_hpc.trainer.engine import Engine
     from areal_hpc.trainer.step import StepConfig, ppo_step
 
     out = {}
-    for name, (batches, step_cfg) in variants.items():
-        engine = Engine(model_dir, par, _optim())
+    for name, (batches, step_cfg, *ppo) in variants.items():
+        engine = Engine(model_dir, par, _optim(**(ppo[0] if ppo else {})))
         batch = batches[par.dp_rank]
         stats = ppo_step(engine, batch, StepConfig(**step_cfg))
         weights = engine.export_full()
@@ -68,6 +70,8 @@ def reference(model_dir):
         "recompute-1": ([one_minibatch], {}),
         "loglinear-1": ([one_minibatch], {"prox_logp": "loglinear"}),
         "loglinear": ([batch], {"prox_logp": "loglinear"}),
+        "recompute-selective": ([batch], {}, {"recompute": "selective"}),
+        "recompute-full": ([batch], {}, {"recompute": "full"}),
     }
     return run_ranks(_train, 1, 1, 1, model_dir, variants, True)[0]
 
@@ -104,11 +108,24 @@ def test_loglinear_prox_is_exact_on_the_first_minibatch_only(reference):
     assert approx["ppo/loss"] != pytest.approx(exact["ppo/loss"], rel=1e-6)
 
 
+def test_activation_recompute_gives_the_same_step(reference):
+    """Megatron's selective and full recompute change what is kept for the backward pass, not the result."""
+    _assert_same(reference["recompute-selective"], reference["packed"])
+    _assert_same(reference["recompute-full"], reference["packed"])
+
+
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_tensor_and_pipeline_parallel_step_equals_single_rank(reference, model_dir, tp, pp):
+    """At TP 2 with and without sequence parallelism (rows padded to even widths), and with full recompute."""
     batch = random_batch(MODEL.vocab_size)
-    got = run_ranks(_train, tp * pp, tp, pp, model_dir, {"packed": ([batch], {})})[0]
-    _assert_same(got["packed"], reference["packed"])
+    variants = {
+        "packed": ([batch], {}),
+        "no-sequence-parallel": ([batch], {}, {"sequence_parallel": False}),
+        "recompute-full": ([batch], {}, {"recompute": "full"}),
+    }
+    got = run_ranks(_train, tp * pp, tp, pp, model_dir, variants)[0]
+    for name in variants:
+        _assert_same(got[name], reference["packed"])
 
 
 def test_data_parallel_step_equals_single_rank(reference, model_dir):

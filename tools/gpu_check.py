@@ -67,6 +67,7 @@ def _verdict(problems: list[str], ok: str) -> tuple[str, str]:
 
 
 def check_logits(work: Path, tp: int, device: str):
+    from areal_hpc.config import PPOConfig
     from areal_hpc.tiny import build_tiny_model
     from areal_hpc.trainer.checks import (
         MODEL,
@@ -78,11 +79,10 @@ def check_logits(work: Path, tp: int, device: str):
         pick,
     )
     from areal_hpc.trainer.convert import read_hf
-    from areal_hpc.trainer.engine import OptimConfig
     from areal_hpc.trainer.spawn import run_ranks
 
     model_dir = str(build_tiny_model(MODEL, work / f"logits-tp{tp}", seed=3))
-    results = run_ranks(logits_and_export_rank, tp, tp, 1, {"m": model_dir}, OptimConfig(), device=device)
+    results = run_ranks(logits_and_export_rank, tp, tp, 1, {"m": model_dir}, PPOConfig(), device=device)
     got, want = pick(results, "m/logits"), hf_logits(model_dir, device)
     problems = logits_problems(got, want, LOGITS_TOL) + export_problems(pick(results, "m/exported"), read_hf(model_dir))
     return _verdict(problems, f"max |logits - transformers'| {max_diff(got, want):.1e}; export equal")
@@ -91,13 +91,13 @@ def check_logits(work: Path, tp: int, device: str):
 def check_resume(work: Path, tp: int, dtype: str, device: str):
     import torch
 
+    from areal_hpc.config import PPOConfig
     from areal_hpc.tiny import build_tiny_model
     from areal_hpc.trainer.checks import MODEL, max_diff, pick, resume_problems, resume_rank
-    from areal_hpc.trainer.engine import OptimConfig
     from areal_hpc.trainer.spawn import run_ranks
 
     model_dir = str(build_tiny_model(MODEL, work / f"resume-tp{tp}-{dtype}", seed=5))
-    optim = OptimConfig(lr=1e-2, weight_decay=0.01)
+    optim = PPOConfig(lr=1e-2, weight_decay=0.01)
     args = (model_dir, work / f"ckpt-tp{tp}-{dtype}" / "step_2", [0, 1], [2, 3], optim, getattr(torch, dtype))
     results = run_ranks(resume_rank, tp, tp, 1, *args, device=device)
     stats = pick(results, "stats")

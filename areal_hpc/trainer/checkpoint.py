@@ -30,7 +30,6 @@ import shutil
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 MANIFEST = "manifest.json"
@@ -106,15 +105,10 @@ def load(engine, ckpt_dir: str | Path) -> None:
     if saved["arch"] != asdict(engine.arch):
         changed = {k: (v, asdict(engine.arch)[k]) for k, v in saved["arch"].items() if asdict(engine.arch).get(k) != v}
         raise ValueError(f"{ckpt_dir} holds another model: {changed} (checkpoint, this run)")
-    chained = engine.optimizer.chained_optimizers  # Megatron wraps even one optimizer in a chain
-    if len(chained) != 1:
-        raise RuntimeError(f"expected one distributed optimizer, Megatron built {len(chained)}")
-    opt = chained[0]
-    adam = opt.optimizer  # the torch optimizer inside Megatron's
+    (opt,) = engine.optimizer.chained_optimizers  # Megatron wraps even one optimizer in a chain
+    adam = engine.adam
     if not adam.state:  # a fresh engine: Megatron builds the loading state dict from the live state
-        opt.init_state_fn(adam, opt.config)
-        for state in adam.state.values():
-            state["step"] = torch.tensor(0.0)
+        engine.init_optimizer_state()
     loaded = dist_checkpointing.load(sharded_state_dict(engine, is_loading=True), str(ckpt_dir))
     engine.stage.load_state_dict(loaded["model"])
     groups = dict(loaded["optimizer"])

@@ -152,18 +152,17 @@ def resume_problems(results: dict, tol: float) -> list[str]:
 
 def logits(engine, seqs: list[torch.Tensor]) -> list[torch.Tensor] | None:
     """Full-vocabulary logits of each sequence, packed in one row (last stage's TP rank 0; else None)."""
-    from megatron.core import tensor_parallel
+    from areal_hpc.trainer.model import full_logits, pack_rows
 
-    from areal_hpc.trainer.model import pack_rows
-
-    rows = pack_rows(seqs).to(engine.device)
+    sp = engine.config.sequence_parallel
+    rows = pack_rows(seqs, multiple=engine.par.tp if sp else 1).to(engine.device)
     out = []
 
     def forward_step(it, model):
         r = next(it)
 
         def keep(output):
-            out.append(tensor_parallel.gather_from_tensor_model_parallel_region(output).detach())
+            out.append(full_logits(output, engine.stage.output_weight(), sp).detach())
             return output.sum() * 0, torch.tensor(0, dtype=torch.int, device=output.device), {}
 
         return r.forward(model), keep
@@ -177,8 +176,7 @@ def logits(engine, seqs: list[torch.Tensor]) -> list[torch.Tensor] | None:
 
 def optimizer_state(engine) -> list[torch.Tensor]:
     """This rank's optimizer state (fp32 main weights, Adam moments and steps), in a fixed order."""
-    (opt,) = engine.optimizer.chained_optimizers
-    adam = opt.optimizer
+    adam = engine.adam
     out = []
     for group in adam.param_groups:
         for p in group["params"]:

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from areal_hpc.config import PPOConfig
 from areal_hpc.device import backend
 from areal_hpc.trainer import cpu_compat
 from areal_hpc.trainer.convert import export_stage, load_hf_into
@@ -107,18 +108,6 @@ def shutdown_parallel() -> None:
         dist.destroy_process_group()
 
 
-@dataclass
-class OptimConfig:
-    """Adam settings (the `ppo` config section's fields of the same names)."""
-
-    lr: float = 2e-5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    grad_clip: float = 1.0
-    adam_eps: float = 1e-8
-
-
 class NonFiniteError(RuntimeError):
     """A training step's loss or gradient norm is not finite; raised before any weight changes."""
 
@@ -126,7 +115,9 @@ class NonFiniteError(RuntimeError):
 class Engine:
     """This rank's model stage (in Megatron's DDP), its optimizer, and the forward/backward schedule."""
 
-    def __init__(self, model_dir: str | Path, par: Parallel, optim: OptimConfig, dtype: torch.dtype = torch.float32):
+    def __init__(self, model_dir: str | Path, par: Parallel, ppo: PPOConfig, dtype: torch.dtype = torch.float32):
+        """The stage of the model in `model_dir` for this rank; `ppo` (the config section) gives Adam's
+        settings, the recompute setting and sequence parallelism."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -140,7 +131,9 @@ class Engine:
         self.device = par.device
         self.resumed_from: Path | None = None
         """The checkpoint this engine's state was loaded from (named in a non-finite step's error)."""
-        self.config = transformer_config(self.arch, par.tp, par.pp, self.device, dtype)
+        self.config = transformer_config(
+            self.arch, par.tp, par.pp, self.device, dtype, ppo.recompute, ppo.sequence_parallel and par.tp > 1
+        )
         # Micro-batches differ in length: the pipeline sends each activation's shape before it.
         self.config.variable_seq_lengths = True
         stage = build_stage(self.arch, self.config, self.device)
@@ -155,17 +148,17 @@ class Engine:
         self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=stage)
         self.stage = unwrap_model(self.model)
         """This rank's GPTModel stage itself, inside DDP (and Float16Module in bf16/fp16)."""
-        self.grad_clip = optim.grad_clip
+        self.grad_clip = ppo.grad_clip
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam",
-                lr=optim.lr,
-                min_lr=optim.lr,
-                weight_decay=optim.weight_decay,
-                adam_beta1=optim.adam_beta1,
-                adam_beta2=optim.adam_beta2,
-                clip_grad=optim.grad_clip,
-                adam_eps=optim.adam_eps,
+                lr=ppo.lr,
+                min_lr=ppo.lr,
+                weight_decay=ppo.weight_decay,
+                adam_beta1=ppo.adam_beta1,
+                adam_beta2=ppo.adam_beta2,
+                clip_grad=ppo.grad_clip,
+                adam_eps=ppo.adam_eps,
                 params_dtype=dtype,
                 bf16=dtype == torch.bfloat16,
                 fp16=dtype == torch.float16,
@@ -176,6 +169,22 @@ class Engine:
         self.config.no_sync_func = self.model.no_sync
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.grad_scale_func = self.optimizer.scale_loss if dtype == torch.float16 else None
+
+    @property
+    def adam(self) -> torch.optim.Optimizer:
+        """The torch Adam inside Megatron's (one distributed optimizer, in Megatron's chain)."""
+        chained = self.optimizer.chained_optimizers
+        if len(chained) != 1:
+            raise RuntimeError(f"expected one distributed optimizer, Megatron built {len(chained)}")
+        return chained[0].optimizer
+
+    def init_optimizer_state(self) -> None:
+        """Give every parameter Adam's state (zero moments, step 0) before the first step, as Adam
+        would at it (Megatron's `init_state_fn` leaves the step out)."""
+        (opt,) = self.optimizer.chained_optimizers
+        opt.init_state_fn(opt.optimizer, opt.config)
+        for state in opt.optimizer.state.values():
+            state.setdefault("step", torch.tensor(0.0))
 
     @property
     def is_last_stage(self) -> bool:

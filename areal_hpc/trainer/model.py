@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 
@@ -86,11 +87,30 @@ class Qwen2Arch:
             )
 
 
-def transformer_config(arch: Qwen2Arch, tp: int, pp: int, device: torch.device, dtype: torch.dtype = torch.float32):
+RECOMPUTE = {
+    "none": {},
+    "selective": {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]},
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+}
+"""`ppo.recompute` as Megatron's TransformerConfig fields: full keeps each layer's input and recomputes
+the layer in the backward pass; selective recomputes the core attention only."""
+
+
+def transformer_config(
+    arch: Qwen2Arch,
+    tp: int,
+    pp: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    recompute: str = "none",
+    sequence_parallel: bool = False,
+):
     """Megatron's TransformerConfig of a Qwen2 model on `device`, with the CPU-safe kernels (no fusions)."""
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
+        **RECOMPUTE[recompute],
+        sequence_parallel=sequence_parallel,
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.intermediate_size,
@@ -129,17 +149,51 @@ def transformer_config(arch: Qwen2Arch, tp: int, pp: int, device: torch.device, 
     )
 
 
-def build_stage(arch: Qwen2Arch, config, device: torch.device):
+class HiddenGPTModel(GPTModel):
+    """Megatron's GPTModel whose last stage returns its final hidden states ([s, b, h], after the final
+    norm; [s / TP, b, h] with sequence parallelism) instead of logits. The loss turns them into token
+    logprobs chunk by chunk (`token_logprobs`), so a micro-batch's logits never exist whole. The output
+    weight stays where Megatron keeps it: checkpoints, tied embeddings and their gradient sync are
+    Megatron's own."""
+
+    def _postprocess(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+    def output_weight(self) -> torch.Tensor:
+        """[V / TP, h]: the output projection (the input embedding when tied)."""
+        if self.share_embeddings_and_output_weights:
+            return self.shared_embedding_or_output_weight()
+        return self.output_layer.weight
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm as the layer spec's norm, usable with sequence parallelism.
+
+    Megatron's own torch wrapper (WrappedTorchNorm) refuses sequence parallelism: under it each TP rank
+    normalises a slice of the sequence, so the norm's weight gradient must be summed over the TP ranks,
+    which Megatron does for parameters marked `sequence_parallel` (finalize_model_grads). The fused
+    norms that mark it need TransformerEngine or Apex, absent on the CPU and on a bare GPU machine.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def build_stage(arch: Qwen2Arch, config, device: torch.device) -> HiddenGPTModel:
     """This rank's pipeline stage of the model (parallel_state must be initialized)."""
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = SegmentAttention
-    model = GPTModel(
+    spec.submodules.input_layernorm = RMSNorm
+    spec.submodules.pre_mlp_layernorm = RMSNorm
+    block = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=RMSNorm)
+    model = HiddenGPTModel(
         config=config,
-        transformer_layer_spec=spec,
+        transformer_layer_spec=block,
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
@@ -149,6 +203,66 @@ def build_stage(arch: Qwen2Arch, config, device: torch.device):
         rotary_base=arch.rope_theta,
     )
     return model.to(device)
+
+
+# --- token logprobs from hidden states, chunk by chunk -------------------------------------------
+
+LOGPROB_CHUNK_BYTES = 64 << 20
+"""Size of one chunk's fp32 logits ([positions, V / TP] x 4 bytes): the positions per chunk follow from
+the vocabulary. Its backward pass holds about three such tensors at once."""
+
+
+def _output_input(hidden: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+    """The hidden states as the output layer sees them on every TP rank: the whole sequence, and in the
+    backward pass the TP ranks' gradients summed (what Megatron's ColumnParallelLinear does)."""
+    from megatron.core import tensor_parallel
+
+    if sequence_parallel:
+        return tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
+    return tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
+
+
+def _chunk_logprobs(temperature: float, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor):
+    from megatron.core import tensor_parallel
+
+    logits = (hidden.to(weight.dtype) @ weight.t()).float() / temperature  # [c, V / TP]
+    return -tensor_parallel.vocab_parallel_cross_entropy(logits, target)  # [c]
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    where: tuple[torch.Tensor, torch.Tensor],
+    target: torch.Tensor,
+    temperature: float,
+    sequence_parallel: bool,
+) -> torch.Tensor:
+    """[n] log_softmax(h W^T / T)[target] at the positions `where` ((row, column) pairs) of `hidden`.
+
+    The softmax is over the whole (vocabulary-parallel) vocabulary, exact. Chunks of positions go
+    through the output projection and the log-softmax inside a checkpoint: only a chunk's logits exist
+    at a time, forward or backward, and none are kept for the backward pass.
+    """
+    from functools import partial
+
+    from megatron.core import tensor_parallel
+
+    h = _output_input(hidden, sequence_parallel)[where[1], where[0]]  # [s, b, h] -> [n, h]
+    chunk = max(1, LOGPROB_CHUNK_BYTES // (4 * weight.shape[0]))
+    fn = partial(_chunk_logprobs, temperature)
+    out = []
+    for a in range(0, h.shape[0], chunk):
+        args = (h[a : a + chunk], weight, target[a : a + chunk])
+        out.append(tensor_parallel.checkpoint(fn, False, *args) if torch.is_grad_enabled() else fn(*args))
+    return torch.cat(out)
+
+
+def full_logits(hidden: torch.Tensor, weight: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+    """[b, s, V] logits of the whole vocabulary (gathered over TP): for checks on short sequences."""
+    from megatron.core import tensor_parallel
+
+    logits = _output_input(hidden, sequence_parallel) @ weight.t()  # [s, b, V / TP]
+    return tensor_parallel.gather_from_tensor_model_parallel_region(logits).transpose(0, 1)
 
 
 # --- attention within each packed sequence ------------------------------------------------------
@@ -245,7 +359,7 @@ class PackedRows:
     seq_slices: list  # per sequence: (row, start, length) in the rows
 
     def forward(self, model) -> torch.Tensor:
-        """The model stage's output on these rows (logits on the last stage)."""
+        """The model stage's output on these rows ([s, b, h] hidden states, on the last stage too)."""
         return model(self.tokens, self.position_ids, None, packed_seq_params=self.segments)
 
     def to(self, device) -> PackedRows:
@@ -254,13 +368,14 @@ class PackedRows:
         )
 
 
-def pack_rows(seqs: list[torch.Tensor], padded: bool = False) -> PackedRows:
-    """Put `seqs` (1-D token tensors) in one row (packing), or one row each padded to the longest.
+def pack_rows(seqs: list[torch.Tensor], padded: bool = False, multiple: int = 1) -> PackedRows:
+    """Put `seqs` (1-D token tensors) in one row (packing), or one row each padded to the longest; the
+    width padded up to a multiple of `multiple` (sequence parallelism splits it over the TP ranks).
 
     A row's padding tail is its own segment: it never attends to, or is attended by, a sequence.
     """
     groups = [[i] for i in range(len(seqs))] if padded else [list(range(len(seqs)))]
-    width = max(sum(len(seqs[i]) for i in g) for g in groups)
+    width = -(-max(sum(len(seqs[i]) for i in g) for g in groups) // multiple) * multiple
     rows = len(groups)
     tokens = torch.zeros(rows, width, dtype=torch.long)
     pos = torch.zeros(rows, width, dtype=torch.long)

@@ -4,10 +4,15 @@ minibatch, each over its packed micro-batches with the decoupled loss.
     prox_logp <- logprobs of every token under the weights at the start of the step (forward only)
     for each minibatch k:
         for each micro-batch j of k (Megatron's schedule, 1F1B across pipeline stages):
-            logp      = log_softmax(logits / T)[next token]                  (T = rollout.temperature)
+            logp      = log_softmax(h W^T / T)[next token]                   (T = rollout.temperature)
             loss_sum += sum_t loss_t(logp, prox_logp, behav_logp, A)          (decoupled_ppo_loss)
         grads /= tokens of minibatch k over all data-parallel ranks          (Megatron, per-token loss)
         clip grad norm, Adam step
+
+Memory: the prox pass keeps no autograd graph, and token logprobs come from the last stage's hidden
+states h and the output weight W a chunk of positions at a time (`model.token_logprobs`): a
+micro-batch's logits never exist whole. `ppo.recompute` (Megatron's) trades compute for the layers'
+activations.
 
 Token weighting: every micro-batch returns the *sum* of its token losses and its token count;
 Megatron's schedule adds the counts and `finalize_model_grads` divides the gradients by the total over
@@ -32,9 +37,10 @@ from functools import partial
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core.utils import unwrap_model
 
 from areal_hpc.algo.ppo import decoupled_ppo_loss
-from areal_hpc.trainer.model import PackedRows, pack_rows
+from areal_hpc.trainer.model import PackedRows, pack_rows, token_logprobs
 
 
 @dataclass
@@ -73,7 +79,8 @@ class MicroBatch:
     """A micro-batch's model inputs and per-token data, tokens in the order of its sequences."""
 
     rows: PackedRows
-    where: tuple[torch.Tensor, torch.Tensor]  # ([n], [n]): (row, column) of the logits predicting each token
+    where: tuple[torch.Tensor, torch.Tensor]  # ([n], [n]): (row, column) of the position predicting each token
+    targets: torch.Tensor  # [n] the token each of those positions predicts
     loss_mask: torch.Tensor  # [n] bool; never on a sequence's first token (nothing predicts it)
     behav_logprobs: torch.Tensor  # [n]
     advantages: torch.Tensor  # [n]
@@ -85,8 +92,9 @@ class MicroBatch:
         return self.rows.tokens.shape[1]
 
 
-def make_microbatch(batch, seq_ids: list[int], padded: bool = False, device="cpu") -> MicroBatch:
-    """The micro-batch of sequences `seq_ids` of a TrainBatch, on `device`."""
+def make_microbatch(batch, seq_ids: list[int], padded: bool = False, device="cpu", multiple: int = 1) -> MicroBatch:
+    """The micro-batch of sequences `seq_ids` of a TrainBatch, on `device`, rows padded to a multiple of
+    `multiple` (the TP size under sequence parallelism)."""
     cu = np.asarray(batch.cu_seqlens)
     spans = [(int(cu[i]), int(cu[i + 1])) for i in seq_ids]
     take = np.concatenate([np.arange(a, b) for a, b in spans])
@@ -95,7 +103,7 @@ def make_microbatch(batch, seq_ids: list[int], padded: bool = False, device="cpu
     for a, b in spans:
         seqs.append(tokens[start : start + b - a])
         start += b - a
-    rows = pack_rows(seqs, padded=padded)
+    rows = pack_rows(seqs, padded=padded, multiple=multiple)
     r_idx, c_idx, first = [], [], []
     for r, a, n in rows.seq_slices:
         r_idx.append(torch.full((n,), r))
@@ -108,9 +116,11 @@ def make_microbatch(batch, seq_ids: list[int], padded: bool = False, device="cpu
     def arr(x, dtype):
         return torch.from_numpy(np.asarray(x)[take].astype(dtype))
 
+    where = (torch.cat(r_idx), torch.cat(c_idx))
     return MicroBatch(
         rows.to(device),
-        (torch.cat(r_idx).to(device), torch.cat(c_idx).to(device)),
+        (where[0].to(device), where[1].to(device)),
+        torch.roll(rows.tokens, -1, dims=1)[where].to(device),
         mask.to(device),
         arr(batch.behav_logprobs, np.float32).to(device),
         arr(batch.advantages, np.float32).to(device),
@@ -118,36 +128,33 @@ def make_microbatch(batch, seq_ids: list[int], padded: bool = False, device="cpu
     )
 
 
-def token_logprobs(logits: torch.Tensor, mb: MicroBatch, temperature: float) -> torch.Tensor:
-    """[n] log_softmax(logits / T) of each token given the tokens before it in its own sequence.
-
-    `logits` is [b, s, V / TP] (vocab-parallel); the softmax is over the whole vocabulary.
-    """
-    from megatron.core import tensor_parallel
-
-    tokens = mb.rows.tokens
-    target = torch.roll(tokens, -1, dims=1)  # [b, s]: the next token of each position
-    nll = tensor_parallel.vocab_parallel_cross_entropy(logits.float() / temperature, target)  # [b, s]
-    return -nll[mb.where]
-
-
 def _forward_step(loss_of):
-    """Megatron's forward_step_func: the next micro-batch's forward, and its loss function."""
+    """Megatron's forward_step_func: the next micro-batch's forward, and its loss function, which gets
+    the micro-batch, the stage's output weight (last stage) and whether the sequence is TP-split."""
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        return mb.rows.forward(model), partial(loss_of, mb)
+        stage = unwrap_model(model)
+        weight = stage.output_weight() if stage.post_process else None
+        return mb.rows.forward(model), partial(loss_of, mb, weight, stage.config.sequence_parallel)
 
     return forward_step
 
 
-def _logprob_loss(temperature: float, mb: MicroBatch, output: torch.Tensor):
-    logp = token_logprobs(output, mb, temperature).detach()
-    return output.sum() * 0.0, torch.tensor(0, dtype=torch.int), {"logprobs": logp}
+def _logprobs(mb: MicroBatch, weight, sequence_parallel: bool, hidden: torch.Tensor, temperature: float):
+    """[n] log_softmax(logits / T) of each token of `mb` given the tokens before it in its own sequence."""
+    return token_logprobs(hidden, weight, mb.where, mb.targets, temperature, sequence_parallel)
 
 
-def _ppo_loss(cfg: StepConfig, alpha_step: float, version: int, mb: MicroBatch, output: torch.Tensor):
-    logp = token_logprobs(output, mb, cfg.temperature)
+def _logprob_loss(temperature: float, mb: MicroBatch, weight, sequence_parallel: bool, output: torch.Tensor):
+    logp = _logprobs(mb, weight, sequence_parallel, output, temperature)
+    return output.sum() * 0.0, torch.zeros((), dtype=torch.int, device=output.device), {"logprobs": logp}
+
+
+def _ppo_loss(
+    cfg: StepConfig, alpha_step: float, version: int, mb: MicroBatch, weight, sequence_parallel, output: torch.Tensor
+):
+    logp = _logprobs(mb, weight, sequence_parallel, output, cfg.temperature)
     if cfg.prox_logp == "recompute":
         prox = mb.prox_logprobs
     else:
@@ -184,13 +191,17 @@ def _ppo_loss(cfg: StepConfig, alpha_step: float, version: int, mb: MicroBatch, 
 
 
 def compute_logprobs(engine, mbs: list[MicroBatch], temperature: float) -> list[torch.Tensor] | None:
-    """[n] logprobs of each micro-batch's tokens under the current weights (on the last stage; else None)."""
-    out = engine.forward_backward(
-        mbs,
-        _forward_step(partial(_logprob_loss, temperature)),
-        forward_only=True,
-        seq_length=max(mb.width for mb in mbs),
-    )
+    """[n] logprobs of each micro-batch's tokens under the current weights (on the last stage; else None).
+
+    No autograd graph: Megatron's forward-only schedule does not turn gradients off by itself.
+    """
+    with torch.no_grad():
+        out = engine.forward_backward(
+            mbs,
+            _forward_step(partial(_logprob_loss, temperature)),
+            forward_only=True,
+            seq_length=max(mb.width for mb in mbs),
+        )
     return [o["logprobs"] for o in out] if engine.is_last_stage else None
 
 
@@ -205,7 +216,10 @@ def ppo_step(engine, batch, cfg: StepConfig) -> dict[str, float]:
     engine's device) and the gradient norm: a non-finite one stops the run, weights untouched.
     """
     version = int(batch.version)
-    minibatches = [[make_microbatch(batch, ids, cfg.padded, engine.device) for ids in mb] for mb in batch.microbatches]
+    multiple = engine.par.tp if engine.config.sequence_parallel else 1
+    minibatches = [
+        [make_microbatch(batch, ids, cfg.padded, engine.device, multiple) for ids in mb] for mb in batch.microbatches
+    ]
     if cfg.prox_logp == "recompute":
         flat = [mb for k in minibatches for mb in k]
         prox = compute_logprobs(engine, flat, cfg.temperature)

@@ -24,7 +24,7 @@ import torch
 from areal_hpc.protocol import Failure, Mailbox, Save, Saved, Stop, TrainBatch, TrainResult, WeightSync
 from areal_hpc.runtime import CONTROLLER_RANK
 from areal_hpc.trainer import checkpoint
-from areal_hpc.trainer.engine import Engine, OptimConfig, init_parallel, shutdown_parallel
+from areal_hpc.trainer.engine import Engine, init_parallel, shutdown_parallel
 from areal_hpc.trainer.step import StepConfig, ppo_step
 
 log = logging.getLogger("areal_hpc.trainer")
@@ -60,11 +60,7 @@ def build_engine(ctx) -> Engine:
         ctx.device,
         cfg.train.collective_timeout_s,
     )
-    p = cfg.ppo
-    optim = OptimConfig(
-        lr=p.lr, weight_decay=p.weight_decay, adam_beta1=p.adam_beta1, adam_beta2=p.adam_beta2, grad_clip=p.grad_clip
-    )
-    engine = Engine(ctx.model_path, par, optim, getattr(torch, cfg.model.dtype))
+    engine = Engine(ctx.model_path, par, cfg.ppo, getattr(torch, cfg.model.dtype))
     if ctx.resume_from is not None:
         checkpoint.load(engine, Path(ctx.resume_from) / "trainer")
         log.info("trainer rank %d resumed from %s", par.rank, ctx.resume_from)
