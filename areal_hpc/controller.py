@@ -108,11 +108,11 @@ class Controller:
         self.version = 0
         self.gate = StalenessGate.from_config(cfg.rollout, version=lambda: self.version)
         self.rollouts = Rollouts()
-        self.prompts = prompts or _prompt_stream(cfg)
+        self.tokenizer = _tokenizer(ctx.model_path)
+        self.prompts = prompts or _prompt_stream(cfg, self.tokenizer)
         self.requeued: list[dict] = []  # prompts of groups running at the restored checkpoint
         self.next_group_id = 0
         self.rng = random.Random(cfg.experiment.seed)
-        self.tokenizer = _tokenizer(ctx.model_path)
 
         self.generators = list(layout.ranks(Role.GENERATOR))
         self.rewarders = list(layout.ranks(Role.REWARD))
@@ -202,7 +202,7 @@ class Controller:
     def start_group(self, row: dict) -> None:
         n = self.cfg.rollout.group_size
         gen = min(self.generators, key=lambda g: (self.gen_load[g], g))
-        prompt_ids = np.asarray(self.tokenizer(row["prompt"])["input_ids"], np.int32)
+        prompt_ids = np.asarray(row["prompt_ids"], np.int32)  # formatted and tokenized by areal_hpc.data
         group = Group(self.next_group_id, row, prompt_ids, n, generator=gen)
         self.next_group_id += 1
         self.rollouts.start(group)
@@ -402,10 +402,10 @@ class Controller:
 # --- helpers -----------------------------------------------------------------------------------
 
 
-def _prompt_stream(cfg):
+def _prompt_stream(cfg, tokenizer):
     from areal_hpc.data import PromptStream
 
-    return PromptStream.from_config(cfg)
+    return PromptStream.from_config(cfg, tokenizer)
 
 
 def _tokenizer(model_path):
