@@ -159,6 +159,10 @@ class RolloutConfig:
     """Sampling temperature."""
     top_p: float = 1.0
     """Nucleus sampling threshold (1.0: off)."""
+    filter_uniform_groups: bool = False
+    """Dynamic filtering (DAPO): a group whose answers all got the same reward (all right or all wrong:
+    every advantage is 0) is left out before training and another prompt takes its place; counted in
+    `rollout/filtered`."""
 
 
 @dataclass
@@ -187,6 +191,9 @@ class PPOConfig:
     minibatches: int = 4
     """PPO minibatches (optimizer steps) per training step; the policy version advances once per
     training step."""
+    mask_truncated: bool = False
+    """Leave answers cut at `rollout.max_new_tokens` (no end of sequence) out of the loss (DAPO's
+    overlong filtering): their tokens carry loss mask 0; they still count in their group's advantages."""
     prox_logp: str = "recompute"
     """Proximal logprobs of the decoupled loss: recompute (a forward pass with the weights at the start of
     the step; exact) or loglinear (no extra pass: interpolated between behaviour and current logprobs by
@@ -221,6 +228,11 @@ class RewardConfig:
     """Time limit of one reward call; a call over it scores 0."""
     processes: int = 0
     """Scorer processes per reward worker rank (0: one per CPU core the rank may run on)."""
+    overlong_penalty: float = 0.0
+    """DAPO's soft length penalty: answers within `overlong_buffer` tokens of `rollout.max_new_tokens`
+    lose up to this much reward, linearly, all of it at the limit (0: off)."""
+    overlong_buffer: int = 0
+    """The last this many tokens before `rollout.max_new_tokens` where `overlong_penalty` applies."""
 
 
 @dataclass
@@ -505,6 +517,13 @@ def validate(cfg: Config) -> None:
         d.max_prompt_tokens + r.max_new_tokens <= m.max_position_embeddings,
         f"data.max_prompt_tokens ({d.max_prompt_tokens}) + rollout.max_new_tokens ({r.max_new_tokens}) must fit "
         f"model.max_position_embeddings ({m.max_position_embeddings})",
+    )
+    rw = cfg.reward
+    need(rw.overlong_penalty >= 0, f"reward.overlong_penalty must be >= 0 (got {rw.overlong_penalty}); 0 is off")
+    need(
+        rw.overlong_penalty == 0 or 0 < rw.overlong_buffer <= r.max_new_tokens,
+        f"reward.overlong_penalty needs reward.overlong_buffer in [1, rollout.max_new_tokens ({r.max_new_tokens})] "
+        f"(got {rw.overlong_buffer})",
     )
     need(cfg.eval.every_steps >= 0, f"eval.every_steps must be >= 0 (got {cfg.eval.every_steps}); 0 is off")
     need(cfg.eval.samples >= 1, f"eval.samples must be at least 1 (got {cfg.eval.samples})")

@@ -43,6 +43,7 @@ import logging
 import random
 import signal
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +68,7 @@ from areal_hpc.protocol import (
     Trajectory,
     WeightSync,
 )
+from areal_hpc.reward import overlong_penalty
 from areal_hpc.rundir import STOP_FILE, checkpoint_dir, checkpoint_version, mark_complete
 from areal_hpc.timeline import Timeline
 
@@ -129,6 +131,14 @@ class Controller:
         self.stop_reason: str | None = None
         self.dropped_since_step = 0
         self.reward_errors_since_step = 0  # rewards scored 0 for a timeout or an error
+        self.filtered_since_step = 0  # groups left out by rollout.filter_uniform_groups
+        rw = cfg.reward
+        self.overlong_penalty = partial(
+            overlong_penalty,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            buffer=rw.overlong_buffer,
+            penalty=rw.overlong_penalty,
+        )
 
         self.metrics = MetricsWriter(ctx.run_dir, cfg.logging.tensorboard)
         self.timeline = Timeline(ctx.run_dir)  # phases of every role, for tools/plot_run.py
@@ -240,8 +250,21 @@ class Controller:
         if res.reason != "ok":
             self.reward_errors_since_step += 1
             log.warning("reward of trajectory %d: %s (scored %s)", res.traj_id, res.reason, res.reward)
-        if self.rollouts.add_reward(group_id, sample_idx, res.reward) is not None:
-            self.gate.finish(accepted=True)
+        group = self.rollouts.running[group_id]
+        reward = res.reward + self.overlong_penalty(len(group.trajectories[sample_idx].output_ids))
+        if self.rollouts.add_reward(group_id, sample_idx, reward) is not None:
+            self.on_group_complete(group)
+
+    def on_group_complete(self, group: Group) -> None:
+        """Into the buffer; or, with `rollout.filter_uniform_groups`, a group whose answers all got the
+        same reward is left out: it finishes unaccepted, which frees its admission slot (the gate's
+        `finish(accepted=False)`, as a stale drop does), so another prompt takes its place."""
+        if self.cfg.rollout.filter_uniform_groups and group.uniform:
+            self.gate.finish(accepted=False)
+            self.filtered_since_step += 1
+            return
+        self.rollouts.accept(group)
+        self.gate.finish(accepted=True)
 
     # --- training ---------------------------------------------------------------------------
 
@@ -261,7 +284,14 @@ class Controller:
         log.info("step %d trains prompts %s", self.version, [g.row.get("index") for g in groups])
         p, a = self.cfg.ppo, self.cfg.allocation
         batches, self.training = build_train_batches(
-            groups, self.version, self.layout.train_dp, p.minibatches, p.max_tokens_per_mb, p.adv_norm, a.train_pp
+            groups,
+            self.version,
+            self.layout.train_dp,
+            p.minibatches,
+            p.max_tokens_per_mb,
+            p.adv_norm,
+            a.train_pp,
+            mask_truncated=p.mask_truncated,
         )
         for t, rank in enumerate(self.trainers):
             self.box.send(rank, batches[(t // a.train_tp) % self.layout.train_dp])
@@ -308,6 +338,8 @@ class Controller:
             "staleness/max": info.staleness_max,
             "staleness/dropped": self.dropped_since_step,
             "reward/errors": self.reward_errors_since_step,
+            "rollout/filtered": self.filtered_since_step,
+            "rollout/truncated": info.truncated,
             "throughput/effective_tokens_per_s": info.response_tokens / max(step_s, 1e-9),
             "timing/step_s": step_s,
             "timing/weight_sync_s": self.last_sync_s,
@@ -315,7 +347,7 @@ class Controller:
             "timing/train_idle_frac": self.train_idle.take_fraction(),
             **{k: float(v) for k, v in stats.items()},
         }
-        self.dropped_since_step = self.reward_errors_since_step = 0
+        self.dropped_since_step = self.reward_errors_since_step = self.filtered_since_step = 0
         self.metrics.write(self.version, row)
 
     # --- checkpoints and stopping -----------------------------------------------------------

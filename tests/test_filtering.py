@@ -1,0 +1,128 @@
+"""Dynamic filtering and overlong answers: `rollout.filter_uniform_groups` against the simulated world
+of test_controller (the real gate, buffer, batches and metrics), the gate's slot accounting for a
+filtered group, DAPO's soft length penalty, and masking truncated answers out of the loss."""
+
+import numpy as np
+import pytest
+
+from areal_hpc.algo.staleness import StalenessGate
+from areal_hpc.batch import build_train_batches
+from areal_hpc.buffer import Group
+from areal_hpc.controller import EXIT_DONE
+from areal_hpc.protocol import Envelope, RewardRequest, RewardResult, Trajectory
+from areal_hpc.reward import overlong_penalty
+from areal_hpc.tiny import build_tokenizer
+from tests.test_controller import Prompts, World, make, metrics, run
+
+
+class CoinWorld(World):
+    """Rewards are coin flips (`p_right`): some groups all right or all wrong, most mixed. Every
+    trained answer's advantage is recorded."""
+
+    p_right = 0.5
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.trained_advantages: list[float] = []
+        self.response_tokens: list[list[int]] = []  # per step: response length of each trained answer
+
+    def send(self, dest, msg):
+        if isinstance(msg, RewardRequest):
+            reward = float(self.rng.random() < self.p_right)
+            self.later.append((self.rng.randint(0, 2), Envelope(dest, RewardResult(msg.traj_id, reward, "ok"))))
+            return
+        super().send(dest, msg)
+
+    def on_train_batch(self, dest, batch):
+        lengths = []
+        for k in range(len(batch.cu_seqlens) - 1):
+            seq = slice(batch.cu_seqlens[k], batch.cu_seqlens[k + 1])
+            response = batch.versions[seq] >= 0
+            self.trained_advantages.append(float(batch.advantages[seq][response][0]))
+            lengths.append(int(response.sum()))
+        self.response_tokens.append(lengths)
+        super().on_train_batch(dest, batch)
+
+
+@pytest.mark.parametrize("filtering", [False, True])
+def test_uniform_groups_are_left_out_and_their_slots_refilled(tmp_path, filtering):
+    cfg, layout, run_dir, tok_dir = make(
+        tmp_path, "rollout.max_staleness=1", f"rollout.filter_uniform_groups={str(filtering).lower()}"
+    )
+    world = CoinWorld(layout, build_tokenizer(), seed=3)
+    c, code = run(cfg, layout, run_dir, tok_dir, world, Prompts())
+    assert code == EXIT_DONE, "filtering must not stall the run"
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    filtered = sum(r["rollout/filtered"] for r in rows)
+    zero_advantage = sum(a == 0.0 for a in world.trained_advantages)
+    if not filtering:  # without the filter, groups whose answers all agree are trained on, and teach nothing
+        assert filtered == 0 and zero_advantage > 0
+        return
+    assert filtered > 0 and zero_advantage == 0, "a uniform group reached the trainer"
+    g = c.gate.state
+    # A filtered group finished unaccepted: its slot went to another prompt, the bound still holds.
+    assert g.rejected == filtered
+    assert g.accepted + g.running <= (cfg.rollout.max_staleness + c.version + 1) * cfg.rollout.prompts_per_step
+    assert c.prompts.position >= 12 * 4 + filtered, "every filtered group was replaced by a new prompt"
+
+
+def test_a_filtered_group_frees_its_slot_like_a_stale_drop():
+    """At a full gate, leaving a finished group out (filter) and dropping a buffered one (staleness)
+    each give exactly one slot back."""
+    v = [0]
+    gates = [StalenessGate(prompts_per_step=2, max_staleness=0, max_concurrent=10, version=lambda: v[0]) for _ in "ab"]
+    for gate in gates:
+        for _ in range(2):
+            gate.admit()
+        assert gate.room() == 0
+    filtered, stale = gates
+    filtered.finish(accepted=False)  # left out by the filter
+    stale.finish(accepted=True)
+    v[0] = 1  # one step later the buffered group is too old for eta = 0
+    assert not stale.consume(0)
+    v[0] = 0
+    assert filtered.room() == stale.room() == 1
+    assert filtered.state.running + filtered.state.accepted == stale.state.running + stale.state.accepted == 1
+
+
+def test_overlong_penalty_by_hand():
+    # max_new_tokens 20, buffer 5: nothing up to 15 tokens, then -penalty * (L - 15) / 5.
+    assert overlong_penalty(15, 20, 5, 1.0) == 0.0
+    assert overlong_penalty(16, 20, 5, 1.0) == pytest.approx(-0.2)
+    assert overlong_penalty(20, 20, 5, 0.5) == pytest.approx(-0.5)
+    assert overlong_penalty(20, 20, 0, 1.0) == overlong_penalty(20, 20, 5, 0.0) == 0.0
+
+
+def test_controller_adds_the_penalty_to_each_answers_reward(tmp_path):
+    cfg, layout, run_dir, tok_dir = make(tmp_path, "reward.overlong_penalty=0.5", "reward.overlong_buffer=12")
+    world = CoinWorld(layout, build_tokenizer(), seed=1)
+    world.p_right = 0.0  # every raw reward 0: the step's mean reward is the mean penalty
+    run(cfg, layout, run_dir, tok_dir, world, Prompts())
+    rows = metrics(run_dir)
+    assert len(rows) == len(world.response_tokens) == 12
+    for row, lengths in zip(rows, world.response_tokens):
+        want = np.mean([-0.5 * max(0, n - 0) / 12 for n in lengths])  # max_new_tokens 12 = buffer
+        assert row["reward/mean"] == pytest.approx(want) and want < 0
+
+
+def group(answers: list[tuple[int, str]], rewards: list[float]) -> Group:
+    """A finished group: (response length, finish reason) per answer."""
+    g = Group(0, {"prompt": "p"}, np.array([5, 6], np.int32), len(answers))
+    for i, (n, reason) in enumerate(answers):
+        zeros = np.zeros(n, np.int32)
+        g.trajectories[i] = Trajectory(0, i, g.prompt_ids, zeros + 7, zeros.astype(np.float32), zeros, reason)
+    g.rewards = rewards
+    return g
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_mask_truncated_answers(mask):
+    g = group([(3, "stop"), (4, "length"), (2, "stop")], [1.0, 0.0, 0.0])
+    (batch,), info = build_train_batches([g], 0, 1, 1, 64, mask_truncated=mask)
+    bounds = zip(batch.cu_seqlens[:-1], batch.cu_seqlens[1:])
+    trained = {int(b - a - 2): int(batch.loss_mask[a:b].sum()) for a, b in bounds}  # response length -> mask
+    assert trained == ({3: 3, 4: 0, 2: 2} if mask else {3: 3, 4: 4, 2: 2})
+    assert info.truncated == 1
+    truncated = next(a for a, b in zip(batch.cu_seqlens[:-1], batch.cu_seqlens[1:]) if b - a == 6)
+    assert batch.advantages[truncated + 2] != 0, "the truncated answer still counts in its group"
