@@ -51,6 +51,7 @@ import numpy as np
 from areal_hpc.algo.staleness import StalenessGate
 from areal_hpc.batch import BatchInfo, build_train_batches
 from areal_hpc.buffer import Group, Rollouts
+from areal_hpc.eval import TrainingEval
 from areal_hpc.layout import Role
 from areal_hpc.liveness import SYNC, Liveness, RankFailure
 from areal_hpc.metrics import IdleClock, MetricsWriter
@@ -132,6 +133,7 @@ class Controller:
         self.dropped_since_step = 0
         self.reward_errors_since_step = 0  # rewards scored 0 for a timeout or an error
         self.filtered_since_step = 0  # groups left out by rollout.filter_uniform_groups
+        self.evals = TrainingEval.from_config(self)  # eval.every_steps: between steps, never trained on
         rw = cfg.reward
         self.overlong_penalty = partial(
             overlong_penalty,
@@ -154,6 +156,7 @@ class Controller:
 
     def run(self) -> int:
         self.restore()
+        self.evals.maybe_start(self.version)
         while not self.finished():
             progressed = False
             for env in self.box.poll():
@@ -211,18 +214,43 @@ class Controller:
 
     def start_group(self, row: dict) -> None:
         n = self.cfg.rollout.group_size
-        gen = min(self.generators, key=lambda g: (self.gen_load[g], g))
         prompt_ids = np.asarray(row["prompt_ids"], np.int32)  # formatted and tokenized by areal_hpc.data
-        group = Group(self.next_group_id, row, prompt_ids, n, generator=gen)
+        group = Group(self.next_group_id, row, prompt_ids, n)
         self.next_group_id += 1
         self.rollouts.start(group)
-        self.box.send(gen, GenerateRequest(group.group_id, prompt_ids, n))
-        self.timeline.mark("gen_start", rank=gen, group=group.group_id)
+        group.generator = self.send_generate(group.group_id, prompt_ids, n)
+
+    def send_generate(self, group_id: int, prompt_ids: np.ndarray, n: int) -> int:
+        """n answers to one prompt from the least-loaded generator; returns its rank."""
+        gen = min(self.generators, key=lambda g: (self.gen_load[g], g))
+        self.box.send(gen, GenerateRequest(group_id, prompt_ids, n))
+        self.timeline.mark("gen_start", rank=gen, group=group_id)
         self.gen_load[gen] += 1
         self.gen_idle.busy(self.generators.index(gen), True)
         self.liveness.expect(gen, time.monotonic(), "a generation")
+        return gen
+
+    def generator_done(self, src: int, group_id: int) -> None:
+        """Generator `src` sent the last answer of a prompt."""
+        self.timeline.mark("gen_done", rank=src, group=group_id)
+        self.gen_load[src] -= 1
+        self.liveness.done(src)
+        if self.gen_load[src] == 0:
+            self.gen_idle.busy(self.generators.index(src), False)
+
+    def send_reward(self, traj_id: int, group_id: int, sample_idx: int, output_ids, target: str) -> None:
+        """Score one answer on the least-loaded reward worker."""
+        rank = min(self.rewarders, key=lambda r: (self.reward_load[r], r))
+        self.reward_pending[traj_id] = (group_id, sample_idx, rank)
+        response = self.tokenizer.decode(output_ids, skip_special_tokens=True)
+        self.box.send(rank, RewardRequest(traj_id, self.cfg.reward.kind, response, target))
+        self.reward_load[rank] += 1
+        self.liveness.expect(rank, time.monotonic(), "a reward")
 
     def on_trajectory(self, src: int, traj: Trajectory) -> None:
+        if traj.group_id < 0:
+            self.evals.on_trajectory(src, traj)
+            return
         if not self.generating_since_start:  # the first step is timed from the first answer, not the
             self.generating_since_start = True  # engines' start-up
             self.last_step_end = time.monotonic()
@@ -230,23 +258,17 @@ class Controller:
             self.train_idle.take_fraction()
         group = self.rollouts.add_trajectory(traj)
         if group.generated:  # the generator is done with this group
-            self.timeline.mark("gen_done", rank=src, group=group.group_id)
-            self.gen_load[src] -= 1
-            self.liveness.done(src)
-            if self.gen_load[src] == 0:
-                self.gen_idle.busy(self.generators.index(src), False)
-        rank = min(self.rewarders, key=lambda r: (self.reward_load[r], r))
+            self.generator_done(src, group.group_id)
         traj_id = group.group_id * group.n + traj.sample_idx
-        self.reward_pending[traj_id] = (group.group_id, traj.sample_idx, rank)
-        response = self.tokenizer.decode(traj.output_ids, skip_special_tokens=True)
-        self.box.send(rank, RewardRequest(traj_id, self.cfg.reward.kind, response, _target(group.row)))
-        self.reward_load[rank] += 1
-        self.liveness.expect(rank, time.monotonic(), "a reward")
+        self.send_reward(traj_id, group.group_id, traj.sample_idx, traj.output_ids, _target(group.row))
 
     def on_reward(self, src: int, res: RewardResult) -> None:
         group_id, sample_idx, rank = self.reward_pending.pop(res.traj_id)
         self.reward_load[rank] -= 1
         self.liveness.done(rank)
+        if group_id < 0:
+            self.evals.on_reward(group_id, sample_idx, res.reward, res.reason)
+            return
         if res.reason != "ok":
             self.reward_errors_since_step += 1
             log.warning("reward of trajectory %d: %s (scored %s)", res.traj_id, res.reason, res.reward)
@@ -308,6 +330,7 @@ class Controller:
         self.version = res.version
         if self.version < self.cfg.train.total_steps and not self.stop_reason:
             self.sync_weights()
+            self.evals.maybe_start(self.version)  # after the WeightSync: the generators load this version first
         if self.version % self.cfg.train.save_every == 0 or self.version >= self.cfg.train.total_steps:
             self.save()
         self.write_metrics(info, res.stats)
@@ -346,6 +369,7 @@ class Controller:
             "timing/gen_idle_frac": self.gen_idle.take_fraction(),
             "timing/train_idle_frac": self.train_idle.take_fraction(),
             **{k: float(v) for k, v in stats.items()},
+            **self.evals.take_metrics(),
         }
         self.dropped_since_step = self.reward_errors_since_step = self.filtered_since_step = 0
         self.metrics.write(self.version, row)
