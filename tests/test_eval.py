@@ -4,6 +4,7 @@ real vLLM engine and the reward workers' scorer pool on the tiny model."""
 
 import json
 from math import comb
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from areal_hpc.config import ConfigError, load_config
 from areal_hpc.data import Example
 from areal_hpc.eval import EvalRound, ks, pass_at_k, resolve
 from areal_hpc.tiny import build_tokenizer
+from tests.test_slurm import slurm_cluster  # noqa: F401 - a fixture
 
 
 def test_pass_at_k_by_hand():
@@ -147,3 +149,63 @@ def test_evaluate_with_the_generator_engine_and_scorer_pool(tmp_path):
     assert report["truncated_frac"] <= np.mean([t == 8 for t in tokens])
     assert report["pass@k"]["4"] > 0, "the warm start answers some held-out problems right"
     assert "pass@1" in table({**report, "step": 0})
+
+
+def eval_args(*argv):
+    from areal_hpc.cli import build_parser
+
+    return build_parser().parse_args(["eval", *argv])
+
+
+def test_eval_array_script(tmp_path):
+    from areal_hpc.rundir import prepare_run_dir
+    from launch.eval_array import eval_array_script
+
+    cfg = load_config(
+        "configs/qwen1.5b.yaml", [f"experiment.root={tmp_path}", "cluster.partition=gpu", "cluster.account=rl"]
+    )
+    run_dir = prepare_run_dir(cfg).resolve()
+    args = eval_args(str(run_dir), "--steps", "100,200,300", "--data", "aime.jsonl", "--samples", "8", "--submit")
+    args.overrides = ["rollout.temperature=0.6"]
+    where, script = eval_array_script(args)
+    assert where == run_dir
+    lines = script.splitlines()
+    for want in ["#SBATCH --array=0-2", "#SBATCH --nodes=1", "#SBATCH --gpus-per-node=1", "#SBATCH --partition=gpu"]:
+        assert want in lines
+    assert "#SBATCH --account=rl" in lines and f"#SBATCH --output={run_dir}/eval/slurm/%A_%a.out" in lines
+    assert "steps=(100 200 300)" in lines
+    command = next(line for line in lines if line.startswith("exec "))
+    assert f"-m areal_hpc.cli eval {run_dir} --data {Path.cwd() / 'aime.jsonl'} --samples 8" in command
+    assert command.endswith('rollout.temperature=0.6 --step "$step"')
+    for bad, message in [(["--step", "3"], "no --step"), ([], "needs --steps")]:
+        args = eval_args(str(run_dir), "--submit", *bad, *(["--steps", "1"] if bad else []))
+        with pytest.raises(ConfigError, match=message):
+            eval_array_script(args)
+
+
+@pytest.mark.slurm
+@pytest.mark.vllm
+def test_eval_array_runs_on_slurm(tmp_path, slurm_cluster):  # noqa: F811
+    """`areal-hpc eval RUN_DIR --steps 0 --submit` on the local Slurm cluster: the array task writes its report."""
+    import subprocess
+    import sys
+    import time
+
+    from areal_hpc.rundir import prepare_run_dir
+
+    cfg = load_config("configs/tiny-cpu.yaml", [f"experiment.root={tmp_path}", "sft.examples=0"])
+    run_dir = prepare_run_dir(cfg).resolve()
+    data = tmp_path / "held_out.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+5=", "answer": "7"}\n')
+    cmd = [sys.executable, "-m", "areal_hpc.cli", "eval", str(run_dir), "--steps", "0", "--submit"]
+    out = subprocess.run([*cmd, "--data", str(data), "--samples", "2"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "submitted job array" in out.stdout, out.stdout + out.stderr
+    report = run_dir / "eval" / "step_0-held_out.json"
+    deadline = time.monotonic() + 400
+    while not report.exists():
+        logs = "".join(p.read_text() for p in (run_dir / "eval" / "slurm").glob("*_0.out"))
+        assert time.monotonic() < deadline, f"no report after 400 s; task log:\n{logs[-3000:]}"
+        assert "Traceback" not in logs, logs[-3000:]
+        time.sleep(2)
+    got = json.loads(report.read_text())
+    assert got["step"] == 0 and got["prompts"] == 2 and got["samples"] == 2 and set(got["pass@k"]) == {"1", "2"}
