@@ -5,9 +5,12 @@ syncs and checkpoints, writes the metrics. One thread, one event loop, no blocki
  loop (until version == train.total_steps, or a stop request, then checkpoint and Stop everyone):
    poll every message that has arrived                                  never waits
      Trajectory    -> decode, RewardRequest to the least-loaded reward rank
-     RewardResult  -> a group with all n answers scored goes to the buffer   (gate.finish)
+     RewardResult  -> a group with all n answers scored goes to the buffer   (gate.finish); with
+                      rollout.filter_uniform_groups one whose rewards are all equal is left out
+                      (gate.finish(accepted=False): its slot admits another prompt)
      TrainResult   -> version v+1: WeightSync(v+1) to trainers + generators, Save every save_every,
-                      metrics line
+                      metrics line; every eval.every_steps: the eval prompts to the generators
+                      (areal_hpc.eval.TrainingEval: group ids < 0, never buffered, not gated)
      SyncDone      -> generator g runs version v+1 (timing/weight_sync_s)
      Saved         -> all trainer ranks saved: controller state, then COMPLETE
      Failure       -> end the run, naming the rank
