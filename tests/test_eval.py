@@ -209,3 +209,26 @@ def test_eval_array_runs_on_slurm(tmp_path, slurm_cluster):  # noqa: F811
         time.sleep(2)
     got = json.loads(report.read_text())
     assert got["step"] == 0 and got["prompts"] == 2 and got["samples"] == 2 and set(got["pass@k"]) == {"1", "2"}
+
+
+def test_bad_eval_data_is_one_line_before_any_engine(tmp_path, capsys):
+    from areal_hpc.cli import main
+    from areal_hpc.tiny import build_tiny_model
+    from tests.test_controller import World, make
+
+    model = build_tiny_model(load_config().model, tmp_path, seed=1)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": null}\n')
+    assert main(["eval", str(model), "--data", str(bad), "--samples", "2"]) == 2
+    assert f"config error: {bad}:2: field 'answer'" in capsys.readouterr().err
+    assert main(["eval", str(model), "--data", str(tmp_path / "nope.jsonl")]) == 2
+    assert "data not found" in capsys.readouterr().err
+    # the same file as eval.data of a run: the controller stops at start with the loader's message
+    from areal_hpc.controller import Controller
+    from areal_hpc.runtime import RankContext
+
+    cfg, layout, run_dir, tok_dir = make(tmp_path, "eval.every_steps=5", f"eval.data={bad}")
+    with pytest.raises(ConfigError, match=f"{bad}:2: field 'answer'"):
+        Controller(
+            RankContext(cfg, layout, None, None, run_dir, tok_dir, None), mailbox=World(layout, build_tokenizer())
+        )
