@@ -227,7 +227,7 @@ def resolve(target: str | Path, step: int | None, overrides: list[str], config: 
         return cfg, initial_model(cfg), 0
     ckpt = checkpoint_dir(path, step)
     if not (ckpt / "COMPLETE").is_file():
-        have = sorted(int(d.name.removeprefix("step_")) for d in (path / "checkpoints").glob("step_*/COMPLETE"))
+        have = sorted(checkpoint_version(d.parent) for d in (path / "checkpoints").glob("step_*/COMPLETE"))
         raise ConfigError(
             f"{path} has no complete checkpoint of step {step} (complete: {have or 'none'}; 0 is the initial model)"
         )
@@ -308,7 +308,9 @@ def run(args) -> int:
         from areal_hpc.data import eval_path
 
         data = eval_path(cfg)
-    samples = args.samples or cfg.eval.samples
+    samples = cfg.eval.samples if args.samples is None else args.samples
+    if samples < 1:
+        raise ConfigError(f"--samples must be at least 1 (got {samples})")
     report = {"step": step, **evaluate(cfg, model_dir, data, samples)}
     out = Path(args.output) if args.output else default_output(args.target, step, data)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -76,7 +76,7 @@ def eval_array_script(args) -> tuple[Path, str]:
     shared = [str(run_dir)]
     if args.data:
         shared += ["--data", str(Path(args.data).resolve())]
-    if args.samples:
+    if args.samples is not None:
         shared += ["--samples", str(args.samples)]
     shared += list(args.overrides)
     python = "python" if cfg.cluster.container else sys.executable

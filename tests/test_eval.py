@@ -77,6 +77,8 @@ def test_what_a_target_names(tmp_path):
     with pytest.raises(ConfigError, match=r"no complete checkpoint of step 5 \(complete: none"):
         resolve(run_dir, 5, [])
     mark_complete(run_dir / "checkpoints" / "step_5")
+    with pytest.raises(ConfigError, match=r"no complete checkpoint of step 7 \(complete: \[5\]"):
+        resolve(run_dir, 7, [])
     try:
         import areal_hpc.trainer.export  # noqa: F401
     except ImportError:  # until the exporter lands, the one missing call is named
