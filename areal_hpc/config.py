@@ -507,6 +507,11 @@ def validate(cfg: Config) -> None:
         r.max_new_tokens < m.max_position_embeddings,
         f"rollout.max_new_tokens ({r.max_new_tokens}) must be below model.max_position_embeddings ({m.max_position_embeddings})",
     )
+    need(
+        not r.filter_uniform_groups or r.group_size >= 2,
+        "rollout.filter_uniform_groups needs rollout.group_size >= 2 (one answer is always a uniform group: "
+        "every group would be left out)",
+    )
     d = cfg.data
     need(
         not d.system_prompt or d.chat_template,

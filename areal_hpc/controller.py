@@ -83,6 +83,10 @@ EXIT_STOPPED = 75
 """Exit code after a stop request (SIGUSR2, SIGTERM, SIGINT, or the launcher's STOP file) once the
 checkpoint is saved: "resume me" (EX_TEMPFAIL; launch/sbatch.py requeues on it)."""
 IDLE_S = 0.002
+FILTERED_WARN_STEPS = 10
+"""With rollout.filter_uniform_groups, the log warns each time this many steps' worth of groups
+(`prompts_per_step` each) has been left out at one policy version: when every prompt is answered all
+right or all wrong, no step comes, and the run must not look busy without a word."""
 
 
 _stop_signals: list[str] = []  # names of the stop signals received (set by the handlers below)
@@ -287,6 +291,14 @@ class Controller:
         if self.cfg.rollout.filter_uniform_groups and group.uniform:
             self.gate.finish(accepted=False)
             self.filtered_since_step += 1
+            if self.filtered_since_step % (FILTERED_WARN_STEPS * self.cfg.rollout.prompts_per_step) == 0:
+                log.warning(
+                    "%d prompt groups left out at policy version %d: each one's answers all got the same reward "
+                    "(rollout.filter_uniform_groups); if no step comes, the prompts are too easy or too hard "
+                    "for the model: change data.train_path or set rollout.filter_uniform_groups=false",
+                    self.filtered_since_step,
+                    self.version,
+                )
             return
         self.rollouts.accept(group)
         self.gate.finish(accepted=True)

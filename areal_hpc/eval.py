@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from areal_hpc.config import Config, ConfigError, load_config
-from areal_hpc.data import Example, load_prompts
+from areal_hpc.data import Example, eval_path, load_prompts
 
 log = logging.getLogger(__name__)
 
@@ -58,14 +58,15 @@ class EvalRound:
     examples: list[Example]
     samples: int
     rewards: list[list[float | None]] = field(init=False)
-    lengths: list[list[int]] = field(init=False)
+    lengths: list[list[int | None]] = field(init=False)
+    """Tokens of each answer (None until it has come back: an answer may have none)."""
     truncated: int = 0
     errors: int = 0
     """Answers scored 0 for a reward timeout or error."""
 
     def __post_init__(self):
         self.rewards = [[None] * self.samples for _ in self.examples]
-        self.lengths = [[0] * self.samples for _ in self.examples]
+        self.lengths = [[None] * self.samples for _ in self.examples]
 
     def answered(self, prompt: int, sample: int, length: int, truncated: bool) -> None:
         self.lengths[prompt][sample] = length
@@ -77,7 +78,7 @@ class EvalRound:
 
     def generated(self, prompt: int) -> bool:
         """Every answer to the prompt has come back from the generator."""
-        return all(n > 0 for n in self.lengths[prompt])
+        return all(n is not None for n in self.lengths[prompt])
 
     @property
     def done(self) -> bool:
@@ -130,8 +131,6 @@ class TrainingEval:
     @classmethod
     def from_config(cls, ctl) -> TrainingEval:
         """`ctl` is the controller: its tokenizer, config, and `send_generate`, `generator_done`, `send_reward`."""
-        from areal_hpc.data import eval_path
-
         e = ctl.cfg.eval
         examples = load_prompts(ctl.cfg, ctl.tokenizer, eval_path(ctl.cfg), "eval.data") if e.every_steps else []
         return cls(ctl, examples, e.samples, e.every_steps)
@@ -303,11 +302,7 @@ def run(args) -> int:
 
         return submit_eval_array(args)
     cfg, model_dir, step = resolve(args.target, args.step, list(args.overrides), args.config)
-    data = args.data or cfg.eval.data
-    if not data:
-        from areal_hpc.data import eval_path
-
-        data = eval_path(cfg)
+    data = args.data or eval_path(cfg)
     samples = cfg.eval.samples if args.samples is None else args.samples
     if samples < 1:
         raise ConfigError(f"--samples must be at least 1 (got {samples})")

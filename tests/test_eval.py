@@ -54,6 +54,10 @@ def test_round_report():
     assert rep["answer_tokens"] == {"mean": 3.5, "median": 3.5, "p90": pytest.approx(5.0), "max": 5}
     assert rep["truncated_frac"] == 0.25 and rep["reward_errors"] == 1
     assert [p["correct"] for p in rep["per_prompt"]] == [1, 4, 0]
+    empty = EvalRound(examples[:1], samples=1)
+    assert not empty.generated(0)
+    empty.answered(0, 0, length=0, truncated=False)
+    assert empty.generated(0), "an answer without a token has come back too"
 
 
 def test_what_a_target_names(tmp_path):

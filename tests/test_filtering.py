@@ -1,14 +1,20 @@
 """Dynamic filtering and overlong answers: `rollout.filter_uniform_groups` against the simulated world
-of test_controller (the real gate, buffer, batches and metrics), the gate's slot accounting for a
-filtered group, DAPO's soft length penalty, and masking truncated answers out of the loss."""
+of test_controller (the real gate, buffer, batches and metrics), the gate's invariant with filtered
+groups (a property test over the controller's loop), the gate's slot accounting for a filtered group,
+DAPO's soft length penalty, and masking truncated answers out of the loss."""
+
+import logging
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from areal_hpc.algo.staleness import StalenessGate
 from areal_hpc.batch import build_train_batches
 from areal_hpc.buffer import Group
-from areal_hpc.controller import EXIT_DONE
+from areal_hpc.config import ConfigError, load_config
+from areal_hpc.controller import EXIT_DONE, FILTERED_WARN_STEPS
 from areal_hpc.protocol import Envelope, RewardRequest, RewardResult, Trajectory
 from areal_hpc.reward import overlong_penalty
 from areal_hpc.tiny import build_tokenizer
@@ -65,6 +71,107 @@ def test_uniform_groups_are_left_out_and_their_slots_refilled(tmp_path, filterin
     assert g.rejected == filtered
     assert g.accepted + g.running <= (cfg.rollout.max_staleness + c.version + 1) * cfg.rollout.prompts_per_step
     assert c.prompts.position >= 12 * 4 + filtered, "every filtered group was replaced by a new prompt"
+
+
+class CheckedGate(StalenessGate):
+    """The real gate, its invariant checked after every call that changes a counter."""
+
+    def check(self):
+        s = self.state
+        assert 0 <= s.running <= self.max_concurrent
+        assert s.consumed <= s.accepted
+        assert s.accepted + s.running <= (self.max_staleness + self.version() + 1) * self.prompts_per_step
+
+    def admit(self):
+        super().admit()
+        self.check()
+
+    def finish(self, accepted=True):
+        super().finish(accepted)
+        self.check()
+
+    def consume(self, oldest, n_trajectories=1):
+        consumed = super().consume(oldest, n_trajectories)
+        self.check()
+        return consumed
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    B=st.integers(1, 4),
+    eta=st.integers(0, 2),
+    n=st.integers(2, 4),
+    concurrent=st.integers(1, 8),
+    p_right=st.sampled_from([0.2, 0.5, 0.8]),
+    seed=st.integers(0, 1000),
+)
+def test_the_gate_invariant_holds_with_filtered_groups(tmp_path_factory, B, eta, n, concurrent, p_right, seed):
+    """Whatever the batch, bound, group size, concurrency and share of uniform groups: after every gate
+    call accepted + running <= (eta + v + 1) * B, every admitted group is accounted for exactly once
+    (running, accepted, filtered or dropped as stale), no uniform group is trained on, and the run
+    reaches its last step (a filtered group never holds a slot)."""
+    steps = 6
+    cfg, layout, run_dir, tok_dir = make(
+        tmp_path_factory.mktemp("gate"),
+        f"rollout.prompts_per_step={B}",
+        f"rollout.max_staleness={eta}",
+        f"rollout.group_size={n}",
+        f"rollout.max_concurrent={concurrent}",
+        "rollout.filter_uniform_groups=true",
+        "ppo.minibatches=1",
+        f"train.total_steps={steps}",
+    )
+    world = CoinWorld(layout, build_tokenizer(), seed=seed)
+    world.p_right = p_right
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("areal_hpc.controller.StalenessGate", CheckedGate)
+        c, code = run(cfg, layout, run_dir, tok_dir, world, Prompts())
+    assert isinstance(c.gate, CheckedGate) and code == EXIT_DONE
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    s = c.gate.state
+    filtered = sum(r["rollout/filtered"] for r in rows) + c.filtered_since_step  # and after the last step
+    assert s.consumed == steps * B and s.rejected == filtered
+    assert c.prompts.position == s.running + s.accepted + s.rejected + s.dropped
+    assert 0.0 not in world.trained_advantages, "a uniform group reached the trainer"
+
+
+def test_a_run_that_filters_everything_says_so(tmp_path, caplog):
+    """Every answer wrong for a while: no step can come, and the log says why and what to change."""
+    cfg, layout, run_dir, tok_dir = make(tmp_path, "rollout.filter_uniform_groups=true", "train.total_steps=2")
+    groups = FILTERED_WARN_STEPS * cfg.rollout.prompts_per_step
+
+    class LateLearner(CoinWorld):
+        """Every answer to the first 2 * `groups` prompts is wrong, then they are coin flips."""
+
+        def send(self, dest, msg):
+            if isinstance(msg, RewardRequest):
+                self.p_right = 0.5 if msg.traj_id >= 2 * groups * cfg.rollout.group_size else 0.0
+            super().send(dest, msg)
+
+    world = LateLearner(layout, build_tokenizer(), seed=2)
+    with caplog.at_level(logging.WARNING, logger="areal_hpc.controller"):
+        c, code = run(cfg, layout, run_dir, tok_dir, world, Prompts())
+    assert code == EXIT_DONE
+    warnings = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert warnings and warnings[0].startswith(f"{groups} prompt groups left out at policy version 0")
+    assert "rollout.filter_uniform_groups=false" in warnings[0]
+    assert metrics(run_dir)[0]["rollout/filtered"] >= 2 * groups
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.filter_uniform_groups=true", "rollout.group_size=1"], "needs rollout.group_size >= 2"),
+        (["reward.overlong_penalty=1.0"], "needs reward.overlong_buffer in [1, rollout.max_new_tokens (12)]"),
+        (["reward.overlong_penalty=1.0", "reward.overlong_buffer=13"], "(got 13)"),
+        (["reward.overlong_penalty=-1"], "reward.overlong_penalty must be >= 0"),
+    ],
+)
+def test_filtering_and_penalty_settings_are_checked(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/tiny-cpu.yaml", overrides)
+    assert message in str(e.value)
 
 
 def test_a_filtered_group_frees_its_slot_like_a_stale_drop():
