@@ -256,7 +256,8 @@ class DataConfig:
     rollout.max_new_tokens, the longest prompt whose answer still fits)."""
     synthetic_size: int = 4096
     """Prompts in the synthetic task when `train_path` is empty, drawn with repeats from its training
-    problems; a fifth of the problems (at most 500) is held out as its test split, which `eval` uses
+    problems; a fifth of the problems (at most 500) is held out of them as its test split (the warm
+    start sees every problem, as a base model's pretraining would), which `eval` uses
     when `eval.data` is empty."""
     synthetic_max_operand: int = 99
     """Largest operand of the synthetic arithmetic task ('a+b=' and 'a-b=' with 0 <= a, b <= this)."""

@@ -47,7 +47,9 @@ def initial_model(cfg: Config) -> Path:
 def sft_examples(cfg: Config, tokenizer) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, response ids) of the warm start: `\\boxed{answer}` and EOS after the prompt, formatted
     as the RL run formats it (`data.PromptFormat`). The rows: fresh synthetic ones (a seed the RL prompts
-    do not use, no held-out problem), or the first `sft.examples` of `data.train_path`, read through the
+    do not use; every problem, the test split's too: the warm start stands in for the pretraining of a
+    real base model, and the test split measures what RL adds on problems it never trained on), or the
+    first `sft.examples` of `data.train_path`, read through the
     same validated loader as the run (a bad row is a `file:line: field` error; an overlong prompt is
     skipped and named)."""
     from areal_hpc.data import PromptFormat, load_prompts
@@ -55,7 +57,9 @@ def sft_examples(cfg: Config, tokenizer) -> list[tuple[list[int], list[int]]]:
     if cfg.data.train_path:
         rows = [(e.prompt_ids, e.target) for e in load_prompts(cfg, tokenizer, cfg.data.train_path)]
     else:
-        synthetic = arithmetic_rows(cfg.sft.examples, cfg.experiment.seed + 7919, cfg.data.synthetic_max_operand)
+        synthetic = arithmetic_rows(
+            cfg.sft.examples, cfg.experiment.seed + 7919, cfg.data.synthetic_max_operand, held_out=True
+        )
         ids = PromptFormat.from_config(cfg).encode(tokenizer, [r["prompt"] for r in synthetic])
         rows = [(p, r["answer"]) for p, r in zip(ids, synthetic)]
     out = []
@@ -80,6 +84,7 @@ def warm_start(cfg: Config, base: Path) -> Path:
             "sft": vars(s),
             "data": vars(d),
             "max_prompt_tokens": max_prompt_tokens(cfg),
+            "synthetic_problems": "all",  # since the test split: every problem, the held-out ones too
             "seed": cfg.experiment.seed,
         }
     )

@@ -121,14 +121,15 @@ def build_tiny_model(m: ModelConfig, root: str | Path, seed: int) -> Path:
 
 
 TEST_SHARE = 5
-"""One in this many of the synthetic task's problems is held out of training, as its test split."""
+"""One in this many of the synthetic task's problems is held out of the RL prompts, as its test split
+(the warm start, which stands in for a base model's pretraining, sees every problem)."""
 TEST_MAX = 500
 """Most problems in the test split."""
 
 
 def arithmetic_problems(max_operand: int = 99) -> tuple[list[tuple], list[tuple]]:
     """Every problem (a, op, b) with 0 <= a, b <= max_operand, split into (train, test): a fixed
-    fifth (at most TEST_MAX) held out, drawn by a seed of its own, so every run and warm start agrees."""
+    fifth (at most TEST_MAX) held out, drawn by a seed of its own, so every run agrees."""
     problems = [(a, op, b) for a in range(max_operand + 1) for b in range(max_operand + 1) for op in "+-"]
     random.Random(f"arithmetic-split:{max_operand}").shuffle(problems)
     n_test = min(len(problems) // TEST_SHARE, TEST_MAX)
@@ -140,19 +141,20 @@ def _row(problem: tuple) -> dict:
     return {"prompt": f"{a}{op}{b}=", "answer": str(a + b if op == "+" else a - b)}
 
 
-def arithmetic_rows(n: int, seed: int, max_operand: int = 99) -> list[dict]:
-    """`{prompt, answer}` rows of the synthetic task's training split: 'a+b=' or 'a-b=' with the
-    answer boxed, drawn uniformly (with repeats) from the problems not held out.
+def arithmetic_rows(n: int, seed: int, max_operand: int = 99, held_out: bool = False) -> list[dict]:
+    """`{prompt, answer}` rows of the synthetic task: 'a+b=' or 'a-b=' with the answer boxed, drawn
+    uniformly (with repeats) from the training split's problems, or with `held_out` from every problem.
 
     Deterministic in (n, seed). Prompts are plain text; the expected response is `\\boxed{c}`.
     """
     rng = random.Random(seed)
-    train, _ = arithmetic_problems(max_operand)
-    return [_row(rng.choice(train)) for _ in range(n)]
+    train, test = arithmetic_problems(max_operand)
+    problems = train + test if held_out else train
+    return [_row(rng.choice(problems)) for _ in range(n)]
 
 
 def arithmetic_test_rows(max_operand: int = 99) -> list[dict]:
-    """The held-out problems, each once: no training row and no warm-start row is one of them."""
+    """The held-out problems, each once: no row of the RL prompts is one of them."""
     return [_row(p) for p in arithmetic_problems(max_operand)[1]]
 
 

@@ -181,7 +181,11 @@ def test_from_config_builds_the_synthetic_task_with_a_held_out_split(tmp_path):
     test = [e.prompt for e in load_dataset(eval_path(cfg), "math")]
     assert len(test) == len(set(test)) == 200 // 5, "a fifth of the 200 problems, each once"
     assert not train & set(test), "a held-out problem is in the training split"
-    assert not {r["prompt"] for r in arithmetic_rows(2000, 7, 9)} & set(test), "nor in the warm start's rows"
+    assert not {r["prompt"] for r in arithmetic_rows(2000, 7, 9)} & set(test)
+    from areal_hpc.sft import sft_examples
+
+    cfg.sft.examples = 2000  # the warm start stands in for pretraining: it sees every problem
+    assert set(test) < {tok.decode(p) for p, _ in sft_examples(cfg, tok)}, "the warm start skips held-out problems"
     cfg.reward.kind = "code"
     with pytest.raises(ConfigError, match="needs data.train_path"):
         PromptStream.from_config(cfg, tok)
