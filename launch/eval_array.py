@@ -3,7 +3,7 @@
 ```
  #SBATCH --array=0-(n-1)   one node, allocation.gen_tp GPUs, the cluster section's partition, account, ...
  steps=(100 200 300); step=${steps[$SLURM_ARRAY_TASK_ID]}
- python -m areal_hpc.cli eval RUN_DIR --data FILE --samples K [key=value ...] --step $step
+ [srun --container-image=...] python -m areal_hpc.cli eval RUN_DIR --data FILE --samples K [key=value ...] --step $step
 ```
 
 Each task writes its own report (RUN_DIR/eval/step_N-DATA.json, as `areal-hpc eval` does) and its log to
@@ -49,6 +49,10 @@ def render_eval_array(cfg: Config, run_dir: Path, steps: list[int], eval_args: l
     opts += list(c.sbatch_args)
     env = [f"export {k}={shlex.quote(str(v))}" for k, v in sorted(c.env.items())]
     command = [python, "-u", "-m", "areal_hpc.cli", "eval", *eval_args]
+    if c.container:  # in the run's image, as its ranks are (launch/sbatch.py), the working tree mounted
+        workdir = Path.cwd()
+        image = [f"--container-image={c.container}", f"--container-mounts={workdir}", f"--container-workdir={workdir}"]
+        command = ["srun", "--ntasks=1", *image, *c.srun_args, *command]
     values = {
         "target": str(run_dir),
         "steps": ",".join(map(str, steps)),

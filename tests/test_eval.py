@@ -183,6 +183,12 @@ def test_eval_array_script(tmp_path):
     command = next(line for line in lines if line.startswith("exec "))
     assert f"-m areal_hpc.cli eval {run_dir} --data {Path.cwd() / 'aime.jsonl'} --samples 8" in command
     assert command.endswith('rollout.temperature=0.6 --step "$step"')
+    args.overrides = []
+    cfg_file = run_dir / "config.yaml"
+    cfg_file.write_text(cfg_file.read_text().replace("container: ''", "container: nvcr.io/areal:1"))
+    command = next(line for line in eval_array_script(args)[1].splitlines() if line.startswith("exec "))
+    assert command.startswith("exec srun --ntasks=1 --container-image=nvcr.io/areal:1 ")
+    assert " python -u -m areal_hpc.cli eval " in command, "the image's python"
     for bad, message in [(["--step", "3"], "no --step"), ([], "needs --steps")]:
         args = eval_args(str(run_dir), "--submit", *bad, *(["--steps", "1"] if bad else []))
         with pytest.raises(ConfigError, match=message):
