@@ -210,6 +210,10 @@ def test_prepare_math_layouts(tmp_path):
     with pytest.raises(prepare.ConfigError, match="no row could be converted"):
         prepare.convert(src, tmp_path / "x.jsonl", "math", target_field="nothing")
     assert not (tmp_path / "x.jsonl").exists() and not (tmp_path / "x.jsonl.partial").exists()
+    src.write_text(src.read_text() + '{"problem": "1+1?", "answer": \n')  # a malformed last line
+    with pytest.raises(prepare.ConfigError, match=f"{src}:6: not valid JSON"):
+        prepare.convert(src, tmp_path / "y.jsonl", "math", show=shown.append)
+    assert not list(tmp_path.glob("y.jsonl*")), "nothing half-written stays behind"
 
 
 def test_prepare_code_layouts_from_parquet_and_the_command_line(tmp_path, capsys):

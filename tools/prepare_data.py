@@ -113,15 +113,19 @@ def convert(src: str | Path, out: str | Path, kind: str, prompt_field=None, targ
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".partial")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for where, row in read_rows(src, setting="IN"):
-            try:
-                f.write(json.dumps(convert_row(row, kind, prompt_field, target_field), ensure_ascii=False) + "\n")
-                written += 1
-            except Skip as e:
-                reasons[str(e)] += 1
-                if len(named) < 5:
-                    named.append(f"{where}: {e}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for where, row in read_rows(src, setting="IN"):
+                try:
+                    f.write(json.dumps(convert_row(row, kind, prompt_field, target_field), ensure_ascii=False) + "\n")
+                    written += 1
+                except Skip as e:
+                    reasons[str(e)] += 1
+                    if len(named) < 5:
+                        named.append(f"{where}: {e}")
+    except BaseException:  # an unreadable input (a malformed line): no half-written file stays behind
+        tmp.unlink(missing_ok=True)
+        raise
     if not written:
         tmp.unlink()
         raise ConfigError(f"{src}: no row could be converted to {kind} rows: " + "; ".join(named))
