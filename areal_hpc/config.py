@@ -271,8 +271,8 @@ class EvalConfig:
     (when `data.train_path` is empty too)."""
     every_steps: int = 0
     """During training, evaluate the policy on the generators after every this many steps (and
-    before the first), between the training rollouts: never trained on, not counted by the
-    staleness gate; logs `eval/pass@1` (0: off)."""
+    before the first; not after the last, which `areal-hpc eval RUN_DIR` evaluates), between the
+    training rollouts: never trained on, not counted by the staleness gate; logs `eval/pass@1` (0: off)."""
     samples: int = 4
     """Answers sampled per eval prompt (K, at `rollout.temperature`): pass@1 is the mean correctness
     over them, pass@k (k = 1, 2, 4, ... K) the unbiased estimate of the Codex paper."""
