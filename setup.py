@@ -25,6 +25,7 @@ setup(
         "submitit==1.5.4",
         "tensorboard",
         "math-verify",
+        "datasets",  # data sets saved with save_to_disk, and parquet (pyarrow) for areal_hpc.data
         "pyyaml",
         "matplotlib",  # tools/plot_run.py
     ],

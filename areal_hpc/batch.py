@@ -35,6 +35,8 @@ class BatchInfo:
     """max over consumed generated tokens of (version - token version); 0 when none."""
     response_tokens: int
     sequences: int
+    truncated: int = 0
+    """Answers cut at the token limit (`finish_reason == "length"`)."""
 
 
 def build_train_batches(
@@ -45,8 +47,10 @@ def build_train_batches(
     max_tokens_per_mb: int,
     adv_norm: str = "group",
     min_mbs: int = 1,
+    mask_truncated: bool = False,
 ) -> tuple[list[TrainBatch], BatchInfo]:
-    """`batches[r]` is data-parallel rank r's TrainBatch for training step `version`."""
+    """`batches[r]` is data-parallel rank r's TrainBatch for training step `version`. With
+    `mask_truncated`, an answer cut at the token limit has loss mask 0 on every token (`ppo.mask_truncated`)."""
     trajs = [t for g in groups for t in g.trajectories]
     rewards = np.array([r for g in groups for r in g.rewards], np.float64)
     adv = group_advantages(rewards, groups[0].n, adv_norm)  # [S]
@@ -54,10 +58,11 @@ def build_train_batches(
     owners = [g for g in groups for _ in range(g.n)]  # the group of each sequence
     for i, (g, t) in enumerate(zip(owners, trajs)):
         p, r = len(g.prompt_ids), len(t.output_ids)
+        trained = not (mask_truncated and t.finish_reason == "length")
         seqs.append(
             {
                 "tokens": np.concatenate([g.prompt_ids, t.output_ids]).astype(np.int32),
-                "loss_mask": np.concatenate([np.zeros(p, np.uint8), np.ones(r, np.uint8)]),
+                "loss_mask": np.concatenate([np.zeros(p, np.uint8), np.full(r, trained, np.uint8)]),
                 "behav_logprobs": np.concatenate([np.zeros(p, np.float32), t.behav_logprobs.astype(np.float32)]),
                 "advantages": np.concatenate([np.zeros(p, np.float32), np.full(r, adv[i], np.float32)]),
                 "versions": np.concatenate([np.full(p, -1, np.int32), t.versions.astype(np.int32)]),
@@ -108,5 +113,6 @@ def build_train_batches(
         staleness_max=max(0, version - oldest),
         response_tokens=sum(len(t.output_ids) for t in trajs),
         sequences=len(seqs),
+        truncated=sum(t.finish_reason == "length" for t in trajs),
     )
     return batches, info

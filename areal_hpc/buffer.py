@@ -55,6 +55,11 @@ class Group:
         return oldest_version(t.versions for t in self.trajectories if t is not None)
 
     @property
+    def uniform(self) -> bool:
+        """Every answer got the same reward: every GRPO advantage is 0, the group teaches nothing."""
+        return len(set(self.rewards)) == 1
+
+    @property
     def response_tokens(self) -> int:
         return sum(len(t.output_ids) for t in self.trajectories if t is not None)
 
@@ -99,15 +104,19 @@ class Rollouts:
         return group
 
     def add_reward(self, group_id: int, sample_idx: int, reward: float) -> Group | None:
-        """Record a reward; returns the group if that completed it (it moves to the buffer)."""
+        """Record a reward; returns the group if that completed it (no longer running: `accept` it
+        into the buffer, or leave it out)."""
         group = self.running[group_id]
         group.rewards[sample_idx] = float(reward)
         if not group.complete:
             return None
         del self.running[group_id]
-        self.buffer.append(group)
-        self.buffer.sort(key=lambda g: g.group_id)  # a late group goes before younger ones
         return group
+
+    def accept(self, group: Group) -> None:
+        """A completed group into the buffer, in admission order (a late group goes before younger ones)."""
+        self.buffer.append(group)
+        self.buffer.sort(key=lambda g: g.group_id)
 
     def drop_stale(self, is_fresh) -> list[Group]:
         """Remove and return the buffered groups for which `is_fresh(oldest_version)` is false."""

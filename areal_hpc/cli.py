@@ -111,6 +111,14 @@ def cmd_cancel(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    from areal_hpc.eval import run
+
+    if args.steps is not None and not args.submit:
+        raise ConfigError("--steps names the checkpoints of a --submit array; evaluate one here with --step N")
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="areal-hpc",
@@ -198,6 +206,33 @@ def build_parser() -> argparse.ArgumentParser:
         "(indices into the GPUs Slurm shows the node's tasks, comma-separated; - for none)",
     )
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser(
+        "eval",
+        help="pass@1 and pass@k of a model or a run's checkpoint on held-out prompts",
+        description="Evaluate a Hugging Face model directory, or a run directory's checkpoint (step 0: its "
+        "initial model), on held-out prompts: K answers per prompt from the generator's vLLM engine "
+        "(allocation.gen_tp, rollout.temperature, rollout.max_new_tokens), scored by the run's reward "
+        "(reward.kind); pass@1 averaged over the K answers, unbiased pass@k for k = 1, 2, 4, ... K, answer "
+        "lengths. Prints a table and writes a JSON report. A run directory uses its own config.yaml.",
+        epilog=OVERRIDES_HELP,
+    )
+    p.add_argument("target", metavar="MODEL_DIR|RUN_DIR", help="Hugging Face model directory or run directory")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. rollout.temperature=0.6")
+    p.add_argument(
+        "--step", type=int, help="the run's checkpoint to evaluate (default: the latest; 0: the initial model)"
+    )
+    p.add_argument(
+        "--steps",
+        type=lambda s: [int(x) for x in s.split(",")],
+        help="with --submit: checkpoints to evaluate, one Slurm array task each (e.g. 100,200,300)",
+    )
+    p.add_argument("--data", help="held-out prompts, the formats of data.train_path (default: eval.data)")
+    p.add_argument("--samples", type=int, help="answers per prompt, K (default: eval.samples)")
+    p.add_argument("--config", help="config for a model directory (default: the built-in defaults)")
+    p.add_argument("-o", "--output", help="JSON report (default: RUN_DIR/eval/step_N-DATA.json, or here)")
+    p.add_argument("--submit", action="store_true", help="run as a Slurm job array, one task per step of --steps")
+    p.set_defaults(func=cmd_eval)
     return parser
 
 

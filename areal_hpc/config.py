@@ -165,6 +165,10 @@ class RolloutConfig:
     """Sampling temperature."""
     top_p: float = 1.0
     """Nucleus sampling threshold (1.0: off)."""
+    filter_uniform_groups: bool = False
+    """Dynamic filtering (DAPO): a group whose answers all got the same reward (all right or all wrong:
+    every advantage is 0) is left out before training and another prompt takes its place; counted in
+    `rollout/filtered`."""
 
 
 @dataclass
@@ -195,6 +199,9 @@ class PPOConfig:
     minibatches: int = 4
     """PPO minibatches (optimizer steps) per training step; the policy version advances once per
     training step."""
+    mask_truncated: bool = False
+    """Leave answers cut at `rollout.max_new_tokens` (no end of sequence) out of the loss (DAPO's
+    overlong filtering): their tokens carry loss mask 0; they still count in their group's advantages."""
     prox_logp: str = "recompute"
     """Proximal logprobs of the decoupled loss: recompute (a forward pass with the weights at the start of
     the step; exact) or loglinear (no extra pass: interpolated between behaviour and current logprobs by
@@ -237,17 +244,54 @@ class RewardConfig:
     """Time limit of one reward call; a call over it scores 0."""
     processes: int = 0
     """Scorer processes per reward worker rank (0: one per CPU core the rank may run on)."""
+    overlong_penalty: float = 0.0
+    """DAPO's soft length penalty: answers within `overlong_buffer` tokens of `rollout.max_new_tokens`
+    lose up to this much reward, linearly, all of it at the limit (0: off)."""
+    overlong_buffer: int = 0
+    """The last this many tokens before `rollout.max_new_tokens` where `overlong_penalty` applies."""
 
 
 @dataclass
 class DataConfig:
     train_path: str = ""
-    """JSONL (or parquet) training prompts; empty: the synthetic arithmetic task built under the run
-    root."""
+    """Training prompts: a JSONL file (one object a line), a JSON list, a parquet file, or a directory
+    saved by Hugging Face `datasets` (`save_to_disk`); rows {prompt, answer} (math) or {prompt, tests}
+    (code), see `tools/prepare_data.py` for other layouts. Empty: the synthetic arithmetic task built
+    under the run root."""
+    chat_template: bool = False
+    """Format each prompt with the tokenizer's chat template (a user turn, then the assistant's start),
+    as R1-distill and instruct models expect; false: the prompt text as it is."""
+    system_prompt: str = ""
+    """A system turn before every prompt (needs `chat_template: true`; empty: none)."""
+    prompt_suffix: str = ""
+    """Text appended to every prompt as written, e.g. ' Put the final answer in \\boxed{}.' (empty:
+    none)."""
+    max_prompt_tokens: int = 0
+    """Prompts longer than this many tokens (after formatting) are skipped when the data is loaded,
+    counted and the first few named in the log (0: model.max_position_embeddings -
+    rollout.max_new_tokens, the longest prompt whose answer still fits)."""
     synthetic_size: int = 4096
-    """Prompts in the synthetic task when `train_path` is empty."""
+    """Prompts in the synthetic task when `train_path` is empty, drawn with repeats from its training
+    problems; a fifth of the problems (at most 500) is held out of them as its test split (the warm
+    start sees every problem, as a base model's pretraining would), which `eval` uses
+    when `eval.data` is empty."""
     synthetic_max_operand: int = 99
     """Largest operand of the synthetic arithmetic task ('a+b=' and 'a-b=' with 0 <= a, b <= this)."""
+
+
+@dataclass
+class EvalConfig:
+    data: str = ""
+    """Held-out prompts to evaluate on (the formats of `data.train_path`, the rows of `reward.kind`),
+    for `areal-hpc eval` (its `--data`) and `every_steps`; empty: the synthetic task's test split
+    (when `data.train_path` is empty too)."""
+    every_steps: int = 0
+    """During training, evaluate the policy on the generators after every this many steps (and
+    before the first; not after the last, which `areal-hpc eval RUN_DIR` evaluates), between the
+    training rollouts: never trained on, not counted by the staleness gate; logs `eval/pass@1` (0: off)."""
+    samples: int = 4
+    """Answers sampled per eval prompt (K, at `rollout.temperature`): pass@1 is the mean correctness
+    over them, pass@k (k = 1, 2, 4, ... K) the unbiased estimate of the Codex paper."""
 
 
 @dataclass
@@ -282,6 +326,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -482,6 +527,36 @@ def validate(cfg: Config) -> None:
     need(
         r.max_new_tokens < m.max_position_embeddings,
         f"rollout.max_new_tokens ({r.max_new_tokens}) must be below model.max_position_embeddings ({m.max_position_embeddings})",
+    )
+    need(
+        not r.filter_uniform_groups or r.group_size >= 2,
+        "rollout.filter_uniform_groups needs rollout.group_size >= 2 (one answer is always a uniform group: "
+        "every group would be left out)",
+    )
+    d = cfg.data
+    need(
+        not d.system_prompt or d.chat_template,
+        "data.system_prompt needs data.chat_template: true (a system turn exists only in a chat template)",
+    )
+    need(d.max_prompt_tokens >= 0, f"data.max_prompt_tokens must be >= 0 (got {d.max_prompt_tokens}); 0 is the default")
+    need(
+        d.max_prompt_tokens + r.max_new_tokens <= m.max_position_embeddings,
+        f"data.max_prompt_tokens ({d.max_prompt_tokens}) + rollout.max_new_tokens ({r.max_new_tokens}) must fit "
+        f"model.max_position_embeddings ({m.max_position_embeddings})",
+    )
+    rw = cfg.reward
+    need(rw.overlong_penalty >= 0, f"reward.overlong_penalty must be >= 0 (got {rw.overlong_penalty}); 0 is off")
+    need(
+        rw.overlong_penalty == 0 or 0 < rw.overlong_buffer <= r.max_new_tokens,
+        f"reward.overlong_penalty needs reward.overlong_buffer in [1, rollout.max_new_tokens ({r.max_new_tokens})] "
+        f"(got {rw.overlong_buffer})",
+    )
+    need(cfg.eval.every_steps >= 0, f"eval.every_steps must be >= 0 (got {cfg.eval.every_steps}); 0 is off")
+    need(cfg.eval.samples >= 1, f"eval.samples must be at least 1 (got {cfg.eval.samples})")
+    need(
+        cfg.sft.examples <= 0 or cfg.reward.kind == "math",
+        "sft.examples > 0 needs math rows (the warm start learns 'prompt -> \\boxed{answer}'); "
+        f"reward.kind is {cfg.reward.kind}: set sft.examples=0",
     )
     need(0 < a.gen_share < 1, f"allocation.gen_share must be strictly between 0 and 1 (got {a.gen_share})")
     # The rank map is the last check: it knows how nodes, GPUs and parallel sizes fit together.

@@ -5,9 +5,12 @@ syncs and checkpoints, writes the metrics. One thread, one event loop, no blocki
  loop (until version == train.total_steps, or a stop request, then checkpoint and Stop everyone):
    poll every message that has arrived                                  never waits
      Trajectory    -> decode, RewardRequest to the least-loaded reward rank
-     RewardResult  -> a group with all n answers scored goes to the buffer   (gate.finish)
+     RewardResult  -> a group with all n answers scored goes to the buffer   (gate.finish); with
+                      rollout.filter_uniform_groups one whose rewards are all equal is left out
+                      (gate.finish(accepted=False): its slot admits another prompt)
      TrainResult   -> version v+1: WeightSync(v+1) to trainers + generators, Save every save_every,
-                      metrics line
+                      metrics line; every eval.every_steps: the eval prompts to the generators
+                      (areal_hpc.eval.TrainingEval: group ids < 0, never buffered, not gated)
      SyncDone      -> generator g runs version v+1 (timing/weight_sync_s)
      Saved         -> all trainer ranks saved: controller state, then COMPLETE
      Failure       -> end the run, naming the rank
@@ -43,6 +46,7 @@ import logging
 import random
 import signal
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +54,7 @@ import numpy as np
 from areal_hpc.algo.staleness import StalenessGate
 from areal_hpc.batch import BatchInfo, build_train_batches
 from areal_hpc.buffer import Group, Rollouts
+from areal_hpc.eval import TrainingEval
 from areal_hpc.layout import Role
 from areal_hpc.liveness import SYNC, Liveness, RankFailure
 from areal_hpc.metrics import IdleClock, MetricsWriter
@@ -67,6 +72,7 @@ from areal_hpc.protocol import (
     Trajectory,
     WeightSync,
 )
+from areal_hpc.reward import overlong_penalty
 from areal_hpc.rundir import STOP_FILE, checkpoint_dir, checkpoint_version, mark_complete
 from areal_hpc.timeline import Timeline
 
@@ -77,6 +83,10 @@ EXIT_STOPPED = 75
 """Exit code after a stop request (SIGUSR2, SIGTERM, SIGINT, or the launcher's STOP file) once the
 checkpoint is saved: "resume me" (EX_TEMPFAIL; launch/sbatch.py requeues on it)."""
 IDLE_S = 0.002
+FILTERED_WARN_STEPS = 10
+"""With rollout.filter_uniform_groups, the log warns each time this many steps' worth of groups
+(`prompts_per_step` each) has been left out at one policy version: when every prompt is answered all
+right or all wrong, no step comes, and the run must not look busy without a word."""
 
 
 _stop_signals: list[str] = []  # names of the stop signals received (set by the handlers below)
@@ -108,11 +118,11 @@ class Controller:
         self.version = 0
         self.gate = StalenessGate.from_config(cfg.rollout, version=lambda: self.version)
         self.rollouts = Rollouts()
-        self.prompts = prompts or _prompt_stream(cfg)
+        self.tokenizer = _tokenizer(ctx.model_path)
+        self.prompts = prompts or _prompt_stream(cfg, self.tokenizer)
         self.requeued: list[dict] = []  # prompts of groups running at the restored checkpoint
         self.next_group_id = 0
         self.rng = random.Random(cfg.experiment.seed)
-        self.tokenizer = _tokenizer(ctx.model_path)
 
         self.generators = list(layout.ranks(Role.GENERATOR))
         self.rewarders = list(layout.ranks(Role.REWARD))
@@ -129,6 +139,15 @@ class Controller:
         self.stop_reason: str | None = None
         self.dropped_since_step = 0
         self.reward_errors_since_step = 0  # rewards scored 0 for a timeout or an error
+        self.filtered_since_step = 0  # groups left out by rollout.filter_uniform_groups
+        self.evals = TrainingEval.from_config(self)  # eval.every_steps: between steps, never trained on
+        rw = cfg.reward
+        self.overlong_penalty = partial(
+            overlong_penalty,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            buffer=rw.overlong_buffer,
+            penalty=rw.overlong_penalty,
+        )
 
         self.metrics = MetricsWriter(ctx.run_dir, cfg.logging.tensorboard)
         self.timeline = Timeline(ctx.run_dir)  # phases of every role, for tools/plot_run.py
@@ -144,6 +163,7 @@ class Controller:
 
     def run(self) -> int:
         self.restore()
+        self.evals.maybe_start(self.version)
         while not self.finished():
             progressed = False
             for env in self.box.poll():
@@ -201,18 +221,43 @@ class Controller:
 
     def start_group(self, row: dict) -> None:
         n = self.cfg.rollout.group_size
-        gen = min(self.generators, key=lambda g: (self.gen_load[g], g))
-        prompt_ids = np.asarray(self.tokenizer(row["prompt"])["input_ids"], np.int32)
-        group = Group(self.next_group_id, row, prompt_ids, n, generator=gen)
+        prompt_ids = np.asarray(row["prompt_ids"], np.int32)  # formatted and tokenized by areal_hpc.data
+        group = Group(self.next_group_id, row, prompt_ids, n)
         self.next_group_id += 1
         self.rollouts.start(group)
-        self.box.send(gen, GenerateRequest(group.group_id, prompt_ids, n))
-        self.timeline.mark("gen_start", rank=gen, group=group.group_id)
+        group.generator = self.send_generate(group.group_id, prompt_ids, n)
+
+    def send_generate(self, group_id: int, prompt_ids: np.ndarray, n: int) -> int:
+        """n answers to one prompt from the least-loaded generator; returns its rank."""
+        gen = min(self.generators, key=lambda g: (self.gen_load[g], g))
+        self.box.send(gen, GenerateRequest(group_id, prompt_ids, n))
+        self.timeline.mark("gen_start", rank=gen, group=group_id)
         self.gen_load[gen] += 1
         self.gen_idle.busy(self.generators.index(gen), True)
         self.liveness.expect(gen, time.monotonic(), "a generation")
+        return gen
+
+    def generator_done(self, src: int, group_id: int) -> None:
+        """Generator `src` sent the last answer of a prompt."""
+        self.timeline.mark("gen_done", rank=src, group=group_id)
+        self.gen_load[src] -= 1
+        self.liveness.done(src)
+        if self.gen_load[src] == 0:
+            self.gen_idle.busy(self.generators.index(src), False)
+
+    def send_reward(self, traj_id: int, group_id: int, sample_idx: int, output_ids, target: str) -> None:
+        """Score one answer on the least-loaded reward worker."""
+        rank = min(self.rewarders, key=lambda r: (self.reward_load[r], r))
+        self.reward_pending[traj_id] = (group_id, sample_idx, rank)
+        response = self.tokenizer.decode(output_ids, skip_special_tokens=True)
+        self.box.send(rank, RewardRequest(traj_id, self.cfg.reward.kind, response, target))
+        self.reward_load[rank] += 1
+        self.liveness.expect(rank, time.monotonic(), "a reward")
 
     def on_trajectory(self, src: int, traj: Trajectory) -> None:
+        if traj.group_id < 0:
+            self.evals.on_trajectory(src, traj)
+            return
         if not self.generating_since_start:  # the first step is timed from the first answer, not the
             self.generating_since_start = True  # engines' start-up
             self.last_step_end = time.monotonic()
@@ -220,28 +265,43 @@ class Controller:
             self.train_idle.take_fraction()
         group = self.rollouts.add_trajectory(traj)
         if group.generated:  # the generator is done with this group
-            self.timeline.mark("gen_done", rank=src, group=group.group_id)
-            self.gen_load[src] -= 1
-            self.liveness.done(src)
-            if self.gen_load[src] == 0:
-                self.gen_idle.busy(self.generators.index(src), False)
-        rank = min(self.rewarders, key=lambda r: (self.reward_load[r], r))
+            self.generator_done(src, group.group_id)
         traj_id = group.group_id * group.n + traj.sample_idx
-        self.reward_pending[traj_id] = (group.group_id, traj.sample_idx, rank)
-        response = self.tokenizer.decode(traj.output_ids, skip_special_tokens=True)
-        self.box.send(rank, RewardRequest(traj_id, self.cfg.reward.kind, response, _target(group.row)))
-        self.reward_load[rank] += 1
-        self.liveness.expect(rank, time.monotonic(), "a reward")
+        self.send_reward(traj_id, group.group_id, traj.sample_idx, traj.output_ids, _target(group.row))
 
     def on_reward(self, src: int, res: RewardResult) -> None:
         group_id, sample_idx, rank = self.reward_pending.pop(res.traj_id)
         self.reward_load[rank] -= 1
         self.liveness.done(rank)
+        if group_id < 0:
+            self.evals.on_reward(group_id, sample_idx, res.reward, res.reason)
+            return
         if res.reason != "ok":
             self.reward_errors_since_step += 1
             log.warning("reward of trajectory %d: %s (scored %s)", res.traj_id, res.reason, res.reward)
-        if self.rollouts.add_reward(group_id, sample_idx, res.reward) is not None:
-            self.gate.finish(accepted=True)
+        group = self.rollouts.running[group_id]
+        reward = res.reward + self.overlong_penalty(len(group.trajectories[sample_idx].output_ids))
+        if self.rollouts.add_reward(group_id, sample_idx, reward) is not None:
+            self.on_group_complete(group)
+
+    def on_group_complete(self, group: Group) -> None:
+        """Into the buffer; or, with `rollout.filter_uniform_groups`, a group whose answers all got the
+        same reward is left out: it finishes unaccepted, which frees its admission slot (the gate's
+        `finish(accepted=False)`, as a stale drop does), so another prompt takes its place."""
+        if self.cfg.rollout.filter_uniform_groups and group.uniform:
+            self.gate.finish(accepted=False)
+            self.filtered_since_step += 1
+            if self.filtered_since_step % (FILTERED_WARN_STEPS * self.cfg.rollout.prompts_per_step) == 0:
+                log.warning(
+                    "%d prompt groups left out at policy version %d: each one's answers all got the same reward "
+                    "(rollout.filter_uniform_groups); if no step comes, the prompts are too easy or too hard "
+                    "for the model: change data.train_path or set rollout.filter_uniform_groups=false",
+                    self.filtered_since_step,
+                    self.version,
+                )
+            return
+        self.rollouts.accept(group)
+        self.gate.finish(accepted=True)
 
     # --- training ---------------------------------------------------------------------------
 
@@ -261,7 +321,14 @@ class Controller:
         log.info("step %d trains prompts %s", self.version, [g.row.get("index") for g in groups])
         p, a = self.cfg.ppo, self.cfg.allocation
         batches, self.training = build_train_batches(
-            groups, self.version, self.layout.train_dp, p.minibatches, p.max_tokens_per_mb, p.adv_norm, a.train_pp
+            groups,
+            self.version,
+            self.layout.train_dp,
+            p.minibatches,
+            p.max_tokens_per_mb,
+            p.adv_norm,
+            a.train_pp,
+            mask_truncated=p.mask_truncated,
         )
         for t, rank in enumerate(self.trainers):
             self.box.send(rank, batches[(t // a.train_tp) % self.layout.train_dp])
@@ -278,6 +345,7 @@ class Controller:
         self.version = res.version
         if self.version < self.cfg.train.total_steps and not self.stop_reason:
             self.sync_weights()
+            self.evals.maybe_start(self.version)  # after the WeightSync: the generators load this version first
         if self.version % self.cfg.train.save_every == 0 or self.version >= self.cfg.train.total_steps:
             self.save()
         self.write_metrics(info, res.stats)
@@ -308,14 +376,17 @@ class Controller:
             "staleness/max": info.staleness_max,
             "staleness/dropped": self.dropped_since_step,
             "reward/errors": self.reward_errors_since_step,
+            "rollout/filtered": self.filtered_since_step,
+            "rollout/truncated": info.truncated,
             "throughput/effective_tokens_per_s": info.response_tokens / max(step_s, 1e-9),
             "timing/step_s": step_s,
             "timing/weight_sync_s": self.last_sync_s,
             "timing/gen_idle_frac": self.gen_idle.take_fraction(),
             "timing/train_idle_frac": self.train_idle.take_fraction(),
             **{k: float(v) for k, v in stats.items()},
+            **self.evals.take_metrics(),
         }
-        self.dropped_since_step = self.reward_errors_since_step = 0
+        self.dropped_since_step = self.reward_errors_since_step = self.filtered_since_step = 0
         self.metrics.write(self.version, row)
 
     # --- checkpoints and stopping -----------------------------------------------------------
@@ -402,10 +473,10 @@ class Controller:
 # --- helpers -----------------------------------------------------------------------------------
 
 
-def _prompt_stream(cfg):
+def _prompt_stream(cfg, tokenizer):
     from areal_hpc.data import PromptStream
 
-    return PromptStream.from_config(cfg)
+    return PromptStream.from_config(cfg, tokenizer)
 
 
 def _tokenizer(model_path):

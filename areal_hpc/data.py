@@ -1,10 +1,21 @@
-"""Training prompts: load and validate a data set, and stream it in a resumable shuffled order.
+"""Prompts: one validated loader for every path that reads user data (the RL run, the warm start,
+`areal-hpc eval`), the prompt format, and a resumable shuffled stream.
 
-Rows (JSONL, one object a line; or parquet when pyarrow is installed):
+```
+ file -> rows --check--> Example(prompt, target) --format + tokenize--> prompt_ids --length filter--> examples
+         JSONL, JSON list,   bad row: ConfigError      data.chat_template,          > data.max_prompt_tokens:
+         parquet, datasets   `file:line: field ...`    system_prompt, prompt_suffix  skipped, counted, named
+         directory
+```
+
+Rows:
     math: {"prompt": str, "answer": str | number}
     code: {"prompt": str, "tests": [{"input": str, "output": str}, ...]}  (or that list as a JSON string)
-Other fields are ignored. A bad row fails the load with an error naming the file, the line (row)
-and the field.
+Other fields are ignored; `tools/prepare_data.py` converts other layouts into these.
+
+Prompts are tokenized once, here, for the whole data set: the length filter needs the count anyway,
+and a prompt longer than the model's context must never reach the warm start (one 15,000-token
+sequence padded into a batch kept it busy for many minutes) or a generator (vLLM refuses it).
 
 Order: epoch e visits every example once, in the permutation drawn from Random((seed, e)); the
 stream's position (epoch, index) is its whole state, so a resumed run continues exactly where the
@@ -14,14 +25,21 @@ checkpoint was taken and no prompt is consumed twice within an epoch.
 from __future__ import annotations
 
 import json
+import logging
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from areal_hpc.config import ConfigError
+import numpy as np
+
+from areal_hpc.config import Config, ConfigError
+
+log = logging.getLogger(__name__)
 
 KINDS = ("math", "code")
+NAMED_SKIPS = 5
+"""How many skipped rows the log names."""
 
 
 @dataclass(frozen=True)
@@ -29,15 +47,24 @@ class Example:
     index: int
     """Position of the row in its file (0-based, blank lines not counted)."""
     prompt: str
+    """The prompt as the data set has it (before formatting)."""
     target: str
     """What the reward compares against: the answer (math) or the tests as JSON (code)."""
     kind: str
+    where: str = ""
+    """The row's place in its file (`file:line` or `file: row i`), for messages."""
+    prompt_ids: np.ndarray | None = field(default=None, compare=False, repr=False)
+    """The formatted prompt's tokens (`load_prompts`); None from `load_dataset` alone."""
 
     def row(self) -> dict:
-        """The row as the controller keeps it: {prompt, answer} or {prompt, tests}."""
+        """The row as the controller keeps it: {prompt, answer} or {prompt, tests}, index, prompt_ids."""
+        out = {"prompt": self.prompt, "index": self.index, "prompt_ids": self.prompt_ids}
         if self.kind == "math":
-            return {"prompt": self.prompt, "answer": self.target, "index": self.index}
-        return {"prompt": self.prompt, "tests": json.loads(self.target), "index": self.index}
+            return {**out, "answer": self.target}
+        return {**out, "tests": json.loads(self.target)}
+
+
+# --- reading and checking rows -----------------------------------------------------------------
 
 
 def _check_row(row, where: str, kind: str) -> tuple[str, str]:
@@ -69,45 +96,195 @@ def _check_row(row, where: str, kind: str) -> tuple[str, str]:
 _TARGET = {"math": "answer", "code": "tests"}
 
 
-def _raw_rows(path: Path) -> Iterator[tuple[str, object]]:
-    """(where, raw row) of every row: JSONL lines, or parquet rows."""
+def read_rows(path: str | Path, setting: str = "data.train_path") -> Iterator[tuple[str, object]]:
+    """(where, raw row) of every row of a data set: JSONL lines, a JSON list, parquet rows, or the rows
+    of a `datasets` directory (`save_to_disk`). ConfigError, naming `setting`, when it cannot be read."""
+    path = Path(path)
+    if path.is_dir():
+        yield from _dataset_dir_rows(path, setting)
+        return
+    if not path.is_file():
+        raise ConfigError(f"data not found: {path} ({setting})")
     if path.suffix == ".parquet":
+        yield from _parquet_rows(path)
+        return
+    if path.suffix == ".json":
         try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise ConfigError(f"{path}: reading parquet needs pyarrow (pip install pyarrow), or use JSONL") from None
-        try:
-            rows = pq.read_table(path).to_pylist()
-        except Exception as e:  # noqa: BLE001 - any reader error is a bad file
-            raise ConfigError(f"{path}: not a readable parquet file: {e}") from None
+            rows = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(
+                f"{path}: not valid JSON: {e} (a .json file holds one list of rows; use .jsonl for one row a line)"
+            ) from None
+        if not isinstance(rows, list):
+            raise ConfigError(f"{path}: a .json data file must hold a list of rows (got {type(rows).__name__})")
         for i, row in enumerate(rows):
             yield f"{path}: row {i}", row
         return
     with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                yield where, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{where}: not valid JSON: {e}") from None
+        try:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    yield where, json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"{where}: not valid JSON: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text ({e}); JSONL data is one JSON object a line") from None
 
 
-def load_dataset(path: str | Path, kind: str) -> list[Example]:
-    """Every row of the file as an Example, validated; ConfigError on the first bad row."""
+def _parquet_rows(path: Path) -> Iterator[tuple[str, object]]:
+    import pyarrow.parquet as pq
+
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except Exception as e:  # noqa: BLE001 - any reader error is a bad file
+        raise ConfigError(f"{path}: not a readable parquet file: {e}") from None
+    for i, row in enumerate(rows):
+        yield f"{path}: row {i}", row
+
+
+def _dataset_dir_rows(path: Path, setting: str) -> Iterator[tuple[str, object]]:
+    if (path / "dataset_dict.json").is_file():
+        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        raise ConfigError(
+            f"{path} holds the splits {', '.join(splits)} of a datasets DatasetDict; set {setting} to one of "
+            + ", ".join(str(path / s) for s in splits)
+        )
+    if not (path / "dataset_info.json").is_file() or not (path / "state.json").is_file():
+        raise ConfigError(
+            f"{path} is a directory but not one saved by datasets' save_to_disk (no dataset_info.json and "
+            f"state.json); {setting} takes such a directory, a JSONL, JSON or parquet file"
+        )
+    from datasets import load_from_disk
+
+    try:
+        dataset = load_from_disk(str(path))
+    except Exception as e:  # noqa: BLE001 - any reader error is a bad directory
+        raise ConfigError(f"{path}: datasets could not load it: {e}") from None
+    for i, row in enumerate(dataset):
+        yield f"{path}: row {i}", row
+
+
+def load_dataset(path: str | Path, kind: str, setting: str = "data.train_path") -> list[Example]:
+    """Every row of the data set as an Example, validated; ConfigError on the first bad row."""
     if kind not in KINDS:
         raise ConfigError(f"data kind must be one of {', '.join(KINDS)} (got '{kind}')")
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"data file not found: {path} (data.train_path)")
     examples = []
-    for where, raw in _raw_rows(path):
+    for where, raw in read_rows(path, setting):
         prompt, target = _check_row(raw, where, kind)
-        examples.append(Example(len(examples), prompt, target, kind))
+        examples.append(Example(len(examples), prompt, target, kind, where))
     if not examples:
-        raise ConfigError(f"{path}: no rows (data.train_path must hold at least one {kind} example)")
+        raise ConfigError(f"{path}: no rows ({setting} must hold at least one {kind} example)")
     return examples
+
+
+# --- the prompt format and the length filter ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """How a data set's prompt becomes the model's input (`data.chat_template`, `system_prompt`,
+    `prompt_suffix`):
+
+        chat_template: apply_chat_template([system?, user: prompt + suffix], add_generation_prompt)
+        otherwise:     prompt + suffix, tokenized as the tokenizer does by default
+    """
+
+    chat_template: bool = False
+    system_prompt: str = ""
+    prompt_suffix: str = ""
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> PromptFormat:
+        d = cfg.data
+        return cls(d.chat_template, d.system_prompt, d.prompt_suffix)
+
+    def encode(self, tokenizer, prompts: list[str]) -> list[np.ndarray]:
+        """The token ids of each formatted prompt ([P] int32 each)."""
+        texts = [p + self.prompt_suffix for p in prompts]
+        special = True
+        if self.chat_template:
+            if not getattr(tokenizer, "chat_template", None):
+                raise ConfigError(
+                    f"data.chat_template is true but the tokenizer of {tokenizer.name_or_path} has no chat "
+                    "template; set data.chat_template=false, or use a model directory whose tokenizer has one"
+                )
+            system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+            texts = [
+                tokenizer.apply_chat_template(
+                    [*system, {"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
+                )
+                for t in texts
+            ]
+            special = False  # the template writes the special tokens itself
+        ids = tokenizer(texts, add_special_tokens=special)["input_ids"] if texts else []
+        return [np.asarray(x, np.int32) for x in ids]
+
+
+def max_prompt_tokens(cfg: Config) -> int:
+    """`data.max_prompt_tokens`, or by default the longest prompt whose full answer still fits."""
+    return cfg.data.max_prompt_tokens or cfg.model.max_position_embeddings - cfg.rollout.max_new_tokens
+
+
+def load_prompts(cfg: Config, tokenizer, path: str | Path, setting: str = "data.train_path") -> list[Example]:
+    """The examples of a data set, formatted and tokenized (`prompt_ids`), less those over
+    `max_prompt_tokens(cfg)` tokens, which are counted and the first few named in the log."""
+    examples = load_dataset(path, cfg.reward.kind, setting)
+    ids = PromptFormat.from_config(cfg).encode(tokenizer, [e.prompt for e in examples])
+    limit = max_prompt_tokens(cfg)
+    kept, skipped = [], []
+    for e, p in zip(examples, ids):
+        if len(p) > limit:
+            skipped.append(f"{e.where} ({len(p)} tokens)")
+        else:
+            kept.append(Example(len(kept), e.prompt, e.target, e.kind, e.where, p))
+    if skipped:
+        named = ", ".join(skipped[:NAMED_SKIPS]) + (", ..." if len(skipped) > NAMED_SKIPS else "")
+        log.warning(
+            "%s: skipped %d of %d prompts longer than %d tokens (data.max_prompt_tokens): %s",
+            path,
+            len(skipped),
+            len(examples),
+            limit,
+            named,
+        )
+    if not kept:
+        raise ConfigError(
+            f"{path}: every prompt is longer than {limit} tokens (data.max_prompt_tokens); raise it (with "
+            "model.max_position_embeddings) or shorten the prompts"
+        )
+    return kept
+
+
+def train_path(cfg: Config) -> Path:
+    """`data.train_path`, or the synthetic arithmetic task's training split built under the run root."""
+    if cfg.data.train_path:
+        return Path(cfg.data.train_path)
+    if cfg.reward.kind != "math":
+        raise ConfigError(f"reward.kind {cfg.reward.kind} needs data.train_path (the synthetic task is math)")
+
+    return _synthetic(cfg) / "train.jsonl"
+
+
+def eval_path(cfg: Config) -> Path:
+    """`eval.data`, or with neither it nor `data.train_path` set, the synthetic task's held-out test split."""
+    if cfg.eval.data:
+        return Path(cfg.eval.data)
+    if cfg.data.train_path:
+        raise ConfigError("eval.data is empty: name the held-out prompts to evaluate on (eval.data=FILE, or --data)")
+    return _synthetic(cfg) / "test.jsonl"
+
+
+def _synthetic(cfg: Config) -> Path:
+    from areal_hpc.tiny import build_arithmetic_data
+
+    d = cfg.data
+    return build_arithmetic_data(d.synthetic_size, cfg.experiment.root, cfg.experiment.seed, d.synthetic_max_operand)
+
+
+# --- the stream ---------------------------------------------------------------------------------
 
 
 class PromptStream:
@@ -121,19 +298,9 @@ class PromptStream:
         self._order = self._permutation(0)
 
     @classmethod
-    def from_config(cls, cfg) -> PromptStream:
-        """`data.train_path` (of `reward.kind`), or the synthetic arithmetic task built under the run root."""
-        path = cfg.data.train_path
-        if not path and cfg.reward.kind != "math":
-            raise ConfigError(f"reward.kind {cfg.reward.kind} needs data.train_path (the synthetic task is math)")
-        if not path:
-            from areal_hpc.tiny import build_arithmetic_data
-
-            d = cfg.data
-            path = build_arithmetic_data(
-                d.synthetic_size, cfg.experiment.root, cfg.experiment.seed, d.synthetic_max_operand
-            )
-        return cls(load_dataset(path, cfg.reward.kind), cfg.experiment.seed)
+    def from_config(cls, cfg: Config, tokenizer) -> PromptStream:
+        """The training prompts (`train_path(cfg)`), formatted and filtered by `load_prompts`."""
+        return cls(load_prompts(cfg, tokenizer, train_path(cfg)), cfg.experiment.seed)
 
     def _permutation(self, epoch: int) -> list[int]:
         order = list(range(len(self.examples)))

@@ -13,11 +13,12 @@ directory name is a hash of (base model, settings, data), written atomically.
 
 from __future__ import annotations
 
-import json
 import random
+import time
 from pathlib import Path
 
 from areal_hpc.config import Config
+from areal_hpc.data import max_prompt_tokens
 from areal_hpc.tiny import BOXED, _build_atomically, _digest, arithmetic_rows, build_tiny_model
 
 
@@ -43,23 +44,33 @@ def initial_model(cfg: Config) -> Path:
     return warm_start(cfg, base)
 
 
-def sft_rows(cfg: Config) -> list[dict]:
-    """`{prompt, answer}` rows of the warm start: fresh synthetic rows (a seed the RL prompts do not
-    use), or the first `sft.examples` rows of `data.train_path`."""
-    if not cfg.data.train_path:
-        return arithmetic_rows(cfg.sft.examples, cfg.experiment.seed + 7919, cfg.data.synthetic_max_operand)
-    rows = []
-    with open(cfg.data.train_path) as f:
-        for line in f:
-            if line.strip():
-                rows.append(json.loads(line))
-            if len(rows) == cfg.sft.examples:
-                break
-    return rows
+def sft_examples(cfg: Config, tokenizer) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, response ids) of the warm start: `\\boxed{answer}` and EOS after the prompt, formatted
+    as the RL run formats it (`data.PromptFormat`). The rows: fresh synthetic ones (a seed the RL prompts
+    do not use; every problem, the test split's too: the warm start stands in for the pretraining of a
+    real base model, and the test split measures what RL adds on problems it never trained on), or the
+    first `sft.examples` of `data.train_path`, read through the
+    same validated loader as the run (a bad row is a `file:line: field` error; an overlong prompt is
+    skipped and named)."""
+    from areal_hpc.data import PromptFormat, load_prompts
+
+    if cfg.data.train_path:
+        rows = [(e.prompt_ids, e.target) for e in load_prompts(cfg, tokenizer, cfg.data.train_path)]
+    else:
+        synthetic = arithmetic_rows(
+            cfg.sft.examples, cfg.experiment.seed + 7919, cfg.data.synthetic_max_operand, held_out=True
+        )
+        ids = PromptFormat.from_config(cfg).encode(tokenizer, [r["prompt"] for r in synthetic])
+        rows = [(p, r["answer"]) for p, r in zip(ids, synthetic)]
+    out = []
+    for prompt_ids, answer in rows[: cfg.sft.examples]:
+        response = tokenizer(f"{BOXED}{answer}}}", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        out.append(([int(t) for t in prompt_ids], response))
+    return out
 
 
 def warm_start(cfg: Config, base: Path) -> Path:
-    """Fine-tune `base` on `sft_rows(cfg)`; the loss is on the response tokens only.
+    """Fine-tune `base` on `sft_examples(cfg, tokenizer)`; the loss is on the response tokens only.
 
         loss = - mean over response tokens of log p(token | prompt, earlier response tokens)
 
@@ -71,7 +82,9 @@ def warm_start(cfg: Config, base: Path) -> Path:
         {
             "base": str(Path(base).resolve()),
             "sft": vars(s),
-            "data": [d.train_path, d.synthetic_max_operand],
+            "data": vars(d),
+            "max_prompt_tokens": max_prompt_tokens(cfg),
+            "synthetic_problems": "all",  # since the test split: every problem, the held-out ones too
             "seed": cfg.experiment.seed,
         }
     )
@@ -101,15 +114,16 @@ def _train(cfg: Config, base: Path, out: Path) -> None:
     torch.manual_seed(cfg.experiment.seed)
     tok = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    examples = []
-    for row in sft_rows(cfg):
-        prompt = tok(row["prompt"])["input_ids"]
-        response = tok(f"{BOXED}{row['answer']}}}")["input_ids"] + [tok.eos_token_id]
-        examples.append((prompt, response))
+    examples = sft_examples(cfg, tok)
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
     rng = random.Random(cfg.experiment.seed)
     model.train()
-    for _ in range(s.epochs):
+    started = time.monotonic()
+    for epoch in range(s.epochs):
+        print(
+            f"warm start: epoch {epoch + 1}/{s.epochs} of {len(examples)} examples ({time.monotonic() - started:.0f} s)",
+            flush=True,
+        )
         rng.shuffle(examples)
         for i in range(0, len(examples), s.batch_size):
             batch = examples[i : i + s.batch_size]

@@ -120,30 +120,56 @@ def build_tiny_model(m: ModelConfig, root: str | Path, seed: int) -> Path:
     return _build_atomically(Path(root) / ".assets" / f"tiny-model-{key}", build)
 
 
-def arithmetic_rows(n: int, seed: int, max_operand: int = 99) -> list[dict]:
-    """`{prompt, answer}` rows of the synthetic task: 'a+b=' or 'a-b=' with the answer boxed.
+TEST_SHARE = 5
+"""One in this many of the synthetic task's problems is held out of the RL prompts, as its test split
+(the warm start, which stands in for a base model's pretraining, sees every problem)."""
+TEST_MAX = 500
+"""Most problems in the test split."""
+
+
+def arithmetic_problems(max_operand: int = 99) -> tuple[list[tuple], list[tuple]]:
+    """Every problem (a, op, b) with 0 <= a, b <= max_operand, split into (train, test): a fixed
+    fifth (at most TEST_MAX) held out, drawn by a seed of its own, so every run agrees."""
+    problems = [(a, op, b) for a in range(max_operand + 1) for b in range(max_operand + 1) for op in "+-"]
+    random.Random(f"arithmetic-split:{max_operand}").shuffle(problems)
+    n_test = min(len(problems) // TEST_SHARE, TEST_MAX)
+    return problems[n_test:], problems[:n_test]
+
+
+def _row(problem: tuple) -> dict:
+    a, op, b = problem
+    return {"prompt": f"{a}{op}{b}=", "answer": str(a + b if op == "+" else a - b)}
+
+
+def arithmetic_rows(n: int, seed: int, max_operand: int = 99, held_out: bool = False) -> list[dict]:
+    """`{prompt, answer}` rows of the synthetic task: 'a+b=' or 'a-b=' with the answer boxed, drawn
+    uniformly (with repeats) from the training split's problems, or with `held_out` from every problem.
 
     Deterministic in (n, seed). Prompts are plain text; the expected response is `\\boxed{c}`.
     """
     rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-        op = rng.choice("+-")
-        rows.append({"prompt": f"{a}{op}{b}=", "answer": str(a + b if op == "+" else a - b)})
-    return rows
+    train, test = arithmetic_problems(max_operand)
+    problems = train + test if held_out else train
+    return [_row(rng.choice(problems)) for _ in range(n)]
+
+
+def arithmetic_test_rows(max_operand: int = 99) -> list[dict]:
+    """The held-out problems, each once: no row of the RL prompts is one of them."""
+    return [_row(p) for p in arithmetic_problems(max_operand)[1]]
 
 
 def build_arithmetic_data(n: int, root: str | Path, seed: int, max_operand: int = 99) -> Path:
-    """The JSONL file of the synthetic task, built once per (n, seed, max_operand)."""
-    spec = {"task": "arithmetic", "n": n, "seed": seed}
-    if max_operand != 99:  # the default keeps the cache key it always had
-        spec["max_operand"] = max_operand
-    key = _digest(spec)
+    """The directory of the synthetic task, built once per (n, seed, max_operand): `train.jsonl`
+    (n rows of `arithmetic_rows`) and `test.jsonl` (`arithmetic_test_rows`)."""
+    key = _digest({"task": "arithmetic", "n": n, "seed": seed, "max_operand": max_operand, "test_share": TEST_SHARE})
 
     def build(out: Path) -> None:
-        with open(out / "train.jsonl", "w") as f:
-            for row in arithmetic_rows(n, seed, max_operand):
-                f.write(json.dumps(row) + "\n")
+        for name, rows in (
+            ("train", arithmetic_rows(n, seed, max_operand)),
+            ("test", arithmetic_test_rows(max_operand)),
+        ):
+            with open(out / f"{name}.jsonl", "w") as f:
+                for row in rows:
+                    f.write(json.dumps(row) + "\n")
 
-    return _build_atomically(Path(root) / ".assets" / f"arithmetic-{key}", build) / "train.jsonl"
+    return _build_atomically(Path(root) / ".assets" / f"arithmetic-{key}", build)

@@ -44,11 +44,13 @@ class Prompts:
 
     def __init__(self):
         self.position = 0
+        self.tok = build_tokenizer()
 
     def next(self) -> dict:
         a, b = divmod(self.position, 100)
         self.position += 1
-        return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
+        prompt = f"{a}+{b}="
+        return {"prompt": prompt, "answer": str(a + b), "prompt_ids": self.tok(prompt)["input_ids"]}
 
     def state_dict(self):
         return {"position": self.position}
@@ -271,3 +273,14 @@ def test_liveness_names_the_rank_silent_longest_and_ignores_idle_time():
     live.done(trainer)
     live.done(gen)
     live.check(2000.0)
+
+
+def test_bad_training_data_fails_the_controller_with_the_loaders_error(tmp_path):
+    from areal_hpc.config import ConfigError
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
+    cfg, layout, run_dir, tok_dir = make(tmp_path, f"data.train_path={bad}")
+    ctx = RankContext(cfg, layout, None, None, run_dir, tok_dir, None)
+    with pytest.raises(ConfigError, match=f"{bad}:2: field 'answer'"):
+        Controller(ctx, mailbox=World(layout, build_tokenizer()))

@@ -6,8 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from areal_hpc.config import Config, ConfigError
-from areal_hpc.data import PromptStream, load_dataset
+from areal_hpc.config import Config, ConfigError, load_config
+from areal_hpc.data import PromptStream, load_dataset, load_prompts
+from areal_hpc.tiny import arithmetic_rows, build_tokenizer
 
 
 def write_jsonl(path, rows, raw_lines=()):
@@ -23,7 +24,7 @@ def test_math_rows(tmp_path):
     path = write_jsonl(tmp_path / "m.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2*3=", "answer": 6}])
     examples = load_dataset(path, "math")
     assert [(e.prompt, e.target, e.index) for e in examples] == [("1+1=", "2", 0), ("2*3=", "6", 1)]
-    assert examples[1].row() == {"prompt": "2*3=", "answer": "6", "index": 1}
+    assert examples[1].row() == {"prompt": "2*3=", "answer": "6", "index": 1, "prompt_ids": None}
 
 
 def test_code_rows_tests_as_list_or_json_string(tmp_path):
@@ -63,27 +64,67 @@ def test_bad_rows_name_file_line_and_field(tmp_path, kind, bad_line, message):
 
 
 def test_missing_empty_and_wrong_kind(tmp_path):
-    with pytest.raises(ConfigError, match="data file not found"):
+    with pytest.raises(ConfigError, match=r"data not found: .*nope.jsonl \(data.train_path\)"):
         load_dataset(tmp_path / "nope.jsonl", "math")
     (tmp_path / "empty.jsonl").write_text("\n\n")
     with pytest.raises(ConfigError, match="no rows"):
         load_dataset(tmp_path / "empty.jsonl", "math")
     with pytest.raises(ConfigError, match="data kind"):
         load_dataset(tmp_path / "empty.jsonl", "poetry")
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"prompt": "caf\xe9", "answer": "1"}\n')
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_dataset(tmp_path / "latin1.jsonl", "math")
 
 
-def test_parquet_needs_pyarrow_or_reads_rows(tmp_path):
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        (tmp_path / "d.parquet").write_bytes(b"PAR1")
-        with pytest.raises(ConfigError, match="needs pyarrow"):
-            load_dataset(tmp_path / "d.parquet", "math")
-        return
-    pq.write_table(pa.Table.from_pylist([{"prompt": "a", "answer": "1"}, {"prompt": "b"}]), tmp_path / "d.parquet")
-    with pytest.raises(ConfigError, match=r"d.parquet: row 1: field 'answer'"):
-        load_dataset(tmp_path / "d.parquet", "math")
+def test_json_list_and_its_bad_rows(tmp_path):
+    (tmp_path / "d.json").write_text(json.dumps([{"prompt": "a", "answer": 1}, {"prompt": "b", "answer": "2"}]))
+    assert [e.target for e in load_dataset(tmp_path / "d.json", "math")] == ["1", "2"]
+    (tmp_path / "obj.json").write_text(json.dumps({"prompt": "a", "answer": 1}))
+    with pytest.raises(ConfigError, match="must hold a list of rows"):
+        load_dataset(tmp_path / "obj.json", "math")
+    (tmp_path / "lines.json").write_text('{"prompt": "a", "answer": 1}\n{"prompt": "b", "answer": 2}\n')
+    with pytest.raises(ConfigError, match="use .jsonl for one row a line"):
+        load_dataset(tmp_path / "lines.json", "math")
+    (tmp_path / "bad.json").write_text(json.dumps([{"prompt": "a", "answer": 1}, {"prompt": "b"}]))
+    with pytest.raises(ConfigError, match=r"bad.json: row 1: field 'answer'"):
+        load_dataset(tmp_path / "bad.json", "math")
+
+
+def test_parquet_rows_and_a_bad_row(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(
+        pa.Table.from_pylist([{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]), tmp_path / "d.parquet"
+    )
+    assert [e.prompt for e in load_dataset(tmp_path / "d.parquet", "math")] == ["a", "b"]
+    pq.write_table(pa.Table.from_pylist([{"prompt": "a", "answer": "1"}, {"prompt": "b"}]), tmp_path / "bad.parquet")
+    with pytest.raises(ConfigError, match=r"bad.parquet: row 1: field 'answer'"):
+        load_dataset(tmp_path / "bad.parquet", "math")
+    (tmp_path / "junk.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(ConfigError, match="not a readable parquet file"):
+        load_dataset(tmp_path / "junk.parquet", "math")
+
+
+def test_datasets_directories(tmp_path):
+    from datasets import Dataset, DatasetDict
+
+    tests = [{"input": "1", "output": "1"}]
+    ds = Dataset.from_list([{"prompt": "echo", "tests": json.dumps(tests), "source": "x"}])
+    ds.save_to_disk(str(tmp_path / "one"))
+    assert json.loads(load_dataset(tmp_path / "one", "code")[0].target) == tests
+    DatasetDict({"train": ds, "test": ds}).save_to_disk(str(tmp_path / "dict"))
+    with pytest.raises(
+        ConfigError, match=r"splits train, test of a datasets DatasetDict; set data.train_path to one of .*dict/train"
+    ):
+        load_dataset(tmp_path / "dict", "code")
+    assert len(load_dataset(tmp_path / "dict" / "train", "code")) == 1
+    Dataset.from_list([{"prompt": "echo"}]).save_to_disk(str(tmp_path / "bad"))
+    with pytest.raises(ConfigError, match=r"bad: row 0: field 'tests'"):
+        load_dataset(tmp_path / "bad", "code")
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(ConfigError, match="not one saved by datasets' save_to_disk"):
+        load_dataset(tmp_path / "plain", "math")
 
 
 def stream_of(n: int, seed: int, tmp_path) -> PromptStream:
@@ -125,15 +166,115 @@ def test_resume_refuses_another_data_set(tmp_path):
         stream_of(11, 1, tmp_path).load_state_dict(state)
 
 
-def test_from_config_builds_the_synthetic_task(tmp_path):
+def test_from_config_builds_the_synthetic_task_with_a_held_out_split(tmp_path):
+    from areal_hpc.data import eval_path
+
     cfg = Config()
     cfg.experiment.root = str(tmp_path)
-    cfg.data.synthetic_size = 64
-    stream = PromptStream.from_config(cfg)
+    cfg.data.synthetic_size, cfg.data.synthetic_max_operand = 300, 9
+    tok = build_tokenizer()
+    stream = PromptStream.from_config(cfg, tok)
     row = stream.next()
     assert row["prompt"].endswith("=") and row["answer"].lstrip("-").isdigit()
+    assert tok.decode(row["prompt_ids"]) == row["prompt"]
+    train = {e.prompt for e in stream.examples}
+    test = [e.prompt for e in load_dataset(eval_path(cfg), "math")]
+    assert len(test) == len(set(test)) == 200 // 5, "a fifth of the 200 problems, each once"
+    assert not train & set(test), "a held-out problem is in the training split"
+    assert not {r["prompt"] for r in arithmetic_rows(2000, 7, 9)} & set(test)
+    from areal_hpc.sft import sft_examples
+
+    cfg.sft.examples = 2000  # the warm start stands in for pretraining: it sees every problem
+    assert set(test) < {tok.decode(p) for p, _ in sft_examples(cfg, tok)}, "the warm start skips held-out problems"
     cfg.reward.kind = "code"
     with pytest.raises(ConfigError, match="needs data.train_path"):
-        PromptStream.from_config(cfg)
+        PromptStream.from_config(cfg, tok)
     cfg.data.train_path = str(write_jsonl(tmp_path / "c.jsonl", [{"prompt": "p", "tests": [{"output": "1"}]}]))
-    assert PromptStream.from_config(cfg).next()["tests"] == [{"input": "", "output": "1"}]
+    assert PromptStream.from_config(cfg, tok).next()["tests"] == [{"input": "", "output": "1"}]
+    with pytest.raises(ConfigError, match="eval.data is empty"):
+        eval_path(cfg)
+
+
+CHAT = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def config_with(tmp_path, rows, *overrides):
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    return load_config(None, [f"experiment.root={tmp_path}", f"data.train_path={path}", *overrides]), path
+
+
+def test_prompt_format_plain_suffix_and_chat_template(tmp_path):
+    tok = build_tokenizer()
+    rows = [{"prompt": "1+2=", "answer": "3"}]
+    cfg, _ = config_with(tmp_path, rows)
+    cfg.data.prompt_suffix = "\n Box it."  # as YAML gives it ("\n Box it."); a command line strips spaces
+    (e,) = load_prompts(cfg, tok, cfg.data.train_path)
+    assert tok.decode(e.prompt_ids) == "1+2=\n Box it." and e.prompt == "1+2="
+    cfg, _ = config_with(tmp_path, rows, "data.chat_template=true", "data.system_prompt=Be brief.")
+    with pytest.raises(ConfigError, match="has no chat template; set data.chat_template=false"):
+        load_prompts(cfg, tok, cfg.data.train_path)
+    tok.chat_template = CHAT
+    (e,) = load_prompts(cfg, tok, cfg.data.train_path)
+    assert tok.decode(e.prompt_ids) == "<system>Be brief.\n<user>1+2=\n<assistant>"
+    with pytest.raises(ConfigError, match="data.system_prompt needs data.chat_template: true"):
+        config_with(tmp_path, rows, "data.system_prompt=Be brief.")
+
+
+def test_overlong_prompts_are_skipped_counted_and_named(tmp_path, caplog):
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(10)]
+    rows[3]["prompt"] = rows[8]["prompt"] = "9" * 15000 + "="
+    cfg, path = config_with(tmp_path, rows)  # default limit: 512 positions - 32 new tokens
+    with caplog.at_level("WARNING"):
+        examples = load_prompts(cfg, build_tokenizer(), path)
+    assert [e.prompt for e in examples] == [r["prompt"] for i, r in enumerate(rows) if i not in (3, 8)]
+    assert [e.index for e in examples] == list(range(8))
+    assert (
+        f"skipped 2 of 10 prompts longer than 480 tokens (data.max_prompt_tokens): {path}:4 (15001 tokens), {path}:9"
+        in caplog.text
+    )
+    cfg, path = config_with(tmp_path, rows, "data.max_prompt_tokens=3")
+    with pytest.raises(ConfigError, match="every prompt is longer than 3 tokens"):
+        load_prompts(cfg, build_tokenizer(), path)
+    with pytest.raises(ConfigError, match=r"data.max_prompt_tokens \(500\) \+ rollout.max_new_tokens \(32\) must fit"):
+        config_with(tmp_path, rows, "data.max_prompt_tokens=500")
+
+
+def test_warm_start_reads_through_the_loader(tmp_path, caplog):
+    """The issue's cases: a malformed line and a row without its answer end in the loader's errors,
+    not tracebacks; a 15,000-character prompt is skipped (and named), not trained on for minutes."""
+    from areal_hpc.sft import sft_examples
+
+    tok = build_tokenizer()
+    good = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(6)]
+    cfg, path = config_with(tmp_path, good + [{"prompt": "9" * 15000 + "=", "answer": "1"}], "sft.examples=4")
+    with caplog.at_level("WARNING"):
+        examples = sft_examples(cfg, tok)
+    assert len(examples) == 4 and f"{path}:7 (15001 tokens)" in caplog.text
+    prompt, response = examples[0]
+    assert tok.decode(prompt) == "0+1=" and tok.decode(response) == "\\boxed{1}<|endoftext|>"
+    path.write_text(json.dumps(good[0]) + "\n" + '{"prompt": "2+2=", "answer": \n')
+    with pytest.raises(ConfigError, match=f"{path}:2: not valid JSON"):
+        sft_examples(cfg, tok)
+    path.write_text(json.dumps(good[0]) + "\n" + json.dumps({"prompt": "2+2="}) + "\n")
+    with pytest.raises(ConfigError, match=f"{path}:2: field 'answer'"):
+        sft_examples(cfg, tok)
+    with pytest.raises(ConfigError, match="sft.examples > 0 needs math rows"):
+        config_with(tmp_path, good, "sft.examples=4", "reward.kind=code")
+
+
+def test_run_reports_bad_data_in_one_line(tmp_path):
+    """`areal-hpc run` with a malformed data file: exit 2 and the loader's message, no traceback, before any rank."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": \n')
+    cmd = [sys.executable, "-m", "areal_hpc.cli", "run", "configs/tiny-cpu.yaml", f"experiment.root={tmp_path}"]
+    cmd += [f"data.train_path={path}", "sft.examples=10"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"config error: {path}:2: not valid JSON" in out.stderr
+    assert "Traceback" not in out.stdout + out.stderr

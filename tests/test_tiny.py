@@ -33,9 +33,11 @@ def test_tiny_model_is_deterministic_and_cached(tmp_path):
 
 def test_arithmetic_data_is_deterministic(tmp_path):
     assert arithmetic_rows(50, seed=1) == arithmetic_rows(50, seed=1) != arithmetic_rows(50, seed=2)
-    path = build_arithmetic_data(20, tmp_path, seed=1)
+    path = build_arithmetic_data(20, tmp_path, seed=1) / "train.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert rows == arithmetic_rows(20, seed=1)
+    test = [json.loads(line) for line in (path.parent / "test.jsonl").read_text().splitlines()]
+    assert len(test) == 500 and not {r["prompt"] for r in rows} & {r["prompt"] for r in test}
     for row in rows:
         a, op, b = row["prompt"][:-1].partition("+") if "+" in row["prompt"] else row["prompt"][:-1].partition("-")
         assert int(row["answer"]) == (int(a) + int(b) if op == "+" else int(a) - int(b))

@@ -181,3 +181,58 @@ def test_plot_run_without_timeline_or_metrics(tmp_path):
     assert plot_run.main([str(tmp_path)]) == 0  # metrics only: the timeline panel says it is missing
     assert (tmp_path / "run.png").read_bytes()[:4] == b"\x89PNG"
     assert plot_run.main([str(tmp_path / "nothing")]) == 2
+
+
+# --- prepare_data: common layouts to the project's rows ------------------------------------------
+
+prepare = _load("prepare_data")
+
+
+def test_prepare_math_layouts(tmp_path):
+    rows = [
+        {"problem": "Half of 1?", "solution": "It is $\\frac{1}{2}$, so \\boxed{\\frac{1}{2}}.", "level": 2},  # MATH
+        {"question": "2 apples and 3 more?", "answer": "2 + 3 = 5\n#### 1,005"},  # GSM8K
+        {"prompt": "6*7=", "answer": 42},
+        {"question": "no answer here", "solution": "none"},
+        {"problem": "", "answer": "1"},
+    ]
+    src = tmp_path / "math.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    shown = []
+    assert prepare.convert(src, tmp_path / "out.jsonl", "math", show=shown.append) == 3
+    out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert out == [
+        {"prompt": "Half of 1?", "answer": "\\frac{1}{2}"},
+        {"prompt": "2 apples and 3 more?", "answer": "1005"},
+        {"prompt": "6*7=", "answer": "42"},
+    ]
+    assert "skipped 2 rows" in shown[1] and f"{src}:4: no answer" in shown[2] and f"{src}:5: no prompt" in shown[2]
+    with pytest.raises(prepare.ConfigError, match="no row could be converted"):
+        prepare.convert(src, tmp_path / "x.jsonl", "math", target_field="nothing")
+    assert not (tmp_path / "x.jsonl").exists() and not (tmp_path / "x.jsonl.partial").exists()
+    src.write_text(src.read_text() + '{"problem": "1+1?", "answer": \n')  # a malformed last line
+    with pytest.raises(prepare.ConfigError, match=f"{src}:6: not valid JSON"):
+        prepare.convert(src, tmp_path / "y.jsonl", "math", show=shown.append)
+    assert not list(tmp_path.glob("y.jsonl*")), "nothing half-written stays behind"
+
+
+def test_prepare_code_layouts_from_parquet_and_the_command_line(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [
+        {"question": "add", "input_output": json.dumps({"inputs": ["1 2\n"], "outputs": ["3\n"]})},  # APPS
+        {"question": "echo", "input_output": json.dumps([{"input": "a", "output": "a"}])},
+        {"question": "broken", "input_output": "{not json"},
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "apps.parquet")
+    assert prepare.main([str(tmp_path / "apps.parquet"), "--kind", "code", "-o", str(tmp_path / "c.jsonl")]) == 0
+    assert "wrote 2 code rows" in capsys.readouterr().out
+    from areal_hpc.data import load_dataset
+
+    got = [json.loads(e.target) for e in load_dataset(tmp_path / "c.jsonl", "code")]
+    assert got == [[{"input": "1 2\n", "output": "3\n"}], [{"input": "a", "output": "a"}]]
+    contests = {"description": "sum", "public_tests": {"input": [["1", "2"]], "output": [3]}}  # stdin as lines
+    assert prepare.convert_row(contests, "code") == {"prompt": "sum", "tests": [{"input": "1\n2", "output": "3"}]}
+    assert prepare.main([str(tmp_path / "missing.jsonl"), "--kind", "code", "-o", str(tmp_path / "d.jsonl")]) == 2
+    assert "data not found" in capsys.readouterr().err

@@ -22,3 +22,16 @@ def score(kind: str, response: str, target: str, timeout_s: float | None) -> tup
 
         return code_score(response, target, timeout_s)
     return 0.0, f"error: unknown reward kind {kind!r} (expected one of {', '.join(KINDS)})"
+
+
+def overlong_penalty(length: int, max_new_tokens: int, buffer: int, penalty: float) -> float:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), added to an answer's reward: nothing
+    up to `max_new_tokens - buffer` tokens, then falling linearly to `-penalty` at `max_new_tokens`:
+
+        0                                                   if L <= max_new_tokens - buffer
+        -penalty * (L - (max_new_tokens - buffer)) / buffer  otherwise (L <= max_new_tokens)
+
+    (`reward.overlong_penalty`, `reward.overlong_buffer`; 0 when either is 0.)"""
+    if penalty <= 0 or buffer <= 0:
+        return 0.0
+    return -penalty * max(0, length - (max_new_tokens - buffer)) / buffer

@@ -1,0 +1,323 @@
+"""`areal-hpc eval`: how good a model is on held-out prompts, with the run's own generator and rewards.
+
+```
+ MODEL_DIR | RUN_DIR --step N -> Hugging Face directory (step 0: the run's initial model; step N: its
+                                  checkpoint, exported once to RUN_DIR/hf/step_N)
+ --data FILE -> areal_hpc.data.load_prompts (the run's prompt format and length filter)
+ K answers per prompt: the generator's vLLM engine (allocation.gen_tp, rollout.temperature, max_new_tokens)
+ each answer, as it finishes -> the reward workers' scorer pool (reward.kind, reward.timeout_s)
+ -> pass@1 (mean over prompts of c/K), pass@k for k = 1, 2, 4, ... K, answer lengths
+ -> a table on the terminal and a JSON report
+```
+
+An answer is correct when its reward is 1 (math: the boxed answer equals the reference; code: every
+test passes). The same bookkeeping (`EvalRound`) serves the evaluation between training steps, where
+the controller sends the prompts to the generators and the answers to the reward workers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from areal_hpc.config import Config, ConfigError, load_config
+from areal_hpc.data import Example, eval_path, load_prompts
+
+log = logging.getLogger(__name__)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n answers of which c are correct (Chen et al. 2021, "Evaluating Large
+    Language Models Trained on Code", eq. 1 and its numerically stable product form):
+
+        pass@k = 1 - C(n - c, k) / C(n, k) = 1 - prod_{i = n - c + 1}^{n} (1 - k / i)
+    """
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n (got n={n}, c={c}, k={k})")
+    if n - c < k:
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def ks(samples: int) -> list[int]:
+    """k = 1, 2, 4, ... up to K, and K itself."""
+    out = [1 << i for i in range(int(math.log2(samples)) + 1)]
+    return out if out[-1] == samples else [*out, samples]
+
+
+@dataclass
+class EvalRound:
+    """K answers to each of a list of prompts, scored; what they add up to (`report`)."""
+
+    examples: list[Example]
+    samples: int
+    rewards: list[list[float | None]] = field(init=False)
+    lengths: list[list[int | None]] = field(init=False)
+    """Tokens of each answer (None until it has come back: an answer may have none)."""
+    truncated: int = 0
+    errors: int = 0
+    """Answers scored 0 for a reward timeout or error."""
+
+    def __post_init__(self):
+        self.rewards = [[None] * self.samples for _ in self.examples]
+        self.lengths = [[None] * self.samples for _ in self.examples]
+
+    def answered(self, prompt: int, sample: int, length: int, truncated: bool) -> None:
+        self.lengths[prompt][sample] = length
+        self.truncated += truncated
+
+    def scored(self, prompt: int, sample: int, reward: float, reason: str = "ok") -> None:
+        self.rewards[prompt][sample] = float(reward)
+        self.errors += reason != "ok"
+
+    def generated(self, prompt: int) -> bool:
+        """Every answer to the prompt has come back from the generator."""
+        return all(n is not None for n in self.lengths[prompt])
+
+    @property
+    def done(self) -> bool:
+        return all(r is not None for rs in self.rewards for r in rs)
+
+    def report(self) -> dict:
+        """pass@k, mean reward and answer lengths; `per_prompt` has each prompt's correct count."""
+        n = self.samples
+        correct = [sum(r >= 1.0 for r in rs) for rs in self.rewards]
+        lengths = np.array(self.lengths, np.float64).ravel()
+        return {
+            "prompts": len(self.examples),
+            "samples": n,
+            "pass@k": {str(k): float(np.mean([pass_at_k(n, c, k) for c in correct])) for k in ks(n)},
+            "reward_mean": float(np.mean([r for rs in self.rewards for r in rs])),
+            "answer_tokens": {
+                "mean": float(lengths.mean()),
+                "median": float(np.median(lengths)),
+                "p90": float(np.percentile(lengths, 90)),
+                "max": int(lengths.max()),
+            },
+            "truncated_frac": self.truncated / (len(self.examples) * n),
+            "reward_errors": self.errors,
+            "per_prompt": [
+                {"where": e.where, "prompt": e.prompt, "correct": c, "tokens": self.lengths[i]}
+                for i, (e, c) in enumerate(zip(self.examples, correct))
+            ],
+        }
+
+
+class TrainingEval:
+    """Evaluation between training steps (`eval.every_steps`), on the run's own generators and reward
+    workers: before the first step and after every `every_steps` steps, the eval prompts go to the
+    generators (right after the WeightSync of that version, which they handle first), K answers each.
+
+    They are not training data: their group ids are negative (-1 - prompt index), so their answers
+    and rewards come back here, never to the buffer; the staleness gate never counts them. A round
+    still running when the next one is due is left to finish (the next one is skipped). Its figures
+    (`eval/pass@1`, `eval/pass@k`, `eval/reward_mean`, `eval/answer_tokens`, and `eval/version`, the
+    version it started on: answers in flight across a weight update finish on the newer weights) go
+    into the metrics row of the next step that ends.
+    """
+
+    def __init__(self, ctl, examples: list[Example], samples: int, every_steps: int):
+        self.ctl, self.examples, self.samples, self.every_steps = ctl, examples, samples, every_steps
+        self.round: EvalRound | None = None
+        self.version = 0
+        self.metrics: dict = {}
+
+    @classmethod
+    def from_config(cls, ctl) -> TrainingEval:
+        """`ctl` is the controller: its tokenizer, config, and `send_generate`, `generator_done`, `send_reward`."""
+        e = ctl.cfg.eval
+        examples = load_prompts(ctl.cfg, ctl.tokenizer, eval_path(ctl.cfg), "eval.data") if e.every_steps else []
+        return cls(ctl, examples, e.samples, e.every_steps)
+
+    def maybe_start(self, version: int) -> None:
+        if not self.every_steps or version % self.every_steps:
+            return
+        if self.round is not None:
+            log.warning("evaluation of version %d still running: none of version %d", self.version, version)
+            return
+        self.round, self.version = EvalRound(self.examples, self.samples), version
+        for i, e in enumerate(self.examples):
+            self.ctl.send_generate(-1 - i, e.prompt_ids, self.samples)
+
+    def on_trajectory(self, src: int, traj) -> None:
+        i = -1 - traj.group_id
+        self.round.answered(i, traj.sample_idx, len(traj.output_ids), traj.finish_reason == "length")
+        if self.round.generated(i):
+            self.ctl.generator_done(src, traj.group_id)
+        traj_id = -1 - (i * self.samples + traj.sample_idx)
+        self.ctl.send_reward(traj_id, traj.group_id, traj.sample_idx, traj.output_ids, self.examples[i].target)
+
+    def on_reward(self, group_id: int, sample_idx: int, reward: float, reason: str) -> None:
+        self.round.scored(-1 - group_id, sample_idx, reward, reason)
+        if not self.round.done:
+            return
+        report = self.round.report()
+        self.round = None
+        self.metrics = {f"eval/pass@{k}": v for k, v in report["pass@k"].items()}
+        self.metrics.update(
+            {
+                "eval/reward_mean": report["reward_mean"],
+                "eval/answer_tokens": report["answer_tokens"]["mean"],
+                "eval/version": self.version,
+            }
+        )
+        log.info("evaluation of version %d: %s", self.version, self.metrics)
+
+    def take_metrics(self) -> dict:
+        """The latest finished round's figures, once."""
+        out, self.metrics = self.metrics, {}
+        return out
+
+
+def table(report: dict) -> str:
+    """The report as the terminal shows it."""
+    lines = [f"model    {report['model']}", f"data     {report['data']}"]
+    lines.append(f"prompts  {report['prompts']} x {report['samples']} answers (temperature {report['temperature']})")
+    lines.append("")
+    lines.append("  ".join(f"{'pass@' + k:>8}" for k in report["pass@k"]) + f"  {'reward':>8}")
+    lines.append("  ".join(f"{v:8.3f}" for v in report["pass@k"].values()) + f"  {report['reward_mean']:8.3f}")
+    t = report["answer_tokens"]
+    lines.append("")
+    lines.append(
+        f"answer tokens: mean {t['mean']:.1f}, median {t['median']:.0f}, p90 {t['p90']:.0f}, max {t['max']}; "
+        f"cut at max_new_tokens: {report['truncated_frac']:.1%}; reward errors: {report['reward_errors']}"
+    )
+    return "\n".join(lines)
+
+
+# --- the model to evaluate ----------------------------------------------------------------------
+
+
+def resolve(target: str | Path, step: int | None, overrides: list[str], config: str | None = None):
+    """(config, Hugging Face directory, step) of what `areal-hpc eval TARGET` names.
+
+    A Hugging Face directory (config.json): itself, with `config` (or the defaults) and the overrides.
+    A run directory (config.yaml and checkpoints/): the run's config; step 0 is its initial model,
+    step N (default: the latest complete checkpoint) its checkpoint exported once to RUN_DIR/hf/step_N.
+    """
+    from areal_hpc.rundir import checkpoint_dir, checkpoint_version, latest_checkpoint
+
+    path = Path(target)
+    if (path / "config.json").is_file():
+        if step is not None:
+            raise ConfigError(f"--step applies to a run directory; {path} is a Hugging Face model directory")
+        return load_config(config, overrides), path, None
+    if not (path / "config.yaml").is_file():
+        raise ConfigError(
+            f"{path} is neither a Hugging Face model directory (config.json) nor a run directory (config.yaml)"
+        )
+    if config is not None:
+        raise ConfigError(f"--config applies to a model directory; {path} is a run: its own config.yaml is used")
+    cfg = load_config(path / "config.yaml", overrides)
+    if step is None:
+        latest = latest_checkpoint(path)
+        if latest is None:
+            raise ConfigError(f"{path} has no complete checkpoint yet; --step 0 evaluates its initial model")
+        step = checkpoint_version(latest)
+    if step == 0:
+        from areal_hpc.sft import initial_model
+
+        return cfg, initial_model(cfg), 0
+    ckpt = checkpoint_dir(path, step)
+    if not (ckpt / "COMPLETE").is_file():
+        have = sorted(checkpoint_version(d.parent) for d in (path / "checkpoints").glob("step_*/COMPLETE"))
+        raise ConfigError(
+            f"{path} has no complete checkpoint of step {step} (complete: {have or 'none'}; 0 is the initial model)"
+        )
+    return cfg, export(path, step), step
+
+
+def export(run_dir: Path, step: int) -> Path:
+    """The Hugging Face directory of a run's checkpoint, exported once (`areal-hpc export`'s function)."""
+    from areal_hpc.tiny import _build_atomically
+
+    try:
+        from areal_hpc.trainer.export import export_checkpoint
+    except ImportError:
+        raise ConfigError(
+            f"evaluating step {step} of {run_dir} needs its checkpoint exported to a Hugging Face directory, and this "
+            "version has no exporter (areal_hpc.trainer.export); evaluate a Hugging Face directory, or --step 0"
+        ) from None
+    return _build_atomically(run_dir / "hf" / f"step_{step}", lambda out: export_checkpoint(run_dir, step, out))
+
+
+# --- evaluation with a local engine -------------------------------------------------------------
+
+
+def evaluate(cfg: Config, model_dir: Path, data: str | Path, samples: int, engine=None, progress=print) -> dict:
+    """Generate `samples` answers to every prompt of `data` with the generator's engine code, score them
+    with the reward workers' pool, and report (`EvalRound.report` plus what was evaluated)."""
+    from transformers import AutoTokenizer
+
+    from areal_hpc.generator.engine import GenerationEngine
+    from areal_hpc.reward.pool import ScorerPool
+    from areal_hpc.reward.worker import pool_size
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    examples = load_prompts(cfg, tokenizer, data, setting="--data (eval.data)")
+    round_ = EvalRound(examples, samples)
+    own_engine = engine is None
+    if own_engine:
+        engine = GenerationEngine.from_config(cfg, model_dir)
+    pool = ScorerPool(pool_size(cfg.reward.processes), timeout_s=cfg.reward.timeout_s)
+    total, answered, started, shown = len(examples) * samples, 0, time.monotonic(), time.monotonic()
+    try:
+        for i, e in enumerate(examples):
+            engine.add(i, e.prompt_ids, samples)
+        while engine.in_flight or pool.pending:
+            for t in engine.step() if engine.in_flight else []:
+                round_.answered(t.group_id, t.sample_idx, len(t.output_ids), t.finish_reason == "length")
+                text = tokenizer.decode(t.output_ids, skip_special_tokens=True)
+                pool.submit((t.group_id, t.sample_idx), cfg.reward.kind, text, examples[t.group_id].target)
+                answered += 1
+            for (i, j), reward, reason in pool.poll(0 if engine.in_flight else 0.01):
+                round_.scored(i, j, reward, reason)
+            if time.monotonic() - shown > 10:
+                shown = time.monotonic()
+                progress(f"eval: {answered}/{total} answers ({shown - started:.0f} s)")
+    finally:
+        pool.close()
+        if own_engine:
+            engine.close()
+    report = {
+        "model": str(model_dir),
+        "data": str(data),
+        "temperature": cfg.rollout.temperature,
+        "max_new_tokens": cfg.rollout.max_new_tokens,
+        "seconds": round(time.monotonic() - started, 1),
+    }
+    return {**report, **round_.report()}
+
+
+def run(args) -> int:
+    """`areal-hpc eval`: one model (or `--submit`: a Slurm array, one task per step)."""
+    if args.submit:
+        from launch.eval_array import submit_eval_array
+
+        return submit_eval_array(args)
+    cfg, model_dir, step = resolve(args.target, args.step, list(args.overrides), args.config)
+    data = args.data or eval_path(cfg)
+    samples = cfg.eval.samples if args.samples is None else args.samples
+    if samples < 1:
+        raise ConfigError(f"--samples must be at least 1 (got {samples})")
+    report = {"step": step, **evaluate(cfg, model_dir, data, samples)}
+    out = Path(args.output) if args.output else default_output(args.target, step, data)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(table(report))
+    print(f"report: {out}")
+    return 0
+
+
+def default_output(target: str | Path, step: int | None, data: str | Path) -> Path:
+    """RUN_DIR/eval/step_N-<data>.json for a run; eval-<model>-<data>.json here for a model directory."""
+    name = Path(data).stem
+    if step is not None:
+        return Path(target) / "eval" / f"step_{step}-{name}.json"
+    return Path(f"eval-{Path(target).resolve().name}-{name}.json")

@@ -1,0 +1,235 @@
+"""Dynamic filtering and overlong answers: `rollout.filter_uniform_groups` against the simulated world
+of test_controller (the real gate, buffer, batches and metrics), the gate's invariant with filtered
+groups (a property test over the controller's loop), the gate's slot accounting for a filtered group,
+DAPO's soft length penalty, and masking truncated answers out of the loss."""
+
+import logging
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from areal_hpc.algo.staleness import StalenessGate
+from areal_hpc.batch import build_train_batches
+from areal_hpc.buffer import Group
+from areal_hpc.config import ConfigError, load_config
+from areal_hpc.controller import EXIT_DONE, FILTERED_WARN_STEPS
+from areal_hpc.protocol import Envelope, RewardRequest, RewardResult, Trajectory
+from areal_hpc.reward import overlong_penalty
+from areal_hpc.tiny import build_tokenizer
+from tests.test_controller import Prompts, World, make, metrics, run
+
+
+class CoinWorld(World):
+    """Rewards are coin flips (`p_right`): some groups all right or all wrong, most mixed. Every
+    trained answer's advantage is recorded."""
+
+    p_right = 0.5
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.trained_advantages: list[float] = []
+        self.response_tokens: list[list[int]] = []  # per step: response length of each trained answer
+
+    def send(self, dest, msg):
+        if isinstance(msg, RewardRequest):
+            reward = float(self.rng.random() < self.p_right)
+            self.later.append((self.rng.randint(0, 2), Envelope(dest, RewardResult(msg.traj_id, reward, "ok"))))
+            return
+        super().send(dest, msg)
+
+    def on_train_batch(self, dest, batch):
+        lengths = []
+        for k in range(len(batch.cu_seqlens) - 1):
+            seq = slice(batch.cu_seqlens[k], batch.cu_seqlens[k + 1])
+            response = batch.versions[seq] >= 0
+            self.trained_advantages.append(float(batch.advantages[seq][response][0]))
+            lengths.append(int(response.sum()))
+        self.response_tokens.append(lengths)
+        super().on_train_batch(dest, batch)
+
+
+@pytest.mark.parametrize("filtering", [False, True])
+def test_uniform_groups_are_left_out_and_their_slots_refilled(tmp_path, filtering):
+    cfg, layout, run_dir, tok_dir = make(
+        tmp_path, "rollout.max_staleness=1", f"rollout.filter_uniform_groups={str(filtering).lower()}"
+    )
+    world = CoinWorld(layout, build_tokenizer(), seed=3)
+    c, code = run(cfg, layout, run_dir, tok_dir, world, Prompts())
+    assert code == EXIT_DONE, "filtering must not stall the run"
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    filtered = sum(r["rollout/filtered"] for r in rows)
+    zero_advantage = sum(a == 0.0 for a in world.trained_advantages)
+    if not filtering:  # without the filter, groups whose answers all agree are trained on, and teach nothing
+        assert filtered == 0 and zero_advantage > 0
+        return
+    assert filtered > 0 and zero_advantage == 0, "a uniform group reached the trainer"
+    g = c.gate.state
+    # A filtered group finished unaccepted: its slot went to another prompt, the bound still holds.
+    assert g.rejected == filtered
+    assert g.accepted + g.running <= (cfg.rollout.max_staleness + c.version + 1) * cfg.rollout.prompts_per_step
+    assert c.prompts.position >= 12 * 4 + filtered, "every filtered group was replaced by a new prompt"
+
+
+class CheckedGate(StalenessGate):
+    """The real gate, its invariant checked after every call that changes a counter."""
+
+    def check(self):
+        s = self.state
+        assert 0 <= s.running <= self.max_concurrent
+        assert s.consumed <= s.accepted
+        assert s.accepted + s.running <= (self.max_staleness + self.version() + 1) * self.prompts_per_step
+
+    def admit(self):
+        super().admit()
+        self.check()
+
+    def finish(self, accepted=True):
+        super().finish(accepted)
+        self.check()
+
+    def consume(self, oldest, n_trajectories=1):
+        consumed = super().consume(oldest, n_trajectories)
+        self.check()
+        return consumed
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    B=st.integers(1, 4),
+    eta=st.integers(0, 2),
+    n=st.integers(2, 4),
+    concurrent=st.integers(1, 8),
+    p_right=st.sampled_from([0.2, 0.5, 0.8]),
+    seed=st.integers(0, 1000),
+)
+def test_the_gate_invariant_holds_with_filtered_groups(tmp_path_factory, B, eta, n, concurrent, p_right, seed):
+    """Whatever the batch, bound, group size, concurrency and share of uniform groups: after every gate
+    call accepted + running <= (eta + v + 1) * B, every admitted group is accounted for exactly once
+    (running, accepted, filtered or dropped as stale), no uniform group is trained on, and the run
+    reaches its last step (a filtered group never holds a slot)."""
+    steps = 6
+    cfg, layout, run_dir, tok_dir = make(
+        tmp_path_factory.mktemp("gate"),
+        f"rollout.prompts_per_step={B}",
+        f"rollout.max_staleness={eta}",
+        f"rollout.group_size={n}",
+        f"rollout.max_concurrent={concurrent}",
+        "rollout.filter_uniform_groups=true",
+        "ppo.minibatches=1",
+        f"train.total_steps={steps}",
+    )
+    world = CoinWorld(layout, build_tokenizer(), seed=seed)
+    world.p_right = p_right
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("areal_hpc.controller.StalenessGate", CheckedGate)
+        c, code = run(cfg, layout, run_dir, tok_dir, world, Prompts())
+    assert isinstance(c.gate, CheckedGate) and code == EXIT_DONE
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    s = c.gate.state
+    filtered = sum(r["rollout/filtered"] for r in rows) + c.filtered_since_step  # and after the last step
+    assert s.consumed == steps * B and s.rejected == filtered
+    assert c.prompts.position == s.running + s.accepted + s.rejected + s.dropped
+    assert 0.0 not in world.trained_advantages, "a uniform group reached the trainer"
+
+
+def test_a_run_that_filters_everything_says_so(tmp_path, caplog):
+    """Every answer wrong for a while: no step can come, and the log says why and what to change."""
+    cfg, layout, run_dir, tok_dir = make(tmp_path, "rollout.filter_uniform_groups=true", "train.total_steps=2")
+    groups = FILTERED_WARN_STEPS * cfg.rollout.prompts_per_step
+
+    class LateLearner(CoinWorld):
+        """Every answer to the first 2 * `groups` prompts is wrong, then they are coin flips."""
+
+        def send(self, dest, msg):
+            if isinstance(msg, RewardRequest):
+                self.p_right = 0.5 if msg.traj_id >= 2 * groups * cfg.rollout.group_size else 0.0
+            super().send(dest, msg)
+
+    world = LateLearner(layout, build_tokenizer(), seed=2)
+    with caplog.at_level(logging.WARNING, logger="areal_hpc.controller"):
+        c, code = run(cfg, layout, run_dir, tok_dir, world, Prompts())
+    assert code == EXIT_DONE
+    warnings = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert warnings and warnings[0].startswith(f"{groups} prompt groups left out at policy version 0")
+    assert "rollout.filter_uniform_groups=false" in warnings[0]
+    assert metrics(run_dir)[0]["rollout/filtered"] >= 2 * groups
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.filter_uniform_groups=true", "rollout.group_size=1"], "needs rollout.group_size >= 2"),
+        (["reward.overlong_penalty=1.0"], "needs reward.overlong_buffer in [1, rollout.max_new_tokens (12)]"),
+        (["reward.overlong_penalty=1.0", "reward.overlong_buffer=13"], "(got 13)"),
+        (["reward.overlong_penalty=-1"], "reward.overlong_penalty must be >= 0"),
+    ],
+)
+def test_filtering_and_penalty_settings_are_checked(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/tiny-cpu.yaml", overrides)
+    assert message in str(e.value)
+
+
+def test_a_filtered_group_frees_its_slot_like_a_stale_drop():
+    """At a full gate, leaving a finished group out (filter) and dropping a buffered one (staleness)
+    each give exactly one slot back."""
+    v = [0]
+    gates = [StalenessGate(prompts_per_step=2, max_staleness=0, max_concurrent=10, version=lambda: v[0]) for _ in "ab"]
+    for gate in gates:
+        for _ in range(2):
+            gate.admit()
+        assert gate.room() == 0
+    filtered, stale = gates
+    filtered.finish(accepted=False)  # left out by the filter
+    stale.finish(accepted=True)
+    v[0] = 1  # one step later the buffered group is too old for eta = 0
+    assert not stale.consume(0)
+    v[0] = 0
+    assert filtered.room() == stale.room() == 1
+    assert filtered.state.running + filtered.state.accepted == stale.state.running + stale.state.accepted == 1
+
+
+def test_overlong_penalty_by_hand():
+    # max_new_tokens 20, buffer 5: nothing up to 15 tokens, then -penalty * (L - 15) / 5.
+    assert overlong_penalty(15, 20, 5, 1.0) == 0.0
+    assert overlong_penalty(16, 20, 5, 1.0) == pytest.approx(-0.2)
+    assert overlong_penalty(20, 20, 5, 0.5) == pytest.approx(-0.5)
+    assert overlong_penalty(20, 20, 0, 1.0) == overlong_penalty(20, 20, 5, 0.0) == 0.0
+
+
+def test_controller_adds_the_penalty_to_each_answers_reward(tmp_path):
+    cfg, layout, run_dir, tok_dir = make(tmp_path, "reward.overlong_penalty=0.5", "reward.overlong_buffer=12")
+    world = CoinWorld(layout, build_tokenizer(), seed=1)
+    world.p_right = 0.0  # every raw reward 0: the step's mean reward is the mean penalty
+    run(cfg, layout, run_dir, tok_dir, world, Prompts())
+    rows = metrics(run_dir)
+    assert len(rows) == len(world.response_tokens) == 12
+    for row, lengths in zip(rows, world.response_tokens):
+        want = np.mean([-0.5 * max(0, n - 0) / 12 for n in lengths])  # max_new_tokens 12 = buffer
+        assert row["reward/mean"] == pytest.approx(want) and want < 0
+
+
+def group(answers: list[tuple[int, str]], rewards: list[float]) -> Group:
+    """A finished group: (response length, finish reason) per answer."""
+    g = Group(0, {"prompt": "p"}, np.array([5, 6], np.int32), len(answers))
+    for i, (n, reason) in enumerate(answers):
+        zeros = np.zeros(n, np.int32)
+        g.trajectories[i] = Trajectory(0, i, g.prompt_ids, zeros + 7, zeros.astype(np.float32), zeros, reason)
+    g.rewards = rewards
+    return g
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_mask_truncated_answers(mask):
+    g = group([(3, "stop"), (4, "length"), (2, "stop")], [1.0, 0.0, 0.0])
+    (batch,), info = build_train_batches([g], 0, 1, 1, 64, mask_truncated=mask)
+    bounds = zip(batch.cu_seqlens[:-1], batch.cu_seqlens[1:])
+    trained = {int(b - a - 2): int(batch.loss_mask[a:b].sum()) for a, b in bounds}  # response length -> mask
+    assert trained == ({3: 3, 4: 0, 2: 2} if mask else {3: 3, 4: 4, 2: 2})
+    assert info.truncated == 1
+    truncated = next(a for a, b in zip(batch.cu_seqlens[:-1], batch.cu_seqlens[1:]) if b - a == 6)
+    assert batch.advantages[truncated + 2] != 0, "the truncated answer still counts in its group"
