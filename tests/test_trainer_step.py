@@ -68,6 +68,7 @@ def reference(model_dir):
         "padded": ([batch], {"padded": True}),
         "regrouped": ([regrouped], {}),
         "recompute-1": ([one_minibatch], {}),
+        "recompute-1-pass": ([one_minibatch], {"prox_pass_always": True}),
         "loglinear-1": ([one_minibatch], {"prox_logp": "loglinear"}),
         "loglinear": ([batch], {"prox_logp": "loglinear"}),
         "recompute-selective": ([batch], {}, {"recompute": "selective"}),
@@ -99,6 +100,11 @@ def test_step_changes_weights_and_reports_stats(reference, model_dir):
 def test_padding_and_regrouping_give_the_same_step(reference):
     _assert_same(reference["padded"], reference["packed"])
     _assert_same(reference["regrouped"], reference["packed"])
+
+
+def test_one_minibatch_takes_prox_from_its_own_forward_pass(reference):
+    """With one minibatch the recompute pass is skipped: the step is the one with the pass."""
+    _assert_same(reference["recompute-1"], reference["recompute-1-pass"])
 
 
 def test_loglinear_prox_is_exact_on_the_first_minibatch_only(reference):

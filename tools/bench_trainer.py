@@ -127,7 +127,7 @@ def make_batch(vocab: int, seqs: int, seq_len: int, mb_tokens: int, seed: int = 
 # --- areal-hpc --------------------------------------------------------------------------------------
 
 
-def _areal_rank(par, model_dir, batch, dtype, recompute, steps, threads):
+def _areal_rank(par, model_dir, batch, dtype, recompute, prox_pass, steps, threads):
     from areal_hpc.trainer.engine import Engine
     from areal_hpc.trainer.step import StepConfig, ppo_step
 
@@ -140,7 +140,7 @@ def _areal_rank(par, model_dir, batch, dtype, recompute, steps, threads):
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        ppo_step(engine, batch, StepConfig())
+        ppo_step(engine, batch, StepConfig(prox_pass_always=prox_pass))
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
@@ -249,13 +249,17 @@ def bench_settings(args, device: str) -> None:
         )
         print(f"  {'setting':44s} {'activation memory':>18s} {'tokens/s':>10s}")
         results = {}
-        for recompute in ("none", "selective", "full"):
+        # One minibatch: areal-hpc takes the exact prox from the training pass itself; the last row runs
+        # the separate no-grad pass anyway, to show what skipping it saves.
+        for recompute, prox_pass in (("none", False), ("selective", False), ("full", False), ("none", True)):
+            setting = recompute + (", prox pass" if prox_pass else "")
             try:
-                r = run_ranks(_areal_rank, 1, 1, 1, model_dir, batch, dtype, recompute, args.steps, args.threads)[0]
+                args_ = (model_dir, batch, dtype, recompute, prox_pass, args.steps, args.threads)
+                r = run_ranks(_areal_rank, 1, 1, 1, *args_, timeout_s=7200)[0]
             except RuntimeError as e:
                 r = None
-                print(f"  areal-hpc recompute={recompute}: failed: {str(e).strip().splitlines()[-1]}")
-            results[("areal-hpc", recompute)] = r
+                print(f"  areal-hpc recompute={setting}: failed: {str(e).strip().splitlines()[-1]}")
+            results[("areal-hpc", setting)] = r
         for checkpointing in (False, True):
             r = _run_transformers(model_dir, batch, dtype, checkpointing, args.steps, args.threads, device)
             results[("transformers", "gradient checkpointing" if checkpointing else "plain")] = r

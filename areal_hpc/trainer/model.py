@@ -209,7 +209,9 @@ def build_stage(arch: Qwen2Arch, config, device: torch.device) -> HiddenGPTModel
 
 LOGPROB_CHUNK_BYTES = 64 << 20
 """Size of one chunk's fp32 logits ([positions, V / TP] x 4 bytes): the positions per chunk follow from
-the vocabulary. Its backward pass holds about three such tensors at once."""
+the vocabulary. A chunk's backward holds about two such tensors at once."""
+WGRAD_BLOCK_BYTES = 64 << 20
+"""Largest temporary of the output weight's gradient ([vocabulary rows, h] in the weight's dtype)."""
 
 
 def _output_input(hidden: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
@@ -222,11 +224,72 @@ def _output_input(hidden: torch.Tensor, sequence_parallel: bool) -> torch.Tensor
     return tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
 
 
-def _chunk_logprobs(temperature: float, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor):
-    from megatron.core import tensor_parallel
+class _TokenLogprobs(torch.autograd.Function):
+    """log_softmax(h W^T / T)[target] for [n, h] hidden states, a chunk of positions at a time, over the
+    vocabulary-parallel W ([V / TP, h], this TP rank's rows of the vocabulary).
 
-    logits = (hidden.to(weight.dtype) @ weight.t()).float() / temperature  # [c, V / TP]
-    return -tensor_parallel.vocab_parallel_cross_entropy(logits, target)  # [c]
+    Written by hand: megatron-core 0.16.1 has no fused output layer + cross entropy, and the fused ones
+    elsewhere need TransformerEngine or Liger's Triton kernels (neither runs on the CPU). What it keeps for
+    the backward pass is h and one log-sum-exp per position; the backward recomputes each chunk's logits
+    once. The output weight's gradient goes straight into Megatron's `main_grad` (in vocabulary blocks of
+    at most WGRAD_BLOCK_BYTES), as Megatron's own gradient-accumulation fusion does, instead of a whole
+    [V / TP, h] gradient per chunk; the engine's DDP does not overlap the gradient reduce, so no hook
+    needs a gradient for the weight (without `main_grad`, the gradient is returned as usual).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, temperature: float, chunk: int):
+        from megatron.core import parallel_state as ps
+
+        group, tp = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
+        first = ps.get_tensor_model_parallel_rank() * weight.shape[0]  # this rank's first vocabulary id
+        n = hidden.shape[0]
+        out = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(out)
+        for a in range(0, n, chunk):
+            logits = (hidden[a : a + chunk].to(weight.dtype) @ weight.t()).float().div_(temperature)  # [c, V/TP]
+            local, inside = _local_target(target[a : a + chunk], first, weight.shape[0])
+            picked = logits.gather(1, local[:, None]).squeeze(1).mul_(inside)
+            top = logits.max(1).values
+            if tp > 1:
+                torch.distributed.all_reduce(top, torch.distributed.ReduceOp.MAX, group=group)
+            total = logits.sub_(top[:, None]).exp_().sum(1)
+            if tp > 1:
+                torch.distributed.all_reduce(total, group=group)
+                torch.distributed.all_reduce(picked, group=group)
+            lse[a : a + chunk] = top + total.log()
+            out[a : a + chunk] = picked - lse[a : a + chunk]
+        ctx.save_for_backward(hidden, weight, target, lse)
+        ctx.temperature, ctx.chunk, ctx.first = temperature, chunk, first
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, target, lse = ctx.saved_tensors
+        t, chunk, first = ctx.temperature, ctx.chunk, ctx.first
+        grad_hidden = torch.empty_like(hidden)
+        main_grad = getattr(weight, "main_grad", None)
+        grad_weight = main_grad if main_grad is not None else torch.zeros_like(weight, dtype=torch.float32)
+        block = max(1, WGRAD_BLOCK_BYTES // (weight.shape[1] * weight.element_size()))
+        for a in range(0, hidden.shape[0], chunk):
+            h = hidden[a : a + chunk].to(weight.dtype)
+            probs = (h @ weight.t()).float().div_(t).sub_(lse[a : a + chunk, None]).exp_()  # softmax [c, V/TP]
+            local, inside = _local_target(target[a : a + chunk], first, weight.shape[0])
+            rows = inside.nonzero().squeeze(1)
+            probs[rows, local[rows]] -= 1.0
+            # d logp / d logits = onehot - softmax; times the upstream gradient, over T
+            dlogits = probs.mul_((-grad[a : a + chunk] / t)[:, None]).to(weight.dtype)
+            grad_hidden[a : a + chunk] = (dlogits @ weight).to(hidden.dtype)
+            for v in range(0, weight.shape[0], block):
+                grad_weight[v : v + block] += dlogits[:, v : v + block].t() @ h
+        return grad_hidden, (None if main_grad is not None else grad_weight.to(weight.dtype)), None, None, None
+
+
+def _local_target(target: torch.Tensor, first: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Targets as rows of this rank's vocabulary slice (0 outside it), and whether each is inside."""
+    local = target - first
+    inside = (local >= 0) & (local < rows)
+    return local.where(inside, 0), inside
 
 
 def token_logprobs(
@@ -239,22 +302,12 @@ def token_logprobs(
 ) -> torch.Tensor:
     """[n] log_softmax(h W^T / T)[target] at the positions `where` ((row, column) pairs) of `hidden`.
 
-    The softmax is over the whole (vocabulary-parallel) vocabulary, exact. Chunks of positions go
-    through the output projection and the log-softmax inside a checkpoint: only a chunk's logits exist
-    at a time, forward or backward, and none are kept for the backward pass.
+    The softmax is over the whole (vocabulary-parallel) vocabulary, exact; only a chunk's logits exist
+    at a time, forward or backward (`_TokenLogprobs`).
     """
-    from functools import partial
-
-    from megatron.core import tensor_parallel
-
     h = _output_input(hidden, sequence_parallel)[where[1], where[0]]  # [s, b, h] -> [n, h]
     chunk = max(1, LOGPROB_CHUNK_BYTES // (4 * weight.shape[0]))
-    fn = partial(_chunk_logprobs, temperature)
-    out = []
-    for a in range(0, h.shape[0], chunk):
-        args = (h[a : a + chunk], weight, target[a : a + chunk])
-        out.append(tensor_parallel.checkpoint(fn, False, *args) if torch.is_grad_enabled() else fn(*args))
-    return torch.cat(out)
+    return _TokenLogprobs.apply(h, weight, target, temperature, chunk)
 
 
 def full_logits(hidden: torch.Tensor, weight: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:

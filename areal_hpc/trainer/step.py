@@ -19,7 +19,10 @@ Megatron's schedule adds the counts and `finalize_model_grads` divides the gradi
 the data-parallel ranks. Gradient accumulation over micro-batches therefore gives the gradient of one
 big batch, whatever the packing.
 
-The cheaper option `prox_logp="loglinear"` skips the recompute pass. It interpolates the proximal
+With one minibatch the recompute pass is skipped: the minibatch's own forward pass runs on the weights
+at the start of the step, so prox_logp = logp (detached) exactly, for free.
+
+The cheaper option `prox_logp="loglinear"` skips the recompute pass for every minibatch. It interpolates the proximal
 logprob in log space between the behaviour and the current policy by policy version (A-3PO):
 
     prox_logp = behav_logp + alpha * (logp - behav_logp),  alpha = (v - v_behav) / (v + k/K - v_behav)
@@ -57,6 +60,9 @@ class StepConfig:
     padded: bool = False
     """One row per sequence, padded, instead of packing a micro-batch's sequences into one row (for
     comparison; packing is never slower)."""
+    prox_pass_always: bool = False
+    """Run the recompute pass even with one minibatch, where the forward pass gives the same values
+    (for comparison: tools/bench_trainer.py measures what skipping it saves)."""
 
     def __post_init__(self):
         if self.prox_logp not in ("recompute", "loglinear"):
@@ -156,7 +162,8 @@ def _ppo_loss(
 ):
     logp = _logprobs(mb, weight, sequence_parallel, output, cfg.temperature)
     if cfg.prox_logp == "recompute":
-        prox = mb.prox_logprobs
+        # no recompute pass (one minibatch): this forward pass ran on the step's starting weights
+        prox = mb.prox_logprobs if mb.prox_logprobs is not None else logp.detach()
     else:
         v_behav = mb.versions.to(logp.dtype)
         denom = version + alpha_step - v_behav
@@ -220,7 +227,7 @@ def ppo_step(engine, batch, cfg: StepConfig) -> dict[str, float]:
     minibatches = [
         [make_microbatch(batch, ids, cfg.padded, engine.device, multiple) for ids in mb] for mb in batch.microbatches
     ]
-    if cfg.prox_logp == "recompute":
+    if cfg.prox_logp == "recompute" and (len(minibatches) > 1 or cfg.prox_pass_always):
         flat = [mb for k in minibatches for mb in k]
         prox = compute_logprobs(engine, flat, cfg.temperature)
         if prox is not None:
