@@ -394,6 +394,10 @@ def bench_export(args) -> None:
 
 
 def main() -> None:
+    # Every process below: blocks of 1 MiB or more come from mmap and go back to the system when freed,
+    # so that the resident high-water mark on the CPU follows the memory in use (glibc otherwise keeps
+    # freed blocks, and raises this threshold as it sees large frees).
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", choices=["settings", "packing", "export"])
     ap.add_argument("--model", choices=sorted(MODELS), help="default: qwen2.5-1.5b on a GPU, cpu otherwise")

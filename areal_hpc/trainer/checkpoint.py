@@ -15,7 +15,8 @@ bare GPU machine) megatron-core 0.16.1 keeps the step in the saved parameter gro
 it back with `fully_reshardable` (its parameter-state load copies every key of the live state,
 `step` included, from a state that has none: KeyError). `load` therefore restores the parameter
 groups (the step among them) first, then the parameter state without the step, then gives every
-parameter its own step tensor again (Megatron's group load hands one shared tensor to all).
+parameter its own step tensor again (Megatron's group load hands one shared CPU tensor to all; fused
+Adam keeps one per parameter on its device).
 
 Atomicity: all ranks write into `<step dir>/.trainer.partial/`; after a barrier, trainer rank 0
 writes the manifest and renames the directory to `trainer/`. A crash before the rename leaves only
@@ -31,6 +32,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch.distributed as dist
+
+from areal_hpc.trainer.engine import adam_step
 
 MANIFEST = "manifest.json"
 SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -119,5 +122,5 @@ def load(engine, ckpt_dir: str | Path) -> None:
     steps = {p: state.pop("step") for p, state in adam.state.items()}
     opt.load_parameter_state_from_fully_reshardable(param_state)
     for p, state in adam.state.items():
-        state["step"] = steps[p].detach().clone()
+        state["step"] = adam_step(steps[p].item(), p)
     engine.resumed_from = ckpt_dir

@@ -108,6 +108,11 @@ def shutdown_parallel() -> None:
         dist.destroy_process_group()
 
 
+def adam_step(value: float, param: torch.Tensor) -> torch.Tensor:
+    """Adam's step count as fused Adam keeps it: a float32 scalar on the parameter's device."""
+    return torch.tensor(float(value), dtype=torch.float32, device=param.device)
+
+
 class NonFiniteError(RuntimeError):
     """A training step's loss or gradient norm is not finite; raised before any weight changes."""
 
@@ -166,6 +171,10 @@ class Engine:
             ),
             [self.model],
         )
+        # torch's fused Adam (CPU and CUDA kernels): Megatron builds a plain torch Adam, whose default
+        # implementation allocates temporaries as large as the parameters (gigabytes for a 1.5B model).
+        for group in self.adam.param_groups:
+            group["fused"], group["foreach"] = True, False
         self.config.no_sync_func = self.model.no_sync
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.grad_scale_func = self.optimizer.scale_loss if dtype == torch.float16 else None
@@ -183,8 +192,8 @@ class Engine:
         would at it (Megatron's `init_state_fn` leaves the step out)."""
         (opt,) = self.optimizer.chained_optimizers
         opt.init_state_fn(opt.optimizer, opt.config)
-        for state in opt.optimizer.state.values():
-            state.setdefault("step", torch.tensor(0.0))
+        for p, state in opt.optimizer.state.items():
+            state.setdefault("step", adam_step(0.0, p))
 
     @property
     def is_last_stage(self) -> bool:
