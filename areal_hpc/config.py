@@ -128,8 +128,10 @@ class ClusterConfig:
 
 @dataclass
 class AllocationConfig:
-    gen_share: float = 0.75
-    """Share of the nodes given to generation (the AReaL paper uses 3/4); the rest train."""
+    gen_share: float | str = 0.75
+    """Share of the nodes given to generation (the AReaL paper uses 3/4), or `auto`: the split that the
+    planner predicts fastest (`areal-hpc plan`), with gen_tp, train_tp and train_pp as set here. The
+    rest of the nodes train."""
     gen_nodes: int | None = None
     """Generator nodes, overriding `gen_share` (null: from the share)."""
     gen_tp: int = 1
@@ -463,7 +465,10 @@ def validate(cfg: Config) -> None:
         r.max_new_tokens < m.max_position_embeddings,
         f"rollout.max_new_tokens ({r.max_new_tokens}) must be below model.max_position_embeddings ({m.max_position_embeddings})",
     )
-    need(0 < a.gen_share < 1, f"allocation.gen_share must be strictly between 0 and 1 (got {a.gen_share})")
+    need(
+        a.gen_share == "auto" or (not isinstance(a.gen_share, str) and 0 < a.gen_share < 1),
+        f"allocation.gen_share must be auto or strictly between 0 and 1 (got {a.gen_share!r})",
+    )
     # The rank map is the last check: it knows how nodes, GPUs and parallel sizes fit together.
     from areal_hpc.layout import Layout
 

@@ -6,9 +6,10 @@
 ```
 
 Nodes: `cluster.nodes` accelerator nodes are split between generation and training (by
-`allocation.gen_share`, or exactly `allocation.gen_nodes`); the controller and the reward workers
-share one more node, a CPU node. On Slurm these are the three components of the heterogeneous job;
-locally every "node" is a set of cores of this machine.
+`allocation.gen_share`, or exactly `allocation.gen_nodes`, or the planner's fastest split with
+`gen_share: auto`); the controller and the reward workers share one more node, a CPU node. On Slurm
+these are the three components of the heterogeneous job; locally every "node" is a set of cores of
+this machine.
 
 Each rank asks `Layout.role_of(rank)`; `Layout.split(comm)` gives the role communicators. Nothing
 else computes ranks.
@@ -174,6 +175,10 @@ class Layout:
                     f"trainer GPUs ({n - a.gen_nodes} nodes x {g} = {(n - a.gen_nodes) * g})"
                 )
             gen_nodes, why = a.gen_nodes, f"allocation.gen_nodes = {a.gen_nodes} (set in the config)"
+        elif a.gen_share == "auto":
+            from areal_hpc.planner import auto_split
+
+            gen_nodes, why = auto_split(cfg)
         else:
             target = a.gen_share * n
             fits = sorted((k for k in range(1, n) if trains(k)), key=lambda k: (abs(k - target), -k))
