@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from areal_hpc.config import Config, ConfigError, describe_config, load_config
+from areal_hpc.rundir import RunDirInUse
 from launch import LaunchError
 
 OVERRIDES_HELP = (
@@ -79,12 +80,18 @@ def cmd_submit(args) -> int:
 
 
 def cmd_render(args) -> int:
-    from areal_hpc.rundir import prepare_run_dir
+    from areal_hpc.rundir import Holder, lock_run_dir, prepare_run_dir, unlock_run_dir
+    from launch.record import job_active
     from launch.slurm import SlurmLauncher
 
     cfg = _config(args)
     script = SlurmLauncher().script(cfg)
-    run_dir = prepare_run_dir(cfg)  # the ranks read RUN_DIR/config.yaml
+    holder = Holder.this_process()
+    lock_run_dir(cfg.run_dir, holder, job_active)  # not while a run or job uses the directory
+    try:
+        run_dir = prepare_run_dir(cfg)  # the ranks read RUN_DIR/config.yaml
+    finally:
+        unlock_run_dir(cfg.run_dir, holder)
     Path(args.output).write_text(script)
     print(f"wrote {args.output} and {run_dir / 'config.yaml'}; submit with: sbatch {args.output}")
     return 0
@@ -212,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"areal-hpc: config error: {e}", file=sys.stderr)
         return 2
-    except LaunchError as e:
+    except (LaunchError, RunDirInUse) as e:
         print(f"areal-hpc: {e}", file=sys.stderr)
         return 1
 

@@ -6,12 +6,15 @@ syncs and checkpoints, writes the metrics. One thread, one event loop, no blocki
    poll every message that has arrived                                  never waits
      Trajectory    -> decode, RewardRequest to the least-loaded reward rank
      RewardResult  -> a group with all n answers scored goes to the buffer   (gate.finish)
-     TrainResult   -> version v+1: WeightSync(v+1) to trainers + generators, Save every save_every,
-                      metrics line
+     TrainResult   -> version v+1: WeightSync(v+1) to trainers + generators, Save every save_every
+                      steps or save_interval_min minutes, metrics line
      SyncDone      -> generator g runs version v+1 (timing/weight_sync_s)
-     Saved         -> all trainer ranks saved: controller state, then COMPLETE
+     Saved         -> all trainer ranks saved (timing/save_s): controller state, then the files'
+                      sizes and checksums on the checkpoint thread
      Failure       -> end the run, naming the rank
-   stop?    a stop signal or STOP file: no new step; checkpoint once the running one is back
+   saves    the checkpoint thread is done with a save -> COMPLETE, then old checkpoints go
+   stop?    a stop signal or STOP file: no new step; checkpoint once the running one is back, or
+            stop at once when that cannot finish before Slurm's kill (cluster.grace_s for SIGTERM)
    admit    while the gate has room: next prompt -> GenerateRequest to the least-loaded generator
             (waits for: room = (eta + v + 1) * B - accepted - running > 0; TrainResult or a dropped
             group makes room)
@@ -40,9 +43,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import signal
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -67,16 +73,27 @@ from areal_hpc.protocol import (
     Trajectory,
     WeightSync,
 )
-from areal_hpc.rundir import STOP_FILE, checkpoint_dir, checkpoint_version, mark_complete
+from areal_hpc.rundir import (
+    STOP_FILE,
+    checkpoint_dir,
+    checkpoint_version,
+    clear_complete,
+    mark_complete,
+    prune_checkpoints,
+    record_files,
+)
 from areal_hpc.timeline import Timeline
 
 log = logging.getLogger("areal_hpc.controller")
 
 EXIT_DONE = 0
 EXIT_STOPPED = 75
-"""Exit code after a stop request (SIGUSR2, SIGTERM, SIGINT, or the launcher's STOP file) once the
-checkpoint is saved: "resume me" (EX_TEMPFAIL; launch/sbatch.py requeues on it)."""
+"""Exit code after a stop request (SIGUSR2, SIGTERM, SIGINT, or the launcher's STOP file), once the
+checkpoint is saved or when there is no time for one: "resume me" (EX_TEMPFAIL; launch/sbatch.py
+requeues on it)."""
 IDLE_S = 0.002
+STOP_BUDGETS = {"SIGTERM": "grace_s", "SIGUSR2": "requeue_signal_s"}
+"""The cluster setting that says how long Slurm leaves after each stop signal (preemption, time limit)."""
 
 
 _stop_signals: list[str] = []  # names of the stop signals received (set by the handlers below)
@@ -95,7 +112,23 @@ def install_stop_signals() -> None:
 
 def serve(ctx) -> int:
     """Run the controller until the run ends; returns EXIT_DONE or EXIT_STOPPED."""
-    return Controller(ctx, stop_signal=lambda: _stop_signals[0] if _stop_signals else None).run()
+    controller = Controller(ctx, stop_signal=lambda: _stop_signals[0] if _stop_signals else None)
+    code = controller.run()
+    if controller.stopped_at_once:
+        # The other ranks may be inside a step for minutes: end every rank now. The launcher sees an
+        # aborted run; the batch script sees the stop (or the preemption) and requeues the job.
+        ctx.world.Abort(EXIT_STOPPED)
+    return code
+
+
+@dataclass
+class _Save:
+    """A checkpoint on its way: trainer ranks still writing, then the file record on the checkpoint thread."""
+
+    waiting: set[int]
+    state: dict
+    started: float
+    record: Future | None = None  # record_files, once every trainer rank has saved
 
 
 class Controller:
@@ -124,12 +157,21 @@ class Controller:
 
         self.training: BatchInfo | None = None  # the step in flight on the trainers
         self.syncing: dict[int, set[int]] = {}  # version -> generators not yet done
-        self.saving: dict[int, tuple[set[int], dict]] = {}  # version -> (trainers not yet saved, state)
+        self.saving: dict[int, _Save] = {}  # version -> the checkpoint of that version on its way
         self.saved_version = -1
+        self.checkpoint_thread = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")  # files, old checkpoints
+        self.last_save_start = time.monotonic()  # for train.save_interval_min
+        self.last_save_s = 0.0  # Save sent -> COMPLETE, the last one measured
+        self.save_stall_since_step = 0.0  # trainers busy saving (timing/save_s)
+        self.train_started = 0.0
+        self.last_train_s = 0.0
         self.stop_reason: str | None = None
+        self.stopped_at_once = False  # no time to checkpoint before Slurm's kill
         self.dropped_since_step = 0
         self.reward_errors_since_step = 0  # rewards scored 0 for a timeout or an error
 
+        if ctx.resume_from is not None:  # steps after the checkpoint run again: their old lines go
+            _drop_rows_after(Path(ctx.run_dir) / "metrics.jsonl", checkpoint_version(ctx.resume_from))
         self.metrics = MetricsWriter(ctx.run_dir, cfg.logging.tensorboard)
         self.timeline = Timeline(ctx.run_dir)  # phases of every role, for tools/plot_run.py
         self.gen_idle = IdleClock(len(self.generators))
@@ -149,6 +191,7 @@ class Controller:
             for env in self.box.poll():
                 self.handle(env.source, env.msg)
                 progressed = True
+            progressed |= self.finish_saves()
             self.check_stop()
             progressed |= self.admit()
             progressed |= self.train()
@@ -159,7 +202,9 @@ class Controller:
         return EXIT_STOPPED if self.stop_reason else EXIT_DONE
 
     def finished(self) -> bool:
-        """The last checkpoint is complete and nothing else is to be done."""
+        """The last checkpoint is complete and nothing else is to be done (or a stop without time for one)."""
+        if self.stopped_at_once:
+            return True
         done = self.version >= self.cfg.train.total_steps or self.stop_reason is not None
         return done and self.training is None and not self.saving and self.saved_version == self.version
 
@@ -266,19 +311,23 @@ class Controller:
         for t, rank in enumerate(self.trainers):
             self.box.send(rank, batches[(t // a.train_tp) % self.layout.train_dp])
         self.train_idle.busy(0, True)
+        self.train_started = time.monotonic()
         self.timeline.mark("train_start", version=self.version)
         self.liveness.expect(self.trainers[0], time.monotonic(), f"training step {self.version}")
         return True
 
     def on_train_result(self, res: TrainResult) -> None:
         info, self.training = self.training, None
+        self.last_train_s = time.monotonic() - self.train_started
         self.train_idle.busy(0, False)
         self.timeline.mark("train_end", version=res.version)
         self.liveness.done(self.trainers[0])
         self.version = res.version
         if self.version < self.cfg.train.total_steps and not self.stop_reason:
             self.sync_weights()
-        if self.version % self.cfg.train.save_every == 0 or self.version >= self.cfg.train.total_steps:
+        t = self.cfg.train
+        on_time = t.save_interval_min and time.monotonic() - self.last_save_start >= 60 * t.save_interval_min
+        if self.version % t.save_every == 0 or self.version >= t.total_steps or on_time:
             self.save()
         self.write_metrics(info, res.stats)
 
@@ -313,9 +362,11 @@ class Controller:
             "timing/weight_sync_s": self.last_sync_s,
             "timing/gen_idle_frac": self.gen_idle.take_fraction(),
             "timing/train_idle_frac": self.train_idle.take_fraction(),
+            "timing/save_s": self.save_stall_since_step,
             **{k: float(v) for k, v in stats.items()},
         }
         self.dropped_since_step = self.reward_errors_since_step = 0
+        self.save_stall_since_step = 0.0
         self.metrics.write(self.version, row)
 
     # --- checkpoints and stopping -----------------------------------------------------------
@@ -325,23 +376,45 @@ class Controller:
         trainers save exactly this version: a later TrainBatch queues behind the Save)."""
         path = checkpoint_dir(self.ctx.run_dir, self.version)
         path.mkdir(parents=True, exist_ok=True)
+        clear_complete(path)  # a damaged checkpoint of this version, skipped on resume
+        now = self.last_save_start = time.monotonic()
         for rank in self.trainers:
             self.box.send(rank, Save(self.version, str(path)))
-            self.liveness.expect(rank, time.monotonic(), f"the checkpoint of version {self.version}")
-        self.saving[self.version] = (set(self.trainers), self.state())
+            self.liveness.expect(rank, now, f"the checkpoint of version {self.version}")
+        self.saving[self.version] = _Save(set(self.trainers), self.state(), now)
 
     def on_saved(self, src: int, msg: Saved) -> None:
-        waiting, state = self.saving[msg.version]
-        waiting.discard(src)
+        save = self.saving[msg.version]
+        save.waiting.discard(src)
         self.liveness.done(src)
-        if waiting:
+        if save.waiting:
             return
-        del self.saving[msg.version]
+        self.save_stall_since_step += time.monotonic() - save.started  # what training waited
         path = checkpoint_dir(self.ctx.run_dir, msg.version)
-        _write_state(path, state)
-        mark_complete(path)  # last: only now does the checkpoint count
-        self.saved_version = max(self.saved_version, msg.version)
-        log.info("checkpoint of version %d complete: %s", msg.version, path)
+        _write_state(path, save.state)
+        # Reading back every file of a large checkpoint takes minutes: not on this loop.
+        save.record = self.checkpoint_thread.submit(record_files, path, min(8, os.cpu_count() or 1))
+
+    def finish_saves(self) -> bool:
+        """COMPLETE for each checkpoint whose files are recorded (in version order), then the old ones go."""
+        done = False
+        for version in sorted(self.saving):
+            save = self.saving[version]
+            if save.record is None or not save.record.done():
+                break
+            record = save.record.result()  # a failure to read back the checkpoint ends the run here
+            del self.saving[version]
+            path = checkpoint_dir(self.ctx.run_dir, version)
+            mark_complete(path)  # last: only now does the checkpoint count
+            self.saved_version = max(self.saved_version, version)
+            self.last_save_s = time.monotonic() - save.started
+            gb = sum(f["size"] for f in record["files"].values()) / 1e9
+            log.info("checkpoint of version %d complete: %s (%.2f GB, %.1f s)", version, path, gb, self.last_save_s)
+            keep = self.cfg.train.keep_checkpoints
+            protect = [self.ctx.resume_from, *(checkpoint_dir(self.ctx.run_dir, v) for v in self.saving)]
+            self.checkpoint_thread.submit(prune_checkpoints, self.ctx.run_dir, keep, protect)
+            done = True
+        return done
 
     def state(self) -> dict:
         """Everything a resumed controller needs to go on as if uninterrupted."""
@@ -375,7 +448,8 @@ class Controller:
         log.info("resumed from %s at version %d", path, self.version)
 
     def check_stop(self) -> None:
-        """A stop signal or the launcher's STOP file: finish the running step, checkpoint, stop."""
+        """A stop signal or the launcher's STOP file: finish the running step, checkpoint, stop; or stop
+        at once when Slurm would kill the job before that checkpoint is complete."""
         if self.stop_reason is None:
             now = time.monotonic()
             reason = self.stop_signal()
@@ -384,19 +458,45 @@ class Controller:
                 reason = "stop file" if self.stop_file.exists() else None
             if reason is None:
                 return
+            if self.stop_file.exists():  # Ctrl-C of the local launcher (with SIGUSR2): no deadline
+                reason = "stop file"
             self.stop_reason = reason
+            budget = STOP_BUDGETS.get(reason)  # how long until Slurm kills the job
+            need = self.checkpoint_eta_s(now)
+            if budget and need is not None and need >= getattr(self.cfg.cluster, budget):
+                self.stopped_at_once = True
+                log.warning(
+                    "stop requested (%s): the running step and its checkpoint need about %.0f s (as last measured), "
+                    "no less than the %d s of cluster.%s: stopping at once; the run resumes from %s",
+                    reason, need, getattr(self.cfg.cluster, budget), budget,
+                    f"version {self.saved_version}" if self.saved_version >= 0 else "the start",
+                )  # fmt: skip
+                return
             log.warning("stop requested (%s): checkpointing at the end of the running step", reason)
         if self.training is None and self.saved_version < self.version and self.version not in self.saving:
             self.save()
 
+    def checkpoint_eta_s(self, now: float) -> float | None:
+        """Seconds until a checkpoint of the running step would be complete: the rest of the step and a
+        save, each as long as the last one measured (nothing yet measured counts 0); None when there is
+        nothing new to save."""
+        if self.training is None and self.saved_version == self.version:
+            return None
+        step = max(0.0, self.last_train_s - (now - self.train_started)) if self.training is not None else 0.0
+        return step + self.last_save_s
+
     def shutdown(self) -> None:
-        """Everyone stops; the pending sends go out before this rank leaves."""
+        """Everyone stops; the pending sends go out before this rank leaves (unless it stops at once:
+        `serve` ends every rank then)."""
+        self.metrics.close()
+        self.timeline.close()
+        self.checkpoint_thread.shutdown(wait=not self.stopped_at_once)  # the last old checkpoints go
+        if self.stopped_at_once:
+            return
         reason = self.stop_reason or "done"
         for rank in range(1, self.layout.world_size):
             self.box.send(rank, Stop(reason))
         self.box.flush()
-        self.metrics.close()
-        self.timeline.close()
 
 
 # --- helpers -----------------------------------------------------------------------------------
@@ -419,6 +519,22 @@ def _target(row: dict) -> str:
     if "answer" in row:
         return str(row["answer"])
     return json.dumps(row.get("tests", []))
+
+
+def _drop_rows_after(path: Path, version: int) -> None:
+    """Cut metrics.jsonl after the line of step `version` (in place: writers append to the same file)."""
+    if not path.exists():
+        return
+    offset = 0
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                if json.loads(line)["step"] > version:
+                    break
+            except (ValueError, KeyError):
+                break  # a torn last line
+            offset += len(line)
+    os.truncate(path, offset)
 
 
 def _write_state(path: Path, state: dict) -> None:

@@ -7,9 +7,9 @@
 
 Nodes: `cluster.nodes` accelerator nodes are split between generation and training (by
 `allocation.gen_share`, or exactly `allocation.gen_nodes`, or the planner's fastest split with
-`gen_share: auto`); the controller and the reward workers share one more node, a CPU node. On Slurm
-these are the three components of the heterogeneous job; locally every "node" is a set of cores of
-this machine.
+`gen_share: auto`); the controller and the reward workers share `allocation.reward_nodes` more nodes,
+CPU nodes. On Slurm these are the three components of the heterogeneous job; locally every "node" is
+a set of cores of this machine.
 
 Each rank asks `Layout.role_of(rank)`; `Layout.split(comm)` gives the role communicators. Nothing
 else computes ranks.
@@ -60,6 +60,8 @@ class Layout:
     train_pp: int
     why: str
     """One sentence on how the split was chosen (shown in the table)."""
+    reward_nodes: int = 1
+    """CPU nodes of the controller component (the controller and the reward workers)."""
 
     # --- derived sizes ---
     @property
@@ -122,7 +124,9 @@ class Layout:
         """The heterogeneous job's components, in world-rank order."""
         g = self.gpus_per_node
         return (
-            Component("controller", (Role.CONTROLLER, Role.REWARD), 1, 1 + self.reward_workers, 0, 0, 0),
+            Component(
+                "controller", (Role.CONTROLLER, Role.REWARD), self.reward_nodes, 1 + self.reward_workers, 0, 0, 0
+            ),
             Component(
                 "generator",
                 (Role.GENERATOR,),
@@ -192,7 +196,7 @@ class Layout:
                 f"allocation.gen_share {a.gen_share:g} of {n} nodes = {target:g}; nearest split whose trainer "
                 f"GPUs divide by train_tp x train_pp ({group}): {gen_nodes} generator nodes"
             )
-        return cls(n, g, a.reward_workers, gen_nodes, a.gen_tp, a.train_tp, a.train_pp, why)
+        return cls(n, g, a.reward_workers, gen_nodes, a.gen_tp, a.train_tp, a.train_pp, why, a.reward_nodes)
 
     def table(self) -> str:
         """The split as a table that adds up, with the reason for it."""
@@ -201,7 +205,7 @@ class Layout:
             ("component", "nodes", "GPUs", "ranks", "world ranks", "what"),
             (
                 "controller",
-                "1 (CPU)",
+                f"{self.reward_nodes} (CPU)",
                 "0",
                 str(1 + self.reward_workers),
                 f"0-{self.reward_workers}",
@@ -223,7 +227,7 @@ class Layout:
                 _span(self.ranks(Role.TRAINER)),
                 f"Megatron TP {self.train_tp} x PP {self.train_pp} x DP {self.train_dp}",
             ),
-            ("total", f"{self.nodes} + 1 CPU", str(self.nodes * g), str(self.world_size), "", ""),
+            ("total", f"{self.nodes} + {self.reward_nodes} CPU", str(self.nodes * g), str(self.world_size), "", ""),
         ]
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]

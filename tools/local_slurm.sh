@@ -96,7 +96,8 @@ start() {
     echo "slurmd.node$i $!" >>"$pids"
   done
   local t0=$SECONDS
-  until [ "$(sinfo -h -N -o %T 2>/dev/null | grep -c '^idle$')" -ge "$nodes" ]; do
+  # sinfo -N lists a node once per partition: count the distinct idle nodes
+  until [ "$(sinfo -h -N -o '%N %T' 2>/dev/null | sort -u | grep -c ' idle$')" -ge "$nodes" ]; do
     if [ $((SECONDS - t0)) -gt 60 ]; then
       echo "local_slurm.sh: nodes not idle after 60 s; logs in $root/log" >&2
       sinfo -N 2>&1 >&2 || true
