@@ -10,7 +10,7 @@ syncs and checkpoints, writes the metrics. One thread, one event loop, no blocki
                       steps or save_interval_min minutes, metrics line
      SyncDone      -> generator g runs version v+1 (timing/weight_sync_s)
      Saved         -> all trainer ranks saved (timing/save_s): controller state, then the files'
-                      sizes and checksums on the checkpoint thread
+                      sizes and checksums on the checkpoint thread (areal_hpc.checkpoints)
      Failure       -> end the run, naming the rank
    saves    the checkpoint thread is done with a save -> COMPLETE, then old checkpoints go
    stop?    a stop signal or STOP file: no new step; checkpoint once the running one is back, or
@@ -43,12 +43,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import signal
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +53,7 @@ import numpy as np
 from areal_hpc.algo.staleness import StalenessGate
 from areal_hpc.batch import BatchInfo, build_train_batches
 from areal_hpc.buffer import Group, Rollouts
+from areal_hpc.checkpoints import Checkpoints, drop_rows_after, read_state
 from areal_hpc.layout import Role
 from areal_hpc.liveness import SYNC, Liveness, RankFailure
 from areal_hpc.metrics import IdleClock, MetricsWriter
@@ -73,15 +71,7 @@ from areal_hpc.protocol import (
     Trajectory,
     WeightSync,
 )
-from areal_hpc.rundir import (
-    STOP_FILE,
-    checkpoint_dir,
-    checkpoint_version,
-    clear_complete,
-    mark_complete,
-    prune_checkpoints,
-    record_files,
-)
+from areal_hpc.rundir import STOP_FILE, checkpoint_version
 from areal_hpc.timeline import Timeline
 
 log = logging.getLogger("areal_hpc.controller")
@@ -121,16 +111,6 @@ def serve(ctx) -> int:
     return code
 
 
-@dataclass
-class _Save:
-    """A checkpoint on its way: trainer ranks still writing, then the file record on the checkpoint thread."""
-
-    waiting: set[int]
-    state: dict
-    started: float
-    record: Future | None = None  # record_files, once every trainer rank has saved
-
-
 class Controller:
     def __init__(self, ctx, stop_signal=lambda: None, mailbox=None, prompts=None):
         """`mailbox` and `prompts` default to the real ones (MPI, the data set); tests pass others."""
@@ -157,12 +137,7 @@ class Controller:
 
         self.training: BatchInfo | None = None  # the step in flight on the trainers
         self.syncing: dict[int, set[int]] = {}  # version -> generators not yet done
-        self.saving: dict[int, _Save] = {}  # version -> the checkpoint of that version on its way
-        self.saved_version = -1
-        self.checkpoint_thread = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")  # files, old checkpoints
-        self.last_save_start = time.monotonic()  # for train.save_interval_min
-        self.last_save_s = 0.0  # Save sent -> COMPLETE, the last one measured
-        self.save_stall_since_step = 0.0  # trainers busy saving (timing/save_s)
+        self.ckpt = Checkpoints(ctx.run_dir, cfg.train.keep_checkpoints, ctx.resume_from)
         self.train_started = 0.0
         self.last_train_s = 0.0
         self.stop_reason: str | None = None
@@ -171,7 +146,7 @@ class Controller:
         self.reward_errors_since_step = 0  # rewards scored 0 for a timeout or an error
 
         if ctx.resume_from is not None:  # steps after the checkpoint run again: their old lines go
-            _drop_rows_after(Path(ctx.run_dir) / "metrics.jsonl", checkpoint_version(ctx.resume_from))
+            drop_rows_after(Path(ctx.run_dir) / "metrics.jsonl", checkpoint_version(ctx.resume_from))
         self.metrics = MetricsWriter(ctx.run_dir, cfg.logging.tensorboard)
         self.timeline = Timeline(ctx.run_dir)  # phases of every role, for tools/plot_run.py
         self.gen_idle = IdleClock(len(self.generators))
@@ -191,7 +166,7 @@ class Controller:
             for env in self.box.poll():
                 self.handle(env.source, env.msg)
                 progressed = True
-            progressed |= self.finish_saves()
+            progressed |= self.ckpt.finish()
             self.check_stop()
             progressed |= self.admit()
             progressed |= self.train()
@@ -206,7 +181,7 @@ class Controller:
         if self.stopped_at_once:
             return True
         done = self.version >= self.cfg.train.total_steps or self.stop_reason is not None
-        return done and self.training is None and not self.saving and self.saved_version == self.version
+        return done and self.training is None and not self.ckpt.saving and self.ckpt.saved_version == self.version
 
     def handle(self, src: int, msg) -> None:
         self.liveness.heard(src, time.monotonic())
@@ -326,7 +301,7 @@ class Controller:
         if self.version < self.cfg.train.total_steps and not self.stop_reason:
             self.sync_weights()
         t = self.cfg.train
-        on_time = t.save_interval_min and time.monotonic() - self.last_save_start >= 60 * t.save_interval_min
+        on_time = t.save_interval_min and time.monotonic() - self.ckpt.last_start >= 60 * t.save_interval_min
         if self.version % t.save_every == 0 or self.version >= t.total_steps or on_time:
             self.save()
         self.write_metrics(info, res.stats)
@@ -362,11 +337,10 @@ class Controller:
             "timing/weight_sync_s": self.last_sync_s,
             "timing/gen_idle_frac": self.gen_idle.take_fraction(),
             "timing/train_idle_frac": self.train_idle.take_fraction(),
-            "timing/save_s": self.save_stall_since_step,
+            "timing/save_s": self.ckpt.take_stall(),
             **{k: float(v) for k, v in stats.items()},
         }
         self.dropped_since_step = self.reward_errors_since_step = 0
-        self.save_stall_since_step = 0.0
         self.metrics.write(self.version, row)
 
     # --- checkpoints and stopping -----------------------------------------------------------
@@ -374,47 +348,14 @@ class Controller:
     def save(self) -> None:
         """Ask every trainer rank to save version v, and snapshot the controller's state now (the
         trainers save exactly this version: a later TrainBatch queues behind the Save)."""
-        path = checkpoint_dir(self.ctx.run_dir, self.version)
-        path.mkdir(parents=True, exist_ok=True)
-        clear_complete(path)  # a damaged checkpoint of this version, skipped on resume
-        now = self.last_save_start = time.monotonic()
+        path = self.ckpt.begin(self.version, self.state(), self.trainers)
         for rank in self.trainers:
             self.box.send(rank, Save(self.version, str(path)))
-            self.liveness.expect(rank, now, f"the checkpoint of version {self.version}")
-        self.saving[self.version] = _Save(set(self.trainers), self.state(), now)
+            self.liveness.expect(rank, time.monotonic(), f"the checkpoint of version {self.version}")
 
     def on_saved(self, src: int, msg: Saved) -> None:
-        save = self.saving[msg.version]
-        save.waiting.discard(src)
         self.liveness.done(src)
-        if save.waiting:
-            return
-        self.save_stall_since_step += time.monotonic() - save.started  # what training waited
-        path = checkpoint_dir(self.ctx.run_dir, msg.version)
-        _write_state(path, save.state)
-        # Reading back every file of a large checkpoint takes minutes: not on this loop.
-        save.record = self.checkpoint_thread.submit(record_files, path, min(8, os.cpu_count() or 1))
-
-    def finish_saves(self) -> bool:
-        """COMPLETE for each checkpoint whose files are recorded (in version order), then the old ones go."""
-        done = False
-        for version in sorted(self.saving):
-            save = self.saving[version]
-            if save.record is None or not save.record.done():
-                break
-            record = save.record.result()  # a failure to read back the checkpoint ends the run here
-            del self.saving[version]
-            path = checkpoint_dir(self.ctx.run_dir, version)
-            mark_complete(path)  # last: only now does the checkpoint count
-            self.saved_version = max(self.saved_version, version)
-            self.last_save_s = time.monotonic() - save.started
-            gb = sum(f["size"] for f in record["files"].values()) / 1e9
-            log.info("checkpoint of version %d complete: %s (%.2f GB, %.1f s)", version, path, gb, self.last_save_s)
-            keep = self.cfg.train.keep_checkpoints
-            protect = [self.ctx.resume_from, *(checkpoint_dir(self.ctx.run_dir, v) for v in self.saving)]
-            self.checkpoint_thread.submit(prune_checkpoints, self.ctx.run_dir, keep, protect)
-            done = True
-        return done
+        self.ckpt.trainer_saved(msg.version, src)
 
     def state(self) -> dict:
         """Everything a resumed controller needs to go on as if uninterrupted."""
@@ -433,10 +374,10 @@ class Controller:
         path = self.ctx.resume_from
         if path is None:
             return
-        state = _read_state(path)
+        state = read_state(path)
         if state["version"] != checkpoint_version(path):
             raise RuntimeError(f"{path}: controller state is of version {state['version']}")
-        self.version = self.saved_version = state["version"]
+        self.version = self.ckpt.saved_version = state["version"]
         self.gate.load_state_dict(state["gate"])
         self.prompts.load_state_dict(state["prompts"])
         self.requeued = list(state["requeued"])
@@ -469,28 +410,28 @@ class Controller:
                     "stop requested (%s): the running step and its checkpoint need about %.0f s (as last measured), "
                     "no less than the %d s of cluster.%s: stopping at once; the run resumes from %s",
                     reason, need, getattr(self.cfg.cluster, budget), budget,
-                    f"version {self.saved_version}" if self.saved_version >= 0 else "the start",
+                    f"version {self.ckpt.saved_version}" if self.ckpt.saved_version >= 0 else "the start",
                 )  # fmt: skip
                 return
             log.warning("stop requested (%s): checkpointing at the end of the running step", reason)
-        if self.training is None and self.saved_version < self.version and self.version not in self.saving:
+        if self.training is None and self.ckpt.saved_version < self.version and self.version not in self.ckpt.saving:
             self.save()
 
     def checkpoint_eta_s(self, now: float) -> float | None:
         """Seconds until a checkpoint of the running step would be complete: the rest of the step and a
         save, each as long as the last one measured (nothing yet measured counts 0); None when there is
         nothing new to save."""
-        if self.training is None and self.saved_version == self.version:
+        if self.training is None and self.ckpt.saved_version == self.version:
             return None
         step = max(0.0, self.last_train_s - (now - self.train_started)) if self.training is not None else 0.0
-        return step + self.last_save_s
+        return step + self.ckpt.last_save_s
 
     def shutdown(self) -> None:
         """Everyone stops; the pending sends go out before this rank leaves (unless it stops at once:
         `serve` ends every rank then)."""
         self.metrics.close()
         self.timeline.close()
-        self.checkpoint_thread.shutdown(wait=not self.stopped_at_once)  # the last old checkpoints go
+        self.ckpt.close(wait=not self.stopped_at_once)  # the last old checkpoints go
         if self.stopped_at_once:
             return
         reason = self.stop_reason or "done"
@@ -519,37 +460,3 @@ def _target(row: dict) -> str:
     if "answer" in row:
         return str(row["answer"])
     return json.dumps(row.get("tests", []))
-
-
-def _drop_rows_after(path: Path, version: int) -> None:
-    """Cut metrics.jsonl after the line of step `version` (in place: writers append to the same file)."""
-    if not path.exists():
-        return
-    offset = 0
-    with open(path, "rb") as f:
-        for line in f:
-            try:
-                if json.loads(line)["step"] > version:
-                    break
-            except (ValueError, KeyError):
-                break  # a torn last line
-            offset += len(line)
-    os.truncate(path, offset)
-
-
-def _write_state(path: Path, state: dict) -> None:
-    import pickle
-
-    with open(path / "controller.pkl.tmp", "wb") as f:
-        pickle.dump(state, f)
-    (path / "controller.pkl.tmp").rename(path / "controller.pkl")
-    summary = {k: state[k] for k in ("version", "gate", "next_group_id")}
-    summary["buffered_groups"], summary["requeued_prompts"] = len(state["buffer"]), len(state["requeued"])
-    (path / "controller.json").write_text(json.dumps(summary, indent=1))
-
-
-def _read_state(path: Path) -> dict:
-    import pickle
-
-    with open(Path(path) / "controller.pkl", "rb") as f:
-        return pickle.load(f)

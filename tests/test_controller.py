@@ -245,7 +245,7 @@ def test_preemption_checkpoints_if_there_is_time_else_stops_at_once(tmp_path, gr
     resumed run goes on from step_5, training the steps after it again (their old metrics lines go)."""
     cfg, layout, run_dir, tok_dir = make(tmp_path, f"cluster.grace_s={grace_s}")
     tok = build_tokenizer()
-    at_7 = lambda c: c.version >= 7 and c.saved_version == 5  # noqa: E731 - step_5 complete by then
+    at_7 = lambda c: c.version >= 7 and c.ckpt.saved_version == 5  # noqa: E731 - step_5 complete by then
     c, code = run(
         cfg, layout, run_dir, tok_dir, World(layout, tok, seed=1), Prompts(), signal="SIGTERM", stop_when=at_7
     )
