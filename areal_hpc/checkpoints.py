@@ -65,7 +65,7 @@ class Checkpoints:
         self.stall_s += time.monotonic() - save.started
         path = checkpoint_dir(self.run_dir, version)
         write_state(path, save.state)
-        save.record = self._thread.submit(record_files, path, min(8, os.cpu_count() or 1))
+        save.record = self._thread.submit(record_files, path, min(8, len(os.sched_getaffinity(0))))
 
     def finish(self) -> bool:
         """COMPLETE for each checkpoint whose files are recorded, in version order; True if any."""

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import signal
 import time
@@ -84,6 +85,9 @@ requeues on it)."""
 IDLE_S = 0.002
 STOP_BUDGETS = {"SIGTERM": "grace_s", "SIGUSR2": "requeue_signal_s"}
 """The cluster setting that says how long Slurm leaves after each stop signal (preemption, time limit)."""
+STOP_REASON_ENV = "AREAL_STOP_REASON_FILE"
+"""Where the Slurm batch script wants the controller's stop reason (slurm_templates/hetjob.sbatch): Slurm
+signals only the tasks at a preemption, so the script learns of it from the controller."""
 
 
 _stop_signals: list[str] = []  # names of the stop signals received (set by the handlers below)
@@ -402,6 +406,8 @@ class Controller:
             if self.stop_file.exists():  # Ctrl-C of the local launcher (with SIGUSR2): no deadline
                 reason = "stop file"
             self.stop_reason = reason
+            if os.environ.get(STOP_REASON_ENV):
+                Path(os.environ[STOP_REASON_ENV]).write_text(reason + "\n")
             budget = STOP_BUDGETS.get(reason)  # how long until Slurm kills the job
             need = self.checkpoint_eta_s(now)
             if budget and need is not None and need >= getattr(self.cfg.cluster, budget):

@@ -133,7 +133,6 @@ class JobRecord:
         return "UNKNOWN"
 
 
-
 def status(run_dir: Path) -> str:
     """What `areal-hpc status RUN_DIR` prints: the job, each component's state, attempts, last metrics."""
     run_dir = Path(run_dir)

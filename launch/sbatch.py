@@ -26,6 +26,7 @@ import shlex
 from pathlib import Path
 
 from areal_hpc.config import Config
+from areal_hpc.controller import STOP_REASON_ENV
 from areal_hpc.layout import Layout
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "slurm_templates" / "hetjob.sbatch"
@@ -123,6 +124,7 @@ def render_sbatch(
         "env": "\n".join(env_lines) if env_lines else "# (cluster.env: none)",
         "signal_s": str(c.requeue_signal_s),
         "requeue_exit_code": str(REQUEUE_EXIT_CODE),
+        "stop_reason_env": STOP_REASON_ENV,
         "max_requeues": str(c.max_requeues),
         "srun_args": " ".join(shlex.quote(a) for a in srun),
         "srun_components": " \\\n  : ".join(

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from areal_hpc.config import load_config
-from areal_hpc.controller import EXIT_DONE, EXIT_STOPPED, Controller
+from areal_hpc.controller import EXIT_DONE, EXIT_STOPPED, STOP_REASON_ENV, Controller
 from areal_hpc.layout import Layout, Role
 from areal_hpc.liveness import RankFailure
 from areal_hpc.metrics import REQUIRED
@@ -239,17 +239,19 @@ def test_stop_checkpoints_and_resume_continues_without_reusing_data(tmp_path):
 
 
 @pytest.mark.parametrize("grace_s", [60, 0])
-def test_preemption_checkpoints_if_there_is_time_else_stops_at_once(tmp_path, grace_s):
+def test_preemption_checkpoints_if_there_is_time_else_stops_at_once(tmp_path, monkeypatch, grace_s):
     """SIGTERM (Slurm's preemption) with cluster.grace_s left, at version 7 or so: the running step and a
     save fit in 60 s, so the run checkpoints there; in 0 s nothing fits, so it stops at once and the
     resumed run goes on from step_5, training the steps after it again (their old metrics lines go)."""
     cfg, layout, run_dir, tok_dir = make(tmp_path, f"cluster.grace_s={grace_s}")
+    monkeypatch.setenv(STOP_REASON_ENV, str(tmp_path / "stop_reason"))  # what the batch script reads
     tok = build_tokenizer()
     at_7 = lambda c: c.version >= 7 and c.ckpt.saved_version == 5  # noqa: E731 - step_5 complete by then
     c, code = run(
         cfg, layout, run_dir, tok_dir, World(layout, tok, seed=1), Prompts(), signal="SIGTERM", stop_when=at_7
     )
     assert code == EXIT_STOPPED and c.stopped_at_once == (grace_s == 0)
+    assert (tmp_path / "stop_reason").read_text() == "SIGTERM\n"
     resumed_from = c.version if grace_s else 5
     assert latest_checkpoint(run_dir).name == f"step_{resumed_from}"
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, c.version + 1))

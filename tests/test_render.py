@@ -185,9 +185,13 @@ def test_stand_in_command_is_quoted():
 
 
 def test_requeue_exit_code_is_the_controllers():
-    from areal_hpc.controller import EXIT_STOPPED
+    from areal_hpc.controller import EXIT_STOPPED, STOP_REASON_ENV
 
     assert REQUEUE_EXIT_CODE == EXIT_STOPPED
+    # the script learns of a preemption (SIGTERM to the tasks only) from the controller's stop reason
+    text = render(["cluster.nodes=3"])
+    assert f"export {STOP_REASON_ENV}=$log_dir/stop_reason" in text
+    assert 'controller_stop=$(cat "$log_dir/stop_reason"' in text
 
 
 def test_fill_refuses_missing_or_unknown_names():

@@ -187,6 +187,10 @@ class RequeueStarter:
         return True
 
 
+ONE_REQUEUE = [(0, "start"), (0, "end"), (0, "requeue"), (1, "start"), (1, "end")]
+"""(attempt, event) of a job's attempts.jsonl when it was requeued once and then ended."""
+
+
 def wait_done(run_dir: Path, timeout: float) -> str:
     record = JobRecord.load(run_dir)
     return wait_for(lambda: (s := record.state()) not in ACTIVE and s, timeout, f"job {record.job_id} to end")
@@ -291,13 +295,7 @@ def test_requeued_job_resumes_from_its_checkpoint(submit):
     second = [r for r in rows if r["attempt"] == 1]
     assert first and second and second[0]["step"] == first[-1]["step"] + 1
     events = JobRecord.load(run_dir).attempts()
-    assert [(e["attempt"], e["event"]) for e in events] == [
-        (0, "start"),
-        (0, "end"),
-        (0, "requeue"),
-        (1, "start"),
-        (1, "end"),
-    ]
+    assert [(e["attempt"], e["event"]) for e in events] == ONE_REQUEUE
     end = events[1]  # 75 from the controller; 137 when srun outlived its step and the script ended it
     assert end["stop_signal"] == "USR2"
     assert end["exit_code"] == 75 or (end["exit_code"] == 137 and end["srun_ended_by_script"])
