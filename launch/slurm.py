@@ -8,9 +8,9 @@ job id parsing, `Job` objects with `cancel()`, `stdout()`, `stderr()`, its log n
 - the job state comes from `squeue` over the components `ID+0`, `ID+1`, `ID+2` (`HetSlurmInfoWatcher`):
   submitit asks `sacct`, which reports a heterogeneous job as UNKNOWN (and clusters without
   accounting have no `sacct`);
-- the checkpoint/requeue cycle runs in the batch script (SIGUSR2 before the time limit -> controller
-  checkpoints and exits -> `scontrol requeue`), since the ranks run `areal_hpc.main`, not submitit's
-  pickled function.
+- the checkpoint/requeue cycle runs in the batch script (SIGUSR2 before the time limit, or a
+  preemption's SIGTERM -> the controller checkpoints if it has the time, and exits -> `scontrol
+  requeue`), since the ranks run `areal_hpc.main`, not submitit's pickled function.
 """
 
 from __future__ import annotations
