@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from areal_hpc.config import Config, ConfigError, describe_config, load_config
+from areal_hpc.rundir import RunDirInUse
 from launch import LaunchError
 
 OVERRIDES_HELP = (
@@ -82,15 +83,32 @@ def cmd_submit(args) -> int:
 
 
 def cmd_render(args) -> int:
-    from areal_hpc.rundir import prepare_run_dir
+    from areal_hpc.rundir import Holder, lock_run_dir, prepare_run_dir, unlock_run_dir
+    from launch.record import job_active
     from launch.slurm import SlurmLauncher
 
     cfg = _config(args)
     script = SlurmLauncher().script(cfg)
-    run_dir = prepare_run_dir(cfg)  # the ranks read RUN_DIR/config.yaml
+    holder = Holder.this_process()
+    lock_run_dir(cfg.run_dir, holder, job_active)  # not while a run or job uses the directory
+    try:
+        run_dir = prepare_run_dir(cfg)  # the ranks read RUN_DIR/config.yaml
+    finally:
+        unlock_run_dir(cfg.run_dir, holder)
     Path(args.output).write_text(script)
     print(f"wrote {args.output} and {run_dir / 'config.yaml'}; submit with: sbatch {args.output}")
     return 0
+
+
+def cmd_doctor(args) -> int:
+    from launch.doctor import doctor
+
+    cfg = _config(args)
+    print(f"areal-hpc doctor: {args.config} on {cfg.cluster.nodes} + {cfg.allocation.reward_nodes} nodes")
+    checks = doctor(cfg, wait_s=args.wait)
+    failed = [c.name for c in checks if c.status == "FAIL"]
+    print(f"FAILED: {', '.join(failed)}" if failed else "every check passed (SKIP: does not apply here)")
+    return 1 if failed else 0
 
 
 def cmd_status(args) -> int:
@@ -165,6 +183,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_nodes(p, required=True)
     p.add_argument("-o", "--output", required=True, help="file to write the script to")
     p.set_defaults(func=cmd_render)
+
+    p = sub.add_parser(
+        "doctor",
+        help="check a cluster before a long job: Slurm, pmix, partitions, shared run directory, Python on the "
+        "nodes, MPI across the components, GPUs, all-reduce",
+        description="Check that the cluster can run this config's job, each check PASS or FAIL with the fix (SKIP "
+        "where it does not apply): Slurm's version and heterogeneous jobs; pmix in srun --mpi=list; the partitions "
+        "exist and hold the nodes and GPUs asked; the preemption grace time; then a short probe job with the run's "
+        "own components: the run directory is shared by every node, torch/vllm/megatron.core/mpi4py import on the "
+        "nodes at this host's versions, one MPI world across the components, GPUs per node, and an all-reduce "
+        "across the nodes of each GPU component (NCCL on cuda, gloo on cpu). Exit code 1 on any FAIL.",
+        epilog=OVERRIDES_HELP,
+    )
+    _add_config_args(p)
+    _add_nodes(p, required=True)
+    p.add_argument("--wait", type=float, default=600, help="seconds to wait for the probe job to start (default 600)")
+    p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser(
         "status",
@@ -256,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"areal-hpc: config error: {e}", file=sys.stderr)
         return 2
-    except LaunchError as e:
+    except (LaunchError, RunDirInUse) as e:
         print(f"areal-hpc: {e}", file=sys.stderr)
         return 1
 

@@ -78,8 +78,8 @@ class ModelConfig:
 class ClusterConfig:
     nodes: int = 2
     """Nodes with accelerators for generation and training (`--nodes` on the command line). The
-    controller and reward workers run on one more node, a CPU node of `cpu_partition`. Locally
-    (`areal-hpc run`) the nodes are virtual, each a set of cores."""
+    controller and reward workers run on `allocation.reward_nodes` more nodes, CPU nodes of
+    `cpu_partition`. Locally (`areal-hpc run`) the nodes are virtual, each a set of cores."""
     gpus_per_node: int = 1
     """Devices per node: GPUs on a GPU cluster; with `device: cpu`, process slots (one core each
     locally)."""
@@ -129,13 +129,27 @@ class ClusterConfig:
     """Seconds before the time limit at which Slurm signals the job (SIGUSR2): the controller saves a
     checkpoint and the job is requeued, resuming from it."""
     max_requeues: int = 3
-    """Most times the job requeues itself (after the time-limit signal or a controller's requeue exit)."""
+    """Most times the job requeues itself after the time-limit signal or a controller's requeue exit
+    (requeues after a preemption do not count)."""
+    grace_s: int = 60
+    """Seconds between Slurm's preemption SIGTERM and its SIGKILL: the GraceTime of the partition
+    (`scontrol show partition`). On SIGTERM the controller checkpoints if the running step and a save
+    fit in this time (it measures both), else it exits at once; either way the job requeues and resumes
+    from its last complete checkpoint."""
+    controller_cpus: int = 0
+    """CPUs of each task of the controller component: the controller and every reward worker (a reward
+    worker scores with one process per CPU it gets, see reward.processes). 0: Slurm's default, one."""
+    controller_mem: str = ""
+    """Memory per node of the controller component, as `sbatch --mem` takes it (e.g. 64G; empty: the
+    partition's default)."""
 
 
 @dataclass
 class AllocationConfig:
-    gen_share: float = 0.75
-    """Share of the nodes given to generation (the AReaL paper uses 3/4); the rest train."""
+    gen_share: float | str = 0.75
+    """Share of the nodes given to generation (the AReaL paper uses 3/4), or `auto`: the split that the
+    planner predicts fastest (`areal-hpc plan`), with gen_tp, train_tp and train_pp as set here. The
+    rest of the nodes train."""
     gen_nodes: int | None = None
     """Generator nodes, overriding `gen_share` (null: from the share)."""
     gen_tp: int = 1
@@ -145,7 +159,10 @@ class AllocationConfig:
     train_pp: int = 1
     """Megatron pipeline-parallel size of the trainer."""
     reward_workers: int = 1
-    """Reward worker ranks, on the controller's node."""
+    """Reward worker ranks, on the controller component's nodes."""
+    reward_nodes: int = 1
+    """CPU nodes of the controller component: the controller and the reward workers spread over them
+    (the controller on the first). More nodes give CPU-heavy rewards (code sandboxes) more cores."""
 
 
 @dataclass
@@ -222,6 +239,12 @@ class TrainConfig:
     """Training steps of the run."""
     save_every: int = 10
     """Checkpoint every this many steps (and at the end, and on a stop signal)."""
+    save_interval_min: float = 0.0
+    """Also checkpoint after a step that ends this many minutes after the last checkpoint began (0: only
+    every save_every steps), so that a preemption or a crash loses at most about this much work."""
+    keep_checkpoints: int = 3
+    """Complete checkpoints to keep: once a checkpoint is complete, older ones beyond this many are
+    deleted (never the one the run resumed from); 0 keeps every one."""
     weight_sync_bucket_mb: int = 64
     """Size of one bucket of the weight broadcast to the generators, in MiB."""
     collective_timeout_s: float = 300.0
@@ -474,6 +497,7 @@ def validate(cfg: Config) -> None:
         ("allocation.train_tp", a.train_tp),
         ("allocation.train_pp", a.train_pp),
         ("allocation.reward_workers", a.reward_workers),
+        ("allocation.reward_nodes", a.reward_nodes),
         ("rollout.max_concurrent", r.max_concurrent),
         ("rollout.group_size", r.group_size),
         ("rollout.prompts_per_step", r.prompts_per_step),
@@ -485,6 +509,18 @@ def validate(cfg: Config) -> None:
         ("train.weight_sync_bucket_mb", cfg.train.weight_sync_bucket_mb),
     ]:
         need(value >= 1, f"{name} must be at least 1 (got {value})")
+    for name, value in [
+        ("cluster.grace_s", c.grace_s),
+        ("cluster.controller_cpus", c.controller_cpus),
+        ("train.save_interval_min", cfg.train.save_interval_min),
+        ("train.keep_checkpoints", cfg.train.keep_checkpoints),
+    ]:
+        need(value >= 0, f"{name} must be >= 0 (got {value})")
+    need(
+        a.reward_nodes <= 1 + a.reward_workers,
+        f"allocation.reward_nodes ({a.reward_nodes}) must not exceed the controller and reward worker ranks "
+        f"(1 + allocation.reward_workers = {1 + a.reward_workers}): every node gets one",
+    )
     need(r.max_staleness >= 0, f"rollout.max_staleness must be >= 0 (got {r.max_staleness}); 0 is synchronous RL")
     need(r.temperature > 0, f"rollout.temperature must be > 0 (got {r.temperature})")
     need(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1] (got {r.top_p})")
@@ -558,7 +594,10 @@ def validate(cfg: Config) -> None:
         "sft.examples > 0 needs math rows (the warm start learns 'prompt -> \\boxed{answer}'); "
         f"reward.kind is {cfg.reward.kind}: set sft.examples=0",
     )
-    need(0 < a.gen_share < 1, f"allocation.gen_share must be strictly between 0 and 1 (got {a.gen_share})")
+    need(
+        a.gen_share == "auto" or (not isinstance(a.gen_share, str) and 0 < a.gen_share < 1),
+        f"allocation.gen_share must be auto or strictly between 0 and 1 (got {a.gen_share!r})",
+    )
     # The rank map is the last check: it knows how nodes, GPUs and parallel sizes fit together.
     from areal_hpc.layout import Layout
 

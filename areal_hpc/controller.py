@@ -8,13 +8,17 @@ syncs and checkpoints, writes the metrics. One thread, one event loop, no blocki
      RewardResult  -> a group with all n answers scored goes to the buffer   (gate.finish); with
                       rollout.filter_uniform_groups one whose rewards are all equal is left out
                       (gate.finish(accepted=False): its slot admits another prompt)
-     TrainResult   -> version v+1: WeightSync(v+1) to trainers + generators, Save every save_every,
-                      metrics line; every eval.every_steps: the eval prompts to the generators
-                      (areal_hpc.eval.TrainingEval: group ids < 0, never buffered, not gated)
+     TrainResult   -> version v+1: WeightSync(v+1) to trainers + generators, Save every save_every
+                      steps or save_interval_min minutes, metrics line; every eval.every_steps: the
+                      eval prompts to the generators (areal_hpc.eval.TrainingEval: group ids < 0,
+                      never buffered, not gated)
      SyncDone      -> generator g runs version v+1 (timing/weight_sync_s)
-     Saved         -> all trainer ranks saved: controller state, then COMPLETE
+     Saved         -> all trainer ranks saved (timing/save_s): controller state, then the files'
+                      sizes and checksums on the checkpoint thread (areal_hpc.checkpoints)
      Failure       -> end the run, naming the rank
-   stop?    a stop signal or STOP file: no new step; checkpoint once the running one is back
+   saves    the checkpoint thread is done with a save -> COMPLETE, then old checkpoints go
+   stop?    a stop signal or STOP file: no new step; checkpoint once the running one is back, or
+            stop at once when that cannot finish before Slurm's kill (cluster.grace_s for SIGTERM)
    admit    while the gate has room: next prompt -> GenerateRequest to the least-loaded generator
             (waits for: room = (eta + v + 1) * B - accepted - running > 0; TrainResult or a dropped
             group makes room)
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import signal
 import time
@@ -54,6 +59,7 @@ import numpy as np
 from areal_hpc.algo.staleness import StalenessGate
 from areal_hpc.batch import BatchInfo, build_train_batches
 from areal_hpc.buffer import Group, Rollouts
+from areal_hpc.checkpoints import Checkpoints, drop_rows_after, read_state
 from areal_hpc.eval import TrainingEval
 from areal_hpc.layout import Role
 from areal_hpc.liveness import SYNC, Liveness, RankFailure
@@ -73,20 +79,26 @@ from areal_hpc.protocol import (
     WeightSync,
 )
 from areal_hpc.reward import overlong_penalty
-from areal_hpc.rundir import STOP_FILE, checkpoint_dir, checkpoint_version, mark_complete
+from areal_hpc.rundir import STOP_FILE, checkpoint_version
 from areal_hpc.timeline import Timeline
 
 log = logging.getLogger("areal_hpc.controller")
 
 EXIT_DONE = 0
 EXIT_STOPPED = 75
-"""Exit code after a stop request (SIGUSR2, SIGTERM, SIGINT, or the launcher's STOP file) once the
-checkpoint is saved: "resume me" (EX_TEMPFAIL; launch/sbatch.py requeues on it)."""
+"""Exit code after a stop request (SIGUSR2, SIGTERM, SIGINT, or the launcher's STOP file), once the
+checkpoint is saved or when there is no time for one: "resume me" (EX_TEMPFAIL; launch/sbatch.py
+requeues on it)."""
 IDLE_S = 0.002
 FILTERED_WARN_STEPS = 10
 """With rollout.filter_uniform_groups, the log warns each time this many steps' worth of groups
 (`prompts_per_step` each) has been left out at one policy version: when every prompt is answered all
 right or all wrong, no step comes, and the run must not look busy without a word."""
+STOP_BUDGETS = {"SIGTERM": "grace_s", "SIGUSR2": "requeue_signal_s"}
+"""The cluster setting that says how long Slurm leaves after each stop signal (preemption, time limit)."""
+STOP_REASON_ENV = "AREAL_STOP_REASON_FILE"
+"""Where the Slurm batch script wants the controller's stop reason (slurm_templates/hetjob.sbatch): Slurm
+signals only the tasks at a preemption, so the script learns of it from the controller."""
 
 
 _stop_signals: list[str] = []  # names of the stop signals received (set by the handlers below)
@@ -105,7 +117,13 @@ def install_stop_signals() -> None:
 
 def serve(ctx) -> int:
     """Run the controller until the run ends; returns EXIT_DONE or EXIT_STOPPED."""
-    return Controller(ctx, stop_signal=lambda: _stop_signals[0] if _stop_signals else None).run()
+    controller = Controller(ctx, stop_signal=lambda: _stop_signals[0] if _stop_signals else None)
+    code = controller.run()
+    if controller.stopped_at_once:
+        # The other ranks may be inside a step for minutes: end every rank now. The launcher sees an
+        # aborted run; the batch script sees the stop (or the preemption) and requeues the job.
+        ctx.world.Abort(EXIT_STOPPED)
+    return code
 
 
 class Controller:
@@ -134,9 +152,11 @@ class Controller:
 
         self.training: BatchInfo | None = None  # the step in flight on the trainers
         self.syncing: dict[int, set[int]] = {}  # version -> generators not yet done
-        self.saving: dict[int, tuple[set[int], dict]] = {}  # version -> (trainers not yet saved, state)
-        self.saved_version = -1
+        self.ckpt = Checkpoints(ctx.run_dir, cfg.train.keep_checkpoints, ctx.resume_from)
+        self.train_started = 0.0
+        self.last_train_s = 0.0
         self.stop_reason: str | None = None
+        self.stopped_at_once = False  # no time to checkpoint before Slurm's kill
         self.dropped_since_step = 0
         self.reward_errors_since_step = 0  # rewards scored 0 for a timeout or an error
         self.filtered_since_step = 0  # groups left out by rollout.filter_uniform_groups
@@ -149,6 +169,8 @@ class Controller:
             penalty=rw.overlong_penalty,
         )
 
+        if ctx.resume_from is not None:  # steps after the checkpoint run again: their old lines go
+            drop_rows_after(Path(ctx.run_dir) / "metrics.jsonl", checkpoint_version(ctx.resume_from))
         self.metrics = MetricsWriter(ctx.run_dir, cfg.logging.tensorboard)
         self.timeline = Timeline(ctx.run_dir)  # phases of every role, for tools/plot_run.py
         self.gen_idle = IdleClock(len(self.generators))
@@ -169,6 +191,7 @@ class Controller:
             for env in self.box.poll():
                 self.handle(env.source, env.msg)
                 progressed = True
+            progressed |= self.ckpt.finish()
             self.check_stop()
             progressed |= self.admit()
             progressed |= self.train()
@@ -179,9 +202,11 @@ class Controller:
         return EXIT_STOPPED if self.stop_reason else EXIT_DONE
 
     def finished(self) -> bool:
-        """The last checkpoint is complete and nothing else is to be done."""
+        """The last checkpoint is complete and nothing else is to be done (or a stop without time for one)."""
+        if self.stopped_at_once:
+            return True
         done = self.version >= self.cfg.train.total_steps or self.stop_reason is not None
-        return done and self.training is None and not self.saving and self.saved_version == self.version
+        return done and self.training is None and not self.ckpt.saving and self.ckpt.saved_version == self.version
 
     def handle(self, src: int, msg) -> None:
         self.liveness.heard(src, time.monotonic())
@@ -333,12 +358,14 @@ class Controller:
         for t, rank in enumerate(self.trainers):
             self.box.send(rank, batches[(t // a.train_tp) % self.layout.train_dp])
         self.train_idle.busy(0, True)
+        self.train_started = time.monotonic()
         self.timeline.mark("train_start", version=self.version)
         self.liveness.expect(self.trainers[0], time.monotonic(), f"training step {self.version}")
         return True
 
     def on_train_result(self, res: TrainResult) -> None:
         info, self.training = self.training, None
+        self.last_train_s = time.monotonic() - self.train_started
         self.train_idle.busy(0, False)
         self.timeline.mark("train_end", version=res.version)
         self.liveness.done(self.trainers[0])
@@ -346,7 +373,9 @@ class Controller:
         if self.version < self.cfg.train.total_steps and not self.stop_reason:
             self.sync_weights()
             self.evals.maybe_start(self.version)  # after the WeightSync: the generators load this version first
-        if self.version % self.cfg.train.save_every == 0 or self.version >= self.cfg.train.total_steps:
+        t = self.cfg.train
+        on_time = t.save_interval_min and time.monotonic() - self.ckpt.last_start >= 60 * t.save_interval_min
+        if self.version % t.save_every == 0 or self.version >= t.total_steps or on_time:
             self.save()
         self.write_metrics(info, res.stats)
 
@@ -383,6 +412,7 @@ class Controller:
             "timing/weight_sync_s": self.last_sync_s,
             "timing/gen_idle_frac": self.gen_idle.take_fraction(),
             "timing/train_idle_frac": self.train_idle.take_fraction(),
+            "timing/save_s": self.ckpt.take_stall(),
             **{k: float(v) for k, v in stats.items()},
             **self.evals.take_metrics(),
         }
@@ -394,25 +424,14 @@ class Controller:
     def save(self) -> None:
         """Ask every trainer rank to save version v, and snapshot the controller's state now (the
         trainers save exactly this version: a later TrainBatch queues behind the Save)."""
-        path = checkpoint_dir(self.ctx.run_dir, self.version)
-        path.mkdir(parents=True, exist_ok=True)
+        path = self.ckpt.begin(self.version, self.state(), self.trainers)
         for rank in self.trainers:
             self.box.send(rank, Save(self.version, str(path)))
             self.liveness.expect(rank, time.monotonic(), f"the checkpoint of version {self.version}")
-        self.saving[self.version] = (set(self.trainers), self.state())
 
     def on_saved(self, src: int, msg: Saved) -> None:
-        waiting, state = self.saving[msg.version]
-        waiting.discard(src)
         self.liveness.done(src)
-        if waiting:
-            return
-        del self.saving[msg.version]
-        path = checkpoint_dir(self.ctx.run_dir, msg.version)
-        _write_state(path, state)
-        mark_complete(path)  # last: only now does the checkpoint count
-        self.saved_version = max(self.saved_version, msg.version)
-        log.info("checkpoint of version %d complete: %s", msg.version, path)
+        self.ckpt.trainer_saved(msg.version, src)
 
     def state(self) -> dict:
         """Everything a resumed controller needs to go on as if uninterrupted."""
@@ -431,10 +450,10 @@ class Controller:
         path = self.ctx.resume_from
         if path is None:
             return
-        state = _read_state(path)
+        state = read_state(path)
         if state["version"] != checkpoint_version(path):
             raise RuntimeError(f"{path}: controller state is of version {state['version']}")
-        self.version = self.saved_version = state["version"]
+        self.version = self.ckpt.saved_version = state["version"]
         self.gate.load_state_dict(state["gate"])
         self.prompts.load_state_dict(state["prompts"])
         self.requeued = list(state["requeued"])
@@ -446,7 +465,8 @@ class Controller:
         log.info("resumed from %s at version %d", path, self.version)
 
     def check_stop(self) -> None:
-        """A stop signal or the launcher's STOP file: finish the running step, checkpoint, stop."""
+        """A stop signal or the launcher's STOP file: finish the running step, checkpoint, stop; or stop
+        at once when Slurm would kill the job before that checkpoint is complete."""
         if self.stop_reason is None:
             now = time.monotonic()
             reason = self.stop_signal()
@@ -455,19 +475,47 @@ class Controller:
                 reason = "stop file" if self.stop_file.exists() else None
             if reason is None:
                 return
+            if self.stop_file.exists():  # Ctrl-C of the local launcher (with SIGUSR2): no deadline
+                reason = "stop file"
             self.stop_reason = reason
+            if os.environ.get(STOP_REASON_ENV):
+                Path(os.environ[STOP_REASON_ENV]).write_text(reason + "\n")
+            budget = STOP_BUDGETS.get(reason)  # how long until Slurm kills the job
+            need = self.checkpoint_eta_s(now)
+            if budget and need is not None and need >= getattr(self.cfg.cluster, budget):
+                self.stopped_at_once = True
+                log.warning(
+                    "stop requested (%s): the running step and its checkpoint need about %.0f s (as last measured), "
+                    "no less than the %d s of cluster.%s: stopping at once; the run resumes from %s",
+                    reason, need, getattr(self.cfg.cluster, budget), budget,
+                    f"version {self.ckpt.saved_version}" if self.ckpt.saved_version >= 0 else "the start",
+                )  # fmt: skip
+                return
             log.warning("stop requested (%s): checkpointing at the end of the running step", reason)
-        if self.training is None and self.saved_version < self.version and self.version not in self.saving:
+        if self.training is None and self.ckpt.saved_version < self.version and self.version not in self.ckpt.saving:
             self.save()
 
+    def checkpoint_eta_s(self, now: float) -> float | None:
+        """Seconds until a checkpoint of the running step would be complete: the rest of the step and a
+        save, each as long as the last one measured (nothing yet measured counts 0); None when there is
+        nothing new to save."""
+        if self.training is None and self.ckpt.saved_version == self.version:
+            return None
+        step = max(0.0, self.last_train_s - (now - self.train_started)) if self.training is not None else 0.0
+        return step + self.ckpt.last_save_s
+
     def shutdown(self) -> None:
-        """Everyone stops; the pending sends go out before this rank leaves."""
+        """Everyone stops; the pending sends go out before this rank leaves (unless it stops at once:
+        `serve` ends every rank then)."""
+        self.metrics.close()
+        self.timeline.close()
+        self.ckpt.close(wait=not self.stopped_at_once)  # the last old checkpoints go
+        if self.stopped_at_once:
+            return
         reason = self.stop_reason or "done"
         for rank in range(1, self.layout.world_size):
             self.box.send(rank, Stop(reason))
         self.box.flush()
-        self.metrics.close()
-        self.timeline.close()
 
 
 # --- helpers -----------------------------------------------------------------------------------
@@ -490,21 +538,3 @@ def _target(row: dict) -> str:
     if "answer" in row:
         return str(row["answer"])
     return json.dumps(row.get("tests", []))
-
-
-def _write_state(path: Path, state: dict) -> None:
-    import pickle
-
-    with open(path / "controller.pkl.tmp", "wb") as f:
-        pickle.dump(state, f)
-    (path / "controller.pkl.tmp").rename(path / "controller.pkl")
-    summary = {k: state[k] for k in ("version", "gate", "next_group_id")}
-    summary["buffered_groups"], summary["requeued_prompts"] = len(state["buffer"]), len(state["requeued"])
-    (path / "controller.json").write_text(json.dumps(summary, indent=1))
-
-
-def _read_state(path: Path) -> dict:
-    import pickle
-
-    with open(Path(path) / "controller.pkl", "rb") as f:
-        return pickle.load(f)

@@ -6,9 +6,10 @@
 ```
 
 Nodes: `cluster.nodes` accelerator nodes are split between generation and training (by
-`allocation.gen_share`, or exactly `allocation.gen_nodes`); the controller and the reward workers
-share one more node, a CPU node. On Slurm these are the three components of the heterogeneous job;
-locally every "node" is a set of cores of this machine.
+`allocation.gen_share`, or exactly `allocation.gen_nodes`, or the planner's fastest split with
+`gen_share: auto`); the controller and the reward workers share `allocation.reward_nodes` more nodes,
+CPU nodes. On Slurm these are the three components of the heterogeneous job; locally every "node" is
+a set of cores of this machine.
 
 Each rank asks `Layout.role_of(rank)`; `Layout.split(comm)` gives the role communicators. Nothing
 else computes ranks.
@@ -94,6 +95,8 @@ class Layout:
     uses_gpus: bool
     """Whether generator and trainer ranks hold GPUs: cluster.device is auto or cuda (in a cpu run
     `gpus_per_node` counts process slots and nothing asks Slurm for GPUs)."""
+    reward_nodes: int = 1
+    """CPU nodes of the controller component (the controller and the reward workers)."""
 
     # --- derived sizes ---
     @property
@@ -156,7 +159,9 @@ class Layout:
         """The heterogeneous job's components, in world-rank order."""
         g = self.gpus_per_node if self.uses_gpus else 0
         return (
-            Component("controller", (Role.CONTROLLER, Role.REWARD), 1, 1 + self.reward_workers, 0, 0, 0),
+            Component(
+                "controller", (Role.CONTROLLER, Role.REWARD), self.reward_nodes, 1 + self.reward_workers, 0, 0, 0
+            ),
             Component(
                 "generator",
                 (Role.GENERATOR,),
@@ -248,6 +253,10 @@ class Layout:
                     f"trainer GPUs ({n - a.gen_nodes} nodes x {g} = {(n - a.gen_nodes) * g})"
                 )
             gen_nodes, why = a.gen_nodes, f"allocation.gen_nodes = {a.gen_nodes} (set in the config)"
+        elif a.gen_share == "auto":
+            from areal_hpc.planner import auto_split
+
+            gen_nodes, why = auto_split(cfg)
         else:
             target = a.gen_share * n
             fits = sorted((k for k in range(1, n) if trains(k)), key=lambda k: (abs(k - target), -k))
@@ -262,7 +271,7 @@ class Layout:
                 f"GPUs divide by train_tp x train_pp ({group}): {gen_nodes} generator nodes"
             )
         uses_gpus = c.device != "cpu"
-        return cls(n, g, a.reward_workers, gen_nodes, a.gen_tp, a.train_tp, a.train_pp, why, uses_gpus)
+        return cls(n, g, a.reward_workers, gen_nodes, a.gen_tp, a.train_tp, a.train_pp, why, uses_gpus, a.reward_nodes)
 
     def table(self) -> str:
         """The split as a table that adds up, with the reason for it."""
@@ -271,7 +280,7 @@ class Layout:
             ("component", "nodes", "GPUs", "ranks", "world ranks", "what"),
             (
                 "controller",
-                "1 (CPU)",
+                f"{self.reward_nodes} (CPU)",
                 "0",
                 str(1 + self.reward_workers),
                 f"0-{self.reward_workers}",
@@ -293,7 +302,7 @@ class Layout:
                 _span(self.ranks(Role.TRAINER)),
                 f"Megatron TP {self.train_tp} x PP {self.train_pp} x DP {self.train_dp}",
             ),
-            ("total", f"{self.nodes} + 1 CPU", str(self.nodes * g), str(self.world_size), "", ""),
+            ("total", f"{self.nodes} + {self.reward_nodes} CPU", str(self.nodes * g), str(self.world_size), "", ""),
         ]
         gen_share = self.gen_nodes * g / (self.nodes * g)
         why = f"generation gets {self.gen_nodes}/{self.nodes} nodes ({gen_share:.0%} of the GPUs): {self.why}"

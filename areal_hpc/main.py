@@ -23,7 +23,9 @@ that Slurm started it where the layout says (node and task slot), so that no two
 the same GPU. A rank without GPUs sees none.
 
 Signals: only the controller acts on SIGUSR2, SIGTERM and SIGINT (checkpoint, then Stop to everyone,
-exit code 75); the other ranks ignore SIGUSR2 and SIGINT and wait for the controller's Stop.
+exit code 75); the other ranks ignore all three and wait for the controller's Stop. Slurm sends a
+preemption's SIGTERM to every task at once: a rank that died of it would end the step before the
+controller could checkpoint.
 
 mpi4py is imported inside functions only: a generator rank's vLLM must not see MPI initialised at
 import time (CONTEXT.md).
@@ -256,8 +258,11 @@ def _signals(role: Role) -> None:
 
         install_stop_signals()
     else:
-        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # Ignored, not handled: processes it starts (reward scorers, sandboxes) inherit the ignore
+        # across exec, so Slurm's SIGTERM to every process of the step leaves them be too; they are
+        # ended with SIGKILL.
+        for sig in (signal.SIGUSR2, signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def _fail(world, name: str, error: BaseException, console, log_file: Path) -> None:

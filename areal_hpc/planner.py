@@ -453,16 +453,19 @@ def candidates(cfg: Config, fixed: dict[str, int] | None = None):
                         yield Plan(k, gtp, ttp, pp)
 
 
-def choose(cfg: Config, fixed: dict[str, int] | None = None, cost: CostModel = COST) -> tuple[Prediction, str]:
+def choose(
+    cfg: Config, fixed: dict[str, int] | None = None, cost: CostModel = COST, fit: bool = True
+) -> tuple[Prediction, str]:
     """The plan with the highest predicted asynchronous throughput at cfg.rollout.max_staleness among
-    those that fit memory; ties go to fewer GPUs per model copy (less communication)."""
+    those that fit memory (among all when not `fit`); ties go to fewer GPUs per model copy (less
+    communication)."""
     from areal_hpc.config import ConfigError
 
     best, tried, fitting = None, 0, 0
     for plan in candidates(cfg, fixed):
         tried += 1
         p = predict(cfg, plan, cost)
-        if not p.fits:
+        if fit and not p.fits:
             continue
         fitting += 1
         key = (round(p.tokens_per_s(), -2), -plan.gen_tp - plan.train_tp * plan.train_pp, plan.gen_nodes)
@@ -480,6 +483,26 @@ def choose(cfg: Config, fixed: dict[str, int] | None = None, cost: CostModel = C
         f"max_staleness {p.eta}" + (f", with {', '.join(f'{k}={v}' for k, v in fixed.items())} fixed" if fixed else "")
     )
     return p, why
+
+
+def auto_split(cfg: Config, cost: CostModel = COST) -> tuple[int, str]:
+    """`allocation.gen_share: auto`: the generator nodes of the fastest plan (`choose`) with the config's
+    gen_tp, train_tp and train_pp; returns (gen_nodes, why). Deterministic: every rank finds the same."""
+    from areal_hpc.config import ConfigError
+
+    a = cfg.allocation
+    fixed = {"gen_tp": a.gen_tp, "train_tp": a.train_tp, "train_pp": a.train_pp}
+    try:
+        p, _ = choose(cfg, fixed, cost)
+        fits = ""
+    except ConfigError:  # `plan` shows it DOES NOT FIT and `plan --search` finds what does
+        p, _ = choose(cfg, fixed, cost, fit=False)
+        fits = "; no split fits GPU memory with these parallel sizes"
+    why = (
+        f"allocation.gen_share auto: the planner's fastest split at max_staleness {p.eta} "
+        f"({_tok(p.tokens_per_s())} effective tokens/s predicted, {p.bottleneck}-bound{fits})"
+    )
+    return p.plan.gen_nodes, why
 
 
 def with_plan(cfg: Config, plan: Plan) -> Config:

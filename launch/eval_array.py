@@ -44,7 +44,7 @@ def render_eval_array(cfg: Config, run_dir: Path, steps: list[int], eval_args: l
     for key in ("account", "qos", "constraint"):
         if getattr(c, key):
             opts.append(f"--{key}={getattr(c, key)}")
-    if c.device == "cuda":
+    if c.device != "cpu":  # as the run's job: auto asks for GPUs (areal_hpc.device decides on the node)
         opts.append(f"--gpus-per-node={cfg.allocation.gen_tp}")
     opts += list(c.sbatch_args)
     env = [f"export {k}={shlex.quote(str(v))}" for k, v in sorted(c.env.items())]

@@ -33,7 +33,8 @@ from pathlib import Path
 from areal_hpc.config import Config
 from areal_hpc.layout import Layout, Role
 from areal_hpc.metrics import progress_line
-from areal_hpc.rundir import STOP_FILE, latest_checkpoint, prepare_run_dir
+from areal_hpc.rundir import STOP_FILE, Holder, latest_checkpoint, lock_run_dir, prepare_run_dir, unlock_run_dir
+from launch.record import job_active
 
 EXIT_STOPPED = 75  # the controller's code after a checkpoint on a stop request (areal_hpc.controller)
 TOKEN_ENV = "AREAL_RUN_TOKEN"
@@ -68,6 +69,16 @@ def mpirun_command(layout: Layout, run_dir: Path, python: str = sys.executable) 
 
 
 def run_local(cfg: Config, fresh: bool = False) -> int:
+    """The run, holding the run directory's lock while it lasts (a second run on it is refused)."""
+    holder = Holder.this_process()
+    lock_run_dir(cfg.run_dir, holder, job_active)
+    try:
+        return _run(cfg, fresh)
+    finally:
+        unlock_run_dir(cfg.run_dir, holder)
+
+
+def _run(cfg: Config, fresh: bool) -> int:
     from areal_hpc.sft import initial_model
 
     layout = Layout.from_config(cfg)

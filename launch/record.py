@@ -52,6 +52,19 @@ def squeue_command(job_ids: list[str]) -> list[str]:
     return ["squeue", "--noheader", "--states=all", "--format=%i|%T|%N|%r", "--jobs", ",".join(job_ids)]
 
 
+def job_active(job_id: str) -> bool | None:
+    """Whether Slurm still has the job pending or running: False once it has ended or been forgotten,
+    None when squeue cannot answer (no Slurm here)."""
+    try:
+        out = subprocess.run(squeue_command([job_id]), capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return False if "Invalid job id" in out.stderr else None
+    info = parse_squeue(out.stdout)
+    return job_id in info and info[job_id]["State"] in ACTIVE
+
+
 def query_states(job_id: str) -> dict[str, dict[str, str]] | None:
     """Slurm's view of the job and its components, or None when Slurm does not know it (any more)."""
     try:
@@ -118,9 +131,6 @@ class JobRecord:
         if last["event"] == "end":
             return "COMPLETED" if last.get("exit_code") == 0 else f"FAILED (exit code {last.get('exit_code')})"
         return "UNKNOWN"
-
-    def active(self) -> bool:
-        return self.state() in ACTIVE
 
 
 def status(run_dir: Path) -> str:

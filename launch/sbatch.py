@@ -2,16 +2,20 @@
 
 ```
  #SBATCH <job-wide options: name, output, time, signal, requeue>
- #SBATCH <component 0: controller + reward workers, 1 CPU node>       world ranks 0 .. R
+ #SBATCH <component 0: controller + reward workers, CPU nodes>       world ranks 0 .. R
  #SBATCH hetjob
  #SBATCH <component 1: generator nodes, GPUs>                         world ranks R+1 .. R+G
  #SBATCH hetjob
  #SBATCH <component 2: trainer nodes, GPUs>                           world ranks R+G+1 .. end
- srun --het-group=0,1,2 --mpi=pmix --kill-on-bad-exit=1 ... python -m areal_hpc.main RUN_DIR
+ srun --mpi=pmix --kill-on-bad-exit=1 ... --het-group=0 [its CPUs] RANK : --het-group=1 RANK : --het-group=2 RANK
+                                                        RANK = python -m areal_hpc.main RUN_DIR, wrapped
 ```
 
-`srun --het-group=0,1,2` numbers the tasks of the three components consecutively, so SLURM_PROCID,
-the MPI world rank and `Layout.role_of` agree. Nothing here reads the machine: the same config, work
+The one `srun` step numbers the tasks of the components consecutively, so SLURM_PROCID, the MPI world
+rank and `Layout.role_of` agree. Each component has its own srun options after its `--het-group`:
+since Slurm 22.05 srun no longer takes `--cpus-per-task` from the allocation, so the controller
+component's CPUs are asked for again there (and reset to one for the next components, which would
+otherwise inherit them). Nothing here reads the machine: the same config, work
 directory and python give the same text (snapshot-tested against tests/snapshots/*.sbatch).
 """
 
@@ -22,6 +26,7 @@ import shlex
 from pathlib import Path
 
 from areal_hpc.config import Config
+from areal_hpc.controller import STOP_REASON_ENV
 from areal_hpc.layout import Layout
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "slurm_templates" / "hetjob.sbatch"
@@ -77,7 +82,11 @@ def render_sbatch(
             opts.append(f"--account={c.account}")
         if c.qos:
             opts.append(f"--qos={c.qos}")
-        opts += [f"--nodes={comp.nodes}", f"--ntasks-per-node={comp.ntasks // comp.nodes}"]
+        opts += [f"--nodes={comp.nodes}", *_task_opts(comp)]
+        if not gpu and c.controller_cpus:
+            opts.append(f"--cpus-per-task={c.controller_cpus}")
+        if not gpu and c.controller_mem:
+            opts.append(f"--mem={c.controller_mem}")
         if comp.gpus_per_node:  # the layout's: every accelerator node's GPUs unless cluster.device is cpu
             opts.append(f"--gpus-per-node={comp.gpus_per_node}")
         if gpu and c.constraint:
@@ -91,10 +100,7 @@ def render_sbatch(
         directives += [f"#SBATCH {_quote_opt(o)}" for o in opts]
         ranks = comp.ranks
         what = " + ".join(r.name.lower() for r in comp.roles)
-        table.append(
-            f"#   {i} {comp.name:<10} {comp.nodes} node(s) x {comp.ntasks // comp.nodes} task(s), "
-            f"world ranks {ranks.start}-{ranks.stop - 1}: {what}"
-        )
+        table.append(f"#   {i} {comp.name:<10} {tasks_text(comp)}, world ranks {ranks.start}-{ranks.stop - 1}: {what}")
 
     env = dict(c.env)
     if c.network_interface:
@@ -103,7 +109,7 @@ def render_sbatch(
         env.setdefault("NCCL_SOCKET_IFNAME", c.network_interface)
     env_lines = [f"export {k}={shlex.quote(str(v))}" for k, v in sorted(env.items())]
 
-    srun = ["--het-group=0,1,2", "--mpi=pmix", "--kill-on-bad-exit=1", "--unbuffered"]
+    srun = ["--mpi=pmix", "--kill-on-bad-exit=1", "--unbuffered"]
     if c.container:
         srun += [f"--container-image={c.container}", f"--container-mounts={workdir}", f"--container-workdir={workdir}"]
     srun += list(c.srun_args)
@@ -118,11 +124,37 @@ def render_sbatch(
         "env": "\n".join(env_lines) if env_lines else "# (cluster.env: none)",
         "signal_s": str(c.requeue_signal_s),
         "requeue_exit_code": str(REQUEUE_EXIT_CODE),
+        "stop_reason_env": STOP_REASON_ENV,
         "max_requeues": str(c.max_requeues),
         "srun_args": " ".join(shlex.quote(a) for a in srun),
+        "srun_components": " \\\n  : ".join(
+            f'--het-group={i}{_srun_cpus(c.controller_cpus, i)} "${{rank[@]}}"' for i in range(len(layout.components))
+        ),
         "command": " ".join(shlex.quote(a) for a in command),
     }
     return fill(TEMPLATE.read_text() if template is None else template, values)
+
+
+def _srun_cpus(controller_cpus: int, component: int) -> str:
+    if not controller_cpus:
+        return ""
+    return f" --cpus-per-task={controller_cpus if component == 0 else 1}"
+
+
+def _task_opts(comp) -> list[str]:
+    """Tasks per node. The controller component's 1 + R tasks need not divide by its nodes: then at most
+    ceil(tasks / nodes) per node, in rank order (block distribution: the controller on the first node)."""
+    per_node = -(-comp.ntasks // comp.nodes)
+    if comp.ntasks % comp.nodes == 0:
+        return [f"--ntasks-per-node={per_node}"]
+    return [f"--ntasks={comp.ntasks}", f"--ntasks-per-node={per_node}"]
+
+
+def tasks_text(comp) -> str:
+    """'2 node(s) x 4 task(s)', or '2 node(s), 9 task(s) in all' when they do not divide."""
+    if comp.ntasks % comp.nodes == 0:
+        return f"{comp.nodes} node(s) x {comp.ntasks // comp.nodes} task(s)"
+    return f"{comp.nodes} node(s), {comp.ntasks} task(s) in all"
 
 
 def fill(template: str, values: dict[str, str]) -> str:
@@ -139,4 +171,4 @@ def _quote_opt(opt: str) -> str:
     return f"{key}={shlex.quote(value)}" if sep else opt
 
 
-__all__ = ["REQUEUE_EXIT_CODE", "TEMPLATE", "render_sbatch"]
+__all__ = ["REQUEUE_EXIT_CODE", "TEMPLATE", "render_sbatch", "tasks_text"]

@@ -8,9 +8,9 @@ job id parsing, `Job` objects with `cancel()`, `stdout()`, `stderr()`, its log n
 - the job state comes from `squeue` over the components `ID+0`, `ID+1`, `ID+2` (`HetSlurmInfoWatcher`):
   submitit asks `sacct`, which reports a heterogeneous job as UNKNOWN (and clusters without
   accounting have no `sacct`);
-- the checkpoint/requeue cycle runs in the batch script (SIGUSR2 before the time limit -> controller
-  checkpoints and exits -> `scontrol requeue`), since the ranks run `areal_hpc.main`, not submitit's
-  pickled function.
+- the checkpoint/requeue cycle runs in the batch script (SIGUSR2 before the time limit, or a
+  preemption's SIGTERM -> the controller checkpoints if it has the time, and exits -> `scontrol
+  requeue`), since the ranks run `areal_hpc.main`, not submitit's pickled function.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from submitit.slurm.slurm import SlurmExecutor, SlurmInfoWatcher, SlurmJob
 
 from areal_hpc.config import Config
 from areal_hpc.layout import Layout
-from areal_hpc.rundir import prepare_run_dir
+from areal_hpc.rundir import Holder, lock_run_dir, prepare_run_dir, relock_run_dir, unlock_run_dir
 from launch import LaunchError
-from launch.record import JobRecord, parse_squeue, squeue_command
-from launch.sbatch import render_sbatch
+from launch.record import JobRecord, job_active, parse_squeue, squeue_command
+from launch.sbatch import render_sbatch, tasks_text
 
 
 class HetSlurmInfoWatcher(SlurmInfoWatcher):
@@ -133,12 +133,13 @@ def check_cluster(cfg: Config, available: dict[str, Partition] | None) -> None:
     gpu_part = c.partition or default
     cpu_part = c.cpu_partition or gpu_part
     need = {gpu_part: layout.nodes}
-    need[cpu_part] = need.get(cpu_part, 0) + 1
+    need[cpu_part] = need.get(cpu_part, 0) + layout.reward_nodes
     for name, nodes in need.items():
         if name in available and nodes > available[name].nodes:
             raise LaunchError(
                 f"the job needs {nodes} nodes in partition '{name}' ({describe_request(cfg)}), which has "
-                f"{available[name].nodes}; lower --nodes (cluster.nodes = {c.nodes} accelerator nodes + 1 CPU node)"
+                f"{available[name].nodes}; lower --nodes (cluster.nodes = {c.nodes} accelerator nodes + "
+                f"allocation.reward_nodes = {layout.reward_nodes} CPU node(s))"
             )
     if layout.uses_gpus and gpu_part in available and c.gpus_per_node > available[gpu_part].gpus_per_node:
         raise LaunchError(
@@ -148,11 +149,16 @@ def check_cluster(cfg: Config, available: dict[str, Partition] | None) -> None:
 
 
 def describe_request(cfg: Config) -> str:
-    """What the job asks for, for error messages: 'controller 1 node x 2 tasks, generator ...'."""
-    parts = []
+    """What the job asks for, for error messages: 'controller 1 node(s) x 2 task(s); generator ...'."""
+    c, parts = cfg.cluster, []
     for comp in Layout.from_config(cfg).components:
-        gpus = f", {comp.gpus_per_node} GPUs/node" if comp.gpus_per_node else ""
-        parts.append(f"{comp.name} {comp.nodes} node(s) x {comp.ntasks // comp.nodes} task(s){gpus}")
+        extra = ""
+        if comp.name == "controller":
+            extra += f", {c.controller_cpus} CPUs/task" if c.controller_cpus else ""
+            extra += f", {c.controller_mem} memory/node" if c.controller_mem else ""
+        elif comp.gpus_per_node:
+            extra = f", {comp.gpus_per_node} GPUs/node"
+        parts.append(f"{comp.name} {tasks_text(comp)}{extra}")
     return "; ".join(parts)
 
 
@@ -179,21 +185,23 @@ class SlurmLauncher:
         return 0
 
     def submit(self, cfg: Config, fresh: bool = False) -> str:
-        """Prepare the run directory, submit the job, write RUN_DIR/job.json; returns the job id."""
+        """Prepare the run directory, submit the job, write RUN_DIR/job.json; returns the job id. The
+        job holds the run directory's lock from then on (stale once Slurm no longer runs it)."""
         check_cluster(cfg, partitions())
         script = self.script(cfg)  # before touching the run directory: a config error changes nothing
-        record = JobRecord.load(cfg.run_dir)
-        if record is not None and record.active():  # two jobs must never write one run directory
-            raise LaunchError(
-                f"job {record.job_id} of this run is still {record.state()}; "
-                f"cancel it first (areal-hpc cancel {cfg.run_dir}) or pick another experiment.trial"
-            )
         executor = HetSlurmExecutor(cfg.run_dir.resolve() / "slurm", script)
-        run_dir = prepare_run_dir(cfg, fresh=fresh).resolve()
+        holder = Holder.this_process()
+        lock_run_dir(cfg.run_dir, holder, job_active)  # two runs must never write one run directory
         try:
+            run_dir = prepare_run_dir(cfg, fresh=fresh).resolve()
             job = executor.submit_script()
         except LaunchError as e:
+            unlock_run_dir(cfg.run_dir, holder)
             raise LaunchError(f"{e}\n  the job asked for: {describe_request(cfg)}") from None
+        except BaseException:
+            unlock_run_dir(cfg.run_dir, holder)
+            raise
+        relock_run_dir(run_dir, holder.as_job(job.job_id))
         JobRecord(
             job_id=job.job_id,
             submitted_at=dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),

@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from areal_hpc.config import load_config
 from tests.test_config import REPO
 
 COMMANDS = ["run", "submit", "render", "status", "cancel", "plan"]
@@ -62,5 +63,6 @@ def test_plan_ranks_gives_each_gpu_of_a_node_to_one_rank():
     assert len(held) == 16  # every accelerator node
     for gpus in held.values():
         assert sorted(gpus) == list(range(8))  # each GPU of the node once
+    gen_tp = load_config(REPO / "configs" / "qwen32b.yaml").allocation.gen_tp
     generators = [row for row in rows if row[1] == "generator"]
-    assert all(len(row[4].split(",")) == 4 for row in generators)  # allocation.gen_tp 4
+    assert all(len(row[4].split(",")) == gen_tp for row in generators)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from areal_hpc.config import load_config
-from areal_hpc.controller import EXIT_DONE, EXIT_STOPPED, Controller
+from areal_hpc.controller import EXIT_DONE, EXIT_STOPPED, STOP_REASON_ENV, Controller
 from areal_hpc.layout import Layout, Role
 from areal_hpc.liveness import RankFailure
 from areal_hpc.metrics import REQUIRED
@@ -170,14 +170,15 @@ def make(tmp_path, *overrides):
     return cfg, layout, run_dir, tok_dir
 
 
-def run(cfg, layout, run_dir, tok_dir, world, prompts, stop_at=None):
+def run(cfg, layout, run_dir, tok_dir, world, prompts, stop_at=None, signal="SIGUSR2", stop_when=None):
     ctx = RankContext(cfg, layout, None, None, run_dir, tok_dir, latest_checkpoint(run_dir))
     world.eta = cfg.rollout.max_staleness
     holder = {}
+    if stop_at is not None:
+        stop_when = stop_when or (lambda c: c.version >= stop_at)
 
     def stop_signal():
-        c = holder["c"]
-        return "SIGUSR2" if stop_at is not None and c.version >= stop_at else None
+        return signal if stop_when is not None and stop_when(holder["c"]) else None
 
     c = holder["c"] = Controller(ctx, stop_signal=stop_signal, mailbox=world, prompts=prompts)
     code = c.run()
@@ -237,6 +238,47 @@ def test_stop_checkpoints_and_resume_continues_without_reusing_data(tmp_path):
     # The gate did not admit more after the resume than the uninterrupted run could have.
     g = c2.gate.state
     assert g.accepted + g.running <= (cfg.rollout.max_staleness + 12 + 1) * 4
+
+
+@pytest.mark.parametrize("grace_s", [60, 0])
+def test_preemption_checkpoints_if_there_is_time_else_stops_at_once(tmp_path, monkeypatch, grace_s):
+    """SIGTERM (Slurm's preemption) with cluster.grace_s left, at version 7 or so: the running step and a
+    save fit in 60 s, so the run checkpoints there; in 0 s nothing fits, so it stops at once and the
+    resumed run goes on from step_5, training the steps after it again (their old metrics lines go)."""
+    cfg, layout, run_dir, tok_dir = make(tmp_path, f"cluster.grace_s={grace_s}")
+    monkeypatch.setenv(STOP_REASON_ENV, str(tmp_path / "stop_reason"))  # what the batch script reads
+    tok = build_tokenizer()
+    at_7 = lambda c: c.version >= 7 and c.ckpt.saved_version == 5  # noqa: E731 - step_5 complete by then
+    c, code = run(
+        cfg, layout, run_dir, tok_dir, World(layout, tok, seed=1), Prompts(), signal="SIGTERM", stop_when=at_7
+    )
+    assert code == EXIT_STOPPED and c.stopped_at_once == (grace_s == 0)
+    assert (tmp_path / "stop_reason").read_text() == "SIGTERM\n"
+    resumed_from = c.version if grace_s else 5
+    assert latest_checkpoint(run_dir).name == f"step_{resumed_from}"
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, c.version + 1))
+
+    second = World(layout, tok, seed=2)
+    second.trainer_version = resumed_from
+    c2, code = run(cfg, layout, run_dir, tok_dir, second, Prompts())
+    assert code == EXIT_DONE
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 13)), "every step exactly once"
+    assert max(r["staleness/max"] for r in rows) <= cfg.rollout.max_staleness
+
+
+def test_time_based_saves_keep_the_newest_and_report_the_stall(tmp_path):
+    # save_every never comes; every step ends more than the interval after the last save began
+    cfg, layout, run_dir, tok_dir = make(
+        tmp_path, "train.save_every=100", "train.save_interval_min=0.00001", "train.keep_checkpoints=2"
+    )
+    c, code = run(cfg, layout, run_dir, tok_dir, World(layout, build_tokenizer(), seed=3), Prompts())
+    assert code == EXIT_DONE
+    left = sorted((run_dir / "checkpoints").iterdir(), key=lambda d: int(d.name.split("_")[1]))
+    assert [d.name for d in left] == ["step_11", "step_12"]
+    assert all((d / "COMPLETE").exists() and (d / "FILES.json").exists() for d in left)
+    rows = metrics(run_dir)
+    assert all(r["timing/save_s"] >= 0 for r in rows) and sum(r["timing/save_s"] > 0 for r in rows) >= 5
 
 
 def test_a_rank_that_stops_answering_ends_the_run_naming_it(tmp_path):

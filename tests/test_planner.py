@@ -28,8 +28,9 @@ def cfg_of(name, nodes=16, *overrides):
 
 @pytest.fixture(scope="module")
 def paper():
-    """The paper's configuration: 12 generator nodes (TP 1), 4 trainer nodes (TP 2), max_staleness 8."""
-    cfg = cfg_of("qwen1.5b")
+    """The paper's configuration: 12 generator nodes (TP 1), 4 trainer nodes (TP 2), max_staleness 8
+    (configs/qwen1.5b.yaml ships the planner's own split, gen_share auto)."""
+    cfg = cfg_of("qwen1.5b", 16, "allocation.gen_share=0.75")
     return cfg, planner.predict(cfg)
 
 
@@ -162,12 +163,33 @@ def areal(*args):
 
 
 def test_cli_plan_prints_split_and_both_predictions():
-    r = areal("plan", str(CONFIGS / "qwen1.5b.yaml"), "--nodes", "16")
+    r = areal("plan", str(CONFIGS / "qwen1.5b.yaml"), "--nodes", "16", "allocation.gen_share=0.75")
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "16 + 1 CPU" in out and "TP 2 x PP 1 x DP 16" in out  # the config's plan, Layout's table
     assert "synchronous (max_staleness 0)" in out and "asynchronous (max_staleness 8)" in out
-    assert "steps/hour" in out and "effective tokens/s" in out and "--search would" in out
+    assert "steps/hour" in out and "effective tokens/s" in out and "--search would choose" in out
+
+
+@pytest.mark.parametrize("name", ["qwen1.5b", "qwen7b", "qwen32b"])
+def test_shipped_configs_are_the_split_their_planner_prefers(name):
+    cfg = load_config(CONFIGS / f"{name}.yaml")
+    assert cfg.allocation.gen_share == "auto"
+    best, _ = planner.choose(cfg)  # the full search: gen_nodes, gen_tp, train_tp, train_pp
+    assert planner.config_plan(cfg) == best.plan
+    assert "--search would keep this plan" in planner.search_hint(cfg, planner.predict(cfg))
+
+
+def test_gen_share_auto_is_the_planners_split_on_any_node_count():
+    for nodes in (8, 24):
+        cfg = cfg_of("qwen7b", nodes)
+        a = cfg.allocation
+        best, _ = planner.choose(cfg, {"gen_tp": a.gen_tp, "train_tp": a.train_tp, "train_pp": a.train_pp})
+        layout = Layout.from_config(cfg)
+        assert layout.gen_nodes == best.plan.gen_nodes
+        assert "allocation.gen_share auto: the planner's fastest split" in layout.table()
+    with pytest.raises(ConfigError, match="gen_share must be auto or strictly between 0 and 1"):
+        cfg_of("qwen7b", 16, "allocation.gen_share=half")
 
 
 def test_cli_search_respects_fields_given_on_the_command_line():

@@ -16,11 +16,12 @@ from pathlib import Path
 import pytest
 
 from areal_hpc.cli import main as cli_main
-from areal_hpc.config import load_config
+from areal_hpc.config import ConfigError, load_config
+from areal_hpc.layout import Layout
 from launch import LaunchError, get_launcher
 from launch.record import JobRecord, parse_squeue, status
 from launch.sbatch import REQUEUE_EXIT_CODE, fill, render_sbatch
-from launch.slurm import Partition, check_cluster, parse_sinfo
+from launch.slurm import Partition, check_cluster, describe_request, parse_sinfo
 
 REPO = Path(__file__).resolve().parent.parent
 SNAPSHOTS = Path(__file__).resolve().parent / "snapshots"
@@ -33,6 +34,12 @@ PYTHON = "/work/areal-hpc/.venv/bin/python"
 def render(overrides=(), config="tiny-cpu", **kw):
     cfg = load_config(REPO / "configs" / f"{config}.yaml", list(overrides))
     return render_sbatch(cfg, workdir=WORKDIR, python=PYTHON, **kw)
+
+
+def srun_step(script: str) -> str:
+    """The `srun` command line, its continuation lines joined."""
+    start = script.index("\nsrun ") + 1
+    return script[start : script.index(" &\n", start)].replace("\\\n", " ")
 
 
 def directives(script: str) -> list[list[str]]:
@@ -79,9 +86,13 @@ def test_components_follow_the_layout():
     # job-wide options sit in the first component
     assert any(o.startswith("--signal=B:USR2@") for o in comps[0])
     assert "--requeue" in comps[0] and "--time=00:30:00" in comps[0]
-    step = next(line for line in text.splitlines() if line.startswith("srun "))
-    for flag in ("--het-group=0,1,2", "--mpi=pmix", "--kill-on-bad-exit=1"):
+    step = srun_step(text)
+    for flag in ("--mpi=pmix", "--kill-on-bad-exit=1"):
         assert flag in step
+    # one step, the components in world-rank order, each running the same wrapped command
+    assert [part.split()[0] for part in step.split(" : ")[1:]] == ["--het-group=1", "--het-group=2"]
+    assert step.count('"${rank[@]}"') == 3 and " --het-group=0 " in step
+    assert "--cpus-per-task" not in step  # nothing asked: Slurm's defaults
 
 
 def test_gpus_only_on_gpu_components_and_never_with_cpu():
@@ -119,13 +130,43 @@ def test_cluster_settings_reach_the_script():
     assert "--constraint=a100" not in comps[0] and "--constraint=a100" in comps[2]
     assert not any("--exclusive" in c for c in comps)
     assert "--time=1-02:00:00" in comps[0] and "--signal=B:USR2@300" in comps[0]
-    assert 'if [ "$attempt" -lt 7 ]' in text
+    assert 'if [ "${stops:-0}" -lt 7 ]' in text
     for var in ("OMPI_MCA_btl_tcp_if_include", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         assert f"export {var}=ib0" in text
     assert "export MY_VAR='a b'" in text and "export NCCL_DEBUG=WARN" in text
-    step = next(line for line in text.splitlines() if line.startswith("srun "))
+    step = srun_step(text)
     assert "--container-image=nvcr.io/nvidia/pytorch:24.05" in step and "--cpu-bind=none" in step
     assert f'if [ "$rc" -eq {REQUEUE_EXIT_CODE} ]' in text
+
+
+def test_controller_component_resources_and_reward_nodes():
+    text = render(
+        [
+            "cluster.nodes=3",
+            "allocation.reward_workers=8",
+            "allocation.reward_nodes=2",
+            "cluster.controller_cpus=16",
+            "cluster.controller_mem=64G",
+        ]
+    )
+    comps = directives(text)
+    # 1 + 8 tasks over 2 CPU nodes: at most 5 per node, the controller on the first (block distribution)
+    sizes = [o for o in comps[0] if o.startswith(("--nodes", "--ntasks", "--cpus"))]
+    assert sizes == ["--nodes=2", "--ntasks=9", "--ntasks-per-node=5", "--cpus-per-task=16"]
+    assert "--mem=64G" in comps[0]
+    assert not any(o.startswith(("--cpus-per-task", "--mem")) for comp in comps[1:] for o in comp)
+    assert "#   0 controller 2 node(s), 9 task(s) in all, world ranks 0-8: controller + reward" in text
+    # srun takes no CPUs from the allocation (Slurm 22.05+): asked again for component 0, reset after it
+    parts = srun_step(text).split(" : ")
+    assert "--het-group=0 --cpus-per-task=16" in parts[0]
+    assert all("--cpus-per-task=1 " in p for p in parts[1:])
+    layout_cfg = load_config(REPO / "configs/tiny-cpu.yaml", ["cluster.nodes=3", "allocation.reward_nodes=2"])
+    assert "3 + 2 CPU" in Layout.from_config(layout_cfg).table()
+    assert "controller 2 node(s) x 1 task(s), 16 CPUs/task" in describe_request(
+        load_config(REPO / "configs/tiny-cpu.yaml", ["allocation.reward_nodes=2", "cluster.controller_cpus=16"])
+    )
+    with pytest.raises(ConfigError, match=r"reward_nodes \(3\) must not exceed .* = 2\)"):
+        load_config(REPO / "configs/tiny-cpu.yaml", ["allocation.reward_nodes=3"])
 
 
 def test_default_command_is_the_agreed_entry_point():
@@ -140,14 +181,18 @@ def test_default_command_is_the_agreed_entry_point():
 
 def test_stand_in_command_is_quoted():
     text = render(["cluster.nodes=3"], command=["python3", "-c", "print('hi there')"])
-    step = text[text.index("srun ") :].split("&\n")[0]
-    assert shlex.quote("print('hi there')") in step
+    rank = text[text.index("\nrank=(") :].split(")\n")[0]
+    assert shlex.quote("print('hi there')") in rank
 
 
 def test_requeue_exit_code_is_the_controllers():
-    from areal_hpc.controller import EXIT_STOPPED
+    from areal_hpc.controller import EXIT_STOPPED, STOP_REASON_ENV
 
     assert REQUEUE_EXIT_CODE == EXIT_STOPPED
+    # the script learns of a preemption (SIGTERM to the tasks only) from the controller's stop reason
+    text = render(["cluster.nodes=3"])
+    assert f"export {STOP_REASON_ENV}=$log_dir/stop_reason" in text
+    assert 'controller_stop=$(cat "$log_dir/stop_reason"' in text
 
 
 def test_fill_refuses_missing_or_unknown_names():
@@ -169,6 +214,10 @@ def test_cluster_capacity_errors():
     check_cluster(load_config(REPO / "configs/tiny-cpu.yaml", ["cluster.nodes=3"]), parts)  # 3 + 1 = 4 fit
     with pytest.raises(LaunchError, match="needs 5 nodes in partition 'debug'.*which has 4"):
         check_cluster(load_config(REPO / "configs/tiny-cpu.yaml", ["cluster.nodes=4"]), parts)
+    with pytest.raises(LaunchError, match=r"needs 5 nodes .*allocation.reward_nodes = 2 CPU node\(s\)"):
+        check_cluster(
+            load_config(REPO / "configs/tiny-cpu.yaml", ["cluster.nodes=3", "allocation.reward_nodes=2"]), parts
+        )
     # the controller's node from another partition frees one
     check_cluster(load_config(REPO / "configs/tiny-cpu.yaml", ["cluster.nodes=4", "cluster.cpu_partition=cpu"]), parts)
     cuda = ["cluster.device=cuda", "cluster.gpus_per_node=8", "cluster.nodes=2"]
@@ -230,7 +279,7 @@ def test_render_writes_the_script_and_the_config(tmp_path):
         ["render", str(REPO / "configs/tiny-cpu.yaml"), "--nodes", "3", "-o", str(out), f"experiment.root={root}"]
     )
     assert code == 0
-    assert "srun --het-group=0,1,2" in out.read_text()
+    assert "--het-group=2" in srun_step(out.read_text())
     assert (root / "tiny-cpu/trial0/config.yaml").is_file()
 
 

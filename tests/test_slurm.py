@@ -68,6 +68,21 @@ while step < total:
         ckpt.write_text(json.dumps({"step": step}))
 """
 
+# Rank 0 asks Slurm what each component's part of the step got (job ids of components are consecutive).
+STEP_RESOURCES = """
+import json, os, subprocess, sys
+from mpi4py import MPI
+world = MPI.COMM_WORLD
+nodes = world.gather(os.environ["SLURMD_NODENAME"])
+if world.Get_rank() == 0:
+    first = int(os.environ["SLURM_JOB_ID"])
+    show = lambda *a: subprocess.run(["scontrol", "show", *a], capture_output=True, text=True).stdout
+    steps = [show("step", f"{first + k}.0") for k in range(3)]
+    with open(sys.argv[1], "w") as f:
+        json.dump({"nodes": nodes, "steps": steps, "job": show("job", str(first))}, f)
+world.Barrier()
+"""
+
 FAIL_ONE = """
 import sys, time
 from mpi4py import MPI
@@ -172,6 +187,10 @@ class RequeueStarter:
         return True
 
 
+ONE_REQUEUE = [(0, "start"), (0, "end"), (0, "requeue"), (1, "start"), (1, "end")]
+"""(attempt, event) of a job's attempts.jsonl when it was requeued once and then ended."""
+
+
 def wait_done(run_dir: Path, timeout: float) -> str:
     record = JobRecord.load(run_dir)
     return wait_for(lambda: (s := record.state()) not in ACTIVE and s, timeout, f"job {record.job_id} to end")
@@ -208,6 +227,21 @@ def test_hetjob_is_one_mpi_world_across_nodes(submit, tmp_path):
     assert job.paths.submission_file.read_text().count("#SBATCH hetjob") == 2
 
 
+def test_reward_workers_spread_over_reward_nodes_with_their_cpus(submit, tmp_path):
+    out = tmp_path / "resources.json"
+    # controller + 2 reward workers over 2 CPU nodes (2 + 1 tasks, 2 CPUs each) | 1 generator | 1 trainer node
+    overrides = ["cluster.nodes=2", "allocation.reward_workers=2", "allocation.reward_nodes=2"]
+    resources = ["cluster.controller_cpus=2", "cluster.controller_mem=500M"]
+    job_id, run_dir = submit(STEP_RESOURCES, [str(out)], [*overrides, *resources])
+    assert wait_done(run_dir, 90) == "COMPLETED"
+    seen = json.loads(out.read_text())
+    nodes = seen["nodes"]
+    assert nodes[0] == nodes[1] and len(set(nodes)) == 4  # the controller's node, then one per component node
+    assert "CPUs=6 Tasks=3" in seen["steps"][0]  # the step, not only the allocation, has 2 CPUs per task
+    assert "CPUs=1 Tasks=1" in seen["steps"][1] and "CPUs=1 Tasks=1" in seen["steps"][2]
+    assert "MinMemoryNode=500M" in seen["job"]
+
+
 def test_one_failing_rank_ends_the_job(submit):
     job_id, run_dir = submit(FAIL_ONE, [])
     state = wait_done(run_dir, 60)  # the others sleep 600 s unless --kill-on-bad-exit ends them
@@ -224,7 +258,7 @@ def test_cancel_shows_in_status(submit, capsys):
     # a second job for the same run directory is refused while the first runs
     overrides = ["--nodes", "3", f"experiment.root={run_dir.parent.parent}"]
     assert cli_main(["submit", str(TINY), *overrides]) == 1
-    assert f"job {job_id} of this run is still RUNNING" in capsys.readouterr().err
+    assert f"is in use by Slurm job {job_id} (submitted from" in capsys.readouterr().err
     assert cli_main(["cancel", str(run_dir)]) == 0
     assert f"cancelled job {job_id}" in capsys.readouterr().out
 
@@ -261,13 +295,7 @@ def test_requeued_job_resumes_from_its_checkpoint(submit):
     second = [r for r in rows if r["attempt"] == 1]
     assert first and second and second[0]["step"] == first[-1]["step"] + 1
     events = JobRecord.load(run_dir).attempts()
-    assert [(e["attempt"], e["event"]) for e in events] == [
-        (0, "start"),
-        (0, "end"),
-        (0, "requeue"),
-        (1, "start"),
-        (1, "end"),
-    ]
+    assert [(e["attempt"], e["event"]) for e in events] == ONE_REQUEUE
     end = events[1]  # 75 from the controller; 137 when srun outlived its step and the script ended it
     assert end["stop_signal"] == "USR2"
     assert end["exit_code"] == 75 or (end["exit_code"] == 137 and end["srun_ended_by_script"])
@@ -300,7 +328,8 @@ def test_too_big_for_the_cluster_is_refused_before_sbatch(slurm_cluster, tmp_pat
     code = cli_main(["submit", str(TINY), "--nodes", "3", "cluster.partition=gpu-big", f"experiment.root={tmp_path}"])
     assert code == 1
     assert (
-        "cluster.partition 'gpu-big' is not a partition of this cluster (sinfo lists: debug)" in capsys.readouterr().err
+        "cluster.partition 'gpu-big' is not a partition of this cluster (sinfo lists: debug, high, low)"
+        in capsys.readouterr().err
     )
 
 

@@ -14,6 +14,7 @@ import pytest
 
 from launch.record import JobRecord
 from tests.test_slurm import (  # noqa: F401 - slurm_cluster is a fixture
+    ONE_REQUEUE,
     REPO,
     RequeueStarter,
     slurm_cluster,
@@ -54,6 +55,22 @@ def submit(root: Path, trial: str, *overrides: str) -> Path:
     return root / "tiny-cpu" / trial
 
 
+def requeued_run_ends(run_dir: Path, job_id: str) -> tuple[str, list[dict]]:
+    """Start the requeued job as soon as that is safe and wait for the run to end: its state, and the job's
+    events (one requeue)."""
+    start_requeued = RequeueStarter(job_id)
+
+    def finished():
+        start_requeued()
+        state = JobRecord.load(run_dir).state()
+        return state not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED") and state
+
+    state = wait_for(finished, 420, "the requeued run to end", interval=1)
+    events = JobRecord.load(run_dir).attempts()
+    assert [(e["attempt"], e["event"]) for e in events] == ONE_REQUEUE
+    return state, events
+
+
 def test_submit_tiny_cpu_runs_to_the_end(slurm_cluster, root):  # noqa: F811
     run_dir = submit(root, "to-the-end")
     record = JobRecord.load(run_dir)
@@ -81,28 +98,13 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(slurm_cluster, root)
         wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 300, "two steps")
         # what Slurm sends cluster.requeue_signal_s before the time limit
         subprocess.run(["scancel", "--signal=USR2", "--batch", job_id], check=True)
-        start_requeued = RequeueStarter(job_id)
-
-        def finished():
-            start_requeued()
-            state = JobRecord.load(run_dir).state()
-            return state not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED") and state
-
-        state = wait_for(finished, 420, "the requeued job to end", interval=1)
+        state, events = requeued_run_ends(run_dir, job_id)
     finally:
         subprocess.run(["scancel", job_id], capture_output=True)
-    events = JobRecord.load(run_dir).attempts()
-    assert [(e["attempt"], e["event"]) for e in events] == [
-        (0, "start"),
-        (0, "end"),
-        (0, "requeue"),
-        (1, "start"),
-        (1, "end"),
-    ]
     # the controller checkpointed and exited 75; srun's code is 143 when --kill-on-bad-exit had to end the
     # others, 137 when srun outlived its step and the script ended it (seen on the fake cluster)
     end = events[1]
-    assert end["stop_signal"] == "USR2"
+    assert end["stop_signal"] == "USR2" and end["controller_stop"] == "SIGUSR2" and end["preempted"] is False
     assert end["exit_code"] in (75, 143) or (end["exit_code"] == 137 and end["srun_ended_by_script"])
     assert "checkpoint of version" in (run_dir / "logs" / "controller-0.log").read_text()
     assert state == "COMPLETED"
@@ -113,3 +115,32 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(slurm_cluster, root)
     steps = [(int(s), json.loads(p)) for s, p in re.findall(r"step (\d+) trains prompts (\[.*\])", log)]
     prompts = [i for _, indices in steps for i in indices]
     assert len(prompts) == len(set(prompts)), "no prompt trained twice across the requeue"
+
+
+def test_preempted_run_requeues_resumes_and_finishes(slurm_cluster, root, tmp_path):  # noqa: F811
+    """Slurm's own preemption (tools/local_slurm.sh: partition `low` is preempted by `high` with a GraceTime of
+    30 s): the run's ranks get SIGTERM, the controller checkpoints within cluster.grace_s and exits, the job
+    requeues itself, the `high` job runs on its nodes, the run resumes and finishes, every step once."""
+    run_dir = submit(root, "preempted", "train.total_steps=6", "cluster.partition=low", "cluster.grace_s=30")
+    job_id = JobRecord.load(run_dir).job_id
+    metrics = run_dir / "metrics.jsonl"
+    high_out = tmp_path / "high.out"
+    try:
+        wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 300, "two steps")
+        # a job of the higher partition that needs every node: Slurm preempts the run for it
+        cmd = ["sbatch", "--partition=high", "--nodes=4", "--exclusive", f"--output={high_out}"]
+        subprocess.run([*cmd, "--wrap", "echo high ran on $SLURM_JOB_NODELIST; sleep 3"], check=True, env=ENV)
+        wait_for(lambda: high_out.exists() and "high ran" in high_out.read_text(), 120, "the high job to run")
+        state, events = requeued_run_ends(run_dir, job_id)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)
+    end = events[1]
+    assert end["preempted"] is True and end["controller_stop"] == "SIGTERM" and events[2]["reason"] == "preempted"
+    assert end["exit_code"] in (75, 143) or (end["exit_code"] == 137 and end["srun_ended_by_script"])
+    log = (run_dir / "logs" / "controller-0.log").read_text()
+    assert "stop requested (SIGTERM): checkpointing at the end of the running step" in log
+    assert "resumed from" in log
+    assert state == "COMPLETED"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6], "every step exactly once across the preemption"
+    assert max(r["staleness/max"] for r in rows) <= 1  # rollout.max_staleness of SMALL

@@ -2,8 +2,14 @@
 # A real Slurm cluster on this machine, for the `slurm`-marked tests and for trying `areal-hpc submit`:
 # Debian's slurmctld, several `slurmd -D -N nodeX` fake nodes on loopback, munge, and fake GPUs
 # (4 per node, gres backed by character devices). No systemd, no cgroups, no accounting.
+# Partitions over the same nodes: `debug` (the default, never preempted), and `low` and `high` with
+# Slurm's own preemption by partition priority: a job in `high` takes the nodes of jobs in `low`, which
+# get SIGTERM, GraceTime seconds (see slurm.conf.in), SIGKILL, and are requeued.
+# Each fake node has a node-local disk at $AREAL_SLURM_ROOT/local: a tmpfs mounted in that slurmd's own
+# mount namespace, so what a job writes there stays on its node, as on a cluster's /local or /tmp
+# (elsewhere the nodes share this machine's filesystem, as they would a cluster's shared one).
 #
-#   tools/local_slurm.sh start     # idempotent; prints the SLURM_CONF to export
+#   tools/local_slurm.sh start     # idempotent (a changed slurm.conf.in is applied with reconfigure)
 #   tools/local_slurm.sh status
 #   tools/local_slurm.sh stop      # ends only the processes this script started (recorded pids)
 #   tools/local_slurm.sh env       # prints `export SLURM_CONF=...` (for eval)
@@ -37,7 +43,8 @@ running() {  # every recorded daemon alive?
 
 usage() {
   cat <<EOF
-Slurm test cluster: $nodes nodes (node1..node$nodes, 8 CPUs and 4 fake GPUs each), partition 'debug'.
+Slurm test cluster: $nodes nodes (node1..node$nodes, 8 CPUs and 4 fake GPUs each), partitions 'debug'
+(default), 'low' (preemptible) and 'high' (preempts 'low'); node-local disk: $root/local.
 Use it with:
   export SLURM_CONF=$conf
   sinfo; srun -N2 hostname; areal-hpc submit configs/tiny-cpu.yaml --nodes 3
@@ -64,7 +71,16 @@ start_munge() {
 
 start() {
   if running; then
-    say "already running ($conf)"
+    # a changed template (new partitions, say) reaches the running cluster without a restart
+    fill "$repo/tools/local_slurm/slurm.conf.in" "$conf.new"
+    if cmp -s "$conf.new" "$conf"; then
+      rm -f "$conf.new"
+      say "already running ($conf)"
+    else
+      mv "$conf.new" "$conf"
+      scontrol reconfigure
+      say "already running ($conf); its slurm.conf changed and is applied (scontrol reconfigure)"
+    fi
     usage
     return 0
   fi
@@ -80,6 +96,7 @@ start() {
   : >"$pids"
   fill "$repo/tools/local_slurm/slurm.conf.in" "$conf"
   fill "$repo/tools/local_slurm/gres.conf.in" "$root/etc/gres.conf"
+  mkdir -p "$root/local"
   for i in $(seq "$nodes"); do
     mkdir -p "$root/spool/slurmd.node$i" "$root/tmp/node$i" "$root/dev/node$i"
     for g in 0 1 2 3; do
@@ -92,11 +109,15 @@ start() {
   setsid nohup /usr/sbin/slurmctld -D -i -f "$conf" >>"$root/log/slurmctld.out" 2>&1 </dev/null &
   echo "slurmctld $!" >>"$pids"
   for i in $(seq "$nodes"); do
-    setsid nohup /usr/sbin/slurmd -D -N "node$i" -f "$conf" >>"$root/log/slurmd.node$i.out" 2>&1 </dev/null &
+    # unshare and sh exec into slurmd: the recorded pid is slurmd's. Its jobs inherit its mount namespace.
+    setsid nohup unshare --mount --propagation slave sh -c \
+      'mount -t tmpfs -o size=64m "node$1-local" "$2/local" && exec /usr/sbin/slurmd -D -N "node$1" -f "$3"' \
+      sh "$i" "$root" "$conf" >>"$root/log/slurmd.node$i.out" 2>&1 </dev/null &
     echo "slurmd.node$i $!" >>"$pids"
   done
   local t0=$SECONDS
-  until [ "$(sinfo -h -N -o %T 2>/dev/null | grep -c '^idle$')" -ge "$nodes" ]; do
+  # sinfo -N lists a node once per partition: count the distinct idle nodes
+  until [ "$(sinfo -h -N -o '%N %T' 2>/dev/null | sort -u | grep -c ' idle$')" -ge "$nodes" ]; do
     if [ $((SECONDS - t0)) -gt 60 ]; then
       echo "local_slurm.sh: nodes not idle after 60 s; logs in $root/log" >&2
       sinfo -N 2>&1 >&2 || true

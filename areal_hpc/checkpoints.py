@@ -1,0 +1,126 @@
+"""The controller's side of a checkpoint, from the Save it sends to COMPLETE, off its event loop.
+
+```
+ begin(v, state, trainers)  the directory of version v is made ready (a damaged one of that version stops
+                            counting); the controller sends Save(v) to every trainer rank
+ trainer_saved(v, rank)     the last trainer rank's Saved: the controller's state at v goes beside theirs,
+                            then FILES.json (every file read back for its CRC-32) on the checkpoint thread
+ finish()                   on the loop, in version order: a save whose files are recorded gets COMPLETE,
+                            then the checkpoints beyond train.keep_checkpoints go (on the thread)
+```
+
+Reading back a 32B run's ~600 GB takes minutes; on the controller's loop it would stall every role.
+The thread does it (zlib's CRC-32 releases the GIL), one save at a time, in order. Measured on the way:
+how long the last save took to COMPLETE (for the stop decision) and how long the trainers spent saving
+since the last step (`timing/save_s`: what training waited).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from areal_hpc.rundir import checkpoint_dir, clear_complete, mark_complete, prune_checkpoints, record_files
+
+log = logging.getLogger("areal_hpc.controller")
+
+
+@dataclass
+class _Save:
+    waiting: set[int]  # trainer ranks still writing
+    state: dict  # the controller's, at the version saved
+    started: float
+    record: Future | None = None  # record_files, once every trainer rank has saved
+
+
+class Checkpoints:
+    def __init__(self, run_dir: Path, keep: int, resume_from: Path | None):
+        self.run_dir, self.keep, self.resume_from = Path(run_dir), keep, resume_from
+        self.saving: dict[int, _Save] = {}  # version -> its checkpoint on its way
+        self.saved_version = -1  # the newest COMPLETE checkpoint
+        self.last_start = time.monotonic()  # for train.save_interval_min
+        self.last_save_s = 0.0  # Save sent -> COMPLETE, the last one measured
+        self.stall_s = 0.0  # trainers busy saving since the last step
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+
+    def begin(self, version: int, state: dict, trainers: list[int]) -> Path:
+        path = checkpoint_dir(self.run_dir, version)
+        path.mkdir(parents=True, exist_ok=True)
+        clear_complete(path)  # a damaged checkpoint of this version, skipped on resume
+        self.last_start = time.monotonic()
+        self.saving[version] = _Save(set(trainers), state, self.last_start)
+        return path
+
+    def trainer_saved(self, version: int, rank: int) -> None:
+        save = self.saving[version]
+        save.waiting.discard(rank)
+        if save.waiting:
+            return
+        self.stall_s += time.monotonic() - save.started
+        path = checkpoint_dir(self.run_dir, version)
+        write_state(path, save.state)
+        save.record = self._thread.submit(record_files, path, min(8, len(os.sched_getaffinity(0))))
+
+    def finish(self) -> bool:
+        """COMPLETE for each checkpoint whose files are recorded, in version order; True if any."""
+        done = False
+        for version in sorted(self.saving):
+            save = self.saving[version]
+            if save.record is None or not save.record.done():
+                break
+            record = save.record.result()  # a failure to read back the checkpoint ends the run here
+            del self.saving[version]
+            path = checkpoint_dir(self.run_dir, version)
+            mark_complete(path)  # last: only now does the checkpoint count
+            self.saved_version = max(self.saved_version, version)
+            self.last_save_s = time.monotonic() - save.started
+            gb = sum(f["size"] for f in record["files"].values()) / 1e9
+            log.info("checkpoint of version %d complete: %s (%.2f GB, %.1f s)", version, path, gb, self.last_save_s)
+            protect = [self.resume_from, *(checkpoint_dir(self.run_dir, v) for v in self.saving)]
+            self._thread.submit(prune_checkpoints, self.run_dir, self.keep, protect)
+            done = True
+        return done
+
+    def take_stall(self) -> float:
+        """The trainers' time in saves since the last call (timing/save_s)."""
+        stall, self.stall_s = self.stall_s, 0.0
+        return stall
+
+    def close(self, wait: bool = True) -> None:
+        self._thread.shutdown(wait=wait)
+
+
+def write_state(path: Path, state: dict) -> None:
+    with open(path / "controller.pkl.tmp", "wb") as f:
+        pickle.dump(state, f)
+    (path / "controller.pkl.tmp").rename(path / "controller.pkl")
+    summary = {k: state[k] for k in ("version", "gate", "next_group_id")}
+    summary["buffered_groups"], summary["requeued_prompts"] = len(state["buffer"]), len(state["requeued"])
+    (path / "controller.json").write_text(json.dumps(summary, indent=1))
+
+
+def read_state(path: Path) -> dict:
+    with open(Path(path) / "controller.pkl", "rb") as f:
+        return pickle.load(f)
+
+
+def drop_rows_after(path: Path, version: int) -> None:
+    """Cut metrics.jsonl after the line of step `version` (in place: writers append to the same file)."""
+    if not path.exists():
+        return
+    offset = 0
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                if json.loads(line)["step"] > version:
+                    break
+            except (ValueError, KeyError):
+                break  # a torn last line
+            offset += len(line)
+    os.truncate(path, offset)

@@ -1,0 +1,99 @@
+"""`areal-hpc doctor` (launch/doctor.py): on the local Slurm cluster every check passes for tiny-cpu on 3
+nodes, and each broken setup the tests make is named (a partition that does not exist, a run directory on
+a node-local disk, packages missing on the nodes). The checks of a probe's reports on a cuda config,
+which this machine cannot run, are tested on reports written out here."""
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from areal_hpc.cli import main as cli_main
+from areal_hpc.config import load_config
+from areal_hpc.layout import Layout
+from launch.doctor import doctor, evaluate
+from tests.test_slurm import TINY, slurm_cluster  # noqa: F401 - slurm_cluster is a fixture
+
+CHECKS = ["slurm", "pmix", "partitions", "preemption", "run directory", "python", "mpi", "gpus", "all-reduce"]
+
+
+def statuses(text: str) -> dict[str, str]:
+    found = {}
+    for line in text.splitlines():
+        for name in CHECKS:
+            if line[6:].startswith(name + " "):
+                found[name] = line[:4]
+    return found
+
+
+@pytest.mark.slurm
+def test_every_check_passes_on_the_local_cluster(slurm_cluster, tmp_path, capsys):  # noqa: F811
+    code = cli_main(["doctor", str(TINY), "--nodes", "3", f"experiment.root={tmp_path}"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert statuses(out) == {name: "SKIP" if name == "gpus" else "PASS" for name in CHECKS}, out
+    assert "gpus           cluster.device is cpu" in out  # a fact, not a pass
+    assert "gloo across the nodes of generator (1 node(s)), trainer (2 node(s))" in out
+    assert "shared by this host and node1, node2, node3, node4" in out
+    assert not (tmp_path / "tiny-cpu/trial0").exists()  # a probe that passed leaves nothing behind
+
+
+@pytest.mark.slurm
+def test_each_broken_setup_is_named(slurm_cluster, tmp_path, capsys):  # noqa: F811
+    # a partition that does not exist: found before any job
+    code = cli_main(["doctor", str(TINY), "--nodes", "3", f"experiment.root={tmp_path}", "cluster.partition=gpu-big"])
+    out = capsys.readouterr().out
+    assert code == 1 and statuses(out)["partitions"] == "FAIL"
+    assert (
+        "cluster.partition 'gpu-big' is not a partition of this cluster" in out and "fix: set cluster.partition" in out
+    )
+
+    # a run directory on the nodes' local disk (tools/local_slurm.sh: a tmpfs of each node's own)
+    local = Path(os.environ["SLURM_CONF"]).parent.parent / "local" / tmp_path.name
+    code = cli_main(["doctor", str(TINY), "--nodes", "3", f"experiment.root={local}"])
+    out = capsys.readouterr().out
+    assert code == 1 and statuses(out)["run directory"] == "FAIL", out
+    assert "is not shared by every node: world ranks 0-4 (controller, generator, trainer) left no report" in out
+    assert "fix: put experiment.root on a filesystem that this host and every node mount" in out
+
+    # packages missing on the nodes: they run an interpreter without them (Debian's own python3)
+    python = "/usr/bin/python3"
+    assert subprocess.run([python, "-c", "import torch"], capture_output=True).returncode != 0, "needs a bare python3"
+    lines = []
+    checks = doctor(
+        load_config(TINY, ["cluster.nodes=3", f"experiment.root={tmp_path}"]), python=python, say=lines.append
+    )
+    status = {c.name: c for c in checks}
+    assert status["run directory"].status == "PASS"
+    assert status["python"].status == "FAIL"
+    assert "torch missing: ModuleNotFoundError: No module named 'torch'" in status["python"].detail
+    assert "on node1, node2, node3, node4" in status["python"].detail
+    assert status["mpi"].status == "FAIL" and "No module named 'mpi4py'" in status["mpi"].detail
+
+
+def test_gpu_checks_from_reports_on_a_cuda_config(tmp_path):
+    cfg = load_config(TINY, ["cluster.nodes=2", "cluster.device=cuda", "cluster.gpus_per_node=2"])
+    layout = Layout.from_config(cfg)  # controller + reward | 2 generators on node2 | 2 trainers on node3
+    login = {"torch": "2.13.0", "vllm": "0.32.0", "megatron.core": "0.16.1", "mpi4py": "4.1.2"}
+    hosts = ["node1", "node1", "node2", "node2", "node3", "node3"]
+    reports = {
+        r: {"rank": r, "host": h, "token": "t", "mpi": {"size": 6, "sum": 6}, "versions": dict(login)}
+        for r, h in enumerate(hosts)
+    }
+    for r in range(2, 6):
+        reports[r]["gpus"] = {"CUDA_VISIBLE_DEVICES": "0,1", "torch": 2}
+        reports[r]["allreduce"] = {"backend": "nccl", "ranks": 2, "ok": True}
+    checks = {c.name: c for c in evaluate(cfg, layout, reports, "t", login, tmp_path)}
+    assert all(c.status == "PASS" for c in checks.values()), checks
+    assert checks["all-reduce"].detail == "nccl across the nodes of generator (1 node(s)), trainer (1 node(s))"
+
+    reports[4]["gpus"]["torch"] = 1  # a node whose GPU is gone
+    reports[5].pop("allreduce")
+    reports[5]["allreduce_error"] = "Traceback ...\nRuntimeError: NCCL error: unhandled system error"
+    reports[3]["versions"]["torch"] = "2.12.0"
+    checks = {c.name: c for c in evaluate(cfg, layout, reports, "t", login, tmp_path)}
+    assert checks["gpus"].status == "FAIL" and "node3: torch sees 1" in checks["gpus"].detail
+    assert checks["all-reduce"].status == "FAIL" and "NCCL error: unhandled system error" in checks["all-reduce"].detail
+    assert "world rank 5 (trainer)" in checks["all-reduce"].detail
+    assert checks["python"].detail == "torch 2.12.0 (this host: 2.13.0) on node2"
