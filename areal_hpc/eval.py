@@ -255,6 +255,7 @@ def evaluate(cfg: Config, model_dir: Path, data: str | Path, samples: int, engin
     with the reward workers' pool, and report (`EvalRound.report` plus what was evaluated)."""
     from transformers import AutoTokenizer
 
+    from areal_hpc.device import resolve_device
     from areal_hpc.generator.engine import GenerationEngine
     from areal_hpc.reward.pool import ScorerPool
     from areal_hpc.reward.worker import pool_size
@@ -264,7 +265,7 @@ def evaluate(cfg: Config, model_dir: Path, data: str | Path, samples: int, engin
     round_ = EvalRound(examples, samples)
     own_engine = engine is None
     if own_engine:
-        engine = GenerationEngine.from_config(cfg, model_dir)
+        engine = GenerationEngine.from_config(cfg, model_dir, resolve_device(cfg.cluster.device))
     pool = ScorerPool(pool_size(cfg.reward.processes), timeout_s=cfg.reward.timeout_s)
     total, answered, started, shown = len(examples) * samples, 0, time.monotonic(), time.monotonic()
     try:

@@ -326,14 +326,19 @@ def evaluate(cfg: Config, layout: Layout, reports: dict, token: str, login: dict
         for r in gpu_ranks
         if reports.get(r, {}).get("allreduce_error")
     }
-    if cfg.cluster.device != "cuda":
-        checks.append(Check("gpus", "SKIP", f"cluster.device is {cfg.cluster.device}"))
+    seen: dict[str, int] = {}  # host -> the fewest GPUs a rank there sees
+    for r in gpu_ranks:
+        if "gpus" in reports.get(r, {}):
+            n = reports[r]["gpus"].get("torch", 0)
+            seen[reports[r]["host"]] = min(n, seen.get(reports[r]["host"], n))
+    if cfg.cluster.device == "cpu":
+        checks.append(Check("gpus", "SKIP", "cluster.device is cpu"))
+    elif cfg.cluster.device == "auto" and not any(seen.values()):
+        checks.append(
+            Check("gpus", "SKIP", "cluster.device is auto and no rank's torch sees a GPU: the run would train on CPUs "
+                  "(cluster.device: cuda makes a missing GPU an error)")
+        )  # fmt: skip
     else:
-        seen: dict[str, int] = {}  # host -> the fewest GPUs a rank there sees
-        for r in gpu_ranks:
-            if "gpus" in reports.get(r, {}):
-                n = reports[r]["gpus"].get("torch", 0)
-                seen[reports[r]["host"]] = min(n, seen.get(reports[r]["host"], n))
         short = {h: n for h, n in seen.items() if n != cfg.cluster.gpus_per_node}
         no_gpu = sorted({e for e in errors.values() if "GPU" in e})  # resolve_device: torch sees no GPU
         if seen and not short and not no_gpu:

@@ -33,7 +33,7 @@ def test_every_check_passes_on_the_local_cluster(slurm_cluster, tmp_path, capsys
     out = capsys.readouterr().out
     assert code == 0, out
     assert statuses(out) == {name: "SKIP" if name == "gpus" else "PASS" for name in CHECKS}, out
-    assert "gpus           cluster.device is cpu" in out  # a fact, not a pass
+    assert "gpus           cluster.device is auto and no rank's torch sees a GPU" in out  # a fact, not a pass
     assert "gloo across the nodes of generator (1 node(s)), trainer (2 node(s))" in out
     assert "shared by this host and node1, node2, node3, node4" in out
     assert not (tmp_path / "tiny-cpu/trial0").exists()  # a probe that passed leaves nothing behind

@@ -75,7 +75,7 @@ class Run:
 
     def pid_of(self, log_name: str) -> int:
         text = (self.run_dir / "logs" / log_name).read_text()
-        return int(re.search(r"starting \(pid (\d+)", text).group(1))
+        return int(re.search(r"\(pid (\d+)\)", text).group(1))
 
 
 def left_running(run_dir: Path) -> list[str]:
