@@ -102,9 +102,11 @@ def load(engine, ckpt_dir: str | Path) -> None:
     from megatron.core import dist_checkpointing
 
     ckpt_dir = Path(ckpt_dir)
-    saved = manifest(ckpt_dir)
-    if saved["arch"] != asdict(engine.arch):
-        changed = {k: (v, asdict(engine.arch)[k]) for k, v in saved["arch"].items() if asdict(engine.arch).get(k) != v}
+    saved = manifest(ckpt_dir)["arch"]
+    current = asdict(engine.arch)
+    # Fields added since a checkpoint was written are absent from its manifest: they were Qwen2's then.
+    changed = {k: (v, current.get(k)) for k, v in saved.items() if current.get(k) != v}
+    if changed:
         raise ValueError(f"{ckpt_dir} holds another model: {changed} (checkpoint, this run)")
     chained = engine.optimizer.chained_optimizers  # Megatron wraps even one optimizer in a chain
     if len(chained) != 1:

@@ -20,6 +20,16 @@ from areal_hpc.protocol import TrainBatch
 
 MODEL = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_attention_heads=4, num_key_value_heads=2)
 """The checks' model: tied embeddings, grouped-query attention (4 query heads share 2 key/value heads)."""
+QWEN3 = ModelConfig(
+    architecture="qwen3",
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+)
+"""A tiny Qwen3: q/k norms, no QKV bias, heads of size 32 (not 64 / 4), grouped-query, tied embeddings."""
 VERSION = 3
 MICROBATCHES = [[[0, 1], [2]], [[3], [4, 5]]]
 """Two PPO minibatches of two micro-batches each, over six sequences."""
