@@ -53,17 +53,21 @@ def checkpoint_dir(run_dir: str | Path, version: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step_{version}"
 
 
+def complete_checkpoints(run_dir: str | Path) -> dict[int, Path]:
+    """Every complete checkpoint directory by its version, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    found = {}
+    for d in root.iterdir() if root.is_dir() else ():
+        m = _STEP_DIR.match(d.name)
+        if m and (d / COMPLETE).exists():
+            found[int(m.group(1))] = d
+    return dict(sorted(found.items()))
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The newest complete checkpoint directory, or None."""
-    best, best_version = None, -1
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return None
-    for d in root.iterdir():
-        m = _STEP_DIR.match(d.name)
-        if m and (d / COMPLETE).exists() and int(m.group(1)) > best_version:
-            best, best_version = d, int(m.group(1))
-    return best
+    found = complete_checkpoints(run_dir)
+    return found[max(found)] if found else None
 
 
 def checkpoint_version(path: str | Path) -> int:

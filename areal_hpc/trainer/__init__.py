@@ -5,7 +5,8 @@ model        Qwen2/Qwen3 architecture -> Megatron GPTModel stage; packed rows (b
 convert      Hugging Face tensors <-> a rank's Megatron shard; per-stage export stream, buckets
 engine       torch.distributed + parallel state, DDP model, optimizer, forward/backward schedule
 step         the PPO step over a TrainBatch (prox recompute, minibatches, stats)
-checkpoint   atomic per-rank model + optimizer checkpoints
+checkpoint   Megatron dist_checkpointing of model + optimizer (any TP/PP/DP), with the model's HF files
+export       a checkpoint -> a Hugging Face directory (sharded safetensors), on one CPU process
 worker       `serve(ctx, sync)`: the rank's message loop
-launch       N local ranks in spawned processes (tests, benchmarks)
+spawn        N local ranks in spawned processes (tests, benchmarks, export)
 """
