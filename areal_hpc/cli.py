@@ -137,6 +137,17 @@ def cmd_eval(args) -> int:
     return run(args)
 
 
+def cmd_export(args) -> int:
+    from areal_hpc.trainer.export import ExportError, export_checkpoint
+
+    try:
+        export_checkpoint(args.run_dir, args.step, args.output, args.max_shard_size)
+    except ExportError as e:
+        print(f"areal-hpc export: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="areal-hpc",
@@ -214,6 +225,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("run_dir", help="run directory (runs/<experiment>/<trial>)")
     p.set_defaults(func=cmd_cancel)
+
+    p = sub.add_parser(
+        "export",
+        help="a Hugging Face model directory from a run's checkpoint",
+        description="Write a Hugging Face directory (sharded safetensors and their index, config.json, tokenizer, "
+        "generation config) from a trainer checkpoint of a run, written at any TP/PP/DP, on this machine's CPU "
+        "from the checkpoint's files alone. transformers and vLLM load it as they load the initial model.",
+    )
+    p.add_argument("run_dir", help="run directory (runs/<experiment>/<trial>)")
+    p.add_argument("--step", type=int, help="the checkpoint's step (default: the latest complete one)")
+    p.add_argument("-o", "--output", required=True, help="directory to write (must not exist, or be empty)")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB or 500MB (default: 5GB)")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser(
         "plan",

@@ -48,8 +48,12 @@ class ExperimentConfig:
 @dataclass
 class ModelConfig:
     path: str = "tiny"
-    """Hugging Face model directory (config.json + safetensors), or `tiny` for the small Qwen2
-    model that the project builds itself under the run root (no download)."""
+    """Hugging Face model directory (config.json + safetensors) of a Qwen2 or Qwen3 model, or `tiny`
+    for the small model that the project builds itself under the run root (no download)."""
+    architecture: str = "qwen2"
+    """`tiny`'s architecture: qwen2 or qwen3 (Qwen3: RMSNorm on each query and key head, no QKV bias,
+    `head_dim` apart from hidden_size / heads). The trainer and generator read a model's architecture
+    from its config.json."""
     dtype: str = "float32"
     """Parameter and compute dtype: float32, bfloat16 or float16."""
     hidden_size: int = 64
@@ -59,9 +63,12 @@ class ModelConfig:
     num_layers: int = 2
     """Number of transformer layers (`num_hidden_layers`)."""
     num_attention_heads: int = 2
-    """Query heads per layer (head size = hidden_size / heads; vLLM's CPU attention needs at least 32)."""
+    """Query heads per layer (head size: head_dim, else hidden_size / heads; vLLM's CPU attention needs
+    at least 32)."""
     num_key_value_heads: int = 2
     """Key/value heads per layer (grouped-query attention when fewer than the query heads)."""
+    head_dim: int = 0
+    """Size of an attention head; 0: hidden_size / num_attention_heads (Qwen3 models set it apart)."""
     vocab_size: int = 128
     """Vocabulary size (for `tiny`, at least the 99 tokens of the project's tokenizer)."""
     max_position_embeddings: int = 512
@@ -540,8 +547,14 @@ def validate(cfg: Config) -> None:
         f"model.num_key_value_heads ({m.num_key_value_heads}) must divide model.num_attention_heads ({m.num_attention_heads})",
     )
     need(
-        m.hidden_size % m.num_attention_heads == 0,
-        f"model.num_attention_heads ({m.num_attention_heads}) must divide model.hidden_size ({m.hidden_size})",
+        m.architecture in ("qwen2", "qwen3"),
+        f"model.architecture must be qwen2 or qwen3 (got '{m.architecture}')",
+    )
+    need(m.head_dim >= 0, f"model.head_dim must be >= 0 (got {m.head_dim}); 0 is hidden_size / num_attention_heads")
+    need(
+        m.head_dim > 0 or m.hidden_size % m.num_attention_heads == 0,
+        f"model.num_attention_heads ({m.num_attention_heads}) must divide model.hidden_size ({m.hidden_size}), "
+        "or set model.head_dim",
     )
     for name, tp in (("allocation.train_tp", a.train_tp), ("allocation.gen_tp", a.gen_tp)):
         need(

@@ -1,5 +1,5 @@
 """The embedded default's assets, built here with no download: a character-level tokenizer, a small
-Qwen2-architecture model, and a synthetic arithmetic task with boxed answers.
+random Qwen2 or Qwen3 model (`model.architecture`), and a synthetic arithmetic task with boxed answers.
 
 Everything is a pure function of its inputs (architecture, seed, size) and is cached under the run
 root in a directory named by a hash of them, so two runs with the same settings share one copy and
@@ -78,17 +78,19 @@ def build_tokenizer():
     )
 
 
-def qwen2_config(m: ModelConfig):
-    """The transformers Qwen2Config of a model section."""
-    from transformers import Qwen2Config
+def hf_config(m: ModelConfig):
+    """The transformers config (Qwen2Config or Qwen3Config) of a model section."""
+    from transformers import Qwen2Config, Qwen3Config
 
-    return Qwen2Config(
+    cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config}[m.architecture]
+    return cls(
         vocab_size=m.vocab_size,
         hidden_size=m.hidden_size,
         intermediate_size=m.intermediate_size,
         num_hidden_layers=m.num_layers,
         num_attention_heads=m.num_attention_heads,
         num_key_value_heads=m.num_key_value_heads,
+        head_dim=m.head_dim or m.hidden_size // m.num_attention_heads,
         max_position_embeddings=m.max_position_embeddings,
         rope_theta=m.rope_theta,
         rms_norm_eps=m.rms_norm_eps,
@@ -110,10 +112,10 @@ def build_tiny_model(m: ModelConfig, root: str | Path, seed: int) -> Path:
 
     def build(out: Path) -> None:
         import torch
-        from transformers import Qwen2ForCausalLM
+        from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(qwen2_config(m)).to(getattr(torch, m.dtype))
+        model = AutoModelForCausalLM.from_config(hf_config(m)).to(getattr(torch, m.dtype))
         model.save_pretrained(out, safe_serialization=True)
         build_tokenizer().save_pretrained(out)
 

@@ -28,10 +28,18 @@ MODEL = ModelConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1
 def setup(tmp_path_factory):
     from transformers import Qwen2ForCausalLM
 
+    path = build_tiny_model(MODEL, tmp_path_factory.mktemp("gen"), seed=1)
+    engine = create_engine(path)
+    model_a = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model_b = perturb(Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), seed=5)
+    yield engine, model_a, model_b
+    engine.close()
+
+
+def create_engine(path):
     from areal_hpc.generator.engine import GenerationEngine
 
-    path = build_tiny_model(MODEL, tmp_path_factory.mktemp("gen"), seed=1)
-    engine = GenerationEngine.create(
+    return GenerationEngine.create(
         path,
         device=resolve_device(),
         temperature=TEMPERATURE,
@@ -40,14 +48,15 @@ def setup(tmp_path_factory):
         max_num_seqs=64,
         seed=0,
     )
-    model_a = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model_b = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(5)
+
+
+def perturb(model, seed: int):
+    """`model` with noise (std 0.5) added to every weight, the norms' too (transformers sets them to one)."""
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in model_b.parameters():
+        for p in model.parameters():
             p.add_(0.5 * torch.randn(p.shape, generator=g))
-    yield engine, model_a, model_b
-    engine.close()
+    return model
 
 
 def hf_logprobs(model, prompt, output) -> np.ndarray:
@@ -172,3 +181,30 @@ def test_loaded_weights_change_outputs(setup):
     mean_b = np.mean([t.behav_logprobs.mean() for t in under_b])
     mean_a = np.mean([t.behav_logprobs.mean() for t in under_a])
     assert mean_b > mean_a + 0.5, (mean_a, mean_b)
+
+
+def test_qwen3_loads_the_trainers_weights(tmp_path):
+    """A Qwen3 engine (q/k norms, a head size apart from hidden / heads, tied embeddings) loads weights
+    under the names the trainer sends (Hugging Face's, no lm_head.weight when tied), the norms
+    included, and samples from them."""
+    from transformers import AutoModelForCausalLM
+
+    from areal_hpc.trainer.checks import QWEN3
+
+    path = build_tiny_model(QWEN3, tmp_path, seed=2)
+    engine = create_engine(path)
+    try:
+        model = perturb(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), seed=7)
+        named = [(k, v) for k, v in model.state_dict().items() if k != "lm_head.weight"]
+        assert any(k.endswith("self_attn.q_norm.weight") for k, _ in named)
+        engine.load_weights(named, 1)
+        for group in range(2):
+            engine.add(group, [5 + group, 6, 7, 8], n=4)
+        trajs = drain(engine)
+        check_shape(trajs, 8)
+        for t in trajs:
+            np.testing.assert_allclose(
+                t.behav_logprobs, hf_logprobs(model, t.prompt_ids, t.output_ids), atol=TOL, rtol=0
+            )
+    finally:
+        engine.close()

@@ -1,15 +1,17 @@
-"""Hugging Face Qwen2 <-> Megatron GPTModel: same logits as transformers for TP in {1, 2} and PP in
-{1, 2}, an exact round trip of the weights, and packed sequences that never see each other."""
+"""Hugging Face Qwen2 and Qwen3 <-> Megatron GPTModel: same logits as transformers for TP in {1, 2} and
+PP in {1, 2}, an exact round trip of the weights, and packed sequences that never see each other."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
+import torch
 
 from areal_hpc.config import ModelConfig, PPOConfig
 from areal_hpc.tiny import build_tiny_model
-from areal_hpc.trainer.checks import export_problems, hf_logits, logits_and_export_rank, logits_problems, pick
+from areal_hpc.trainer.checks import QWEN3, export_problems, hf_logits, logits_and_export_rank, logits_problems, pick
 from areal_hpc.trainer.spawn import run_ranks
 
 pytestmark = pytest.mark.megatron
@@ -34,13 +36,32 @@ CONFIGS = {
     "mha": ModelConfig(
         hidden_size=96, intermediate_size=192, num_layers=2, num_attention_heads=4, num_key_value_heads=4
     ),
+    # Qwen3 (q/k norms, no QKV bias, heads of size 32, not 64 / 4), untied
+    "qwen3": dataclasses.replace(QWEN3, tie_word_embeddings=False),
 }
+
+
+def random_norms(model_dir, seed: int) -> None:
+    """Every RMSNorm weight of the model 1 + noise: transformers initializes them all to one, under which
+    two norms swapped by the conversion (q_norm and k_norm, say) would give the same logits."""
+    from safetensors.torch import load_file, save_file
+
+    g = torch.Generator().manual_seed(seed)
+    for f in model_dir.glob("*.safetensors"):
+        state = load_file(f)
+        for name, t in state.items():
+            if name.endswith("norm.weight"):
+                state[name] = t + 0.2 * torch.randn(t.shape, generator=g)
+        save_file(state, f, metadata={"format": "pt"})
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    return {name: build_tiny_model(m, root, seed=3) for name, m in CONFIGS.items()}
+    dirs = {name: build_tiny_model(m, root, seed=3) for name, m in CONFIGS.items()}
+    for i, d in enumerate(dirs.values()):
+        random_norms(d, seed=i)
+    return dirs
 
 
 @functools.cache

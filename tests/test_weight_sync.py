@@ -202,10 +202,10 @@ def test_mpi_two_stages_bit_exact_in_the_agreed_order_then_timeout(run_mpi, tmp_
     from transformers import Qwen2ForCausalLM
 
     from areal_hpc.config import ModelConfig
-    from areal_hpc.tiny import qwen2_config
+    from areal_hpc.tiny import hf_config
 
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(qwen2_config(ModelConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1)))
+    model = Qwen2ForCausalLM(hf_config(ModelConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1)))
     torch.save(model.state_dict(), tmp_path / "state.pt")
     # world: controller, reward, 2 generators, 2 trainers (PP 2: one source per stage)
     proc = run_mpi(SCRIPT, n=6, timeout=180, env={"AREAL_TEST_STATE": str(tmp_path / "state.pt")})

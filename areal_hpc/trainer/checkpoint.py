@@ -1,7 +1,10 @@
 """Trainer checkpoints: Megatron's `dist_checkpointing` of the model and the distributed optimizer.
 
 Layout of `<step dir>/trainer/`: what `dist_checkpointing.save` writes (`metadata.json`, `common.pt`,
-the torch_dist shard files) and `manifest.json` (parallel sizes and architecture, written last).
+the torch_dist shard files), `hf/` (the model directory's files other than its weights: config.json,
+tokenizer, generation config; what `areal_hpc.trainer.export` needs beside the weights, so that a
+checkpoint exports without the run's initial model) and `manifest.json` (parallel sizes, dtype and
+architecture, written last).
 
     {"model": model.sharded_state_dict(),
      "optimizer": optimizer.sharded_state_dict(model, metadata={"distrib_optim_sharding_type": "fully_reshardable"})}
@@ -36,6 +39,10 @@ import torch.distributed as dist
 from areal_hpc.trainer.engine import adam_step
 
 MANIFEST = "manifest.json"
+HF_FILES = "hf"
+"""The subdirectory holding the model directory's files other than the weights."""
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".index.json")
+"""Files of a Hugging Face directory that hold (or index) the weights: not kept, the checkpoint has its own."""
 SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
@@ -67,7 +74,16 @@ def save(engine, step_dir: str | Path) -> Path:
     dist_checkpointing.save(sharded_state_dict(engine, is_loading=False), str(partial))
     dist.barrier()
     if par.rank == 0:
-        manifest = {"tp": par.tp, "pp": par.pp, "dp": par.dp, "world": par.world, "arch": asdict(engine.arch)}
+        _keep_hf_files(engine.model_dir, partial / HF_FILES)
+        dtype = str(engine.config.params_dtype).removeprefix("torch.")
+        manifest = {
+            "tp": par.tp,
+            "pp": par.pp,
+            "dp": par.dp,
+            "world": par.world,
+            "dtype": dtype,
+            "arch": asdict(engine.arch),
+        }
         _fsync_write(partial / MANIFEST, json.dumps(manifest, indent=1).encode())
         if final.exists():  # overwrite a complete checkpoint: move it aside first, drop it after
             old = step_dir / ".trainer.old"
@@ -86,13 +102,21 @@ def save(engine, step_dir: str | Path) -> Path:
     return final
 
 
+def _keep_hf_files(model_dir: Path, dest: Path) -> None:
+    """Copy the files of `model_dir` other than the weights (and hidden files) into `dest`."""
+    dest.mkdir()
+    for f in sorted(model_dir.iterdir()):
+        if f.is_file() and not f.name.startswith(".") and not f.name.endswith(WEIGHT_SUFFIXES):
+            shutil.copy2(f, dest / f.name)
+
+
 def is_complete(ckpt_dir: str | Path) -> bool:
     """Whether `ckpt_dir` (a `trainer/` directory) is a complete checkpoint."""
     return (Path(ckpt_dir) / MANIFEST).is_file()
 
 
 def manifest(ckpt_dir: str | Path) -> dict:
-    """The manifest of a complete checkpoint: {tp, pp, dp, world, arch}."""
+    """The manifest of a complete checkpoint: {tp, pp, dp, world, dtype, arch}."""
     ckpt_dir = Path(ckpt_dir)
     if not is_complete(ckpt_dir):
         raise FileNotFoundError(f"{ckpt_dir}: not a complete trainer checkpoint (no {MANIFEST})")
@@ -104,9 +128,11 @@ def load(engine, ckpt_dir: str | Path) -> None:
     from megatron.core import dist_checkpointing
 
     ckpt_dir = Path(ckpt_dir)
-    saved = manifest(ckpt_dir)
-    if saved["arch"] != asdict(engine.arch):
-        changed = {k: (v, asdict(engine.arch)[k]) for k, v in saved["arch"].items() if asdict(engine.arch).get(k) != v}
+    saved = manifest(ckpt_dir)["arch"]
+    current = asdict(engine.arch)
+    # Fields added since a checkpoint was written are absent from its manifest: they were Qwen2's then.
+    changed = {k: (v, current.get(k)) for k, v in saved.items() if current.get(k) != v}
+    if changed:
         raise ValueError(f"{ckpt_dir} holds another model: {changed} (checkpoint, this run)")
     (opt,) = engine.optimizer.chained_optimizers  # Megatron wraps even one optimizer in a chain
     adam = engine.adam
@@ -124,3 +150,12 @@ def load(engine, ckpt_dir: str | Path) -> None:
     for p, state in adam.state.items():
         state["step"] = adam_step(steps[p].item(), p)
     engine.resumed_from = ckpt_dir
+
+
+def load_model(stage, ckpt_dir: str | Path) -> None:
+    """Load only the model part of a checkpoint (written at any TP/PP/DP) into `stage`, a GPTModel of
+    this rank (its optimizer state is not read: no memory for it)."""
+    from megatron.core import dist_checkpointing
+
+    loaded = dist_checkpointing.load({"model": stage.sharded_state_dict()}, str(ckpt_dir))
+    stage.load_state_dict(loaded["model"])

@@ -20,6 +20,16 @@ from areal_hpc.protocol import TrainBatch
 
 MODEL = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_attention_heads=4, num_key_value_heads=2)
 """The checks' model: tied embeddings, grouped-query attention (4 query heads share 2 key/value heads)."""
+QWEN3 = ModelConfig(
+    architecture="qwen3",
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+)
+"""A tiny Qwen3: q/k norms, no QKV bias, heads of size 32 (not 64 / 4), grouped-query, tied embeddings."""
 VERSION = 3
 MICROBATCHES = [[[0, 1], [2]], [[3], [4, 5]]]
 """Two PPO minibatches of two micro-batches each, over six sequences."""
@@ -307,6 +317,32 @@ def nonfinite_rank(par, model_dir, ckpt_dir, optim) -> dict:
         message = str(e)
     after = resumed.export_full()
     return {"message": message, "moved": max_diff(before, after)} if before is not None else {}
+
+
+def train_and_save_rank(par, models: dict, run_root, steps: int, optim) -> dict:
+    """Per model (name -> (model directory, dtype name)): `steps` PPO steps, then the probe logits, the
+    weights under Hugging Face names, and a complete checkpoint of version `steps` in the run
+    directory `run_root/<name>/` (`checkpoints/step_<steps>/`, as a run writes it: what export reads)."""
+    from areal_hpc.rundir import checkpoint_dir, mark_complete
+    from areal_hpc.trainer import checkpoint
+    from areal_hpc.trainer.engine import Engine
+    from areal_hpc.trainer.step import StepConfig
+
+    result = {}
+    for name, (model_dir, dtype) in models.items():
+        engine = Engine(model_dir, par, optim, getattr(torch, dtype))
+        _steps(engine, list(range(steps)), StepConfig())
+        got = logits(engine, probe_sequences(engine.arch.vocab_size))
+        if got is not None:
+            result[f"{name}/logits"] = got
+        weights = engine.export_full()
+        if weights is not None:
+            result[f"{name}/weights"] = {k: v.cpu() for k, v in weights.items()}
+        step_dir = checkpoint_dir(Path(run_root) / name, steps)
+        checkpoint.save(engine, step_dir)
+        if par.rank == 0:
+            mark_complete(step_dir)  # the controller's part in a run
+    return result
 
 
 def hf_logits(model_dir, device: str = "cpu") -> list[torch.Tensor]:

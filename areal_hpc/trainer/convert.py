@@ -1,4 +1,4 @@
-"""Hugging Face Qwen2 weights <-> one rank's Megatron shard, in both directions.
+"""Hugging Face Qwen2/Qwen3 weights <-> one rank's Megatron shard, in both directions.
 
 One table (`_rules`) says, for each Megatron parameter of a pipeline stage, which Hugging Face
 tensors it holds and how it is split over tensor-parallel ranks:
@@ -8,6 +8,8 @@ tensors it holds and how it is split over tensor-parallel ranks:
 | embedding.word_embeddings.weight               | model.embed_tokens.weight                        | rows (vocab)                |
 | decoder.layers.l.input_layernorm.weight        | model.layers.g.input_layernorm.weight            | replicated                  |
 | decoder.layers.l.self_attention.linear_qkv.*   | model.layers.g.self_attn.{q,k,v}_proj.*          | by key/value group: [q k v] |
+| decoder.layers.l.self_attention.q_layernorm.w  | model.layers.g.self_attn.q_norm.weight (Qwen3)   | replicated (one head's)     |
+| decoder.layers.l.self_attention.k_layernorm.w  | model.layers.g.self_attn.k_norm.weight (Qwen3)   | replicated (one head's)     |
 | decoder.layers.l.self_attention.linear_proj.w  | model.layers.g.self_attn.o_proj.weight           | columns                     |
 | decoder.layers.l.pre_mlp_layernorm.weight      | model.layers.g.post_attention_layernorm.weight   | replicated                  |
 | decoder.layers.l.mlp.linear_fc1.weight         | model.layers.g.mlp.{gate,up}_proj.weight         | rows of each: [gate; up]    |
@@ -28,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from areal_hpc.trainer.model import Qwen2Arch
+from areal_hpc.trainer.model import QwenArch
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -39,6 +41,8 @@ def _hf_layer_names(g: int, rest: str) -> list[str]:
         "input_layernorm.weight": [p + "input_layernorm.weight"],
         "self_attention.linear_qkv.weight": [p + f"self_attn.{x}_proj.weight" for x in "qkv"],
         "self_attention.linear_qkv.bias": [p + f"self_attn.{x}_proj.bias" for x in "qkv"],
+        "self_attention.q_layernorm.weight": [p + "self_attn.q_norm.weight"],
+        "self_attention.k_layernorm.weight": [p + "self_attn.k_norm.weight"],
         "self_attention.linear_proj.weight": [p + "self_attn.o_proj.weight"],
         "pre_mlp_layernorm.weight": [p + "post_attention_layernorm.weight"],
         "mlp.linear_fc1.weight": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
@@ -46,7 +50,7 @@ def _hf_layer_names(g: int, rest: str) -> list[str]:
     }[rest]
 
 
-def hf_names(name: str, arch: Qwen2Arch, layer_offset: int) -> tuple[list[str], str]:
+def hf_names(name: str, arch: QwenArch, layer_offset: int) -> tuple[list[str], str]:
     """The Hugging Face tensors of Megatron parameter `name`, and its TP split kind.
 
     Kinds: "rows", "cols", "replicated", "qkv", "gate_up".
@@ -71,7 +75,7 @@ def hf_names(name: str, arch: Qwen2Arch, layer_offset: int) -> tuple[list[str], 
     raise KeyError(f"no Hugging Face name for Megatron parameter {name}")
 
 
-def shard(hf: list[torch.Tensor], kind: str, arch: Qwen2Arch, tp_rank: int, tp: int) -> torch.Tensor:
+def shard(hf: list[torch.Tensor], kind: str, arch: QwenArch, tp_rank: int, tp: int) -> torch.Tensor:
     """TP rank `tp_rank`'s Megatron tensor from the full Hugging Face tensors `hf`."""
     if kind == "replicated":
         return hf[0]
@@ -90,7 +94,7 @@ def shard(hf: list[torch.Tensor], kind: str, arch: Qwen2Arch, tp_rank: int, tp: 
     return qkv.chunk(tp, 0)[tp_rank].reshape(-1, *tail)
 
 
-def unshard(shards: list[torch.Tensor], kind: str, arch: Qwen2Arch) -> list[torch.Tensor]:
+def unshard(shards: list[torch.Tensor], kind: str, arch: QwenArch) -> list[torch.Tensor]:
     """The full Hugging Face tensors from every TP rank's Megatron tensor (inverse of `shard`)."""
     if kind == "replicated":
         return [shards[0]]
@@ -129,11 +133,11 @@ def stage_params(model) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def layer_offset(arch: Qwen2Arch, pp_rank: int, pp: int) -> int:
+def layer_offset(arch: QwenArch, pp_rank: int, pp: int) -> int:
     return pp_rank * (arch.num_layers // pp)
 
 
-def load_hf_into(model, model_dir: str | Path, arch: Qwen2Arch, tp_rank: int, tp: int, pp_rank: int, pp: int) -> None:
+def load_hf_into(model, model_dir: str | Path, arch: QwenArch, tp_rank: int, tp: int, pp_rank: int, pp: int) -> None:
     """Copy this rank's shard of the Hugging Face checkpoint in `model_dir` into `model`."""
     from safetensors import safe_open
 
@@ -162,7 +166,7 @@ def load_hf_into(model, model_dir: str | Path, arch: Qwen2Arch, tp_rank: int, tp
 
 
 def export_stage(
-    model, arch: Qwen2Arch, pp_rank: int, pp: int, tp_group, dst: int
+    model, arch: QwenArch, pp_rank: int, pp: int, tp_group, dst: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """This stage's weights under Hugging Face names, full (TP-gathered) tensors, one at a time.
 

@@ -2,7 +2,7 @@
 
 `init_parallel` starts torch.distributed among the trainer ranks and Megatron's parallel state in
 its default rank order (tp fastest, then dp, then pp: trainer-local rank = tp + TP * (dp + DP * pp),
-what `layout.stage_source_rank` assumes). `Engine` builds this rank's stage of a Qwen2 model from a
+what `layout.stage_source_rank` assumes). `Engine` builds this rank's stage of a Qwen2/Qwen3 model from a
 Hugging Face directory, wraps it in Megatron's DistributedDataParallel, builds Megatron's optimizer,
 and runs Megatron's forward/backward schedule (1F1B across pipeline stages) over packed micro-batches.
 
@@ -31,7 +31,7 @@ from areal_hpc.config import PPOConfig
 from areal_hpc.device import backend
 from areal_hpc.trainer import cpu_compat
 from areal_hpc.trainer.convert import export_stage, load_hf_into
-from areal_hpc.trainer.model import Qwen2Arch, build_stage, transformer_config
+from areal_hpc.trainer.model import QwenArch, build_stage, transformer_config
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ class Engine:
 
         self.par = par
         self.model_dir = Path(model_dir)
-        self.arch = Qwen2Arch.from_hf(model_dir)
+        self.arch = QwenArch.from_hf(model_dir)
         self.arch.check_parallel(par.tp, par.pp)
         self.device = par.device
         self.resumed_from: Path | None = None

@@ -1,8 +1,11 @@
-"""A Qwen2 model as a Megatron GPTModel: the architecture read from a Hugging Face directory, one
-pipeline stage built per rank with tensor-parallel layers, and the inputs of a packed row.
+"""A Qwen2 or Qwen3 model as a Megatron GPTModel: the architecture read from a Hugging Face
+directory, one pipeline stage built per rank with tensor-parallel layers, and the inputs of a packed row.
 
 Megatron's local (non transformer-engine) layer spec: RMSNorm (torch), SwiGLU MLP (gated linear_fc1),
-self-attention with a QKV bias and grouped query heads, RoPE with the model's base.
+self-attention with grouped query heads, RoPE with the model's base. The two architectures differ in
+the attention only: Qwen2 has a QKV bias; Qwen3 has none, normalizes each query and key head
+(RMSNorm over the head, before RoPE: Megatron's `qk_layernorm`), and sets its head size apart from
+hidden_size / heads (`head_dim`, Megatron's `kv_channels`).
 
 Packing. Several sequences share one row of a micro-batch and must not see each other. Two things
 make that exact, and keep the cost of attention that of the sequences, not of the row:
@@ -16,7 +19,7 @@ make that exact, and keep the cost of attention that of the sequences, not of th
   of the row, and its per-sequence variant needs the THD layout with transformer-engine or flash
   attention (neither runs on the CPU). So the model is built with Megatron's `mrope` rotary embedding,
   which rotates explicit `position_ids`; with the three position components equal (text tokens) it is
-  exactly standard RoPE at those positions (Qwen2-VL's property), which is what Qwen2 computes.
+  exactly standard RoPE at those positions (Qwen2-VL's property), which is what Qwen2 and Qwen3 compute.
 """
 
 from __future__ import annotations
@@ -31,10 +34,13 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 
+ARCHITECTURES = ("qwen2", "qwen3")
+"""The Hugging Face `model_type`s the trainer builds."""
+
 
 @dataclass(frozen=True)
-class Qwen2Arch:
-    """The Qwen2 architecture fields the trainer needs (from config.json)."""
+class QwenArch:
+    """The architecture fields the trainer needs, read from a Qwen2 or Qwen3 config.json."""
 
     vocab_size: int
     hidden_size: int
@@ -47,12 +53,19 @@ class Qwen2Arch:
     rms_norm_eps: float
     tie_word_embeddings: bool
     max_position_embeddings: int
+    qkv_bias: bool
+    """Bias of the query, key and value projections (Qwen2; Qwen3's `attention_bias`, false in its models)."""
+    qk_norm: bool
+    """RMSNorm of each query and key head before RoPE (Qwen3)."""
 
     @classmethod
-    def from_hf(cls, model_dir: str | Path) -> Qwen2Arch:
+    def from_hf(cls, model_dir: str | Path) -> QwenArch:
         c = json.loads((Path(model_dir) / "config.json").read_text())
-        if c.get("model_type") not in ("qwen2", None):
-            raise ValueError(f"{model_dir}: model_type {c.get('model_type')!r} is not a Qwen2 model")
+        model_type = c.get("model_type", "qwen2")
+        if model_type not in ARCHITECTURES:
+            raise ValueError(
+                f"{model_dir}: model_type {model_type!r} is not supported by the trainer ({', '.join(ARCHITECTURES)})"
+            )
         rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
         if rope.get("rope_type", "default") != "default":
             raise ValueError(f"{model_dir}: RoPE scaling {rope.get('rope_type')!r} is not supported by the trainer")
@@ -69,6 +82,8 @@ class Qwen2Arch:
             rms_norm_eps=c.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=c.get("tie_word_embeddings", False),
             max_position_embeddings=c.get("max_position_embeddings", 4096),
+            qkv_bias=model_type == "qwen2" or c.get("attention_bias", False),
+            qk_norm=model_type == "qwen3",
         )
 
     def check_parallel(self, tp: int, pp: int) -> None:
@@ -97,7 +112,7 @@ the layer in the backward pass; selective recomputes the core attention only."""
 
 
 def transformer_config(
-    arch: Qwen2Arch,
+    arch: QwenArch,
     tp: int,
     pp: int,
     device: torch.device,
@@ -105,7 +120,7 @@ def transformer_config(
     recompute: str = "none",
     sequence_parallel: bool = False,
 ):
-    """Megatron's TransformerConfig of a Qwen2 model on `device`, with the CPU-safe kernels (no fusions)."""
+    """Megatron's TransformerConfig of the model on `device`, with the CPU-safe kernels (no fusions)."""
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
@@ -122,7 +137,8 @@ def transformer_config(
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=True,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         # mrope with one section: standard RoPE at explicit positions (see the module docstring).
@@ -180,16 +196,19 @@ class RMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
-def build_stage(arch: Qwen2Arch, config, device: torch.device) -> HiddenGPTModel:
+def build_stage(arch: QwenArch, config, device: torch.device) -> HiddenGPTModel:
     """This rank's pipeline stage of the model (parallel_state must be initialized)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
     spec.submodules.self_attention.submodules.core_attention = SegmentAttention
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
+    if config.qk_layernorm:  # Qwen3: per head, over head_dim; Megatron sums their gradients over TP by name
+        spec.submodules.self_attention.submodules.q_layernorm = RMSNorm
+        spec.submodules.self_attention.submodules.k_layernorm = RMSNorm
     block = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=RMSNorm)
     model = HiddenGPTModel(
         config=config,
@@ -314,7 +333,8 @@ def full_logits(hidden: torch.Tensor, weight: torch.Tensor, sequence_parallel: b
     """[b, s, V] logits of the whole vocabulary (gathered over TP): for checks on short sequences."""
     from megatron.core import tensor_parallel
 
-    logits = _output_input(hidden, sequence_parallel) @ weight.t()  # [s, b, V / TP]
+    # the last stage's hidden states are fp32 under Float16Module: the product in the weight's dtype, as in training
+    logits = (_output_input(hidden, sequence_parallel).to(weight.dtype) @ weight.t()).float()  # [s, b, V / TP]
     return tensor_parallel.gather_from_tensor_model_parallel_region(logits).transpose(0, 1)
 
 

@@ -1,4 +1,4 @@
-"""Run a function on N local trainer ranks (spawned processes): for tests, benchmarks and the GPU check.
+"""Run a function on N local trainer ranks (spawned processes): for tests, benchmarks, the GPU check and export.
 
 `run_ranks(fn, world, tp, pp, *args)` starts `world` processes; each calls `init_parallel` and then
 `fn(par, *args)`; what a rank returns (if not None) comes back in a dict rank -> value. A rank that
