@@ -236,15 +236,12 @@ def resolve(target: str | Path, step: int | None, overrides: list[str], config: 
 def export(run_dir: Path, step: int) -> Path:
     """The Hugging Face directory of a run's checkpoint, exported once (`areal-hpc export`'s function)."""
     from areal_hpc.tiny import _build_atomically
+    from areal_hpc.trainer.export import ExportError, export_checkpoint
 
     try:
-        from areal_hpc.trainer.export import export_checkpoint
-    except ImportError:
-        raise ConfigError(
-            f"evaluating step {step} of {run_dir} needs its checkpoint exported to a Hugging Face directory, and this "
-            "version has no exporter (areal_hpc.trainer.export); evaluate a Hugging Face directory, or --step 0"
-        ) from None
-    return _build_atomically(run_dir / "hf" / f"step_{step}", lambda out: export_checkpoint(run_dir, step, out))
+        return _build_atomically(run_dir / "hf" / f"step_{step}", lambda out: export_checkpoint(run_dir, step, out))
+    except ExportError as e:
+        raise ConfigError(str(e)) from None
 
 
 # --- evaluation with a local engine -------------------------------------------------------------
