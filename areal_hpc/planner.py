@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from areal_hpc.config import Config
 
 GB = 1e9
+GiB = 2**30
 ALLOCATION_FIELDS = ("gen_nodes", "gen_tp", "train_tp", "train_pp")
 """The allocation fields the planner chooses with `--search` (unless fixed on the command line)."""
 
@@ -83,9 +84,20 @@ class CostModel:
     """Engine memory outside weights and KV cache: activations, CUDA graphs (assumed)."""
     train_memory_fraction: float = 0.9
     """Share of GPU memory the trainer may fill (the rest is fragmentation and NCCL buffers)."""
-    activation_bytes_per_token: float = 34.0
-    """Activation bytes per token, per layer, per unit of hidden size, with selective recomputation
-    and sequence parallelism (Korthikanti et al. 2022: 34 s b h / t)."""
+    activation_bytes_none: float = 16.5
+    """Activation bytes per token, per layer, per unit of hidden size, per byte of the dtype, with
+    `ppo.recompute` none or selective (66 in fp32, 33 in bf16: Korthikanti et al. 2022 count 34). Measured
+    by tools/bench_trainer.py on its CPU model in fp32: 264 KB more per token at 1,024 tokens than at 512,
+    over 8 layers of hidden 512. Selective recomputes the core attention, which keeps no attention matrix
+    here (SDPA): it saves nothing, on the CPU and on an H100 alike."""
+    activation_bytes_full: float = 3.2
+    """The same with `ppo.recompute` full: each layer's input (1 per byte of the dtype) plus one layer's
+    recomputed activations while its backward runs. Measured on one H100 80GB: 8.4 GiB above the weights
+    and optimizer for a 32,768-token micro-batch of the Qwen2.5-1.5B shape in bf16 (6.4 per layer and
+    hidden unit); the CPU model gives 3.1 (16 KB per token of layer inputs plus one layer of 66)."""
+    logprob_transient_bytes: float = 192 * 2**20
+    """The token logprobs' largest temporaries: a chunk's fp32 logits, their softmax and their gradient
+    (areal_hpc.trainer.model.LOGPROB_CHUNK_BYTES, 64 MiB, each)."""
     weight_sync_fixed_s: float = 1.0
     """Fixed cost of a weight update on a generator: pause, load, clear prefix cache, resume (assumed)."""
 
@@ -360,18 +372,29 @@ def gen_memory(m: ModelSize, hw: Hardware, tp: int, lengths: Lengths, cost: Cost
     return need / cost.gen_memory_fraction
 
 
-def train_memory(m: ModelSize, tp: int, pp: int, cfg: Config, cost: CostModel = COST) -> float:
-    """Bytes per trainer GPU, over the usable share of memory:
-    states: P / (tp pp) * (dtype + 4 fp32 grad + 12 fp32 master and Adam moments; 16 in fp32)
-    activations: 1F1B keeps pp micro-batches of layers / pp layers on the first stage, i.e. one
-                 micro-batch of all layers: 34 h layers * max_tokens_per_mb / tp
-    logits: max_tokens_per_mb * vocab / tp * 4 (fp32)."""
-    per_param = 16 if m.dtype_bytes == 4 else 18
-    states = m.params / (tp * pp) * per_param
-    mb = cfg.ppo.max_tokens_per_mb
-    activations = cost.activation_bytes_per_token * m.hidden * m.layers * mb / tp
-    logits = mb * m.vocab / tp * 4
-    return (states + activations + logits) / cost.train_memory_fraction
+def train_memory_parts(m: ModelSize, tp: int, pp: int, dp: int, cfg: Config, cost: CostModel = COST) -> dict:
+    """Bytes per trainer GPU (or CPU rank), by part:
+    states:      P / (tp pp) x (dtype weights + 4 fp32 gradient buffer
+                                + (4 fp32 master weights unless fp32 + 8 Adam moments) / dp)
+                 (Megatron's distributed optimizer shards the master weights and moments over dp)
+    activations: tokens / tp x layers x h x dtype bytes x activation_bytes_{none,full}
+                 (1F1B keeps pp micro-batches of layers / pp layers on the first stage: one micro-batch of
+                 every layer; sequence parallelism splits what TP does not; tokens: ppo.max_tokens_per_mb)
+    transients:  the dense gradient of the input embedding (vocab / tp x h x dtype bytes, made in its
+                 backward) + the token logprobs' chunk temporaries. No micro-batch's whole logits: the
+                 token logprobs come chunk by chunk."""
+    master = 0 if m.dtype_bytes == 4 else 4
+    states = m.params / (tp * pp) * (m.dtype_bytes + 4 + (master + 8) / dp)
+    per = cost.activation_bytes_full if cfg.ppo.recompute == "full" else cost.activation_bytes_none
+    activations = cfg.ppo.max_tokens_per_mb / tp * m.layers * m.hidden * m.dtype_bytes * per
+    chunks = min(cost.logprob_transient_bytes, 3 * cfg.ppo.max_tokens_per_mb * m.vocab / tp * 4)  # short batches
+    transients = m.vocab / tp * m.hidden * m.dtype_bytes + chunks
+    return {"states": states, "activations": activations, "transients": transients}
+
+
+def train_memory(m: ModelSize, tp: int, pp: int, dp: int, cfg: Config, cost: CostModel = COST) -> float:
+    """Bytes per trainer GPU (`train_memory_parts`), over the usable share of memory."""
+    return sum(train_memory_parts(m, tp, pp, dp, cfg, cost).values()) / cost.train_memory_fraction
 
 
 def predict(cfg: Config, plan: Plan | None = None, cost: CostModel = COST) -> Prediction:
@@ -393,7 +416,8 @@ def predict(cfg: Config, plan: Plan | None = None, cost: CostModel = COST) -> Pr
     t_gen_full = tokens / rate + t_ws + interruption_s(m, hw, lengths, engines, plan.gen_tp, concurrent, cost)
     return Prediction(
         plan, r.max_staleness, answers, tokens, lengths.longest(answers), t_gen_sync, t_train, t_ws, t_gen_full,
-        gen_memory(m, hw, plan.gen_tp, lengths, cost), train_memory(m, plan.train_tp, plan.train_pp, cfg, cost),
+        gen_memory(m, hw, plan.gen_tp, lengths, cost),
+        train_memory(m, plan.train_tp, plan.train_pp, max(1, train_gpus // (plan.train_tp * plan.train_pp)), cfg, cost),
         hw.memory,
     )  # fmt: skip
 
@@ -522,6 +546,8 @@ def _tok(x: float) -> str:
 
 def report(cfg: Config, p: Prediction) -> str:
     """The prediction table (synchronous and asynchronous) and why, below the Layout table."""
+    from areal_hpc.config import ConfigError
+
     steps = cfg.train.total_steps
     rows = [("prediction", "steps/hour", "effective tokens/s", "step time", f"{steps} steps")]
 
@@ -544,7 +570,7 @@ def report(cfg: Config, p: Prediction) -> str:
         f"asynchronous: generation at full load {p.t_gen_full:,.1f} s/step, training {p.t_train + p.t_weight_sync:,.1f} "
         f"s/step: {p.bottleneck} is the bottleneck",
         f"memory per GPU (of {p.memory / GB:g} GB): generator {p.gen_memory / GB:,.1f} GB, trainer "
-        f"{p.train_memory / GB:,.1f} GB" + ("" if p.fits else "  -- DOES NOT FIT: try --search"),
+        f"{p.train_memory / GB:,.1f} GB" + ("" if p.fits else f"  -- DOES NOT FIT: {memory_advice(cfg, p)}"),
         "model and constants: docs/planner.md (GPU figures from cluster.gpu_tflops, gpu_memory_bandwidth_gbs, "
         "interconnect_gbps)",
     ]
@@ -552,7 +578,116 @@ def report(cfg: Config, p: Prediction) -> str:
         lines.append(
             "cluster.device is cpu: these figures are for GPUs with the cluster.gpu_* numbers, not this machine"
         )
+        try:
+            lines.append(check_host_fits(cfg))
+        except ConfigError as e:
+            lines.append(f"DOES NOT FIT {e}")
     return "\n".join(lines)
+
+
+def memory_advice(cfg: Config, p: Prediction, cost: CostModel = COST) -> str:
+    """What to change so that `p`'s generator and trainer fit their GPUs ('' when they do): the settings
+    by name, each with what it would need."""
+    fixes = []
+    if p.gen_memory > p.memory:
+        t = p.plan.gen_tp
+        more = [g for g in range(t + 1, cfg.cluster.gpus_per_node + 1) if cfg.cluster.gpus_per_node % g == 0]
+        fixes.append(
+            f"the generator needs {p.gen_memory / GB:,.1f} GB of {p.memory / GB:g} GB: "
+            + (f"raise allocation.gen_tp (to {more[0]}) or " if more else "")
+            + "lower rollout.max_new_tokens (its KV cache is kept for the longest answer)"
+        )
+    if p.train_memory > p.memory:
+        options = []
+        if cfg.ppo.recompute != "full":
+            full = predict(_with_ppo(cfg, recompute="full"), p.plan, cost)
+            options.append(f"set ppo.recompute=full ({full.train_memory / GB:,.1f} GB)")
+        best = cfg.ppo.max_tokens_per_mb
+        while (
+            best > cfg.rollout.max_new_tokens
+            and predict(_with_ppo(cfg, max_tokens_per_mb=best), p.plan, cost).train_memory > p.memory
+        ):
+            best //= 2
+        if best < cfg.ppo.max_tokens_per_mb and best >= cfg.rollout.max_new_tokens:
+            options.append(f"lower ppo.max_tokens_per_mb to {best:,}")
+        options.append(
+            "raise allocation.train_tp or allocation.train_pp (`areal-hpc plan --search` finds a split that fits)"
+        )
+        fixes.append(
+            f"the trainer needs {p.train_memory / GB:,.1f} GB of {p.memory / GB:g} GB: " + ", or ".join(options)
+        )
+    return "; ".join(fixes)
+
+
+def _with_ppo(cfg: Config, **fields) -> Config:
+    return dataclasses.replace(cfg, ppo=dataclasses.replace(cfg.ppo, **fields))
+
+
+def check_fits(cfg: Config) -> None:
+    """ConfigError naming what to change when the config's generator or trainer does not fit its GPUs."""
+    from areal_hpc.config import ConfigError
+
+    p = predict(cfg)
+    if not p.fits:
+        raise ConfigError(
+            f"{cfg.experiment.name} DOES NOT FIT GPU memory by the planner's model: {memory_advice(cfg, p)}"
+        )
+
+
+CPU_KV_CACHE_BYTES = (64 << 20, 4 << 30)
+"""The KV cache a CPU generator asks vLLM for: every answer at full length, within these bounds (vLLM's
+CPU default reserves 92% of the node's memory, which fails on a machine shared with the other roles)."""
+
+
+def cpu_kv_cache_bytes(per_token: float, tokens: int) -> int:
+    low, high = CPU_KV_CACHE_BYTES
+    return int(min(max(per_token * tokens, low), high))
+
+
+def check_host_fits(cfg: Config, available: float | None = None) -> str:
+    """For a run on this host's CPUs: one line on the memory its ranks need against what the host has
+    available (`available` bytes; default: MemAvailable); ConfigError naming the settings when it is more."""
+    from areal_hpc.config import ConfigError
+
+    need = host_memory_need(cfg)
+    if available is None:
+        available = _mem_available()
+    line = (
+        f"memory on this host: the ranks need about {sum(need.values()) / GiB:,.1f} GiB (trainers "
+        f"{need['trainer'] / GiB:,.1f}, generators {need['generator'] / GiB:,.1f}) of {available / GiB:,.1f} GiB available"
+    )
+    if sum(need.values()) > available:
+        raise ConfigError(
+            f"{line}: set ppo.recompute=full or lower ppo.max_tokens_per_mb (trainers), lower rollout.max_concurrent "
+            "or model.max_position_embeddings (the generators' KV cache), or use fewer cluster.nodes"
+        )
+    return line
+
+
+def _mem_available() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable")
+
+
+def host_memory_need(cfg: Config) -> dict[str, float]:
+    """Bytes the ranks of a CPU run on one host need, by role: each trainer rank's states, activations and
+    transients (`train_memory_parts`), each generator's weights and KV cache (`cpu_kv_cache_bytes`, K and
+    V in fp32 at most as the engine asks)."""
+    from areal_hpc.layout import Layout
+
+    layout, m = Layout.from_config(cfg), ModelSize.from_config(cfg)
+    parts = train_memory_parts(m, layout.train_tp, layout.train_pp, layout.train_dp, cfg)
+    r = cfg.rollout
+    seqs = min(1024, r.max_concurrent * r.group_size)  # the engine's max_num_seqs (GenerationEngine.from_config)
+    per_token = m.kv_bytes_per_token * 4 / m.dtype_bytes / layout.gen_tp
+    kv = cpu_kv_cache_bytes(per_token, seqs * cfg.model.max_position_embeddings)
+    return {
+        "trainer": layout.trainers * sum(parts.values()),
+        "generator": layout.generators * layout.gen_tp * (m.weight_bytes / layout.gen_tp + kv),
+    }
 
 
 def search_hint(cfg: Config, p: Prediction) -> str:

@@ -30,7 +30,9 @@ import time
 import uuid
 from pathlib import Path
 
+from areal_hpc import planner
 from areal_hpc.config import Config
+from areal_hpc.device import visible_gpus
 from areal_hpc.layout import Layout, Role
 from areal_hpc.metrics import progress_line
 from areal_hpc.rundir import STOP_FILE, Holder, latest_checkpoint, lock_run_dir, prepare_run_dir, unlock_run_dir
@@ -82,8 +84,13 @@ def _run(cfg: Config, fresh: bool) -> int:
     from areal_hpc.sft import initial_model
 
     layout = Layout.from_config(cfg)
+    on_cpu = cfg.cluster.device == "cpu" or (cfg.cluster.device == "auto" and not visible_gpus())
+    # before the run directory changes: a config that cannot fit is refused with the settings to change
+    fits = planner.check_host_fits(cfg) if on_cpu else planner.check_fits(cfg)
     run_dir = prepare_run_dir(cfg, fresh=fresh).resolve()
     print(layout.table())
+    if fits:
+        print(fits)
     print(f"run directory: {run_dir}")
     resume = latest_checkpoint(run_dir)
     print(f"resuming from {resume}" if resume else "starting afresh")

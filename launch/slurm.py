@@ -174,6 +174,12 @@ class SlurmLauncher:
         """What every rank runs (default: `python -m areal_hpc.main RUN_DIR`)."""
 
     def script(self, cfg: Config) -> str:
+        """The job's sbatch script; a config whose generator or trainer does not fit its GPUs is refused
+        first (`planner.check_fits`: what to change, by name). A cpu config's nodes are not known here."""
+        from areal_hpc import planner
+
+        if cfg.cluster.device != "cpu":
+            planner.check_fits(cfg)
         return render_sbatch(cfg, workdir=Path.cwd(), python=self.python or _default_python(cfg), command=self.command)
 
     def launch(self, cfg: Config, fresh: bool = False) -> int:

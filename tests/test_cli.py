@@ -34,7 +34,8 @@ def test_top_level_help_lists_commands():
 def test_plan_prints_the_split():
     r = areal("plan", str(REPO / "configs" / "qwen32b.yaml"), "--nodes", "16")
     assert r.returncode == 0, r.stderr
-    assert "16 + 1 CPU" in r.stdout and "TP 8 x PP 4" in r.stdout
+    a = load_config(REPO / "configs" / "qwen32b.yaml").allocation
+    assert "16 + 1 CPU" in r.stdout and f"TP {a.train_tp} x PP {a.train_pp}" in r.stdout
 
 
 def test_config_help_documents_fields():

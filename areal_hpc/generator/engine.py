@@ -312,9 +312,8 @@ def _trajectory(answer: _Answer, finish_reason: str | None) -> Trajectory:
 
 
 def _cpu_setup(model_path, tp: int, max_num_seqs: int, max_model_len: int | None) -> int:
-    """On CPU, the KV cache this engine can use at most (every sequence at full length, within
-    [64 MiB, 4 GiB]): vLLM's CPU default reserves 92% of the node's memory, which fails on a machine
-    shared with the other roles. (On GPU vLLM sizes it from gpu_memory_utilization.)
+    """On CPU, the KV cache this engine can use at most (`planner.cpu_kv_cache_bytes`: every sequence at
+    full length, within bounds). (On GPU vLLM sizes it from gpu_memory_utilization.)
 
     Also fails at start, with the fix, on a head size vLLM's CPU attention does not support, rather
     than at the first step; and lets the workers' threads float (no auto-binding) with tp > 1 (vLLM's
@@ -326,6 +325,8 @@ def _cpu_setup(model_path, tp: int, max_num_seqs: int, max_model_len: int | None
     from pathlib import Path
 
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from areal_hpc.planner import cpu_kv_cache_bytes
 
     threads = os.environ.get("OMP_NUM_THREADS")
     if tp > 1 or (threads and int(threads) < len(os.sched_getaffinity(0))):
@@ -343,5 +344,4 @@ def _cpu_setup(model_path, tp: int, max_num_seqs: int, max_model_len: int | None
         )
     kv_heads = max(1, hf.get("num_key_value_heads", hf["num_attention_heads"]) // tp)
     per_token = 2 * hf["num_hidden_layers"] * kv_heads * head_dim * 4  # K and V, fp32 at most
-    tokens = max_num_seqs * (max_model_len or hf.get("max_position_embeddings", 4096))
-    return int(min(max(per_token * tokens, 64 << 20), 4 << 30))
+    return cpu_kv_cache_bytes(per_token, max_num_seqs * (max_model_len or hf.get("max_position_embeddings", 4096)))
