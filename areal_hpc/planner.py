@@ -84,20 +84,20 @@ class CostModel:
     """Engine memory outside weights and KV cache: activations, CUDA graphs (assumed)."""
     train_memory_fraction: float = 0.9
     """Share of GPU memory the trainer may fill (the rest is fragmentation and NCCL buffers)."""
-    activation_bytes_none: float = 16.5
+    activation_bytes_none: float = 19.1
     """Activation bytes per token, per layer, per unit of hidden size, per byte of the dtype, with
-    `ppo.recompute` none or selective (66 in fp32, 33 in bf16: Korthikanti et al. 2022 count 34). Measured
-    by tools/bench_trainer.py on its CPU model in fp32: 264 KB more per token at 1,024 tokens than at 512,
-    over 8 layers of hidden 512. Selective recomputes the core attention, which keeps no attention matrix
-    here (SDPA): it saves nothing, on the CPU and on an H100 alike."""
-    activation_bytes_full: float = 3.2
-    """The same with `ppo.recompute` full: each layer's input (1 per byte of the dtype) plus one layer's
-    recomputed activations while its backward runs. Measured on one H100 80GB: 8.4 GiB above the weights
-    and optimizer for a 32,768-token micro-batch of the Qwen2.5-1.5B shape in bf16 (6.4 per layer and
-    hidden unit); the CPU model gives 3.1 (16 KB per token of layer inputs plus one layer of 66)."""
-    logprob_transient_bytes: float = 192 * 2**20
-    """The token logprobs' largest temporaries: a chunk's fp32 logits, their softmax and their gradient
-    (areal_hpc.trainer.model.LOGPROB_CHUNK_BYTES, 64 MiB, each)."""
+    `ppo.recompute` none or selective (76 in fp32, 38 in bf16; Korthikanti et al. 2022 count 34).
+    Measured by tools/bench_trainer.py on its CPU model in fp32: 1.64 GiB for a 4,096-token micro-batch
+    over 8 layers of hidden 512, less the transients below. Selective recomputes the core attention,
+    which keeps no attention matrix here (SDPA): it saves nothing, on the CPU and on an H100 alike."""
+    activation_bytes_full: float = 3.4
+    """The same with `ppo.recompute` full: each layer's input (1 per byte of the dtype: 16 KB more per
+    token at 1,024 tokens than at 512 on the CPU model) plus one layer's recomputed activations while its
+    backward runs (19.1 / 8 layers there). One H100 80GB measured 3.2 (issue 21: 8.4 GiB above the weights
+    and optimizer for a 32,768-token micro-batch of the Qwen2.5-1.5B shape in bf16)."""
+    logprob_transient_bytes: float = 128 * 2**20
+    """The token logprobs' temporaries beside the embedding's gradient: chunks of fp32 logits and their
+    gradient (areal_hpc.trainer.model.LOGPROB_CHUNK_BYTES, 64 MiB each); 84 MiB measured on the CPU."""
     weight_sync_fixed_s: float = 1.0
     """Fixed cost of a weight update on a generator: pause, load, clear prefix cache, resume (assumed)."""
 
@@ -387,7 +387,7 @@ def train_memory_parts(m: ModelSize, tp: int, pp: int, dp: int, cfg: Config, cos
     states = m.params / (tp * pp) * (m.dtype_bytes + 4 + (master + 8) / dp)
     per = cost.activation_bytes_full if cfg.ppo.recompute == "full" else cost.activation_bytes_none
     activations = cfg.ppo.max_tokens_per_mb / tp * m.layers * m.hidden * m.dtype_bytes * per
-    chunks = min(cost.logprob_transient_bytes, 3 * cfg.ppo.max_tokens_per_mb * m.vocab / tp * 4)  # short batches
+    chunks = min(cost.logprob_transient_bytes, 2 * cfg.ppo.max_tokens_per_mb * m.vocab / tp * 4)  # short batches
     transients = m.vocab / tp * m.hidden * m.dtype_bytes + chunks
     return {"states": states, "activations": activations, "transients": transients}
 

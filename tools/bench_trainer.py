@@ -9,8 +9,9 @@ Settings (one process each, so that each one's peak is its own): areal-hpc's PPO
 `ppo.recompute` none, selective and full, exact prox (a no-grad pass first); transformers' model
 (SDPA attention; bf16 autocast on a GPU), AdamW (fused on a GPU), the same decoupled PPO loss, with and
 without gradient checkpointing. For each: the activation memory (the peak above the weights, gradients
-and Adam state: max allocated on a GPU, the resident high-water mark on the CPU, reset after the
-optimizer state exists) and trained tokens per second (steps after the first).
+and Adam state: max allocated on a GPU, the resident high-water mark on the CPU, reset before each
+step; the last step's) and trained tokens per second (steps after the first). By default a step is
+2 sequences of 2,048 tokens on the CPU (16 on a GPU), trained as one micro-batch.
 
 Models: `cpu` (the default without a GPU): hidden 512, 8 layers, 8 heads / 2 KV heads, intermediate
 1,408, tied embeddings, Qwen's vocabulary of 151,936 (about 100M parameters, 78M of them the
@@ -95,6 +96,22 @@ def _memory_peak(device: str) -> int:
     return _proc_status("VmHWM")
 
 
+def _measure(step, steps: int, device: str) -> dict:
+    """Run `step` `steps` times: the activation memory of the last one (its peak above what was in use
+    before it: a first step's one-time allocations, kept for the run, are not a step's) and the fastest
+    step time after the first."""
+    times = []
+    for _ in range(steps):
+        base = _memory_reset(device)
+        t0 = time.perf_counter()
+        step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        peak = _memory_peak(device)
+    return {"activation_bytes": peak - base, "step_s": min(times[1:] or times), "base_bytes": base}
+
+
 def _proc_status(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -136,17 +153,7 @@ def _areal_rank(par, model_dir, batch, dtype, recompute, prox_pass, steps, threa
     device = par.device.type
     engine = Engine(model_dir, par, PPOConfig(lr=1e-6, recompute=recompute), getattr(torch, dtype))
     engine.init_optimizer_state()  # Adam's moments now, so that the baseline holds them
-    base = _memory_reset(device)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        ppo_step(engine, batch, StepConfig(prox_pass_always=prox_pass))
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        if len(times) == 1:
-            peak = _memory_peak(device)
-    return {"activation_bytes": peak - base, "step_s": min(times[1:] or times), "base_bytes": base}
+    return _measure(lambda: ppo_step(engine, batch, StepConfig(prox_pass_always=prox_pass)), steps, device)
 
 
 # --- transformers + PyTorch -------------------------------------------------------------------------
@@ -200,17 +207,7 @@ def _transformers_proc(model_dir, batch, dtype, checkpointing, steps, threads, d
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    base = _memory_reset(device)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        if len(times) == 1:
-            peak = _memory_peak(device)
-    torch.save({"activation_bytes": peak - base, "step_s": min(times[1:] or times), "base_bytes": base}, out)
+    torch.save(_measure(step, steps, device), out)
 
 
 def _run_transformers(model_dir, batch, dtype, checkpointing, steps, threads, device):
@@ -404,10 +401,10 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, help="sequences per step (default: 2 on the CPU, 16 on a GPU)")
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument(
-        "--mb-tokens", type=int, help="tokens per micro-batch (default: one sequence on the CPU, all on a GPU)"
+        "--mb-tokens", type=int, help="tokens per micro-batch (default: all of the step's, one micro-batch)"
     )
     ap.add_argument(
-        "--steps", type=int, default=2, help="steps per setting; the first is the memory one, the rest timed"
+        "--steps", type=int, default=2, help="steps per setting: memory from the last, time from all but the first"
     )
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads per process")
     ap.add_argument("--bucket-mb", type=int, default=64)
@@ -416,7 +413,7 @@ def main() -> None:
     gpu = device == "cuda"
     args.model = args.model or ("qwen2.5-1.5b" if gpu else "cpu")
     args.seqs = args.seqs or (16 if gpu else 2)
-    args.mb_tokens = args.mb_tokens or (args.seqs * args.seq_len if gpu else args.seq_len)
+    args.mb_tokens = args.mb_tokens or args.seqs * args.seq_len
     if args.only in (None, "packing"):
         bench_packing(args)
     if args.only in (None, "export"):
