@@ -207,7 +207,15 @@ class PPOConfig:
     adv_norm: str = "group"
     """Advantage normalisation: group (GRPO), mean (centre only) or batch (normalise over the batch)."""
     lr: float = 2e-5
-    """Adam learning rate."""
+    """Adam learning rate (the peak of the schedule below)."""
+    lr_warmup_steps: int = 0
+    """Training steps of linear learning-rate warmup from 0 to `lr` (0: none)."""
+    lr_decay: str = "constant"
+    """After the warmup: constant, linear or cosine decay from `lr` to `min_lr` at train.total_steps
+    (Megatron's OptimizerParamScheduler; the rate is a function of the step, so a resumed run goes on
+    where it stopped)."""
+    min_lr: float = 0.0
+    """The learning rate linear and cosine decay reach at train.total_steps."""
     weight_decay: float = 0.05
     """Adam weight decay."""
     adam_beta1: float = 0.9
@@ -492,6 +500,16 @@ def validate(cfg: Config) -> None:
         p.recompute in ("none", "selective", "full"),
         f"ppo.recompute must be none, selective or full (got '{p.recompute}')",
     )
+    need(
+        p.lr_decay in ("constant", "linear", "cosine"),
+        f"ppo.lr_decay must be constant, linear or cosine (got '{p.lr_decay}')",
+    )
+    need(
+        0 <= p.lr_warmup_steps < cfg.train.total_steps,
+        f"ppo.lr_warmup_steps ({p.lr_warmup_steps}) must be at least 0 and below train.total_steps "
+        f"({cfg.train.total_steps})",
+    )
+    need(0 <= p.min_lr <= p.lr, f"ppo.min_lr ({p.min_lr}) must be between 0 and ppo.lr ({p.lr})")
     for name, value in [
         ("model.hidden_size", m.hidden_size),
         ("model.num_layers", m.num_layers),

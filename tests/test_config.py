@@ -1,5 +1,6 @@
 """Config loading: every kind of user error gets a clear message (and exit code 2 from the CLI)."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -105,3 +106,13 @@ def test_qwen32b_plan_adds_up_to_16_nodes_of_8_gpus():
     assert layout.generators * layout.gen_tp + layout.trainers == 16 * 8
     assert layout.train_tp * layout.train_pp * layout.train_dp == layout.trainers
     assert layout.gen_nodes == 6  # gen_share auto: the planner's split (12 engines of TP 4, training-bound)
+
+
+def test_learning_rate_schedule_is_validated():
+    for bad, says in [
+        ("ppo.lr_decay=step", "ppo.lr_decay must be constant, linear or cosine"),
+        ("ppo.lr_warmup_steps=10000", "ppo.lr_warmup_steps (10000) must be at least 0 and below train.total_steps"),
+        ("ppo.min_lr=1", "ppo.min_lr (1.0) must be between 0 and ppo.lr"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            load_config(None, [bad])

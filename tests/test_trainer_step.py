@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from areal_hpc.config import PPOConfig
 from areal_hpc.protocol import TrainBatch
 from areal_hpc.tiny import build_tiny_model
 from areal_hpc.trainer.checks import MODEL, random_batch, shard
@@ -146,3 +147,28 @@ def test_packed_sequence_gets_its_logprobs_alone(reference):
     got = reference["logprobs"]
     mask = got["mask"]
     assert (got["packed"][mask] - got["alone"][mask]).abs().max().item() <= 1e-5
+
+
+def test_learning_rate_schedule_is_megatrons_by_step(model_dir):
+    """ppo.lr_warmup_steps and ppo.lr_decay through Megatron's OptimizerParamScheduler: linear warmup
+    from 0, then cosine to min_lr at the last step; a function of the step alone (a resumed run goes on
+    where it was), and the rate Adam steps with."""
+    warm = PPOConfig(lr=1e-3, lr_warmup_steps=4, lr_decay="cosine", min_lr=1e-4)
+    rates, constant = run_ranks(_schedule_rank, 1, 1, 1, model_dir, [warm, PPOConfig(lr=1e-3)], 20)[0]
+    assert rates[:4] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])  # steps 1..4 warm up from 0
+    assert all(a > b for a, b in zip(rates[3:], rates[4:]))  # then decay
+    assert rates[-1] == pytest.approx(1e-4)  # to min_lr at train.total_steps
+    assert constant == [1e-3] * 20
+
+
+def _schedule_rank(par, model_dir, settings, total):
+    from areal_hpc.trainer.engine import Engine
+
+    out = []
+    for ppo in settings:
+        engine = Engine(model_dir, par, ppo, total_steps=total)
+        rates = {v: engine.set_step(v) for v in reversed(range(total))}  # any order: the step decides
+        engine.set_step(2)
+        assert {g["lr"] for g in engine.adam.param_groups} == {rates[2]}  # what Adam steps with
+        out.append([rates[v] for v in range(total)])
+    return out

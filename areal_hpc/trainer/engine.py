@@ -120,12 +120,21 @@ class NonFiniteError(RuntimeError):
 class Engine:
     """This rank's model stage (in Megatron's DDP), its optimizer, and the forward/backward schedule."""
 
-    def __init__(self, model_dir: str | Path, par: Parallel, ppo: PPOConfig, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        par: Parallel,
+        ppo: PPOConfig,
+        dtype: torch.dtype = torch.float32,
+        total_steps: int = 1,
+    ):
         """The stage of the model in `model_dir` for this rank; `ppo` (the config section) gives Adam's
-        settings, the recompute setting and sequence parallelism."""
+        settings and learning-rate schedule (over `total_steps` training steps), the recompute setting
+        and sequence parallelism."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
         from megatron.core.transformer.module import Float16Module
         from megatron.core.utils import unwrap_model
 
@@ -158,7 +167,7 @@ class Engine:
             OptimizerConfig(
                 optimizer="adam",
                 lr=ppo.lr,
-                min_lr=ppo.lr,
+                min_lr=ppo.min_lr,
                 weight_decay=ppo.weight_decay,
                 adam_beta1=ppo.adam_beta1,
                 adam_beta2=ppo.adam_beta2,
@@ -175,6 +184,20 @@ class Engine:
         # implementation allocates temporaries as large as the parameters (gigabytes for a 1.5B model).
         for group in self.adam.param_groups:
             group["fused"], group["foreach"] = True, False
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0,
+            max_lr=ppo.lr,
+            min_lr=ppo.min_lr,
+            lr_warmup_steps=ppo.lr_warmup_steps,
+            lr_decay_steps=max(total_steps, ppo.lr_warmup_steps + 1),
+            lr_decay_style=ppo.lr_decay,
+            start_wd=ppo.weight_decay,
+            end_wd=ppo.weight_decay,
+            wd_incr_steps=1,
+            wd_incr_style="constant",
+        )
+        """Megatron's learning-rate schedule, set from the training step (`set_step`)."""
         self.config.no_sync_func = self.model.no_sync
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.grad_scale_func = self.optimizer.scale_loss if dtype == torch.float16 else None
@@ -219,6 +242,15 @@ class Engine:
             micro_batch_size=1,
             forward_only=forward_only,
         )
+
+    def set_step(self, version: int) -> float:
+        """Set the learning rate of training step `version + 1` (the one that trains version `version`);
+        returns it. A function of the step alone: a resumed run takes up the schedule where it was."""
+        from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
+
+        self.scheduler.num_steps = 0
+        self.scheduler.step(version + 1)
+        return float(get_canonical_lr_for_logging(self.optimizer.param_groups))
 
     def optimizer_step(self, what: str) -> float:
         """Clip the gradients and step; returns the gradient norm before clipping.

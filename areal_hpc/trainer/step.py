@@ -223,6 +223,7 @@ def ppo_step(engine, batch, cfg: StepConfig) -> dict[str, float]:
     engine's device) and the gradient norm: a non-finite one stops the run, weights untouched.
     """
     version = int(batch.version)
+    lr = engine.set_step(version)
     multiple = engine.par.tp if engine.config.sequence_parallel else 1
     minibatches = [
         [make_microbatch(batch, ids, cfg.padded, engine.device, multiple) for ids in mb] for mb in batch.microbatches
@@ -264,4 +265,5 @@ def ppo_step(engine, batch, cfg: StepConfig) -> dict[str, float]:
         "ppo/logp_mismatch": s["mismatch_sum"] / max(s["mismatch_n"], 1.0),
         "ppo/logp_mismatch_tokens": s["mismatch_n"],  # 0: no token of the current version in the batch
         "ppo/tokens": s["n"],
+        "ppo/lr": lr,
     }

@@ -60,7 +60,7 @@ def build_engine(ctx) -> Engine:
         ctx.device,
         cfg.train.collective_timeout_s,
     )
-    engine = Engine(ctx.model_path, par, cfg.ppo, getattr(torch, cfg.model.dtype))
+    engine = Engine(ctx.model_path, par, cfg.ppo, getattr(torch, cfg.model.dtype), cfg.train.total_steps)
     if ctx.resume_from is not None:
         checkpoint.load(engine, Path(ctx.resume_from) / "trainer")
         log.info("trainer rank %d resumed from %s", par.rank, ctx.resume_from)
