@@ -1,8 +1,8 @@
 """The run configuration: OmegaConf over dataclasses, one small dataclass per section.
 
 Each field is documented once, by the string literal directly under it; `field_docs` reads those
-strings, and `areal-hpc CMD --help-config` and docs/config.md show them. Any field can be overridden
-on the command line as `section.field=value`.
+strings, and `areal-hpc --config-help` shows them (with the values of the fields in `CHOICES`). Any
+field can be overridden on the command line as `section.field=value`.
 
 Errors a user can make (unknown keys, wrong types, rules across fields) raise `ConfigError` with a
 message that names the key and says what to do; the CLI prints it and exits with code 2.
@@ -659,7 +659,7 @@ def field_docs(cls) -> dict[str, str]:
 
 
 def describe_config() -> str:
-    """Every section and field with its default and documentation (for --help-config and docs)."""
+    """Every section and field with its default and documentation (`areal-hpc --config-help`)."""
     lines = []
     defaults = Config()
     for section in dataclasses.fields(Config):

@@ -28,7 +28,7 @@ controller's Stop. Slurm sends a preemption's SIGTERM to every task at once: a r
 would end the step before the controller could checkpoint.
 
 mpi4py is imported inside functions only: a generator rank's vLLM must not see MPI initialised at
-import time (CONTEXT.md).
+import time.
 """
 
 from __future__ import annotations

@@ -59,8 +59,6 @@ def mpirun_command(layout: Layout, run_dir: Path, python: str = sys.executable) 
         cmd += [
             "-n",
             str(n),
-            "-x",
-            f"AREAL_ROLE={role.name.lower()}",
             python,
             "-u",
             "-m",
