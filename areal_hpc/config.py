@@ -1,8 +1,8 @@
 """The run configuration: OmegaConf over dataclasses, one small dataclass per section.
 
 Each field is documented once, by the string literal directly under it; `field_docs` reads those
-strings, and `areal-hpc CMD --help-config` and docs/config.md show them. Any field can be overridden
-on the command line as `section.field=value`.
+strings, and `areal-hpc --config-help` shows them (with the values of the fields in `CHOICES`). Any
+field can be overridden on the command line as `section.field=value`.
 
 Errors a user can make (unknown keys, wrong types, rules across fields) raise `ConfigError` with a
 message that names the key and says what to do; the CLI prints it and exits with code 2.
@@ -195,6 +195,16 @@ class RolloutConfig:
     `rollout/filtered`."""
 
 
+ADV_NORMS = ("group", "mean", "batch")
+"""The values of `ppo.adv_norm` (algo/advantages.py gives each one's formula)."""
+PROX_LOGPS = ("recompute", "loglinear")
+"""The values of `ppo.prox_logp` (trainer/step.py)."""
+RECOMPUTES = ("none", "selective", "full")
+"""The values of `ppo.recompute` (trainer/model.py maps each to Megatron's settings)."""
+LR_DECAYS = ("constant", "linear", "cosine")
+"""The values of `ppo.lr_decay` (Megatron's OptimizerParamScheduler styles of those names)."""
+
+
 @dataclass
 class PPOConfig:
     eps_clip: float = 0.2
@@ -272,6 +282,10 @@ class TrainConfig:
     startup_timeout_s: float = 600.0
     """How long a rank may take to start (loading the model, compiling the engine) before its first
     answer to the controller; past it the rank is taken as hung."""
+
+
+REWARD_KINDS = ("math", "code")
+"""The values of `reward.kind` (areal_hpc.reward.score dispatches on them)."""
 
 
 @dataclass
@@ -464,6 +478,11 @@ def _check_key_path(parts: list[str], cls, where: str) -> None:
     raise ConfigError(f"{where}: '{'.'.join(parts)}' is a section; override one of its fields")
 
 
+def _one_of(options: tuple[str, ...]) -> str:
+    """("a", "b", "c") -> "a, b or c", for error messages."""
+    return f"{', '.join(options[:-1])} or {options[-1]}" if len(options) > 1 else options[0]
+
+
 def _omegaconf_message(e: OmegaConfBaseException) -> str:
     key = getattr(e, "full_key", None) or ""
     msg = str(e).splitlines()[0]
@@ -473,6 +492,17 @@ def _omegaconf_message(e: OmegaConfBaseException) -> str:
 
 
 # --- validation --------------------------------------------------------------------------------
+
+
+CHOICES = {
+    "cluster.device": DEVICES,
+    "reward.kind": REWARD_KINDS,
+    "ppo.adv_norm": ADV_NORMS,
+    "ppo.prox_logp": PROX_LOGPS,
+    "ppo.recompute": RECOMPUTES,
+    "ppo.lr_decay": LR_DECAYS,
+}
+"""Fields with a fixed set of values: `validate` refuses any other, `describe_config` lists them."""
 
 
 def validate(cfg: Config) -> None:
@@ -487,23 +517,12 @@ def validate(cfg: Config) -> None:
         m.dtype in ("float32", "bfloat16", "float16"),
         f"model.dtype must be float32, bfloat16 or float16 (got '{m.dtype}')",
     )
-    need(c.device in DEVICES, f"cluster.device must be {', '.join(DEVICES)} (got '{c.device}')")
-    need(cfg.reward.kind in ("math", "code"), f"reward.kind must be math or code (got '{cfg.reward.kind}')")
+    for key, options in CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        need(value in options, f"{key} must be {_one_of(options)} (got '{value}')")
     need(cfg.reward.timeout_s > 0, f"reward.timeout_s must be > 0 (got {cfg.reward.timeout_s})")
     need(cfg.reward.processes >= 0, f"reward.processes must be >= 0 (got {cfg.reward.processes}); 0 is one per core")
-    need(p.adv_norm in ("group", "mean", "batch"), f"ppo.adv_norm must be group, mean or batch (got '{p.adv_norm}')")
-    need(
-        p.prox_logp in ("recompute", "loglinear"),
-        f"ppo.prox_logp must be recompute or loglinear (got '{p.prox_logp}')",
-    )
-    need(
-        p.recompute in ("none", "selective", "full"),
-        f"ppo.recompute must be none, selective or full (got '{p.recompute}')",
-    )
-    need(
-        p.lr_decay in ("constant", "linear", "cosine"),
-        f"ppo.lr_decay must be constant, linear or cosine (got '{p.lr_decay}')",
-    )
     need(
         0 <= p.lr_warmup_steps < cfg.train.total_steps,
         f"ppo.lr_warmup_steps ({p.lr_warmup_steps}) must be at least 0 and below train.total_steps "
@@ -657,7 +676,7 @@ def field_docs(cls) -> dict[str, str]:
 
 
 def describe_config() -> str:
-    """Every section and field with its default and documentation (for --help-config and docs)."""
+    """Every section and field with its default and documentation (`areal-hpc --config-help`)."""
     lines = []
     defaults = Config()
     for section in dataclasses.fields(Config):
@@ -667,10 +686,25 @@ def describe_config() -> str:
         for f in dataclasses.fields(cls):
             value = getattr(getattr(defaults, section.name), f.name)
             lines.append(f"  {f.name} = {value!r}")
-            lines.append(
-                textwrap.fill(docs.get(f.name, ""), width=96, initial_indent="      ", subsequent_indent="      ")
-            )
+            doc = docs.get(f.name, "")
+            if f"{section.name}.{f.name}" in CHOICES:
+                doc += f" One of: {', '.join(CHOICES[f'{section.name}.{f.name}'])}."
+            lines.append(textwrap.fill(doc, width=96, initial_indent="      ", subsequent_indent="      "))
     return "\n".join(lines)
 
 
-__all__ = ["Config", "ConfigError", "describe_config", "field_docs", "load_config", "save_config", "validate"]
+__all__ = [
+    "ADV_NORMS",
+    "CHOICES",
+    "LR_DECAYS",
+    "PROX_LOGPS",
+    "RECOMPUTES",
+    "REWARD_KINDS",
+    "Config",
+    "ConfigError",
+    "describe_config",
+    "field_docs",
+    "load_config",
+    "save_config",
+    "validate",
+]

@@ -61,6 +61,7 @@ from areal_hpc.batch import BatchInfo, build_train_batches
 from areal_hpc.buffer import Group, Rollouts
 from areal_hpc.checkpoints import Checkpoints, drop_rows_after, read_state
 from areal_hpc.eval import TrainingEval
+from areal_hpc.exit_codes import EXIT_DONE, EXIT_STOPPED
 from areal_hpc.layout import Role
 from areal_hpc.liveness import SYNC, Liveness, RankFailure
 from areal_hpc.metrics import IdleClock, MetricsWriter
@@ -84,11 +85,6 @@ from areal_hpc.timeline import Timeline
 
 log = logging.getLogger("areal_hpc.controller")
 
-EXIT_DONE = 0
-EXIT_STOPPED = 75
-"""Exit code after a stop request (SIGUSR2, SIGTERM, SIGINT, or the launcher's STOP file), once the
-checkpoint is saved or when there is no time for one: "resume me" (EX_TEMPFAIL; launch/sbatch.py
-requeues on it)."""
 IDLE_S = 0.002
 FILTERED_WARN_STEPS = 10
 """With rollout.filter_uniform_groups, the log warns each time this many steps' worth of groups

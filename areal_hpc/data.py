@@ -33,11 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
-from areal_hpc.config import Config, ConfigError
+from areal_hpc.config import REWARD_KINDS, Config, ConfigError
 
 log = logging.getLogger(__name__)
 
-KINDS = ("math", "code")
 NAMED_SKIPS = 5
 """How many skipped rows the log names."""
 
@@ -169,8 +168,8 @@ def _dataset_dir_rows(path: Path, setting: str) -> Iterator[tuple[str, object]]:
 
 def load_dataset(path: str | Path, kind: str, setting: str = "data.train_path") -> list[Example]:
     """Every row of the data set as an Example, validated; ConfigError on the first bad row."""
-    if kind not in KINDS:
-        raise ConfigError(f"data kind must be one of {', '.join(KINDS)} (got '{kind}')")
+    if kind not in REWARD_KINDS:
+        raise ConfigError(f"data kind must be one of {', '.join(REWARD_KINDS)} (got '{kind}')")
     examples = []
     for where, raw in read_rows(path, setting):
         prompt, target = _check_row(raw, where, kind)

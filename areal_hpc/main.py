@@ -23,12 +23,12 @@ that Slurm started it where the layout says (node and task slot), so that no two
 the same GPU. A rank without GPUs sees none.
 
 Signals: only the controller acts on SIGUSR2, SIGTERM and SIGINT (checkpoint, then Stop to everyone,
-exit code 75); the other ranks ignore all three and wait for the controller's Stop. Slurm sends a
-preemption's SIGTERM to every task at once: a rank that died of it would end the step before the
-controller could checkpoint.
+exit code EXIT_STOPPED of areal_hpc.exit_codes); the other ranks ignore all three and wait for the
+controller's Stop. Slurm sends a preemption's SIGTERM to every task at once: a rank that died of it
+would end the step before the controller could checkpoint.
 
 mpi4py is imported inside functions only: a generator rank's vLLM must not see MPI initialised at
-import time (CONTEXT.md).
+import time.
 """
 
 from __future__ import annotations

@@ -6,14 +6,14 @@
                every rank: python -m areal_hpc.main RUN_DIR (pins generator/trainer ranks to cores)
              while it runs: a progress line per metrics.jsonl row; mpirun's own lines, the dead
              rank named by its role
-             Ctrl-C:  STOP file + SIGUSR2 -> the controller checkpoints, stops every rank, exits 75;
-                      a second Ctrl-C ends the job at once
+             Ctrl-C:  STOP file + SIGUSR2 -> the controller checkpoints, stops every rank, exits
+                      EXIT_STOPPED (75); a second Ctrl-C ends the job at once
              after:   nothing left running (every process carrying this launch's token is ended)
 ```
 
 Exit codes: 0 the run finished; 130 stopped by Ctrl-C after a checkpoint (run the same command again
-to resume); 75 stopped by a signal to the controller after a checkpoint; 1 a rank failed (the
-message names it).
+to resume); 75 (areal_hpc.exit_codes.EXIT_STOPPED) stopped by a signal to the controller after a
+checkpoint; 1 a rank failed (the message names it).
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ from pathlib import Path
 from areal_hpc import planner
 from areal_hpc.config import Config
 from areal_hpc.device import visible_gpus
+from areal_hpc.exit_codes import EXIT_STOPPED
 from areal_hpc.layout import Layout, Role
 from areal_hpc.metrics import progress_line
 from areal_hpc.rundir import STOP_FILE, Holder, latest_checkpoint, lock_run_dir, prepare_run_dir, unlock_run_dir
 from launch.record import job_active
 
-EXIT_STOPPED = 75  # the controller's code after a checkpoint on a stop request (areal_hpc.controller)
 TOKEN_ENV = "AREAL_RUN_TOKEN"
 """Every process of one launch carries this variable (value unique to the launch): how the launcher
 finds what is left after mpirun exits, without touching anything it did not start."""
@@ -59,8 +59,6 @@ def mpirun_command(layout: Layout, run_dir: Path, python: str = sys.executable) 
         cmd += [
             "-n",
             str(n),
-            "-x",
-            f"AREAL_ROLE={role.name.lower()}",
             python,
             "-u",
             "-m",
@@ -135,7 +133,7 @@ def _run(cfg: Config, fresh: bool) -> int:
 
     def show(line: str) -> None:
         nonlocal dead_rank
-        if interrupts:  # after a stop request mpirun reports the controller's exit code 75 as an error:
+        if interrupts:  # after a stop request mpirun reports the controller's EXIT_STOPPED as an error:
             held.append(line)  # keep its lines unless the stop turns out not to be clean
             return
         dead_rank = _dead_rank(line, dead_rank)

@@ -27,12 +27,10 @@ from pathlib import Path
 
 from areal_hpc.config import Config
 from areal_hpc.controller import STOP_REASON_ENV
+from areal_hpc.exit_codes import EXIT_STOPPED
 from areal_hpc.layout import Layout
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "slurm_templates" / "hetjob.sbatch"
-
-REQUEUE_EXIT_CODE = 75
-"""Exit code of the controller after it saved a checkpoint on SIGUSR2/SIGTERM: "requeue me" (EX_TEMPFAIL)."""
 
 
 def render_sbatch(
@@ -123,7 +121,7 @@ def render_sbatch(
         "run_dir": shlex.quote(str(run_dir)),
         "env": "\n".join(env_lines) if env_lines else "# (cluster.env: none)",
         "signal_s": str(c.requeue_signal_s),
-        "requeue_exit_code": str(REQUEUE_EXIT_CODE),
+        "requeue_exit_code": str(EXIT_STOPPED),
         "stop_reason_env": STOP_REASON_ENV,
         "max_requeues": str(c.max_requeues),
         "srun_args": " ".join(shlex.quote(a) for a in srun),
@@ -171,4 +169,4 @@ def _quote_opt(opt: str) -> str:
     return f"{key}={shlex.quote(value)}" if sep else opt
 
 
-__all__ = ["REQUEUE_EXIT_CODE", "TEMPLATE", "render_sbatch", "tasks_text"]
+__all__ = ["TEMPLATE", "render_sbatch", "tasks_text"]

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "configs" / "tiny-cpu.yaml"
 
 
 def mpirun_cmd(n: int) -> list[str]:

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from areal_hpc.config import load_config
-from tests.test_config import REPO
+from tests.conftest import REPO
 
 COMMANDS = ["run", "submit", "render", "status", "cancel", "plan"]
 

@@ -3,16 +3,14 @@
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from areal_hpc.config import Config, ConfigError, describe_config, field_docs, load_config, save_config
 from areal_hpc.layout import Layout
+from tests.conftest import REPO, TINY
 
-REPO = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
-TINY = REPO / "configs" / "tiny-cpu.yaml"
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)

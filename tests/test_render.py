@@ -17,10 +17,11 @@ import pytest
 
 from areal_hpc.cli import main as cli_main
 from areal_hpc.config import ConfigError, load_config
+from areal_hpc.exit_codes import EXIT_STOPPED
 from areal_hpc.layout import Layout
 from launch import LaunchError, get_launcher
 from launch.record import JobRecord, parse_squeue, status
-from launch.sbatch import REQUEUE_EXIT_CODE, fill, render_sbatch
+from launch.sbatch import fill, render_sbatch
 from launch.slurm import Partition, check_cluster, describe_request, parse_sinfo
 
 REPO = Path(__file__).resolve().parent.parent
@@ -136,7 +137,7 @@ def test_cluster_settings_reach_the_script():
     assert "export MY_VAR='a b'" in text and "export NCCL_DEBUG=WARN" in text
     step = srun_step(text)
     assert "--container-image=nvcr.io/nvidia/pytorch:24.05" in step and "--cpu-bind=none" in step
-    assert f'if [ "$rc" -eq {REQUEUE_EXIT_CODE} ]' in text
+    assert f'if [ "$rc" -eq {EXIT_STOPPED} ]' in text
 
 
 def test_controller_component_resources_and_reward_nodes():
@@ -186,9 +187,9 @@ def test_stand_in_command_is_quoted():
 
 
 def test_requeue_exit_code_is_the_controllers():
-    from areal_hpc.controller import EXIT_STOPPED, STOP_REASON_ENV
+    from areal_hpc.controller import STOP_REASON_ENV
 
-    assert REQUEUE_EXIT_CODE == EXIT_STOPPED
+    assert f'if [ "$rc" -eq {EXIT_STOPPED} ]' in render(["cluster.nodes=3"])  # requeued on the controller's code
     # the script learns of a preemption (SIGTERM to the tasks only) from the controller's stop reason
     text = render(["cluster.nodes=3"])
     assert f"export {STOP_REASON_ENV}=$log_dir/stop_reason" in text
@@ -246,7 +247,7 @@ def test_status_reads_the_record_when_slurm_forgot_the_job(tmp_path, monkeypatch
     )
     events = [
         {"job_id": "41", "attempt": 0, "event": "start", "log_dir": "L0"},
-        {"job_id": "41", "attempt": 0, "event": "end", "exit_code": 75},
+        {"job_id": "41", "attempt": 0, "event": "end", "exit_code": EXIT_STOPPED},
         {"job_id": "41", "attempt": 0, "event": "requeue"},
         {"job_id": "41", "attempt": 1, "event": "start", "log_dir": "L1"},
         {"job_id": "41", "attempt": 1, "event": "end", "exit_code": 0},
@@ -296,11 +297,11 @@ def test_status_says_when_the_requeue_limit_stopped_the_run(tmp_path, monkeypatc
     JobRecord("7", "2026-01-01T00:00:00Z", "s.sh", str(tmp_path), ["controller", "generator", "trainer"]).save(tmp_path)
     events = [
         {"job_id": "7", "attempt": 0, "event": "start"},
-        {"job_id": "7", "attempt": 0, "event": "end", "exit_code": 75, "stop_signal": "USR2"},
+        {"job_id": "7", "attempt": 0, "event": "end", "exit_code": EXIT_STOPPED, "stop_signal": "USR2"},
     ]
     (tmp_path / "slurm" / "attempts.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     text = status(tmp_path)
-    assert "job 7: FAILED (exit code 75)" in text and "after the last allowed requeue" in text
+    assert f"job 7: FAILED (exit code {EXIT_STOPPED})" in text and "after the last allowed requeue" in text
 
 
 def test_submit_without_slurm_says_so(tmp_path, monkeypatch, capsys):

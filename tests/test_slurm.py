@@ -20,6 +20,7 @@ import pytest
 
 from areal_hpc.cli import main as cli_main
 from areal_hpc.config import load_config
+from areal_hpc.exit_codes import EXIT_STOPPED
 from launch.record import ACTIVE, JobRecord, query_states
 from launch.slurm import HetSlurmJob, SlurmLauncher
 
@@ -40,8 +41,10 @@ with open(os.path.join(sys.argv[1], f"rank{world.Get_rank()}.json"), "w") as f:
 """
 
 # Stand-in for the controller's checkpoint/resume: rank 0 counts steps, checkpoints the count after each
-# step, and on SIGUSR2 saves it and exits with the "requeue me" code 75 (the others follow its decision).
-COUNTER = """
+# step, and on SIGUSR2 saves it and exits with the "requeue me" code EXIT_STOPPED (the others follow its decision).
+COUNTER = (
+    f"EXIT_STOPPED = {EXIT_STOPPED}\n"
+    + """
 import json, os, signal, sys, time
 from pathlib import Path
 from mpi4py import MPI
@@ -58,7 +61,7 @@ step = world.bcast(json.loads(ckpt.read_text())["step"] if ckpt.exists() else 0)
 attempt = int(os.environ.get("SLURM_RESTART_COUNT", 0))
 while step < total:
     if world.bcast(stop):
-        sys.exit(75 if world.Get_rank() == 0 else 0)
+        sys.exit(EXIT_STOPPED if world.Get_rank() == 0 else 0)
     time.sleep(delay)
     step += 1
     world.allreduce(1)
@@ -67,6 +70,7 @@ while step < total:
             f.write(json.dumps({"step": step, "attempt": attempt}) + "\\n")
         ckpt.write_text(json.dumps({"step": step}))
 """
+)
 
 # Rank 0 asks Slurm what each component's part of the step got (job ids of components are consecutive).
 STEP_RESOURCES = """
@@ -296,9 +300,9 @@ def test_requeued_job_resumes_from_its_checkpoint(submit):
     assert first and second and second[0]["step"] == first[-1]["step"] + 1
     events = JobRecord.load(run_dir).attempts()
     assert [(e["attempt"], e["event"]) for e in events] == ONE_REQUEUE
-    end = events[1]  # 75 from the controller; 137 when srun outlived its step and the script ended it
+    end = events[1]  # EXIT_STOPPED from the controller; 137 when srun outlived its step and the script ended it
     assert end["stop_signal"] == "USR2"
-    assert end["exit_code"] == 75 or (end["exit_code"] == 137 and end["srun_ended_by_script"])
+    assert end["exit_code"] == EXIT_STOPPED or (end["exit_code"] == 137 and end["srun_ended_by_script"])
     assert (run_dir / "logs" / f"slurm-{job_id}" / "attempt-1" / "rank0.log").exists()
 
 
@@ -358,14 +362,14 @@ def test_time_limit_signal_checkpoints_and_requeues(submit):
     steps_in = Counter(r["attempt"] for r in rows)
 
     def clean(stop) -> bool:
-        # 75 from the controller; 137 when srun outlived its step and the script ended it (fake cluster);
+        # EXIT_STOPPED from the controller; 137 when srun outlived its step and the script ended it (fake cluster);
         # 143 when the signal came before the program had its handler (Slurm signals within ~30 s of
         # the start): rank 0 died of it, --kill-on-bad-exit ended the others, the recorded signal
         # still requeued the job; so only in an attempt that finished no step. 0: the program had
         # finished when the signal came (the script does not requeue a finished run).
         code = stop["exit_code"]
         return (
-            code in (0, 75)
+            code in (0, EXIT_STOPPED)
             or (code == 137 and stop["srun_ended_by_script"])
             or (code == 143 and not steps_in[stop["attempt"]])
         )

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from areal_hpc.exit_codes import EXIT_STOPPED
 from launch.record import JobRecord
 from tests.test_slurm import (  # noqa: F401 - slurm_cluster is a fixture
     ONE_REQUEUE,
@@ -101,11 +102,11 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(slurm_cluster, root)
         state, events = requeued_run_ends(run_dir, job_id)
     finally:
         subprocess.run(["scancel", job_id], capture_output=True)
-    # the controller checkpointed and exited 75; srun's code is 143 when --kill-on-bad-exit had to end the
+    # the controller checkpointed and exited EXIT_STOPPED; srun's code is 143 when --kill-on-bad-exit had to end the
     # others, 137 when srun outlived its step and the script ended it (seen on the fake cluster)
     end = events[1]
     assert end["stop_signal"] == "USR2" and end["controller_stop"] == "SIGUSR2" and end["preempted"] is False
-    assert end["exit_code"] in (75, 143) or (end["exit_code"] == 137 and end["srun_ended_by_script"])
+    assert end["exit_code"] in (EXIT_STOPPED, 143) or (end["exit_code"] == 137 and end["srun_ended_by_script"])
     assert "checkpoint of version" in (run_dir / "logs" / "controller-0.log").read_text()
     assert state == "COMPLETED"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -136,7 +137,7 @@ def test_preempted_run_requeues_resumes_and_finishes(slurm_cluster, root, tmp_pa
         subprocess.run(["scancel", job_id], capture_output=True)
     end = events[1]
     assert end["preempted"] is True and end["controller_stop"] == "SIGTERM" and events[2]["reason"] == "preempted"
-    assert end["exit_code"] in (75, 143) or (end["exit_code"] == 137 and end["srun_ended_by_script"])
+    assert end["exit_code"] in (EXIT_STOPPED, 143) or (end["exit_code"] == 137 and end["srun_ended_by_script"])
     log = (run_dir / "logs" / "controller-0.log").read_text()
     assert "stop requested (SIGTERM): checkpointing at the end of the running step" in log
     assert "resumed from" in log

@@ -27,7 +27,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from areal_hpc.config import ConfigError
+from areal_hpc.config import REWARD_KINDS, ConfigError
 from areal_hpc.data import load_dataset, read_rows
 from areal_hpc.reward.math import last_boxed
 
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("src", metavar="IN", help="JSONL, JSON list, parquet, or a datasets save_to_disk directory")
     p.add_argument("-o", "--output", required=True, help="the JSONL file to write")
-    p.add_argument("--kind", choices=("math", "code"), required=True, help="reward.kind the rows are for")
+    p.add_argument("--kind", choices=REWARD_KINDS, required=True, help="reward.kind the rows are for")
     p.add_argument("--prompt-field", help=f"the prompt's field (default: the first of {', '.join(PROMPT_FIELDS)})")
     p.add_argument("--target-field", help="the answer's (math) or tests' (code) field (default: found by name)")
     args = p.parse_args(argv)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-ADV_NORMS = ("group", "mean", "batch")
+from areal_hpc.config import ADV_NORMS
 
 
 def group_advantages(rewards, group_size: int, adv_norm: str = "group", eps: float = 1e-6) -> np.ndarray:

@@ -20,16 +20,11 @@ When behav == prox (eta = 0, no interrupted generation) w = 1 and this is standa
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
 from typing import Literal
 
 import torch
 
 Reduction = Literal["mean", "sum"]
-
-# Keys of the stats dict; `merge_stats` combines them across micro-batches.
-_MEAN_STATS = ("clip_frac", "behav_weight_mean", "capped_frac")  # token-weighted means
-_MAX_STATS = ("behav_weight_max",)
 
 
 def decoupled_ppo_loss(
@@ -71,7 +66,7 @@ def decoupled_ppo_loss(
     Stats (detached 0-dim tensors, no host sync; means over the mask tokens of this call):
     `clip_frac` (tokens where the clipped term is the active one, so no gradient flows),
     `behav_weight_mean`, `behav_weight_max` (0 for an empty mask), `capped_frac` (tokens zeroed by
-    the cap), `n_tokens` (|mask|). `merge_stats` combines the stats of several calls.
+    the cap), `n_tokens` (|mask|).
 
     Note: u and w are not clamped; a token whose log-ratio overflows exp gives an infinite loss,
     which is the honest answer (the grad-norm clip or the cap is where such tokens are handled).
@@ -130,25 +125,3 @@ def decoupled_ppo_loss(
             "n_tokens": n_tokens,
         }
     return loss, stats
-
-
-def merge_stats(stats_list: Iterable[Mapping[str, torch.Tensor | float]]) -> dict[str, float]:
-    """Combine the stats of several `decoupled_ppo_loss` calls (micro-batches) into floats.
-
-    Means are weighted by each call's `n_tokens` (so the result equals the stats of one call over
-    all the tokens), maxima take the max, `n_tokens` is summed.
-    """
-    total = 0.0
-    sums = dict.fromkeys(_MEAN_STATS, 0.0)
-    maxima = dict.fromkeys(_MAX_STATS, 0.0)
-    for stats in stats_list:
-        n = float(stats["n_tokens"])
-        total += n
-        for key in _MEAN_STATS:
-            sums[key] += float(stats[key]) * n
-        for key in _MAX_STATS:
-            maxima[key] = max(maxima[key], float(stats[key]))
-    out = {key: (value / total if total else 0.0) for key, value in sums.items()}
-    out.update(maxima)
-    out["n_tokens"] = total
-    return out

@@ -6,8 +6,6 @@ each call through `score` below, under the time limit `reward.timeout_s`.
 
 from __future__ import annotations
 
-KINDS = ("math", "code")
-
 
 def score(kind: str, response: str, target: str, timeout_s: float | None) -> tuple[float, str]:
     """(reward, reason) of one request; `target` is the answer (math) or the tests as JSON (code).
@@ -21,7 +19,9 @@ def score(kind: str, response: str, target: str, timeout_s: float | None) -> tup
         from areal_hpc.reward.code import code_score
 
         return code_score(response, target, timeout_s)
-    return 0.0, f"error: unknown reward kind {kind!r} (expected one of {', '.join(KINDS)})"
+    from areal_hpc.config import REWARD_KINDS  # here only: the scorer processes start without the config
+
+    return 0.0, f"error: unknown reward kind {kind!r} (expected one of {', '.join(REWARD_KINDS)})"
 
 
 def overlong_penalty(length: int, max_new_tokens: int, buffer: int, penalty: float) -> float:

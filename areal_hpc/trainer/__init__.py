@@ -2,7 +2,7 @@
 
 cpu_compat   megatron-core's CUDA-only calls routed to the CPU (only when CUDA is absent)
 model        Qwen2/Qwen3 architecture -> Megatron GPTModel stage; packed rows (block-diagonal mask, positions)
-convert      Hugging Face tensors <-> a rank's Megatron shard; per-stage export stream, buckets
+convert      Hugging Face tensors <-> a rank's Megatron shard; per-stage export stream
 engine       torch.distributed + parallel state, DDP model, optimizer, forward/backward schedule
 step         the PPO step over a TrainBatch (prox recompute, minibatches, stats)
 checkpoint   Megatron dist_checkpointing of model + optimizer (any TP/PP/DP), with the model's HF files

@@ -190,20 +190,6 @@ def export_stage(
             yield from zip(names, unshard(shards, kind, arch))
 
 
-def buckets(named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group a (name, tensor) stream into lists of at most `bucket_bytes` (a bigger tensor alone)."""
-    bucket, size = [], 0
-    for name, t in named:
-        n = t.numel() * t.element_size()
-        if bucket and size + n > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += n
-    if bucket:
-        yield bucket
-
-
 def read_hf(model_dir: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of a Hugging Face safetensors checkpoint."""
     from safetensors.torch import load_file

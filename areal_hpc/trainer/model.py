@@ -34,6 +34,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 
+from areal_hpc.config import RECOMPUTES
+
 ARCHITECTURES = ("qwen2", "qwen3")
 """The Hugging Face `model_type`s the trainer builds."""
 
@@ -109,6 +111,8 @@ RECOMPUTE = {
 }
 """`ppo.recompute` as Megatron's TransformerConfig fields: full keeps each layer's input and recomputes
 the layer in the backward pass; selective recomputes the core attention only."""
+if tuple(RECOMPUTE) != RECOMPUTES:  # the values are listed once, in areal_hpc.config
+    raise ImportError(f"trainer.model.RECOMPUTE {tuple(RECOMPUTE)} does not match config.RECOMPUTES {RECOMPUTES}")
 
 
 def transformer_config(

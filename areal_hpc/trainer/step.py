@@ -43,6 +43,7 @@ import torch.distributed as dist
 from megatron.core.utils import unwrap_model
 
 from areal_hpc.algo.ppo import decoupled_ppo_loss
+from areal_hpc.config import PROX_LOGPS
 from areal_hpc.trainer.model import PackedRows, pack_rows, token_logprobs
 
 
@@ -65,8 +66,8 @@ class StepConfig:
     (for comparison: tools/bench_trainer.py measures what skipping it saves)."""
 
     def __post_init__(self):
-        if self.prox_logp not in ("recompute", "loglinear"):
-            raise ValueError(f"ppo.prox_logp must be recompute or loglinear (got {self.prox_logp!r})")
+        if self.prox_logp not in PROX_LOGPS:
+            raise ValueError(f"ppo.prox_logp must be one of {', '.join(PROX_LOGPS)} (got {self.prox_logp!r})")
 
     @classmethod
     def from_config(cls, cfg) -> StepConfig:
