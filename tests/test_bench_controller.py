@@ -13,9 +13,11 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
+from subprocess import PIPE
 
 import numpy as np
 import pytest
@@ -91,9 +93,16 @@ def test_bench_controller_small_world(tmp_path):
     cmd = [sys.executable, str(TOOL), "--prompts", str(PROMPTS), "--group", str(GROUP), "--mean-tokens", "300"]
     cmd += ["--warmup", str(WARMUP), "--steps", str(STEPS), "--save-every", "2", "--json", str(out)]
     cmd += ["rollout.max_staleness=1"]
-    env = {**os.environ, "OMPI_MCA_btl": "self,tcp"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    env = {**os.environ, "OMPI_MCA_btl": "self,tcp", "TMPDIR": str(tmp_path)}  # its work dir too
+    # Its own session: a hung world is killed whole (mpirun and its ranks), not left polling.
+    proc = subprocess.Popen(cmd, stdout=PIPE, stderr=PIPE, text=True, env=env, cwd=REPO, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail("the benchmark world hung:\n" + stdout[-3000:] + stderr[-3000:])
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
 
     r = json.loads(out.read_text())
     assert r["errors"] == []
@@ -109,7 +118,7 @@ def test_bench_controller_small_world(tmp_path):
     assert r["bytes_per_step_cluster"] == pytest.approx(others + copies * r["bytes_per_step"]["TrainBatch"])
     assert r["cpu_s_per_step"] > 0 and r["tokens_s_cpu"] > 0
 
-    last = proc.stdout.strip().splitlines()[-1]
+    last = stdout.strip().splitlines()[-1]
     m = re.fullmatch(r"controller headroom: ([0-9][0-9,]*\.[0-9])x", last)
     assert m, last
     assert float(m.group(1).replace(",", "")) == pytest.approx(r["headroom"], abs=0.06)
