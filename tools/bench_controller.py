@@ -1,0 +1,597 @@
+#!/usr/bin/env python
+"""Controller benchmark: does rank 0 keep up with a cluster? The real `Controller` on rank 0 of a real
+MPI world, driven by light simulated ranks that send what the real ones send.
+
+    python tools/bench_controller.py                        # qwen32b on 48 nodes: 512 prompts x 16 answers
+    python tools/bench_controller.py --mean-tokens 0        # the planner's own answer lengths (mean 2,319)
+    python tools/bench_controller.py --prompts 8 --group 4 --steps 4 --mean-tokens 300    # CI-sized
+
+The setting comes from the planner (`areal-hpc plan CONFIG --nodes N`): the answers of a step
+(prompts_per_step x group_size), their lengths (the planner's long-tailed distribution, up to
+rollout.max_new_tokens; `--mean-tokens` rescales its median to that mean, 0 keeps the planner's),
+and the token rate the cluster produces: its generators at full load, the fastest answers can arrive.
+
+```
+ rank 0      the real Controller (Mailbox over MPI, gate, buffer, advantages, packer, metrics, checkpoints)
+ reward      simulated: RewardResult for each RewardRequest at once; tells the generator what rank 0 took
+ generator   simulated: for each GenerateRequest its n Trajectory messages (precomputed token ids,
+             behaviour logprobs, per-token versions), at most --window answers ahead of rank 0; SyncDone
+ trainers    simulated: one rank per data-parallel replica (--tp-pp ranks each): checks each TrainBatch
+             (the step's version, the staleness bound) and answers TrainResult, Saved
+```
+
+The simulated ranks are few and stand for many (one generator for every engine, one reward rank for
+every reward worker), so they fit on a laptop: the messages rank 0 sees per step, their sizes and
+their kinds are the cluster's; only the tiny per-rank messages (WeightSync, SyncDone, Stop) are fewer,
+and the TrainBatch copies: the controller sends each replica's batch to every one of its TP x PP ranks,
+and a replica here has `--tp-pp` ranks (default 1), so the bytes for the cluster's TP x PP are printed
+as a count, their CPU cost is not in rank 0's figures.
+They flood rank 0, which then runs as fast as it can; its CPU time (time.process_time) says what one
+core sustains, whatever else the machine runs. The tokenizer rank 0 loads is the project's tiny one.
+
+Printed: the setting, rank 0's sustained trajectories/s and tokens/s (per CPU second and per wall
+second), CPU seconds and bytes sent per training step, and last `controller headroom: X.Xx` (the
+tokens/s rank 0 sustains on one core / the tokens/s the cluster produces). Target: 10x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, deque
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+DIGITS, BASE, FIRST_ID = 4, 80, 10  # prompt index -> the first prompt tokens (ids 10..89 of the tiny vocabulary)
+ACK_TAG = 7  # simulated reward rank -> simulated generator: answers rank 0 has taken in (side communicator)
+
+
+# --- the setting, from the planner ----------------------------------------------------------------
+
+
+def cluster_config(args):
+    from areal_hpc.config import load_config
+
+    over = [f"cluster.nodes={args.nodes}"]
+    if args.prompts:
+        over.append(f"rollout.prompts_per_step={args.prompts}")
+    if args.group:
+        over.append(f"rollout.group_size={args.group}")
+    return load_config(args.config, over + list(args.overrides))
+
+
+def cost_model(cfg, mean_tokens: float):
+    """The planner's cost model; with `mean_tokens`, its answer-length median set so the mean is that."""
+    from areal_hpc.planner import COST, Lengths
+
+    if not mean_tokens:
+        return COST
+    lo, hi = 1.0, float(cfg.rollout.max_new_tokens)
+    for _ in range(60):  # the mean grows with the median: bisect
+        mid = (lo + hi) / 2
+        lengths = Lengths.from_config(cfg, dataclasses.replace(COST, response_median_tokens=mid))
+        lo, hi = (mid, hi) if lengths.mean < mean_tokens else (lo, mid)
+    return dataclasses.replace(COST, response_median_tokens=lo)
+
+
+def setting(args) -> dict:
+    """What the cluster does per step and per second (planner), and its layout (areal_hpc.layout)."""
+    from areal_hpc.layout import Layout
+    from areal_hpc.planner import Lengths, predict
+
+    cfg = cluster_config(args)
+    cost = cost_model(cfg, args.mean_tokens)
+    lengths = Lengths.from_config(cfg, cost)
+    p = predict(cfg, cost=cost)
+    lay = Layout.from_config(cfg)
+    r = cfg.rollout
+    gen_rate = p.tokens / p.t_gen_full  # tokens/s of every generator at full load
+    return {
+        "config": str(args.config),
+        "nodes": cfg.cluster.nodes,
+        "prompts": r.prompts_per_step,
+        "group": r.group_size,
+        "answers": r.prompts_per_step * r.group_size,
+        "cap": r.max_new_tokens,
+        "prompt_tokens": lengths.prompt,
+        "median": lengths.median,
+        "sigma": lengths.sigma,
+        "p_cap": lengths.p_cap,
+        "mean_tokens": lengths.mean,
+        "cluster_tokens_s": max(gen_rate, p.tokens_per_s()),
+        "cluster_step_s": p.t_async(),
+        "generators": lay.generators,
+        "reward_workers": lay.reward_workers,
+        "trainers": lay.trainers,
+        "train_tp": lay.train_tp,
+        "train_pp": lay.train_pp,
+        "train_dp": lay.train_dp,
+        "max_staleness": r.max_staleness,
+        "max_concurrent": r.max_concurrent,
+    }
+
+
+def bench_config(args, s: dict, root: Path):
+    """The config rank 0 runs: the cluster's rollout, ppo and train sections, on the simulated world
+    (one generator, `--reward-ranks` reward ranks, the cluster's data-parallel replicas of `--tp-pp`
+    ranks each)."""
+    from areal_hpc.config import load_config
+
+    dp, per = s["train_dp"], args.tp_pp
+    over = [
+        f"experiment.root={root}",
+        "experiment.name=bench-controller",
+        "cluster.device=cpu",
+        f"cluster.nodes={1 + dp * per}",
+        "cluster.gpus_per_node=1",
+        "allocation.gen_nodes=1",
+        "allocation.gen_tp=1",
+        f"allocation.train_tp={per}",
+        "allocation.train_pp=1",
+        f"allocation.reward_workers={args.reward_ranks}",
+        f"train.total_steps={args.warmup + args.steps}",
+        f"train.save_every={args.save_every}",
+        "logging.tensorboard=false",
+        "eval.every_steps=0",
+    ]
+    if args.prompts:
+        over.append(f"rollout.prompts_per_step={args.prompts}")
+    if args.group:
+        over.append(f"rollout.group_size={args.group}")
+    return load_config(args.config, over + list(args.overrides))
+
+
+# --- payloads ---------------------------------------------------------------------------------------
+
+
+class Payloads:
+    """Everything the simulated ranks send, made once: answer lengths drawn from the planner's
+    distribution, one array of token ids and one of logprobs of the longest answer (answers are views)."""
+
+    def __init__(self, s: dict, seed: int = 0):
+        from areal_hpc.planner import Lengths
+
+        rng = np.random.default_rng(seed)
+        lengths = Lengths(s["cap"], s["median"], s["sigma"], s["p_cap"], s["prompt_tokens"])  # the planner's
+        u = rng.random(1 << 16)
+        self.lengths = np.maximum(1, np.searchsorted(-lengths.survival, -u)).astype(np.int64)  # P(L > k) = S(k)
+        self.cap, self.group = s["cap"], s["group"]
+        self.output_ids = rng.integers(FIRST_ID, FIRST_ID + BASE, self.cap).astype(np.int32)
+        self.behav_logprobs = -rng.random(self.cap).astype(np.float32)
+        self.prompt = rng.integers(FIRST_ID, FIRST_ID + BASE, s["prompt_tokens"]).astype(np.int32)
+
+    def length(self, prompt_index: int, sample: int) -> int:
+        return int(self.lengths[(prompt_index * self.group + sample) % len(self.lengths)])
+
+    def prompt_ids(self, index: int) -> np.ndarray:
+        ids = self.prompt.copy()
+        for k in range(DIGITS):
+            ids[k] = FIRST_ID + index // BASE**k % BASE
+        return ids
+
+
+def prompt_index(prompt_ids: np.ndarray) -> int:
+    return sum(int(prompt_ids[k] - FIRST_ID) * BASE**k for k in range(DIGITS))
+
+
+class Prompts:
+    """The controller's prompt stream (`areal_hpc.data.PromptStream`'s interface), numbered prompts."""
+
+    def __init__(self, payloads: Payloads):
+        self.payloads, self.position = payloads, 0
+
+    def next(self) -> dict:
+        i, self.position = self.position, self.position + 1
+        return {"index": i, "prompt": f"prompt {i}", "answer": "0", "prompt_ids": self.payloads.prompt_ids(i)}
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state["position"]
+
+
+def wire_bytes(msg) -> int:
+    """Bytes of a message on the wire: its arrays, and its other fields pickled."""
+    arrays = scalars = 0
+    other = {}
+    for f in dataclasses.fields(msg):
+        v = getattr(msg, f.name)
+        if isinstance(v, np.ndarray):
+            arrays += v.nbytes
+        else:
+            other[f.name] = v
+    scalars = len(pickle.dumps((type(msg).__name__, other), protocol=5))
+    return arrays + scalars
+
+
+# --- the simulated ranks ----------------------------------------------------------------------------
+
+
+def sim_reward(world, side, generator: int) -> dict:
+    from areal_hpc.protocol import Mailbox, RewardRequest, RewardResult, Stop
+
+    box, received, acks = Mailbox(world), Counter(), []
+    while True:
+        envs = box.poll(source=0)
+        taken = 0
+        for env in envs:
+            msg = env.msg
+            received[type(msg).__name__, "n"] += 1
+            received[type(msg).__name__, "bytes"] += wire_bytes(msg)
+            if isinstance(msg, RewardRequest):
+                box.send(0, RewardResult(msg.traj_id, float(msg.traj_id * 2654435761 >> 9 & 1), "ok"))
+                taken += 1
+            elif isinstance(msg, Stop):
+                box.flush()
+                return {"received": _plain(received)}
+        if taken:
+            acks.append(side.isend(taken, dest=generator, tag=ACK_TAG))
+            acks = [r for r in acks if not r.Test()]
+        if not envs:
+            time.sleep(0.0005)
+
+
+def sim_generator(world, side, payloads: Payloads, window: int) -> dict:
+    from mpi4py import MPI
+
+    from areal_hpc.protocol import GenerateRequest, Mailbox, Stop, SyncDone, Trajectory, WeightSync
+
+    box, received = Mailbox(world), Counter()
+    queue: deque = deque()  # (group_id, prompt_ids, prompt index, sample)
+    versions = np.zeros(payloads.cap, np.int32)
+    sent = taken = 0
+    generated = []  # (prompt index, sample, length)
+    while True:
+        busy = False
+        for env in box.poll(source=0):
+            msg, busy = env.msg, True
+            received[type(msg).__name__, "n"] += 1
+            received[type(msg).__name__, "bytes"] += wire_bytes(msg)
+            if isinstance(msg, GenerateRequest):
+                p = prompt_index(msg.prompt_ids)
+                queue.extend((msg.group_id, msg.prompt_ids, p, i) for i in range(msg.n))
+            elif isinstance(msg, WeightSync):
+                versions = np.full(payloads.cap, msg.version, np.int32)
+                box.send(0, SyncDone(msg.version, 0.0))
+            elif isinstance(msg, Stop):
+                box.flush()
+                return {"received": _plain(received), "generated": generated}
+        while side.iprobe(source=MPI.ANY_SOURCE, tag=ACK_TAG):
+            taken += side.recv(source=MPI.ANY_SOURCE, tag=ACK_TAG)
+        while queue and sent - taken < window:
+            group_id, prompt_ids, p, i = queue.popleft()
+            n = payloads.length(p, i)
+            reason = "length" if n == payloads.cap else "stop"
+            out, logp, vers = payloads.output_ids[:n], payloads.behav_logprobs[:n], versions[:n]
+            box.send(0, Trajectory(group_id, i, prompt_ids, out, logp, vers, reason))
+            generated.append((p, i, n))
+            sent, busy = sent + 1, True
+        if not busy:
+            time.sleep(0.0005)
+
+
+def sim_trainer(world, first_trainer: bool, eta: int, train_s: float) -> dict:
+    from areal_hpc.protocol import Mailbox, Save, Saved, Stop, TrainBatch, TrainResult
+
+    box, received = Mailbox(world), Counter()
+    trained = []  # (version, prompt index, response length)
+    errors = []
+    version = None
+    while True:
+        envs = box.poll(source=0)
+        for env in envs:
+            msg = env.msg
+            received[type(msg).__name__, "n"] += 1
+            received[type(msg).__name__, "bytes"] += wire_bytes(msg)
+            if isinstance(msg, TrainBatch):
+                if version is not None and msg.version != version + 1:
+                    errors.append(f"step {msg.version} after step {version}")
+                version = int(msg.version)
+                trained += _check_batch(msg, eta, errors)
+                if first_trainer:
+                    time.sleep(train_s)
+                    box.send(0, TrainResult(version + 1, {"ppo/loss": 0.0}))
+            elif isinstance(msg, Save):
+                box.send(0, Saved(msg.version))
+            elif isinstance(msg, Stop):
+                box.flush()
+                return {"received": _plain(received), "trained": trained, "errors": errors}
+        if not envs:
+            time.sleep(0.0005)
+
+
+def _check_batch(b, eta: int, errors: list) -> list:
+    mask = b.loss_mask.astype(bool)
+    if mask.any() and int(b.versions[mask].min()) < b.version - eta:
+        errors.append(f"step {b.version} trains a token of version {int(b.versions[mask].min())} (bound {eta})")
+    out = []
+    cu = b.cu_seqlens
+    for k in range(len(cu) - 1):
+        seq = slice(int(cu[k]), int(cu[k + 1]))
+        out.append((int(b.version), prompt_index(b.tokens[seq]), int(b.loss_mask[seq].sum())))
+    return out
+
+
+def check_trained(generated: dict, trained: list, steps: int, prompts_per_step: int, group: int) -> list[str]:
+    """What is wrong with what the trainers got: each prompt's answers trained together in one step,
+    each answer the generator sent exactly once (matched by length), `prompts_per_step` prompts a step.
+    `generated`: prompt index -> the lengths of its answers; `trained`: (version, prompt index, length)."""
+    errors = []
+    by_prompt = {}
+    for version, p, n in trained:
+        by_prompt.setdefault(p, []).append((version, n))
+    for p, seqs in by_prompt.items():
+        if len({v for v, _ in seqs}) != 1 or sorted(n for _, n in seqs) != sorted(generated.get(p, [])):
+            errors.append(f"prompt {p}: trained {seqs}, generated {sorted(generated.get(p, []))}")
+    if len(by_prompt) != steps * prompts_per_step or len(trained) != len(by_prompt) * group:
+        errors.append(f"{len(trained)} answers of {len(by_prompt)} prompts trained in {steps} steps")
+    return errors
+
+
+def _wait(request) -> None:
+    while not request.Test():
+        time.sleep(0.001)
+
+
+def _plain(counter: Counter) -> list:
+    return [[kind, what, n] for (kind, what), n in counter.items()]
+
+
+# --- rank 0 -------------------------------------------------------------------------------------------
+
+
+def run_controller(ctx, side, payloads: Payloads, profile: bool) -> dict:
+    from areal_hpc.controller import Controller
+    from areal_hpc.protocol import Mailbox
+
+    marks = []  # per step: (tokens, answers, wall s, cpu s)
+
+    class Timed(Controller):
+        def on_train_result(self, res):
+            info = self.training
+            super().on_train_result(res)
+            marks.append((info.response_tokens, info.sequences, time.perf_counter(), time.process_time()))
+
+    ctl = Timed(ctx, mailbox=Mailbox(ctx.world), prompts=Prompts(payloads))
+    marks.append((0, 0, time.perf_counter(), time.process_time()))
+    if profile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile(time.process_time)  # CPU time: other work on the machine does not count
+        prof.runcall(ctl.run)
+        pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(30)
+    else:
+        ctl.run()
+    done = side.Ibarrier()  # the simulated generator's last answers are unread: take them in
+    while not done.Test():
+        ctl.box.poll()
+        time.sleep(0.001)
+    t0 = time.process_time()
+    state = pickle.dumps(ctl.state())
+    state_s = time.process_time() - t0
+    return {"marks": marks, "state_bytes": len(state), "state_s": state_s, "buffered": len(ctl.rollouts.buffer)}
+
+
+def rank_main(args) -> None:
+    from mpi4py import MPI
+
+    from areal_hpc.layout import Layout, Role
+    from areal_hpc.runtime import RankContext
+
+    s = json.loads(args.setting)
+    world = MPI.COMM_WORLD
+    side = world.Dup()
+    root = Path(args.workdir)
+    cfg = bench_config(args, s, root)
+    layout = Layout.from_config(cfg)
+    if world.Get_size() != layout.world_size:
+        raise SystemExit(f"the bench world needs {layout.world_size} ranks, mpirun started {world.Get_size()}")
+    rank, role = world.Get_rank(), layout.role_of(world.Get_rank())
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) > 1:  # rank 0 on a core of its own, the simulated ranks on the others
+        os.sched_setaffinity(0, cores[:1] if rank == 0 else cores[1:])
+    payloads = Payloads(s, seed=args.seed)
+    generator = layout.ranks(Role.GENERATOR)[0]
+    if role == Role.CONTROLLER:
+        from areal_hpc.rundir import prepare_run_dir
+        from areal_hpc.tiny import build_tokenizer
+
+        run_dir = prepare_run_dir(cfg, fresh=True)
+        build_tokenizer().save_pretrained(root / "tokenizer")
+        ctx = RankContext(cfg, layout, world, None, run_dir, root / "tokenizer", None, "cpu")
+        report = run_controller(ctx, side, payloads, args.profile)
+    elif role == Role.REWARD:
+        report = sim_reward(world, side, generator)
+    elif role == Role.GENERATOR:
+        report = sim_generator(world, side, payloads, args.window)
+    else:
+        first = rank == layout.ranks(Role.TRAINER)[0]
+        report = sim_trainer(world, first, cfg.rollout.max_staleness, args.train_s)
+    if rank != 0:  # after this rank's sends are done (rank 0 reads until every rank is here)
+        _wait(side.Ibarrier())  # nonblocking, as rank 0's: a blocking barrier would not match it
+    reports = world.gather((int(role), report), root=0)
+    if rank == 0:
+        Path(args.workdir, "result.json").write_text(json.dumps(summarise(args, s, cfg, layout, reports)))
+
+
+def summarise(args, s: dict, cfg, layout, reports) -> dict:
+    """Rank 0's figures over the measured steps, and the checks on what the simulated ranks saw."""
+    from areal_hpc.layout import Role
+
+    ctl = reports[0][1]
+    marks = ctl["marks"]
+    measured = marks[1 + args.warmup :]
+    start = marks[args.warmup]
+    tokens = sum(m[0] for m in measured)
+    answers = sum(m[1] for m in measured)
+    wall = measured[-1][2] - start[2]
+    cpu = measured[-1][3] - start[3]
+    cpu_steps = [b[3] - a[3] for a, b in zip(marks[args.warmup :], measured)]
+
+    received = Counter()
+    for _, rep in reports[1:]:
+        for kind, what, n in rep["received"]:
+            received[kind, what] += n
+    steps = args.warmup + args.steps
+    per_step = {
+        kind: received[kind, "bytes"] / received[kind, "n"] * per
+        for kind, per in (
+            ("GenerateRequest", s["prompts"]),
+            ("RewardRequest", s["answers"]),
+            ("TrainBatch", received["TrainBatch", "n"] / steps),
+        )
+        if received[kind, "n"]
+    }
+
+    copies = s["train_tp"] * s["train_pp"] / args.tp_pp  # each TP x PP rank of a replica gets the whole batch
+    cluster_bytes = sum(per_step.values()) + per_step.get("TrainBatch", 0) * (copies - 1)
+
+    generated = {}
+    trained = []
+    errors = []
+    for role, rep in reports[1:]:
+        if role == Role.GENERATOR:
+            for p, _sample, n in rep["generated"]:
+                generated.setdefault(p, []).append(n)
+        elif role == Role.TRAINER:
+            trained += rep["trained"]
+            errors += rep["errors"]
+    errors += check_trained(generated, trained, steps, cfg.rollout.prompts_per_step, cfg.rollout.group_size)
+    return {
+        "setting": s,
+        "world": layout.world_size,
+        "steps": args.steps,
+        "answers_s_cpu": answers / cpu,
+        "tokens_s_cpu": tokens / cpu,
+        "answers_s_wall": answers / wall,
+        "tokens_s_wall": tokens / wall,
+        "cpu_s_per_step": cpu / args.steps,
+        "cpu_s_per_step_max": max(cpu_steps),
+        "tokens_per_step": tokens / args.steps,
+        "bytes_per_step": per_step,
+        "bytes_per_step_cluster": cluster_bytes,
+        "state_bytes": ctl["state_bytes"],
+        "state_s": ctl["state_s"],
+        "buffered_groups": ctl["buffered"],
+        "trained_answers": len(trained),
+        "errors": errors[:20],
+        "headroom": tokens / cpu / s["cluster_tokens_s"],
+    }
+
+
+# --- the launch -----------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=str(REPO / "configs" / "qwen32b.yaml"))
+    ap.add_argument("--nodes", type=int, default=48, help="the cluster's accelerator nodes (the planner's --nodes)")
+    ap.add_argument("--prompts", type=int, default=0, help="prompts per step (default: the config's)")
+    ap.add_argument("--group", type=int, default=0, help="answers per prompt (default: the config's)")
+    ap.add_argument("--mean-tokens", type=float, default=10000, help="mean answer length; 0: the planner's")
+    ap.add_argument("--steps", type=int, default=6, help="training steps measured")
+    ap.add_argument("--warmup", type=int, default=2, help="training steps before the measured ones")
+    ap.add_argument("--save-every", type=int, default=4, help="train.save_every of the run")
+    ap.add_argument("--reward-ranks", type=int, default=1, help="simulated reward ranks")
+    ap.add_argument("--tp-pp", type=int, default=1, help="simulated trainer ranks per data-parallel replica")
+    ap.add_argument("--window", type=int, default=1024, help="answers the generator sends ahead of rank 0")
+    ap.add_argument("--train-s", type=float, default=0.0, help="seconds the simulated trainer takes per step")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", action="store_true", help="cProfile rank 0 (top functions to stderr)")
+    ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("overrides", nargs="*", help="config overrides, section.field=value")
+    ap.add_argument("--setting", help=argparse.SUPPRESS)
+    ap.add_argument("--workdir", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.setting:
+        try:
+            rank_main(args)
+        except BaseException:
+            import traceback
+
+            from mpi4py import MPI
+
+            traceback.print_exc()
+            sys.stderr.flush()
+            MPI.COMM_WORLD.Abort(1)  # the other ranks would wait for this one forever
+        return
+
+    s = setting(args)
+    print(
+        f"cluster: {s['config']} on {s['nodes']} nodes: {s['generators']} generators, {s['reward_workers']} reward "
+        f"workers, trainer TP {s['train_tp']} x PP {s['train_pp']} x DP {s['train_dp']}; {s['prompts']} prompts x "
+        f"{s['group']} answers per step, answers up to {s['cap']:,} tokens, mean {s['mean_tokens']:,.0f}; "
+        f"max_staleness {s['max_staleness']}"
+    )
+    print(
+        f"cluster rate (planner): {s['cluster_tokens_s'] / 1e3:,.1f}k tokens/s = "
+        f"{s['cluster_tokens_s'] / s['mean_tokens']:,.1f} answers/s (generators at full load); "
+        f"a step every {s['cluster_step_s']:,.0f} s"
+    )
+    with tempfile.TemporaryDirectory(prefix="bench-controller-") as work:
+        layout_size = 1 + args.reward_ranks + 1 + s["train_dp"] * args.tp_pp
+        cmd = ["mpirun", "-n", str(layout_size), "--oversubscribe", "--bind-to", "none"]
+        if os.geteuid() == 0:
+            cmd.append("--allow-run-as-root")
+        cmd += [sys.executable, __file__, *sys.argv[1:], "--setting", json.dumps(s), "--workdir", work]
+        env = {
+            **os.environ,
+            "OMPI_MCA_btl": os.environ.get("OMPI_MCA_btl", "self,tcp"),
+            "OMPI_MCA_mpi_yield_when_idle": "1",
+            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+        }
+        print(f"simulated world: {layout_size} ranks; {args.warmup} + {args.steps} steps ...", flush=True)
+        proc = subprocess.run(cmd, env=env)
+        result_file = Path(work, "result.json")
+        if proc.returncode or not result_file.exists():
+            sys.exit(f"the benchmark world failed (mpirun exit code {proc.returncode})")
+        r = json.loads(result_file.read_text())
+    if args.json:
+        Path(args.json).write_text(json.dumps(r, indent=1))
+    report(r)
+    if r["errors"]:
+        sys.exit("checks failed:\n  " + "\n  ".join(r["errors"]))
+
+
+def report(r: dict) -> None:
+    s = r["setting"]
+    print(
+        f"rank 0 over {r['steps']} steps ({r['tokens_per_step'] / 1e6:,.2f}M generated tokens each): "
+        f"{r['answers_s_cpu']:,.0f} answers/s and {r['tokens_s_cpu'] / 1e6:,.2f}M tokens/s per CPU second, "
+        f"{r['answers_s_wall']:,.0f} answers/s and {r['tokens_s_wall'] / 1e6:,.2f}M tokens/s per wall second"
+    )
+    print(
+        f"rank 0 CPU per training step: {r['cpu_s_per_step']:.2f} s (slowest step {r['cpu_s_per_step_max']:.2f} s); "
+        f"the cluster's step: {s['cluster_step_s']:,.0f} s"
+    )
+    total = sum(r["bytes_per_step"].values())
+    parts = ", ".join(f"{k} {v / 2**20:,.1f}" for k, v in r["bytes_per_step"].items())
+    print(f"rank 0 sends per training step: {total / 2**20:,.1f} MiB ({parts})")
+    if r["bytes_per_step_cluster"] != total:
+        print(
+            f"  on the cluster, where each of a replica's TP {s['train_tp']} x PP {s['train_pp']} ranks gets the "
+            f"whole batch: {r['bytes_per_step_cluster'] / 2**30:,.1f} GiB (not simulated: --tp-pp sets the ranks)"
+        )
+    print(
+        f"checkpoint state: {r['state_bytes'] / 2**20:,.1f} MiB pickled in {r['state_s']:.2f} s CPU "
+        f"({r['buffered_groups']} groups buffered at the end)"
+    )
+    print(f"checks: {r['trained_answers']} answers trained, each once; staleness bound held" if not r["errors"] else "")
+    print(f"controller headroom: {r['headroom']:.1f}x")
+
+
+if __name__ == "__main__":
+    main()
