@@ -84,17 +84,15 @@ class CostModel:
     """Engine memory outside weights and KV cache: activations, CUDA graphs (assumed)."""
     train_memory_fraction: float = 0.9
     """Share of GPU memory the trainer may fill (the rest is fragmentation and NCCL buffers)."""
-    activation_bytes_none: float = 19.1
-    """Activation bytes per token, per layer, per unit of hidden size, per byte of the dtype, with
-    `ppo.recompute` none or selective (76 in fp32, 38 in bf16; Korthikanti et al. 2022 count 34).
-    Measured by tools/bench_trainer.py on its CPU model in fp32: 1.64 GiB for a 4,096-token micro-batch
-    over 8 layers of hidden 512, less the transients below. Selective recomputes the core attention,
-    which keeps no attention matrix here (SDPA): it saves nothing, on the CPU and on an H100 alike."""
-    activation_bytes_full: float = 3.4
-    """The same with `ppo.recompute` full: each layer's input (1 per byte of the dtype: 16 KB more per
-    token at 1,024 tokens than at 512 on the CPU model) plus one layer's recomputed activations while its
-    backward runs (19.1 / 8 layers there). One H100 80GB measured 3.2 (issue 21: 8.4 GiB above the weights
-    and optimizer for a 32,768-token micro-batch of the Qwen2.5-1.5B shape in bf16)."""
+    activation_factor: float = 1.31
+    """Activation memory of one layer per token, with `ppo.recompute` none or selective: this factor x
+    (8 h + 4 f) values of the dtype (what a pre-norm SwiGLU layer keeps for its backward pass: about 8 h
+    in the attention block (norm input and output, q, k, v, the attention output, the projection's input,
+    the residual) and 4 f in the MLP (gate, up, the activation and the product). Measured by
+    tools/bench_trainer.py on its CPU model (h 512, f 1,408, 8 layers, fp32): 1.64 GiB for a 4,096-token
+    micro-batch less its 84 MiB of logprob chunks. Selective recomputes the core attention, which keeps no
+    attention matrix here (SDPA): it saves nothing, on the CPU and on an H100 alike. With full recompute a
+    layer keeps its input (h values) and one layer at a time holds the above during its backward pass."""
     logprob_transient_bytes: float = 128 * 2**20
     """The token logprobs' temporaries beside the embedding's gradient: chunks of fp32 logits and their
     gradient (areal_hpc.trainer.model.LOGPROB_CHUNK_BYTES, 64 MiB each); 84 MiB measured on the CPU."""
@@ -117,20 +115,25 @@ class ModelSize:
     kv_heads: int
     vocab: int
     dtype_bytes: int
+    intermediate: int
+    head_dim: int
 
     @classmethod
     def from_config(cls, cfg: Config) -> ModelSize:
-        """Parameters of a Qwen2-style decoder from the config's model section:
-        per layer  q, o: h^2 each; k, v: h * h_kv each (h_kv = kv_heads * h / heads); MLP: 3 h f;
+        """Parameters of a Qwen2/Qwen3 decoder from the config's model section (d: the head size,
+        model.head_dim or h / heads):
+        per layer  q, o: h * heads * d each; k, v: h * kv_heads * d each; MLP: 3 h f;
         plus the embedding v h, and the output projection v h unless tied."""
         m = cfg.model
         h, f = m.hidden_size, m.intermediate_size
-        h_kv = m.num_key_value_heads * h // m.num_attention_heads
-        per_layer = 2 * h * h + 2 * h * h_kv + 3 * h * f
+        d = m.head_dim or h // m.num_attention_heads
+        per_layer = 2 * h * m.num_attention_heads * d + 2 * h * m.num_key_value_heads * d + 3 * h * f
         embed = m.vocab_size * h * (1 if m.tie_word_embeddings else 2)
         dtype_bytes = 4 if m.dtype == "float32" else 2
         params = m.num_layers * per_layer + embed
-        return cls(params, m.num_layers, h, m.num_attention_heads, m.num_key_value_heads, m.vocab_size, dtype_bytes)
+        return cls(
+            params, m.num_layers, h, m.num_attention_heads, m.num_key_value_heads, m.vocab_size, dtype_bytes, f, d
+        )
 
     @property
     def weight_bytes(self) -> float:
@@ -139,7 +142,7 @@ class ModelSize:
     @property
     def kv_bytes_per_token(self) -> float:
         """K and V of every layer: 2 * layers * kv_heads * head_dim * dtype bytes."""
-        return 2 * self.layers * self.kv_heads * (self.hidden // self.heads) * self.dtype_bytes
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -334,7 +337,8 @@ def train_step_s(m, hw, lengths: Lengths, gpus: int, tp: int, pp: int, answers: 
     """One PPO step on `gpus` trainer GPUs (TP tp, PP pp, DP d = gpus / (tp pp)) over answers of length
     s = prompt + L:
       FLOPs = 8 P N E[s] + 8 layers h N E[s^2]   (forward + backward = 6 P per token, plus the forward
-              that recomputes prox_logprobs = 2 P; causal attention 2 h s^2 per layer and pass)
+              that recomputes prox_logprobs = 2 P; causal attention 2 h s^2 per layer and pass;
+              x 10/8 with ppo.recompute full: the forward again in the backward)
       compute = FLOPs / (gpus * flops * mfu) * (m + pp - 1) / m   (1F1B bubble, m micro-batches per
               DP rank and minibatch, each ppo.max_tokens_per_mb tokens)
       + TP all-reduces (6 per layer and token, h * dtype bytes each) over NVLink
@@ -345,6 +349,8 @@ def train_step_s(m, hw, lengths: Lengths, gpus: int, tp: int, pp: int, answers: 
     second_s = p * p + 2 * p * lengths.mean + lengths.second_moment
     tokens = answers * mean_s
     flops = 8 * m.params * tokens + 8 * m.layers * m.hidden * answers * second_s
+    if cfg.ppo.recompute == "full":
+        flops *= 10 / 8  # each layer's forward once more, in the backward pass
     minibatches = cfg.ppo.minibatches
     micro = max(1.0, math.ceil(tokens / (d * minibatches * cfg.ppo.max_tokens_per_mb)))
     bubble = (micro + pp - 1) / micro
@@ -377,7 +383,8 @@ def train_memory_parts(m: ModelSize, tp: int, pp: int, dp: int, cfg: Config, cos
     states:      P / (tp pp) x (dtype weights + 4 fp32 gradient buffer
                                 + (4 fp32 master weights unless fp32 + 8 Adam moments) / dp)
                  (Megatron's distributed optimizer shards the master weights and moments over dp)
-    activations: tokens / tp x layers x h x dtype bytes x activation_bytes_{none,full}
+    activations: tokens / tp x dtype bytes x (layers x a (8 h + 4 f)), or with full recompute
+                 (layers x h + a (8 h + 4 f)) (a: activation_factor)
                  (1F1B keeps pp micro-batches of layers / pp layers on the first stage: one micro-batch of
                  every layer; sequence parallelism splits what TP does not; tokens: ppo.max_tokens_per_mb)
     transients:  the dense gradient of the input embedding (vocab / tp x h x dtype bytes, made in its
@@ -385,8 +392,9 @@ def train_memory_parts(m: ModelSize, tp: int, pp: int, dp: int, cfg: Config, cos
                  token logprobs come chunk by chunk."""
     master = 0 if m.dtype_bytes == 4 else 4
     states = m.params / (tp * pp) * (m.dtype_bytes + 4 + (master + 8) / dp)
-    per = cost.activation_bytes_full if cfg.ppo.recompute == "full" else cost.activation_bytes_none
-    activations = cfg.ppo.max_tokens_per_mb / tp * m.layers * m.hidden * m.dtype_bytes * per
+    layer = cost.activation_factor * (8 * m.hidden + 4 * m.intermediate)  # values per token, one layer
+    kept = m.hidden * m.layers + layer if cfg.ppo.recompute == "full" else layer * m.layers
+    activations = cfg.ppo.max_tokens_per_mb / tp * kept * m.dtype_bytes
     chunks = min(cost.logprob_transient_bytes, 2 * cfg.ppo.max_tokens_per_mb * m.vocab / tp * 4)  # short batches
     transients = m.vocab / tp * m.hidden * m.dtype_bytes + chunks
     return {"states": states, "activations": activations, "transients": transients}
@@ -499,7 +507,7 @@ def choose(
         raise ConfigError(
             f"no split of {cfg.cluster.nodes} nodes x {cfg.cluster.gpus_per_node} GPUs of {cfg.cluster.gpu_memory_gb:g} GB "
             f"fits the model (tried {tried} plans{' with ' + str(fixed) if fixed else ''}); use more nodes, "
-            "larger GPUs or a smaller ppo.max_tokens_per_mb"
+            "larger GPUs, ppo.recompute=full or a smaller ppo.max_tokens_per_mb"
         )
     p = best[1]
     why = (
@@ -591,7 +599,12 @@ def memory_advice(cfg: Config, p: Prediction, cost: CostModel = COST) -> str:
     fixes = []
     if p.gen_memory > p.memory:
         t = p.plan.gen_tp
-        more = [g for g in range(t + 1, cfg.cluster.gpus_per_node + 1) if cfg.cluster.gpus_per_node % g == 0]
+        m, g_max = cfg.model, cfg.cluster.gpus_per_node
+        more = [
+            g
+            for g in range(t + 1, g_max + 1)
+            if g_max % g == 0 and m.num_attention_heads % g == 0 and m.num_key_value_heads % g == 0
+        ]
         fixes.append(
             f"the generator needs {p.gen_memory / GB:,.1f} GB of {p.memory / GB:g} GB: "
             + (f"raise allocation.gen_tp (to {more[0]}) or " if more else "")
@@ -602,14 +615,12 @@ def memory_advice(cfg: Config, p: Prediction, cost: CostModel = COST) -> str:
         if cfg.ppo.recompute != "full":
             full = predict(_with_ppo(cfg, recompute="full"), p.plan, cost)
             options.append(f"set ppo.recompute=full ({full.train_memory / GB:,.1f} GB)")
-        best = cfg.ppo.max_tokens_per_mb
-        while (
-            best > cfg.rollout.max_new_tokens
-            and predict(_with_ppo(cfg, max_tokens_per_mb=best), p.plan, cost).train_memory > p.memory
-        ):
-            best //= 2
-        if best < cfg.ppo.max_tokens_per_mb and best >= cfg.rollout.max_new_tokens:
-            options.append(f"lower ppo.max_tokens_per_mb to {best:,}")
+        mb = cfg.ppo.max_tokens_per_mb
+        while mb > cfg.rollout.max_new_tokens:  # halving, down to one answer's worth: the largest that fits
+            mb = max(mb // 2, cfg.rollout.max_new_tokens)
+            if predict(_with_ppo(cfg, max_tokens_per_mb=mb), p.plan, cost).train_memory <= p.memory:
+                options.append(f"lower ppo.max_tokens_per_mb to {mb:,}")
+                break
         options.append(
             "raise allocation.train_tp or allocation.train_pp (`areal-hpc plan --search` finds a split that fits)"
         )

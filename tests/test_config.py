@@ -103,7 +103,7 @@ def test_qwen32b_plan_adds_up_to_16_nodes_of_8_gpus():
     assert layout.gen_nodes + layout.train_nodes == 16
     assert layout.generators * layout.gen_tp + layout.trainers == 16 * 8
     assert layout.train_tp * layout.train_pp * layout.train_dp == layout.trainers
-    assert layout.gen_nodes == 6  # gen_share auto: the planner's split (12 engines of TP 4, training-bound)
+    assert layout.gen_nodes == 5  # gen_share auto: the planner's split (5 engines of TP 8, generation-bound)
 
 
 def test_learning_rate_schedule_is_validated():

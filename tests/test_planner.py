@@ -138,9 +138,9 @@ def test_qwen32b_on_16_nodes_adds_up_and_needs_model_parallel_training():
     best, _ = planner.choose(cfg)
     layout = Layout.from_config(planner.with_plan(cfg, best.plan))
     assert layout.gen_nodes + layout.train_nodes == 16 and layout.nodes == 16
-    assert best.plan.train_tp * best.plan.train_pp >= 8  # 18 bytes/parameter of a 32B model need >= 8 GPUs
+    assert best.plan.train_tp * best.plan.train_pp >= 4  # 6 bytes/parameter + sharded Adam of a 32B model: >= 4 GPUs
     unsharded = planner.predict(cfg, planner.Plan(8, 1, 1, 1))
-    assert not unsharded.fits and unsharded.train_memory > 500e9
+    assert not unsharded.fits and unsharded.train_memory > 3 * unsharded.memory
 
 
 def test_fixed_fields_are_kept():
