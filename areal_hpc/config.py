@@ -227,7 +227,7 @@ class PPOConfig:
     min_lr: float = 0.0
     """The learning rate linear and cosine decay reach at train.total_steps."""
     weight_decay: float = 0.05
-    """Adam weight decay."""
+    """Adam weight decay (none on biases and norms, Megatron's rule)."""
     adam_beta1: float = 0.9
     """Adam beta1."""
     adam_beta2: float = 0.95

@@ -97,7 +97,7 @@ def _find(run_dir: Path, step: int | None) -> Path:
             f"{run_dir} has no complete checkpoint of step {step}{why}; complete: {', '.join(map(str, found))}"
         )
     ckpt = found[step]
-    damage = checkpoint_damage(ckpt.parent, checksums_up_to=None)
+    damage = checkpoint_damage(ckpt.parent)  # sizes of every file; checksums up to the resume bound
     if damage is not None:
         raise ExportError(f"checkpoint {ckpt.parent} is damaged: {damage}; complete: {', '.join(map(str, found))}")
     if not (ckpt / checkpoint.HF_FILES).is_dir():
