@@ -194,6 +194,12 @@ class RolloutConfig:
     every advantage is 0) is left out before training and another prompt takes its place; counted in
     `rollout/filtered`."""
 
+    @property
+    def engine_seqs(self) -> int:
+        """Answers a generator's engine runs at once (vLLM's max_num_seqs): every in-flight group's, at
+        most 1024."""
+        return min(1024, self.max_concurrent * self.group_size)
+
 
 ADV_NORMS = ("group", "mean", "batch")
 """The values of `ppo.adv_norm` (algo/advantages.py gives each one's formula)."""

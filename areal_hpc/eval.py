@@ -201,7 +201,7 @@ def resolve(target: str | Path, step: int | None, overrides: list[str], config: 
     A run directory (config.yaml and checkpoints/): the run's config; step 0 is its initial model,
     step N (default: the latest complete checkpoint) its checkpoint exported once to RUN_DIR/hf/step_N.
     """
-    from areal_hpc.rundir import checkpoint_dir, checkpoint_version, latest_checkpoint
+    from areal_hpc.rundir import checkpoint_dir, checkpoint_version, complete_checkpoints, latest_checkpoint
 
     path = Path(target)
     if (path / "config.json").is_file():
@@ -224,9 +224,9 @@ def resolve(target: str | Path, step: int | None, overrides: list[str], config: 
         from areal_hpc.sft import initial_model
 
         return cfg, initial_model(cfg), 0
-    ckpt = checkpoint_dir(path, step)
-    if not (ckpt / "COMPLETE").is_file():
-        have = sorted(checkpoint_version(d.parent) for d in (path / "checkpoints").glob("step_*/COMPLETE"))
+    complete = complete_checkpoints(path)
+    if checkpoint_dir(path, step) not in complete:
+        have = [checkpoint_version(d) for d in complete]
         raise ConfigError(
             f"{path} has no complete checkpoint of step {step} (complete: {have or 'none'}; 0 is the initial model)"
         )

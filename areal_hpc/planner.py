@@ -455,23 +455,23 @@ def config_plan(cfg: Config) -> Plan:
     return Plan(Layout.from_config(cfg).gen_nodes, a.gen_tp, a.train_tp, a.train_pp)
 
 
+def tp_sizes(cfg: Config) -> list[int]:
+    """The tensor-parallel sizes a node allows: dividing its GPUs and the query and KV heads."""
+    m, g = cfg.model, cfg.cluster.gpus_per_node
+    return [
+        t for t in range(1, g + 1) if g % t == 0 and m.num_attention_heads % t == 0 and m.num_key_value_heads % t == 0
+    ]
+
+
 def candidates(cfg: Config, fixed: dict[str, int] | None = None):
     """Every plan the system can run: generator TP divides the GPUs of a node (an engine never spans
     nodes), trainer TP stays inside a node, both divide the query and KV heads, PP (at most 16) divides
     the layers, and TP x PP divides the trainer GPUs. Fields in `fixed` keep their value."""
     fixed = fixed or {}
     m, n, g = cfg.model, cfg.cluster.nodes, cfg.cluster.gpus_per_node
-
-    def tps():
-        return [
-            t
-            for t in range(1, g + 1)
-            if g % t == 0 and m.num_attention_heads % t == 0 and m.num_key_value_heads % t == 0
-        ]
-
     gen_nodes = [fixed["gen_nodes"]] if "gen_nodes" in fixed else range(1, n)
-    gen_tps = [fixed["gen_tp"]] if "gen_tp" in fixed else tps()
-    train_tps = [fixed["train_tp"]] if "train_tp" in fixed else tps()
+    gen_tps = [fixed["gen_tp"]] if "gen_tp" in fixed else tp_sizes(cfg)
+    train_tps = [fixed["train_tp"]] if "train_tp" in fixed else tp_sizes(cfg)
     pps = (
         [fixed["train_pp"]]
         if "train_pp" in fixed
@@ -598,13 +598,7 @@ def memory_advice(cfg: Config, p: Prediction, cost: CostModel = COST) -> str:
     by name, each with what it would need."""
     fixes = []
     if p.gen_memory > p.memory:
-        t = p.plan.gen_tp
-        m, g_max = cfg.model, cfg.cluster.gpus_per_node
-        more = [
-            g
-            for g in range(t + 1, g_max + 1)
-            if g_max % g == 0 and m.num_attention_heads % g == 0 and m.num_key_value_heads % g == 0
-        ]
+        more = [t for t in tp_sizes(cfg) if t > p.plan.gen_tp]
         fixes.append(
             f"the generator needs {p.gen_memory / GB:,.1f} GB of {p.memory / GB:g} GB: "
             + (f"raise allocation.gen_tp (to {more[0]}) or " if more else "")
@@ -661,13 +655,14 @@ def check_host_fits(cfg: Config, available: float | None = None) -> str:
     from areal_hpc.config import ConfigError
 
     need = host_memory_need(cfg)
+    total = sum(need.values())
     if available is None:
         available = _mem_available()
     line = (
-        f"memory on this host: the ranks need about {sum(need.values()) / GiB:,.1f} GiB (trainers "
+        f"memory on this host: the ranks need about {total / GiB:,.1f} GiB (trainers "
         f"{need['trainer'] / GiB:,.1f}, generators {need['generator'] / GiB:,.1f}) of {available / GiB:,.1f} GiB available"
     )
-    if sum(need.values()) > available:
+    if total > available:
         raise ConfigError(
             f"{line}: set ppo.recompute=full or lower ppo.max_tokens_per_mb (trainers), lower rollout.max_concurrent "
             "or model.max_position_embeddings (the generators' KV cache), or use fewer cluster.nodes"
@@ -691,10 +686,8 @@ def host_memory_need(cfg: Config) -> dict[str, float]:
 
     layout, m = Layout.from_config(cfg), ModelSize.from_config(cfg)
     parts = train_memory_parts(m, layout.train_tp, layout.train_pp, layout.train_dp, cfg)
-    r = cfg.rollout
-    seqs = min(1024, r.max_concurrent * r.group_size)  # the engine's max_num_seqs (GenerationEngine.from_config)
     per_token = m.kv_bytes_per_token * 4 / m.dtype_bytes / layout.gen_tp
-    kv = cpu_kv_cache_bytes(per_token, seqs * cfg.model.max_position_embeddings)
+    kv = cpu_kv_cache_bytes(per_token, cfg.rollout.engine_seqs * cfg.model.max_position_embeddings)
     return {
         "trainer": layout.trainers * sum(parts.values()),
         "generator": layout.generators * layout.gen_tp * (m.weight_bytes / layout.gen_tp + kv),

@@ -78,4 +78,4 @@ def test_logits_match_transformers_and_export_round_trips(models, tp, pp):
     for name, model_dir in models.items():
         assert logits_problems(pick(results, f"{name}/logits"), _hf_logits(str(model_dir)), tol=1e-4) == [], name
         # export(load(checkpoint)) is the checkpoint, bit for bit and name for name
-        assert export_problems(pick(results, f"{name}/exported"), read_hf(model_dir)) == [], name
+        assert export_problems(pick(results, f"{name}/weights"), read_hf(model_dir)) == [], name

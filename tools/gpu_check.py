@@ -84,7 +84,7 @@ def check_logits(work: Path, tp: int, device: str):
     model_dir = str(build_tiny_model(MODEL, work / f"logits-tp{tp}", seed=3))
     results = run_ranks(logits_and_export_rank, tp, tp, 1, {"m": model_dir}, PPOConfig(), device=device)
     got, want = pick(results, "m/logits"), hf_logits(model_dir, device)
-    problems = logits_problems(got, want, LOGITS_TOL) + export_problems(pick(results, "m/exported"), read_hf(model_dir))
+    problems = logits_problems(got, want, LOGITS_TOL) + export_problems(pick(results, "m/weights"), read_hf(model_dir))
     return _verdict(problems, f"max |logits - transformers'| {max_diff(got, want):.1e}; export equal")
 
 

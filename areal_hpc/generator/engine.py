@@ -178,7 +178,7 @@ class GenerationEngine:
             tp=cfg.allocation.gen_tp,
             seed=cfg.experiment.seed + seed_offset,
             max_model_len=m.max_position_embeddings,
-            max_num_seqs=min(1024, r.max_concurrent * r.group_size),
+            max_num_seqs=r.engine_seqs,
         )
 
     def close(self) -> None:

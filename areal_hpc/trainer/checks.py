@@ -202,14 +202,21 @@ def logits_and_export_rank(par, model_dirs: dict, optim) -> dict:
 
     result = {}
     for name, model_dir in model_dirs.items():
-        engine = Engine(model_dir, par, optim)
-        got = logits(engine, probe_sequences(engine.arch.vocab_size))
-        if got is not None:
-            result[f"{name}/logits"] = got
-        exported = engine.export_full()
-        if exported is not None:
-            result[f"{name}/exported"] = {k: v.cpu() for k, v in exported.items()}
+        result.update(_logits_and_weights(Engine(model_dir, par, optim), name))
     return result
+
+
+def _logits_and_weights(engine, name: str) -> dict:
+    """`name/logits` (the probe sequences', on the last stage's ranks) and `name/weights` (the whole
+    model under Hugging Face names, on rank 0) of an engine; collective."""
+    out = {}
+    got = logits(engine, probe_sequences(engine.arch.vocab_size))
+    if got is not None:
+        out[f"{name}/logits"] = got
+    weights = engine.export_full()
+    if weights is not None:
+        out[f"{name}/weights"] = {k: v.cpu() for k, v in weights.items()}
+    return out
 
 
 def _steps(engine, seeds: list[int], step_cfg) -> list[dict]:
@@ -332,12 +339,7 @@ def train_and_save_rank(par, models: dict, run_root, steps: int, optim) -> dict:
     for name, (model_dir, dtype) in models.items():
         engine = Engine(model_dir, par, optim, getattr(torch, dtype))
         _steps(engine, list(range(steps)), StepConfig())
-        got = logits(engine, probe_sequences(engine.arch.vocab_size))
-        if got is not None:
-            result[f"{name}/logits"] = got
-        weights = engine.export_full()
-        if weights is not None:
-            result[f"{name}/weights"] = {k: v.cpu() for k, v in weights.items()}
+        result.update(_logits_and_weights(engine, name))
         step_dir = checkpoint_dir(Path(run_root) / name, steps)
         checkpoint.save(engine, step_dir)
         if par.rank == 0:
