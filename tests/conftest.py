@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-TINY = REPO / "configs" / "tiny-cpu.yaml"
+from tests.helpers import REPO
 
 
 def mpirun_cmd(n: int) -> list[str]:
@@ -47,3 +46,24 @@ def run_mpi(tmp_path):
     if shutil.which("mpirun") is None:
         pytest.fail("mpirun is not installed (tools/setup.sh installs OpenMPI)")
     return run
+
+
+def _slurm_answers() -> bool:
+    try:
+        return subprocess.run(["sinfo", "-h"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """SLURM_CONF of a running cluster: the one tools/test.sh started, or one started here."""
+    started = False
+    if not (os.environ.get("SLURM_CONF") and _slurm_answers()):
+        out = subprocess.run([str(REPO / "tools/local_slurm.sh"), "start"], capture_output=True, text=True)
+        assert out.returncode == 0, f"tools/local_slurm.sh start failed:\n{out.stdout}\n{out.stderr}"
+        os.environ["SLURM_CONF"] = str(REPO / ".slurm" / "etc" / "slurm.conf")
+        started = True
+    yield os.environ["SLURM_CONF"]
+    if started:
+        subprocess.run([str(REPO / "tools/local_slurm.sh"), "stop"], capture_output=True)

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from areal_hpc.config import load_config
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 COMMANDS = ["run", "submit", "render", "status", "cancel", "plan"]
 

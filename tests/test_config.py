@@ -8,7 +8,7 @@ import pytest
 
 from areal_hpc.config import Config, ConfigError, describe_config, field_docs, load_config, save_config
 from areal_hpc.layout import Layout
-from tests.conftest import REPO, TINY
+from tests.helpers import REPO, TINY
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 

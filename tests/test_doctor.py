@@ -13,7 +13,7 @@ from areal_hpc.cli import main as cli_main
 from areal_hpc.config import load_config
 from areal_hpc.layout import Layout
 from launch.doctor import doctor, evaluate
-from tests.test_slurm import TINY, slurm_cluster  # noqa: F401 - slurm_cluster is a fixture
+from tests.helpers import TINY
 
 CHECKS = ["slurm", "pmix", "partitions", "preemption", "run directory", "python", "mpi", "gpus", "all-reduce"]
 
@@ -28,7 +28,7 @@ def statuses(text: str) -> dict[str, str]:
 
 
 @pytest.mark.slurm
-def test_every_check_passes_on_the_local_cluster(slurm_cluster, tmp_path, capsys):  # noqa: F811
+def test_every_check_passes_on_the_local_cluster(slurm_cluster, tmp_path, capsys):
     code = cli_main(["doctor", str(TINY), "--nodes", "3", f"experiment.root={tmp_path}"])
     out = capsys.readouterr().out
     assert code == 0, out
@@ -40,7 +40,7 @@ def test_every_check_passes_on_the_local_cluster(slurm_cluster, tmp_path, capsys
 
 
 @pytest.mark.slurm
-def test_each_broken_setup_is_named(slurm_cluster, tmp_path, capsys):  # noqa: F811
+def test_each_broken_setup_is_named(slurm_cluster, tmp_path, capsys):
     # a partition that does not exist: found before any job
     code = cli_main(["doctor", str(TINY), "--nodes", "3", f"experiment.root={tmp_path}", "cluster.partition=gpu-big"])
     out = capsys.readouterr().out

@@ -1,5 +1,5 @@
 """`areal-hpc eval`: the pass@k estimator against hand-computed cases, the report, what a target names,
-the evaluation between training steps (simulated world of test_controller), and one evaluation with a
+the evaluation between training steps (the simulated world of tests/sim_world.py), and one evaluation with a
 real vLLM engine and the reward workers' scorer pool on the tiny model."""
 
 import json
@@ -15,7 +15,7 @@ from areal_hpc.config import ConfigError, load_config
 from areal_hpc.data import Example
 from areal_hpc.eval import EvalRound, ks, pass_at_k, resolve
 from areal_hpc.tiny import build_tokenizer
-from tests.test_slurm import slurm_cluster  # noqa: F401 - a fixture
+from tests.sim_world import Prompts, World, make, metrics, run
 
 
 def test_pass_at_k_by_hand():
@@ -93,7 +93,6 @@ def test_eval_between_training_steps(tmp_path):
     are never trained on, never pass the staleness gate, and their pass@1 is the hand-counted one."""
     from areal_hpc.controller import EXIT_DONE
     from areal_hpc.protocol import Envelope, RewardRequest, RewardResult
-    from tests.test_controller import Prompts, World, make, metrics, run
 
     class EvalWorld(World):
         """Scores an eval answer (trajectory id < 0) right when its id is divisible by 3."""
@@ -195,7 +194,7 @@ def test_eval_array_script(tmp_path):
 
 @pytest.mark.slurm
 @pytest.mark.vllm
-def test_eval_array_runs_on_slurm(tmp_path, slurm_cluster):  # noqa: F811
+def test_eval_array_runs_on_slurm(tmp_path, slurm_cluster):
     """`areal-hpc eval RUN_DIR --steps 0 --submit` on the local Slurm cluster: the array task writes its report."""
     import subprocess
     import sys
@@ -224,7 +223,6 @@ def test_eval_array_runs_on_slurm(tmp_path, slurm_cluster):  # noqa: F811
 def test_bad_eval_data_is_one_line_before_any_engine(tmp_path, capsys):
     from areal_hpc.cli import main
     from areal_hpc.tiny import build_tiny_model
-    from tests.test_controller import World, make
 
     model = build_tiny_model(load_config().model, tmp_path, seed=1)
     bad = tmp_path / "bad.jsonl"

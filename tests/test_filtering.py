@@ -1,5 +1,5 @@
 """Dynamic filtering and overlong answers: `rollout.filter_uniform_groups` against the simulated world
-of test_controller (the real gate, buffer, batches and metrics), the gate's invariant with filtered
+of tests/sim_world.py (the real gate, buffer, batches and metrics), the gate's invariant with filtered
 groups (a property test over the controller's loop), the gate's slot accounting for a filtered group,
 DAPO's soft length penalty, and masking truncated answers out of the loss."""
 
@@ -18,7 +18,7 @@ from areal_hpc.controller import EXIT_DONE, FILTERED_WARN_STEPS
 from areal_hpc.protocol import Envelope, RewardRequest, RewardResult, Trajectory
 from areal_hpc.reward import overlong_penalty
 from areal_hpc.tiny import build_tokenizer
-from tests.test_controller import Prompts, World, make, metrics, run
+from tests.sim_world import Prompts, World, make, metrics, run
 
 
 class CoinWorld(World):

@@ -11,7 +11,7 @@ import pytest
 
 from areal_hpc.device import visible_gpus
 from areal_hpc.trainer.spawn import default_device
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 

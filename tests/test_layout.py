@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from areal_hpc.config import ConfigError, load_config
 from areal_hpc.layout import Layout, Role
-from tests.conftest import TINY
+from tests.helpers import TINY
 
 
 @settings(max_examples=200, deadline=None)

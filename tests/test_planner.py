@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from areal_hpc import planner
 from areal_hpc.config import ConfigError, load_config
 from areal_hpc.layout import Layout
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 CONFIGS = REPO / "configs"
 TOLERANCE = 0.15

@@ -9,25 +9,20 @@ system.
 """
 
 import json
-import os
 import subprocess
 import sys
-import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
 from areal_hpc.cli import main as cli_main
 from areal_hpc.config import load_config
 from areal_hpc.exit_codes import EXIT_STOPPED
-from launch.record import ACTIVE, JobRecord, query_states
+from launch.record import ACTIVE, JobRecord
 from launch.slurm import HetSlurmJob, SlurmLauncher
+from tests.helpers import ONE_REQUEUE, TINY, RequeueStarter, components, wait_done, wait_for
 
 pytestmark = pytest.mark.slurm
-
-REPO = Path(__file__).resolve().parent.parent
-TINY = REPO / "configs" / "tiny-cpu.yaml"
 
 HELLO = """
 import json, os, sys
@@ -97,27 +92,6 @@ time.sleep(600)
 """
 
 
-def _answers() -> bool:
-    try:
-        return subprocess.run(["sinfo", "-h"], capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-@pytest.fixture(scope="session")
-def slurm_cluster():
-    """SLURM_CONF of a running cluster: the one tools/test.sh started, or one started here."""
-    started = False
-    if not (os.environ.get("SLURM_CONF") and _answers()):
-        out = subprocess.run([str(REPO / "tools/local_slurm.sh"), "start"], capture_output=True, text=True)
-        assert out.returncode == 0, f"tools/local_slurm.sh start failed:\n{out.stdout}\n{out.stderr}"
-        os.environ["SLURM_CONF"] = str(REPO / ".slurm" / "etc" / "slurm.conf")
-        started = True
-    yield os.environ["SLURM_CONF"]
-    if started:
-        subprocess.run([str(REPO / "tools/local_slurm.sh"), "stop"], capture_output=True)
-
-
 @pytest.fixture
 def submit(slurm_cluster, tmp_path, monkeypatch):
     """Submit tiny-cpu on 3 nodes (4 fake nodes with the controller's) with a stand-in entry; returns
@@ -140,64 +114,6 @@ def submit(slurm_cluster, tmp_path, monkeypatch):
     yield run
     for job_id in jobs:
         subprocess.run(["scancel", job_id], capture_output=True)
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.5):
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-def components(job_id: str) -> dict[str, dict[str, str]]:
-    return {k: v for k, v in (query_states(job_id) or {}).items() if "+" in k}
-
-
-def nodes_idle() -> bool:
-    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True).stdout.split()
-    return bool(out) and all(state == "idle" for state in out)
-
-
-class RequeueStarter:
-    """Starts a requeued job as soon as that is safe, rather than after Slurm's ~2 min hold.
-
-    Safe means: every component is PENDING, the nodes are idle, the old step's PMIx sockets are gone
-    (a new step with the same job and step id fails to bind them), and 2 s have passed since the job
-    was first seen pending: slurmd revokes the old attempt's credential with a time in whole seconds,
-    and a start within the same second is killed as "Job credential revoked".
-    """
-
-    def __init__(self, job_id: str):
-        self.job_id = job_id
-        self.spool = Path(os.environ["SLURM_CONF"]).parent.parent / "spool"
-        self.pending_since: float | None = None
-
-    def __call__(self) -> bool:
-        """True once it has asked Slurm to start the job now."""
-        comps = components(self.job_id)
-        pending = comps and all(c["State"] == "PENDING" for c in comps.values())
-        if not pending:
-            self.pending_since = None
-            return False
-        self.pending_since = self.pending_since or time.time()
-        if time.time() - self.pending_since < 2 or not nodes_idle():
-            return False
-        if list(self.spool.glob(f"*/stepd.slurm.pmix.{self.job_id}.*")):
-            return False
-        subprocess.run(["scontrol", "update", f"JobId={self.job_id}", "StartTime=now"], capture_output=True)
-        return True
-
-
-ONE_REQUEUE = [(0, "start"), (0, "end"), (0, "requeue"), (1, "start"), (1, "end")]
-"""(attempt, event) of a job's attempts.jsonl when it was requeued once and then ended."""
-
-
-def wait_done(run_dir: Path, timeout: float) -> str:
-    record = JobRecord.load(run_dir)
-    return wait_for(lambda: (s := record.state()) not in ACTIVE and s, timeout, f"job {record.job_id} to end")
 
 
 def test_cluster_has_fake_gpu_nodes(slurm_cluster):

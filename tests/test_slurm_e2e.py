@@ -14,14 +14,7 @@ import pytest
 
 from areal_hpc.exit_codes import EXIT_STOPPED
 from launch.record import JobRecord
-from tests.test_slurm import (  # noqa: F401 - slurm_cluster is a fixture
-    ONE_REQUEUE,
-    REPO,
-    RequeueStarter,
-    slurm_cluster,
-    wait_done,
-    wait_for,
-)
+from tests.helpers import ONE_REQUEUE, REPO, RequeueStarter, wait_done, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e, pytest.mark.mpi, pytest.mark.vllm, pytest.mark.megatron]
 pytestmark.append(pytest.mark.slow)
@@ -72,7 +65,7 @@ def requeued_run_ends(run_dir: Path, job_id: str) -> tuple[str, list[dict]]:
     return state, events
 
 
-def test_submit_tiny_cpu_runs_to_the_end(slurm_cluster, root):  # noqa: F811
+def test_submit_tiny_cpu_runs_to_the_end(slurm_cluster, root):
     run_dir = submit(root, "to-the-end")
     record = JobRecord.load(run_dir)
     try:
@@ -91,7 +84,7 @@ def test_submit_tiny_cpu_runs_to_the_end(slurm_cluster, root):  # noqa: F811
     assert "COMPLETED" in status.stdout and "last step: 3" in status.stdout, status.stdout
 
 
-def test_time_limit_signal_checkpoints_requeues_and_resumes(slurm_cluster, root):  # noqa: F811
+def test_time_limit_signal_checkpoints_requeues_and_resumes(slurm_cluster, root):
     run_dir = submit(root, "requeue", "train.total_steps=6")
     job_id = JobRecord.load(run_dir).job_id
     metrics = run_dir / "metrics.jsonl"
@@ -118,7 +111,7 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(slurm_cluster, root)
     assert len(prompts) == len(set(prompts)), "no prompt trained twice across the requeue"
 
 
-def test_preempted_run_requeues_resumes_and_finishes(slurm_cluster, root, tmp_path):  # noqa: F811
+def test_preempted_run_requeues_resumes_and_finishes(slurm_cluster, root, tmp_path):
     """Slurm's own preemption (tools/local_slurm.sh: partition `low` is preempted by `high` with a GraceTime of
     30 s): the run's ranks get SIGTERM, the controller checkpoints within cluster.grace_s and exits, the job
     requeues itself, the `high` job runs on its nodes, the run resumes and finishes, every step once."""

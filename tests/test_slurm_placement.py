@@ -21,7 +21,7 @@ from areal_hpc.main import PLACEMENT_FLAG
 from areal_hpc.rundir import log_path
 from launch.record import JobRecord
 from launch.slurm import SlurmLauncher
-from tests.test_slurm import TINY, slurm_cluster, wait_done, wait_for  # noqa: F401 - slurm_cluster is a fixture
+from tests.helpers import TINY, wait_done, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mpi]
 
@@ -35,7 +35,7 @@ def _gpus(text: str) -> list[str]:
     return [] if text == "none" else text.split(",")
 
 
-def test_each_rank_logs_and_takes_the_gpus_the_layout_gives_it(slurm_cluster, tmp_path, monkeypatch):  # noqa: F811
+def test_each_rank_logs_and_takes_the_gpus_the_layout_gives_it(slurm_cluster, tmp_path, monkeypatch):
     # only because the fake nodes share one host: OpenMPI's shared-memory segments collide
     monkeypatch.setenv("OMPI_MCA_btl", "self,tcp")
     beside = subprocess.run(
