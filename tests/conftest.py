@@ -24,14 +24,10 @@ def mpirun_cmd(n: int) -> list[str]:
 
 
 @pytest.fixture
-def run_mpi(tmp_path):
-    """Run a Python script (its text, or a file) under mpirun with `n` ranks; returns the CompletedProcess."""
+def run_mpi():
+    """Run a Python file (one of tests/mpi/) under mpirun with `n` ranks; returns the CompletedProcess."""
 
-    def run(script: str | Path, n: int, timeout: float = 120, env: dict | None = None, args: list[str] = ()):
-        path = script
-        if isinstance(script, str):
-            path = tmp_path / "mpi_script.py"
-            path.write_text(script)
+    def run(path: Path, n: int, timeout: float = 120, env: dict | None = None, args: list[str] = ()):
         python_path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
         full_env = {**os.environ, "OMPI_MCA_btl": "self,tcp", "PYTHONPATH": python_path, **(env or {})}
         return subprocess.run(

@@ -11,6 +11,7 @@ from launch.record import ACTIVE, JobRecord, query_states
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "configs" / "tiny-cpu.yaml"
+MPI_PROGRAMS = REPO / "tests" / "mpi"  # what the tests run under mpirun or in a Slurm job
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.5):

@@ -6,7 +6,6 @@ matches transformers under the weights of its version.
 """
 
 import pickle
-import textwrap
 
 import numpy as np
 import pytest
@@ -14,64 +13,11 @@ import torch
 
 from areal_hpc.config import ModelConfig
 from areal_hpc.tiny import build_tiny_model
+from tests.helpers import MPI_PROGRAMS
 
 MODEL = ModelConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
 TEMPERATURE = 0.8
 MAX_NEW = 96
-
-SCRIPT = textwrap.dedent(
-    """
-    import os, pickle, time
-    from pathlib import Path
-    import numpy as np, torch
-    from mpi4py import MPI
-    from areal_hpc.config import load_config
-    from areal_hpc.layout import Layout, Role
-    from areal_hpc.protocol import Failure, GenerateRequest, Mailbox, Stop, SyncDone, Trajectory, WeightSync
-    from areal_hpc.runtime import RankContext
-    from areal_hpc.weight_sync import setup_weight_sync
-
-    cfg = load_config(None, os.environ["OVERRIDES"].split())
-    layout, world = Layout.from_config(cfg), MPI.COMM_WORLD
-    ctx = RankContext(cfg, layout, world, layout.split(world), Path("."), Path(os.environ["MODEL"]))
-    sync = setup_weight_sync(ctx)
-    role, gen, trainer = layout.role_of(world.Get_rank()), layout.ranks(Role.GENERATOR)[0], layout.ranks(Role.TRAINER)[0]
-    mb = Mailbox(world)
-
-    def expect(n_traj, done=False):
-        trajs, syncs = [], []
-        while len(trajs) < n_traj or (done and not syncs):
-            msg = mb.recv(timeout_s=240).msg
-            if isinstance(msg, Failure):
-                raise RuntimeError(msg.error)
-            (trajs if isinstance(msg, Trajectory) else syncs).append(msg)
-        return trajs, syncs
-
-    if role == Role.GENERATOR:
-        from areal_hpc.generator.worker import serve
-        serve(ctx, sync)
-    elif role == Role.TRAINER:
-        state = torch.load(os.environ["WEIGHTS_B"])
-        while not isinstance(msg := mb.recv(source=0, timeout_s=300).msg, Stop):
-            assert isinstance(msg, WeightSync)
-            sync.send(sorted(state.items()), bucket_bytes=32_000)
-    elif role == Role.CONTROLLER:
-        mb.send(gen, GenerateRequest(0, np.array([5, 6, 7], np.int32), 4))
-        first, _ = expect(4)  # the engine is up and serving
-        for g in (1, 2):
-            mb.send(gen, GenerateRequest(g, np.array([5 + g, 6, 7], np.int32), 4))
-        time.sleep(0.05)
-        mb.send(trainer, WeightSync(1))
-        mb.send(gen, WeightSync(1))
-        rest, syncs = expect(8, done=True)
-        for r in (gen, trainer):
-            mb.send(r, Stop("done"))
-        mb.flush()
-        with open(os.environ["OUT"], "wb") as f:
-            pickle.dump({"first": first, "rest": rest, "syncs": syncs}, f)
-    world.Barrier()
-    """
-)
 
 
 def _logprobs(model, t) -> np.ndarray:
@@ -112,7 +58,9 @@ def test_generator_rank_serves_and_syncs(run_mpi, tmp_path):
         "WEIGHTS_B": str(tmp_path / "b.pt"),
         "OUT": str(tmp_path / "out.pkl"),
     }
-    proc = run_mpi(SCRIPT, n=4, timeout=300, env=env)  # controller, reward (idle), generator, trainer
+    proc = run_mpi(
+        MPI_PROGRAMS / "generator_world.py", n=4, timeout=300, env=env
+    )  # controller, reward (idle), generator, trainer
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     out = pickle.loads((tmp_path / "out.pkl").read_bytes())
 

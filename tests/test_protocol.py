@@ -2,40 +2,12 @@
 
 import pytest
 
+from tests.helpers import MPI_PROGRAMS
+
 pytestmark = pytest.mark.mpi
-
-SCRIPT = r"""
-import numpy as np
-from mpi4py import MPI
-from areal_hpc.protocol import Mailbox, Trajectory, Stop
-
-comm = MPI.COMM_WORLD
-box = Mailbox(comm)
-if comm.rank == 1:
-    for i in range(50):
-        box.send(0, Trajectory(group_id=i, sample_idx=i % 3, prompt_ids=np.arange(i + 1, dtype=np.int32),
-                               output_ids=np.full(2 * i, 7, np.int32), behav_logprobs=np.linspace(-1, 0, 2 * i, dtype=np.float32),
-                               versions=np.full(2 * i, i, np.int32), finish_reason="stop"))
-    box.send(0, Stop(reason="done"))
-    box.flush()
-else:
-    got = []
-    while True:
-        env = box.recv(timeout_s=30)
-        if isinstance(env.msg, Stop):
-            break
-        got.append(env.msg)
-    assert [t.group_id for t in got] == list(range(50)), "in order"
-    for i, t in enumerate(got):
-        assert t.prompt_ids.dtype == np.int32 and (t.prompt_ids == np.arange(i + 1)).all()
-        assert t.output_ids.shape == (2 * i,) and (t.versions == i).all()
-        assert np.allclose(t.behav_logprobs, np.linspace(-1, 0, 2 * i))
-        assert t.finish_reason == "stop" and t.sample_idx == i % 3
-    print("OK", len(got))
-"""
 
 
 def test_messages_cross_ranks_intact(run_mpi):
-    r = run_mpi(SCRIPT, n=2)
+    r = run_mpi(MPI_PROGRAMS / "messages.py", n=2)
     assert r.returncode == 0, r.stderr
     assert "OK 50" in r.stdout

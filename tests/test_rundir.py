@@ -48,20 +48,15 @@ def test_resume_with_another_config_names_each_change(tmp_path):
     assert (tmp_path / "tiny-cpu/trial0/config.yaml").read_text().count("total_steps: 900") == 1
 
 
-HOLD = """
-import sys, time
-from pathlib import Path
-from areal_hpc.rundir import Holder, lock_run_dir
-lock_run_dir(Path(sys.argv[1]), Holder.this_process(), lambda job: None)
-print("locked", flush=True)
-time.sleep(60)
-"""
-
-
 def test_a_second_run_is_refused_naming_the_holder_and_a_dead_holders_lock_is_stale(tmp_path, capsys):
     run_dir = tmp_path / "tiny-cpu" / "trial0"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    first = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True, env=env)
+    first = subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "scripts" / "hold_run_dir.py"), str(run_dir)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         assert first.stdout.readline().strip() == "locked"
         # what a new user tried: a second `areal-hpc run` on the directory of a running run

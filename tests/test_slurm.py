@@ -2,7 +2,7 @@
 loopback, fake GPUs). tools/test.sh starts it and exports SLURM_CONF; run alone, these tests start it
 themselves and stop it afterwards.
 
-The ranks run small stand-in entry points (written below) instead of `areal_hpc.main`, so what is tested
+The ranks run small stand-in entry points (tests/mpi/) instead of `areal_hpc.main`, so what is tested
 is the launcher: one heterogeneous job, one MPI world across the fake nodes, cancel, the whole step
 ending when one rank fails, and the checkpoint/requeue cycle. tests/test_slurm_e2e.py runs the real
 system.
@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -20,76 +21,9 @@ from areal_hpc.config import load_config
 from areal_hpc.exit_codes import EXIT_STOPPED
 from launch.record import ACTIVE, JobRecord
 from launch.slurm import HetSlurmJob, SlurmLauncher
-from tests.helpers import ONE_REQUEUE, TINY, RequeueStarter, components, wait_done, wait_for
+from tests.helpers import MPI_PROGRAMS, ONE_REQUEUE, TINY, RequeueStarter, components, wait_done, wait_for
 
 pytestmark = pytest.mark.slurm
-
-HELLO = """
-import json, os, sys
-from mpi4py import MPI
-world = MPI.COMM_WORLD
-total = world.allreduce(world.Get_rank())
-keys = ("SLURM_PROCID", "SLURMD_NODENAME", "CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID")
-info = {"rank": world.Get_rank(), "size": world.Get_size(), "sum": total, **{k: os.environ.get(k) for k in keys}}
-with open(os.path.join(sys.argv[1], f"rank{world.Get_rank()}.json"), "w") as f:
-    json.dump(info, f)
-"""
-
-# Stand-in for the controller's checkpoint/resume: rank 0 counts steps, checkpoints the count after each
-# step, and on SIGUSR2 saves it and exits with the "requeue me" code EXIT_STOPPED (the others follow its decision).
-COUNTER = (
-    f"EXIT_STOPPED = {EXIT_STOPPED}\n"
-    + """
-import json, os, signal, sys, time
-from pathlib import Path
-from mpi4py import MPI
-run_dir, total, delay = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-world = MPI.COMM_WORLD
-stop = False
-def on_stop(signum, frame):
-    global stop
-    stop = True
-if world.Get_rank() == 0:
-    signal.signal(signal.SIGUSR2, on_stop)
-ckpt = run_dir / "counter.json"
-step = world.bcast(json.loads(ckpt.read_text())["step"] if ckpt.exists() else 0)
-attempt = int(os.environ.get("SLURM_RESTART_COUNT", 0))
-while step < total:
-    if world.bcast(stop):
-        sys.exit(EXIT_STOPPED if world.Get_rank() == 0 else 0)
-    time.sleep(delay)
-    step += 1
-    world.allreduce(1)
-    if world.Get_rank() == 0:
-        with open(run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, "attempt": attempt}) + "\\n")
-        ckpt.write_text(json.dumps({"step": step}))
-"""
-)
-
-# Rank 0 asks Slurm what each component's part of the step got (job ids of components are consecutive).
-STEP_RESOURCES = """
-import json, os, subprocess, sys
-from mpi4py import MPI
-world = MPI.COMM_WORLD
-nodes = world.gather(os.environ["SLURMD_NODENAME"])
-if world.Get_rank() == 0:
-    first = int(os.environ["SLURM_JOB_ID"])
-    show = lambda *a: subprocess.run(["scontrol", "show", *a], capture_output=True, text=True).stdout
-    steps = [show("step", f"{first + k}.0") for k in range(3)]
-    with open(sys.argv[1], "w") as f:
-        json.dump({"nodes": nodes, "steps": steps, "job": show("job", str(first))}, f)
-world.Barrier()
-"""
-
-FAIL_ONE = """
-import sys, time
-from mpi4py import MPI
-world = MPI.COMM_WORLD
-if world.Get_rank() == world.Get_size() - 1:
-    sys.exit(3)
-time.sleep(600)
-"""
 
 
 @pytest.fixture
@@ -101,9 +35,7 @@ def submit(slurm_cluster, tmp_path, monkeypatch):
     monkeypatch.setenv("OMPI_MCA_btl", "self,tcp")
     jobs = []
 
-    def run(script: str, args: list[str], overrides=()):
-        entry = tmp_path / "entry.py"
-        entry.write_text(script)
+    def run(entry: Path, args: list[str], overrides=()):
         cfg = load_config(TINY, ["cluster.nodes=3", f"experiment.root={tmp_path / 'runs'}", *overrides])
         run_dir = cfg.run_dir.resolve()
         command = [sys.executable, str(entry), *[a.replace("RUN_DIR", str(run_dir)) for a in args]]
@@ -127,7 +59,9 @@ def test_hetjob_is_one_mpi_world_across_nodes(submit, tmp_path):
     out = tmp_path / "hello"
     out.mkdir()
     # device cuda, 2 fake GPUs per node: controller + 1 reward | 1 node x 2 generators | 2 nodes x 2 trainers
-    job_id, run_dir = submit(HELLO, [str(out)], ["cluster.device=cuda", "cluster.gpus_per_node=2"])
+    job_id, run_dir = submit(
+        MPI_PROGRAMS / "hello_world.py", [str(out)], ["cluster.device=cuda", "cluster.gpus_per_node=2"]
+    )
     assert wait_done(run_dir, 90) == "COMPLETED"
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(8)]
     assert all(r["size"] == 8 and r["sum"] == sum(range(8)) for r in ranks)
@@ -152,7 +86,7 @@ def test_reward_workers_spread_over_reward_nodes_with_their_cpus(submit, tmp_pat
     # controller + 2 reward workers over 2 CPU nodes (2 + 1 tasks, 2 CPUs each) | 1 generator | 1 trainer node
     overrides = ["cluster.nodes=2", "allocation.reward_workers=2", "allocation.reward_nodes=2"]
     resources = ["cluster.controller_cpus=2", "cluster.controller_mem=500M"]
-    job_id, run_dir = submit(STEP_RESOURCES, [str(out)], [*overrides, *resources])
+    job_id, run_dir = submit(MPI_PROGRAMS / "step_resources.py", [str(out)], [*overrides, *resources])
     assert wait_done(run_dir, 90) == "COMPLETED"
     seen = json.loads(out.read_text())
     nodes = seen["nodes"]
@@ -163,7 +97,7 @@ def test_reward_workers_spread_over_reward_nodes_with_their_cpus(submit, tmp_pat
 
 
 def test_one_failing_rank_ends_the_job(submit):
-    job_id, run_dir = submit(FAIL_ONE, [])
+    job_id, run_dir = submit(MPI_PROGRAMS / "fail_one.py", [])
     state = wait_done(run_dir, 60)  # the others sleep 600 s unless --kill-on-bad-exit ends them
     assert state == "FAILED"
     events = JobRecord.load(run_dir).attempts()
@@ -171,7 +105,7 @@ def test_one_failing_rank_ends_the_job(submit):
 
 
 def test_cancel_shows_in_status(submit, capsys):
-    job_id, run_dir = submit(COUNTER, ["RUN_DIR", "1000", "0.3"])
+    job_id, run_dir = submit(MPI_PROGRAMS / "step_counter.py", ["RUN_DIR", "1000", "0.3"])
     wait_for(lambda: (run_dir / "metrics.jsonl").exists(), 60, "the first step")
     assert cli_main(["status", str(run_dir)]) == 0
     assert f"job {job_id}: RUNNING" in capsys.readouterr().out
@@ -195,7 +129,7 @@ def test_cancel_shows_in_status(submit, capsys):
 
 def test_requeued_job_resumes_from_its_checkpoint(submit):
     total = 14
-    job_id, run_dir = submit(COUNTER, ["RUN_DIR", str(total), "0.4"])
+    job_id, run_dir = submit(MPI_PROGRAMS / "step_counter.py", ["RUN_DIR", str(total), "0.4"])
     metrics = run_dir / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 60, "three steps")
     # What Slurm does cluster.requeue_signal_s before the time limit (--signal=B:USR2@...)
@@ -259,7 +193,7 @@ def test_time_limit_signal_checkpoints_and_requeues(submit):
     resumes where the last one stopped. 40 s of work: at least one signal must come."""
     total = 80
     job_id, run_dir = submit(
-        COUNTER,
+        MPI_PROGRAMS / "step_counter.py",
         ["RUN_DIR", str(total), "0.5"],
         ["cluster.time=00:01:00", "cluster.requeue_signal_s=55", "cluster.max_requeues=10"],
     )

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import REPO
+from tests.helpers import MPI_PROGRAMS
 
 pytestmark = [pytest.mark.mpi, pytest.mark.megatron]
 
@@ -19,7 +19,7 @@ def test_trainer_ranks_serve_a_controller(run_mpi, tmp_path):
     from areal_hpc.trainer import checkpoint
     from areal_hpc.trainer.convert import read_hf
 
-    proc = run_mpi(REPO / "tests" / "mpi" / "trainer_world.py", n=6, timeout=300, args=[str(tmp_path)])
+    proc = run_mpi(MPI_PROGRAMS / "trainer_world.py", n=6, timeout=300, args=[str(tmp_path)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     ctrl = json.loads((tmp_path / "controller.json").read_text())
     assert ctrl["version"] == 1

@@ -1,0 +1,65 @@
+"""A real MPI world for tests/test_generator_worker.py: controller (scripted here), reward (idle), a
+generator running `generator.worker.serve` with a real vLLM engine, and a stand-in trainer that sends
+the weights saved at $WEIGHTS_B through the real weight-sync sender on a WeightSync. The controller
+pickles what came back to $OUT. $OVERRIDES: the config overrides, $MODEL: the model directory.
+
+    mpirun -n 4 python tests/mpi/generator_world.py
+"""
+
+import os
+import pickle
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from areal_hpc.config import load_config
+from areal_hpc.layout import Layout, Role
+from areal_hpc.protocol import Failure, GenerateRequest, Mailbox, Stop, Trajectory, WeightSync
+from areal_hpc.runtime import RankContext
+from areal_hpc.weight_sync import setup_weight_sync
+
+cfg = load_config(None, os.environ["OVERRIDES"].split())
+layout, world = Layout.from_config(cfg), MPI.COMM_WORLD
+ctx = RankContext(cfg, layout, world, layout.split(world), Path("."), Path(os.environ["MODEL"]))
+sync = setup_weight_sync(ctx)
+role, gen, trainer = layout.role_of(world.Get_rank()), layout.ranks(Role.GENERATOR)[0], layout.ranks(Role.TRAINER)[0]
+mb = Mailbox(world)
+
+
+def expect(n_traj, done=False):
+    trajs, syncs = [], []
+    while len(trajs) < n_traj or (done and not syncs):
+        msg = mb.recv(timeout_s=240).msg
+        if isinstance(msg, Failure):
+            raise RuntimeError(msg.error)
+        (trajs if isinstance(msg, Trajectory) else syncs).append(msg)
+    return trajs, syncs
+
+
+if role == Role.GENERATOR:
+    from areal_hpc.generator.worker import serve
+
+    serve(ctx, sync)
+elif role == Role.TRAINER:
+    state = torch.load(os.environ["WEIGHTS_B"])
+    while not isinstance(msg := mb.recv(source=0, timeout_s=300).msg, Stop):
+        assert isinstance(msg, WeightSync)
+        sync.send(sorted(state.items()), bucket_bytes=32_000)
+elif role == Role.CONTROLLER:
+    mb.send(gen, GenerateRequest(0, np.array([5, 6, 7], np.int32), 4))
+    first, _ = expect(4)  # the engine is up and serving
+    for g in (1, 2):
+        mb.send(gen, GenerateRequest(g, np.array([5 + g, 6, 7], np.int32), 4))
+    time.sleep(0.05)
+    mb.send(trainer, WeightSync(1))
+    mb.send(gen, WeightSync(1))
+    rest, syncs = expect(8, done=True)
+    for r in (gen, trainer):
+        mb.send(r, Stop("done"))
+    mb.flush()
+    with open(os.environ["OUT"], "wb") as f:
+        pickle.dump({"first": first, "rest": rest, "syncs": syncs}, f)
+world.Barrier()

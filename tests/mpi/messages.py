@@ -1,0 +1,43 @@
+"""Typed messages between two real MPI ranks, for tests/test_protocol.py: rank 1 sends 50 trajectories and a
+Stop, rank 0 checks that each arrives in order, its arrays bit-exact, and prints `OK 50`.
+
+    mpirun -n 2 python tests/mpi/messages.py
+"""
+
+import numpy as np
+from mpi4py import MPI
+
+from areal_hpc.protocol import Mailbox, Stop, Trajectory
+
+comm = MPI.COMM_WORLD
+box = Mailbox(comm)
+if comm.rank == 1:
+    for i in range(50):
+        box.send(
+            0,
+            Trajectory(
+                group_id=i,
+                sample_idx=i % 3,
+                prompt_ids=np.arange(i + 1, dtype=np.int32),
+                output_ids=np.full(2 * i, 7, np.int32),
+                behav_logprobs=np.linspace(-1, 0, 2 * i, dtype=np.float32),
+                versions=np.full(2 * i, i, np.int32),
+                finish_reason="stop",
+            ),
+        )
+    box.send(0, Stop(reason="done"))
+    box.flush()
+else:
+    got = []
+    while True:
+        env = box.recv(timeout_s=30)
+        if isinstance(env.msg, Stop):
+            break
+        got.append(env.msg)
+    assert [t.group_id for t in got] == list(range(50)), "in order"
+    for i, t in enumerate(got):
+        assert t.prompt_ids.dtype == np.int32 and (t.prompt_ids == np.arange(i + 1)).all()
+        assert t.output_ids.shape == (2 * i,) and (t.versions == i).all()
+        assert np.allclose(t.behav_logprobs, np.linspace(-1, 0, 2 * i))
+        assert t.finish_reason == "stop" and t.sample_idx == i % 3
+    print("OK", len(got))
