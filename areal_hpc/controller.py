@@ -351,8 +351,8 @@ class Controller:
             a.train_pp,
             mask_truncated=p.mask_truncated,
         )
-        for t, rank in enumerate(self.trainers):
-            self.box.send(rank, batches[(t // a.train_tp) % self.layout.train_dp])
+        for rank in self.trainers:
+            self.box.send(rank, batches[self.layout.trainer_coords(rank).dp])
         self.train_idle.busy(0, True)
         self.train_started = time.monotonic()
         self.timeline.mark("train_start", version=self.version)
