@@ -31,8 +31,6 @@ class BatchInfo:
     """What the step's metrics need from the data it trains on."""
 
     reward_mean: float
-    staleness_max: int
-    """max over consumed generated tokens of (version - token version); 0 when none."""
     response_tokens: int
     sequences: int
     truncated: int = 0
@@ -106,11 +104,8 @@ def build_train_batches(
                 microbatches=mbs[r],
             )
         )
-    generated = [t.versions[t.versions >= 0] for t in trajs]
-    oldest = min((int(v.min()) for v in generated if v.size), default=version)
     info = BatchInfo(
         reward_mean=float(rewards.mean()),
-        staleness_max=max(0, version - oldest),
         response_tokens=sum(len(t.output_ids) for t in trajs),
         sequences=len(seqs),
         truncated=sum(t.finish_reason == "length" for t in trajs),

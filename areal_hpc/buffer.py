@@ -3,7 +3,8 @@
 A group is one prompt and its `n` answers (the GRPO group). It lives in `running` from admission
 until every answer has come back from a generator and been scored by a reward worker; then it moves
 to the buffer, where it waits to be trained on. The buffer is ordered by admission (group id), so
-`take` gives the trainer the oldest groups first: those most at risk of going stale.
+the staleness gate's `consume` gives the trainer the oldest groups first: those most at risk of
+going stale.
 
 Pure bookkeeping over numpy arrays, no MPI: the controller drives it, tests drive it directly.
 """
@@ -117,17 +118,3 @@ class Rollouts:
         """A completed group into the buffer, in admission order (a late group goes before younger ones)."""
         self.buffer.append(group)
         self.buffer.sort(key=lambda g: g.group_id)
-
-    def drop_stale(self, is_fresh) -> list[Group]:
-        """Remove and return the buffered groups for which `is_fresh(oldest_version)` is false."""
-        stale = [g for g in self.buffer if not is_fresh(g.oldest_version)]
-        if stale:
-            self.buffer = [g for g in self.buffer if is_fresh(g.oldest_version)]
-        return stale
-
-    def take(self, k: int) -> list[Group] | None:
-        """The k oldest buffered groups (removed), or None when fewer are buffered."""
-        if len(self.buffer) < k:
-            return None
-        taken, self.buffer = self.buffer[:k], self.buffer[k:]
-        return taken

@@ -22,8 +22,9 @@ syncs and checkpoints, writes the metrics. One thread, one event loop, no blocki
    admit    while the gate has room: next prompt -> GenerateRequest to the least-loaded generator
             (waits for: room = (eta + v + 1) * B - accepted - running > 0; TrainResult or a dropped
             group makes room)
-   train    when no step is running and the buffer holds B fresh groups: drop stale groups,
-            advantages, pack, one TrainBatch per data-parallel rank
+   train    when no step is running: the gate drops stale groups and, if B fresh ones are buffered,
+            consumes the oldest B (one call, gate.consume); advantages, pack, one TrainBatch per
+            data-parallel rank
             (waits for: the previous TrainResult, and B finished groups)
    watch    a rank with work outstanding that has said nothing for train.rank_timeout_s -> error
 ```
@@ -153,7 +154,6 @@ class Controller:
         self.last_train_s = 0.0
         self.stop_reason: str | None = None
         self.stopped_at_once = False  # no time to checkpoint before Slurm's kill
-        self.dropped_since_step = 0
         self.reward_errors_since_step = 0  # rewards scored 0 for a timeout or an error
         self.filtered_since_step = 0  # groups left out by rollout.filter_uniform_groups
         self.evals = TrainingEval.from_config(self)  # eval.every_steps: between steps, never trained on
@@ -330,15 +330,11 @@ class Controller:
         """Send the next step's TrainBatch when the trainers are free and B fresh groups are buffered."""
         if self.training is not None or self.stop_reason or self.version >= self.cfg.train.total_steps:
             return False
-        for group in self.rollouts.drop_stale(self.gate.is_fresh):
-            self.gate.consume(group.oldest_version, group.n)  # counted as dropped, its slot freed
-            self.dropped_since_step += group.n
-        groups = self.rollouts.take(self.cfg.rollout.prompts_per_step)
-        if groups is None:
+        taken = self.gate.consume(self.rollouts.buffer)  # stale groups dropped (counted, slots freed)
+        self.rollouts.buffer = taken.buffered
+        groups = taken.consumed
+        if not groups:
             return False
-        for group in groups:
-            if not self.gate.consume(group.oldest_version, group.n):
-                raise AssertionError(f"group {group.group_id} passed drop_stale but failed the consumption check")
         log.info("step %d trains prompts %s", self.version, [g.row.get("index") for g in groups])
         p, a = self.cfg.ppo, self.cfg.allocation
         batches, self.training = build_train_batches(
@@ -351,8 +347,8 @@ class Controller:
             a.train_pp,
             mask_truncated=p.mask_truncated,
         )
-        for t, rank in enumerate(self.trainers):
-            self.box.send(rank, batches[(t // a.train_tp) % self.layout.train_dp])
+        for rank in self.trainers:
+            self.box.send(rank, batches[self.layout.trainer_coords(rank).dp])
         self.train_idle.busy(0, True)
         self.train_started = time.monotonic()
         self.timeline.mark("train_start", version=self.version)
@@ -398,8 +394,7 @@ class Controller:
         step_s, self.last_step_end = now - self.last_step_end, now
         row = {
             "reward/mean": info.reward_mean,
-            "staleness/max": info.staleness_max,
-            "staleness/dropped": self.dropped_since_step,
+            **self.gate.take_metrics(),  # staleness/max, staleness/dropped
             "reward/errors": self.reward_errors_since_step,
             "rollout/filtered": self.filtered_since_step,
             "rollout/truncated": info.truncated,
@@ -412,7 +407,7 @@ class Controller:
             **{k: float(v) for k, v in stats.items()},
             **self.evals.take_metrics(),
         }
-        self.dropped_since_step = self.reward_errors_since_step = self.filtered_since_step = 0
+        self.reward_errors_since_step = self.filtered_since_step = 0
         self.metrics.write(self.version, row)
 
     # --- checkpoints and stopping -----------------------------------------------------------

@@ -12,7 +12,16 @@ CPU nodes. On Slurm these are the three components of the heterogeneous job; loc
 a set of cores of this machine.
 
 Each rank asks `Layout.role_of(rank)`; `Layout.split(comm)` gives the role communicators. Nothing
-else computes ranks.
+else computes ranks: a trainer's (tp, pp, dp) coordinates (`TrainerGrid`, `Layout.trainer_coords`), the
+weight-sync groups' sources, members and sizes, and the cores of each rank on one machine
+(`Layout.core_plan`) come from here too.
+
+Trainer ranks follow Megatron's default order, tp fastest, then dp, then pp:
+
+    trainer-local rank = tp + TP * (dp + DP * pp)
+
+so a tensor-parallel group is TP consecutive ranks and a pipeline stage TP * DP consecutive ones.
+trainer/engine.py checks this formula (`TrainerGrid.coords`) against Megatron's parallel_state.
 
 Placement (`Layout.placement(rank)`): a component's ranks fill its nodes in world-rank order,
 `ntasks_per_node` each, which is what srun's default block distribution does (measured on the local
@@ -29,7 +38,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from areal_hpc.config import Config
@@ -79,6 +88,63 @@ class RankPlacement:
     gpus: tuple[int, ...]
     """Indices into the GPUs Slurm shows every task of the node (CUDA_VISIBLE_DEVICES); empty for the
     controller, the reward workers and every rank of a cpu run."""
+
+
+class TrainerCoords(NamedTuple):
+    """A trainer rank's place in the TP x PP x DP grid."""
+
+    tp: int
+    pp: int
+    dp: int
+
+
+@dataclass(frozen=True)
+class TrainerGrid:
+    """The trainer ranks' TP x PP x DP grid, in trainer-local ranks (the trainers' own communicator and
+    torch.distributed world): rank = tp + TP * (dp + DP * pp), Megatron's default order."""
+
+    tp: int
+    pp: int
+    dp: int
+
+    @classmethod
+    def of(cls, world: int, tp: int, pp: int) -> TrainerGrid:
+        """The grid of `world` trainer ranks with parallel sizes tp and pp (dp follows)."""
+        if tp < 1 or pp < 1 or world % (tp * pp):
+            raise ValueError(f"train_tp x train_pp ({tp} x {pp}) must divide the trainer ranks ({world})")
+        return cls(tp, pp, world // (tp * pp))
+
+    @property
+    def size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def coords(self, rank: int) -> TrainerCoords:
+        """(tp, pp, dp) of trainer-local rank `rank`."""
+        if not 0 <= rank < self.size:
+            raise ValueError(f"trainer rank {rank} outside 0..{self.size - 1}")
+        rest, tp = divmod(rank, self.tp)
+        pp, dp = divmod(rest, self.dp)
+        return TrainerCoords(tp, pp, dp)
+
+    def rank(self, tp: int, pp: int, dp: int) -> int:
+        """The trainer-local rank at (tp, pp, dp): the inverse of `coords`."""
+        if not (0 <= tp < self.tp and 0 <= pp < self.pp and 0 <= dp < self.dp):
+            raise ValueError(f"(tp, pp, dp) = {(tp, pp, dp)} outside the grid {self.tp} x {self.pp} x {self.dp}")
+        return tp + self.tp * (dp + self.dp * pp)
+
+    def stage_source(self, stage: int) -> int:
+        """The trainer-local rank that sends pipeline stage `stage`'s weights: its (tp 0, dp 0) rank."""
+        if not 0 <= stage < self.pp:
+            raise ValueError(f"pipeline stage {stage} outside 0..{self.pp - 1}")
+        return self.rank(0, stage, 0)
+
+
+class Cores(NamedTuple):
+    """Where a rank runs on one machine (`Layout.core_plan`)."""
+
+    cores: list[int]
+    threads: int
+    """Its compute threads (OMP_NUM_THREADS)."""
 
 
 @dataclass(frozen=True)
@@ -139,15 +205,35 @@ class Layout:
                 return role
         raise ValueError(f"rank {rank} is outside the world of {self.world_size} ranks")
 
-    def stage_source_rank(self, stage: int) -> int:
-        """World rank of the trainer that sends pipeline stage `stage`'s weights: its (dp 0, tp 0) rank.
+    # --- trainer grid and weight sync ---
+    @property
+    def trainer_grid(self) -> TrainerGrid:
+        return TrainerGrid(self.train_tp, self.train_pp, self.train_dp)
 
-        Trainer ranks follow Megatron's default order (tp fastest, then dp, then pp), so the trainer-local
-        rank of (pp=stage, dp=0, tp=0) is stage * TP * DP.
-        """
-        if not 0 <= stage < self.train_pp:
-            raise ValueError(f"pipeline stage {stage} outside 0..{self.train_pp - 1}")
-        return self.ranks(Role.TRAINER).start + stage * self.train_tp * self.train_dp
+    def trainer_coords(self, rank: int) -> TrainerCoords:
+        """(tp, pp, dp) of trainer world rank `rank`: `dp` is the data-parallel replica whose batch it
+        trains on, `pp` the pipeline stage whose weights it holds."""
+        if self.role_of(rank) != Role.TRAINER:
+            raise ValueError(f"{self.describe_rank(rank)} is not a trainer")
+        return self.trainer_grid.coords(rank - self.ranks(Role.TRAINER).start)
+
+    def stage_source_rank(self, stage: int) -> int:
+        """World rank of the trainer that sends pipeline stage `stage`'s weights: its (tp 0, dp 0) rank,
+        rank 0 of the stage's weight-sync group."""
+        return self.ranks(Role.TRAINER).start + self.trainer_grid.stage_source(stage)
+
+    @property
+    def weight_sync_size(self) -> int:
+        """Members of each stage's weight-sync group: its source and every generator engine's gen_tp workers."""
+        return 1 + self.generators * self.gen_tp
+
+    def weight_sync_ranks(self, rank: int) -> tuple[int, ...]:
+        """Weight-sync group ranks of generator world rank `rank`'s engine workers, by their TP rank:
+        1 + generator index * gen_tp + tp (group rank 0 is the stage's source)."""
+        if self.role_of(rank) != Role.GENERATOR:
+            raise ValueError(f"{self.describe_rank(rank)} is not a generator")
+        first = 1 + (rank - self.ranks(Role.GENERATOR).start) * self.gen_tp
+        return tuple(range(first, first + self.gen_tp))
 
     def describe_rank(self, rank: int) -> str:
         """'generator 2 (world rank 5)': how errors and logs name a rank."""
@@ -205,6 +291,23 @@ class Layout:
                 break
             before += comp.nodes if comp.gpus_per_node else 0
         return tuple((before + p.node) * self.gpus_per_node + i for i in p.gpus)
+
+    def core_plan(self, cores: list[int]) -> dict[int, Cores]:
+        """World rank -> where a generator or trainer rank runs when every rank shares this machine's
+        `cores` (the controller and reward ranks float: absent).
+
+        Enough cores: disjoint equal shares, one thread per core, so each rank has its own "device", as
+        on a cluster. 2 cores, 1 generator (rank 2) + 1 trainer (rank 3): {2: ([c0], 1), 3: ([c1], 1)}.
+        Fewer cores than these ranks: every one of them runs anywhere with one thread, and the kernel's
+        scheduler shares the cores (a core a generator leaves idle goes to a trainer). Several threads
+        per rank would be worse than none pinned: a rank's parallel regions wait for threads that are not
+        running.
+        """
+        ranks = [*self.ranks(Role.GENERATOR), *self.ranks(Role.TRAINER)]
+        if len(cores) < len(ranks):
+            return {r: Cores(list(cores), 1) for r in ranks}
+        share = len(cores) // len(ranks)
+        return {r: Cores(cores[i * share : (i + 1) * share], share) for i, r in enumerate(ranks)}
 
     def rank_table(self) -> str:
         """One row per world rank: rank, role, component, node (within the component), gpus."""

@@ -45,7 +45,7 @@ from typing import NamedTuple
 
 from areal_hpc.config import load_config
 from areal_hpc.device import resolve_device, visible_gpus
-from areal_hpc.layout import Layout, Role
+from areal_hpc.layout import Cores, Layout, Role
 from areal_hpc.rundir import latest_checkpoint, log_path
 
 EXIT_BARRIER_S = 60.0
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         _fail(world, name, e, console, log_file)
     _signals(role)
     if os.environ.get(PIN_ENV) == "1":
-        _pin(core_plan(layout, sorted(os.sched_getaffinity(0))).get(rank))
+        _pin(layout.core_plan(sorted(os.sched_getaffinity(0))).get(rank))
     logging.info("%s cores %s", name, sorted(os.sched_getaffinity(0)))
 
     try:
@@ -206,28 +206,7 @@ def own_gpus(layout: Layout, rank: int, given: list[str], task: SlurmTask | None
 # --- cores -------------------------------------------------------------------------------------
 
 
-class Placement(NamedTuple):
-    cores: list[int]  # where the rank may run
-    threads: int  # its compute threads (OMP_NUM_THREADS)
-
-
-def core_plan(layout: Layout, cores: list[int]) -> dict[int, Placement]:
-    """World rank -> where a generator or trainer rank runs (the controller and reward ranks float: absent).
-
-    Enough cores: disjoint equal shares, one thread per core, so each rank has its own "device", as on
-    a cluster. 2 cores, 1 generator (rank 2) + 1 trainer (rank 3): {2: ([c0], 1), 3: ([c1], 1)}.
-    Fewer cores than these ranks: every one of them runs anywhere with one thread, and the kernel's
-    scheduler shares the cores (a core a generator leaves idle goes to a trainer). Several threads per
-    rank would be worse than none pinned: a rank's parallel regions wait for threads that are not running.
-    """
-    ranks = [*layout.ranks(Role.GENERATOR), *layout.ranks(Role.TRAINER)]
-    if len(cores) < len(ranks):
-        return {r: Placement(list(cores), 1) for r in ranks}
-    share = len(cores) // len(ranks)
-    return {r: Placement(cores[i * share : (i + 1) * share], share) for i, r in enumerate(ranks)}
-
-
-def _pin(place: Placement | None) -> None:
+def _pin(place: Cores | None) -> None:
     if place is None:
         return
     os.sched_setaffinity(0, place.cores)

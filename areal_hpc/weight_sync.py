@@ -7,8 +7,8 @@
          and sends on its own)
 ```
 
-One process group per pipeline stage s: group rank 0 is `layout.stage_source_rank(s)`; group rank
-`1 + g * gen_tp + t` is tensor-parallel worker t of generator g. A generator's receive runs where its
+One process group per pipeline stage s: group rank 0 is `layout.stage_source_rank(s)`; the engine
+workers of generator g take the group ranks `layout.weight_sync_ranks(g)`, one per tensor-parallel rank. A generator's receive runs where its
 model lives: inside the vLLM worker (the engine's worker extension calls `WeightReceiver.receive`),
 which on CPU with gen_tp 1 is the generator rank itself; with gen_tp > 1 each worker process joins
 the group with its own rank. For that reason the groups connect lazily, on the first send/receive:
@@ -195,15 +195,13 @@ class WeightReceiver:
     """A generator's end: picklable, so a vLLM worker process can join with its own TP rank."""
 
     specs: list[GroupSpec]
-    generator_index: int
-    gen_tp: int
+    group_ranks: tuple[int, ...]
+    """This generator's rank in every group, by its engine workers' tensor-parallel rank
+    (`Layout.weight_sync_ranks`)."""
     _groups: dict = field(default_factory=dict, repr=False)
 
     def __getstate__(self):
         return {**self.__dict__, "_groups": {}}  # connections stay in the process that made them
-
-    def group_rank(self, tp_rank: int) -> int:
-        return 1 + self.generator_index * self.gen_tp + tp_rank
 
     def receive(self, tp_rank: int = 0) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Yield each bucket (a list of (hf_name, tensor)) of every stage, in the agreed order (module
@@ -254,7 +252,7 @@ class WeightReceiver:
     def _join(self, spec: GroupSpec, tp_rank: int, device: torch.device) -> _Group:
         key = (spec.name, tp_rank)
         if key not in self._groups:
-            self._groups[key] = _Group(spec, self.group_rank(tp_rank), device)
+            self._groups[key] = _Group(spec, self.group_ranks[tp_rank], device)
         return self._groups[key]
 
     def _stream(self, group: _Group) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -296,7 +294,7 @@ def setup_weight_sync(ctx: RankContext) -> WeightSender | WeightReceiver | None:
     role = layout.role_of(rank)
     backend = backend_of(ctx.device)
     timeout_s = float(ctx.cfg.train.collective_timeout_s)
-    size = 1 + layout.generators * layout.gen_tp
+    size = layout.weight_sync_size
     specs, my_stage, master = [], None, None
     for stage in range(layout.train_pp):
         source = layout.stage_source_rank(stage)
@@ -319,12 +317,11 @@ def setup_weight_sync(ctx: RankContext) -> WeightSender | WeightReceiver | None:
         comm.Free()
         specs.append(GroupSpec(f"areal-ws-{stage}", stage, host, port, size, backend, timeout_s))
     if role == Role.GENERATOR:
-        return WeightReceiver(specs, rank - layout.ranks(Role.GENERATOR).start, layout.gen_tp)
+        return WeightReceiver(specs, layout.weight_sync_ranks(rank))
     if role == Role.TRAINER:
         if my_stage is not None:
             return WeightSender(my_stage, True, specs[0], master)
-        local = rank - layout.ranks(Role.TRAINER).start
-        return WeightSender(local // (layout.train_tp * layout.train_dp), False)
+        return WeightSender(layout.trainer_coords(rank).pp, False)
     return None
 
 

@@ -4,6 +4,7 @@ groups (a property test over the controller's loop), the gate's slot accounting 
 DAPO's soft length penalty, and masking truncated answers out of the loss."""
 
 import logging
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -90,10 +91,10 @@ class CheckedGate(StalenessGate):
         super().finish(accepted)
         self.check()
 
-    def consume(self, oldest, n_trajectories=1):
-        consumed = super().consume(oldest, n_trajectories)
+    def consume(self, buffer):
+        step = super().consume(buffer)
         self.check()
-        return consumed
+        return step
 
 
 @settings(max_examples=15, deadline=None)
@@ -184,10 +185,11 @@ def test_a_filtered_group_frees_its_slot_like_a_stale_drop():
             gate.admit()
         assert gate.room() == 0
     filtered, stale = gates
+    stale_group = SimpleNamespace(oldest_version=0, n=1)
     filtered.finish(accepted=False)  # left out by the filter
     stale.finish(accepted=True)
     v[0] = 1  # one step later the buffered group is too old for eta = 0
-    assert not stale.consume(0)
+    assert stale.consume([stale_group]).dropped == [stale_group]
     v[0] = 0
     assert filtered.room() == stale.room() == 1
     assert filtered.state.running + filtered.state.accepted == stale.state.running + stale.state.accepted == 1

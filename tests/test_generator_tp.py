@@ -48,7 +48,7 @@ def test_tp2_workers_receive_and_load_their_shards(tmp_path):
         master = dist.TCPStore("127.0.0.1", 0, 3, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
         spec = GroupSpec("areal-ws-tp", 0, "127.0.0.1", master.port, 3, "gloo", 60.0)
         sender = WeightSender(0, True, spec, master)
-        receiver = WeightReceiver([spec], generator_index=0, gen_tp=2)  # group ranks 1 and 2
+        receiver = WeightReceiver([spec], (1, 2))  # group ranks of TP workers 0 and 1
         state = sorted(model.state_dict().items())
         for version in (1, 2):  # the second sync reuses each worker's connected group
             th = threading.Thread(target=sender.send, args=(state, 16_000))

@@ -1,12 +1,13 @@
-"""The rank map: every rank has exactly one role, components cover the world in order, and each
-GPU of a node belongs to one rank."""
+"""The rank map: every rank has exactly one role, components cover the world in order, each GPU of a
+node belongs to one rank, the trainers' TP x PP x DP grid is Megatron's order, the weight-sync groups'
+ranks are distinct, and on one machine generator and trainer ranks get disjoint cores."""
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from areal_hpc.config import ConfigError, load_config
-from areal_hpc.layout import Layout, Role
+from areal_hpc.layout import Layout, Role, TrainerCoords, TrainerGrid
 from tests.helpers import TINY
 
 
@@ -50,6 +51,7 @@ def test_layout_partitions_the_world(nodes, gpus, rewards, gen_tp, train_tp, tra
     assert layout.train_dp * train_tp * train_pp == layout.trainers
     assert layout.uses_gpus == (device != "cpu")
     check_placement(layout)
+    check_trainer_ranks(layout)
 
 
 def test_rank_outside_world():
@@ -123,3 +125,95 @@ def test_placement_of_a_small_job():
     cpu = Layout.from_config(load_config(TINY, ["cluster.device=cpu"]))
     assert all(not cpu.placement(r).gpus for r in range(cpu.world_size))
     assert [c.gpus_per_node for c in cpu.components] == [0, 0, 0]
+
+
+def check_trainer_ranks(layout: Layout) -> None:
+    """Every trainer world rank has distinct (tp, pp, dp) coordinates; each data-parallel replica holds
+    TP x PP ranks (each of which gets that replica's batch); each stage's source is its (tp 0, dp 0) rank;
+    a generator's engine workers take distinct weight-sync group ranks 1 .. size - 1."""
+    trainers = layout.ranks(Role.TRAINER)
+    coords = [layout.trainer_coords(r) for r in trainers]
+    assert len(set(coords)) == len(coords) == layout.train_tp * layout.train_pp * layout.train_dp
+    for dp in range(layout.train_dp):
+        assert sum(c.dp == dp for c in coords) == layout.train_tp * layout.train_pp
+    for stage in range(layout.train_pp):
+        assert layout.trainer_coords(layout.stage_source_rank(stage)) == (0, stage, 0)
+    members = [m for g in layout.ranks(Role.GENERATOR) for m in layout.weight_sync_ranks(g)]
+    assert sorted(members) == list(range(1, layout.weight_sync_size))
+    assert all(len(layout.weight_sync_ranks(g)) == layout.gen_tp for g in layout.ranks(Role.GENERATOR))
+
+
+@settings(max_examples=200, deadline=None)
+@given(tp=st.integers(1, 8), pp=st.integers(1, 8), dp=st.integers(1, 8))
+def test_trainer_grid_is_megatrons_order(tp, pp, dp):
+    grid = TrainerGrid.of(tp * pp * dp, tp, pp)
+    assert (grid.tp, grid.pp, grid.dp, grid.size) == (tp, pp, dp, tp * pp * dp)
+    coords = [grid.coords(r) for r in range(grid.size)]
+    for r, c in enumerate(coords):
+        assert r == c.tp + tp * (c.dp + dp * c.pp)  # Megatron's default order: tp fastest, then dp, then pp
+        assert grid.rank(*c) == r
+    # a tensor-parallel group is tp consecutive ranks, a pipeline stage tp * dp consecutive ones
+    for r in range(0, grid.size, tp):
+        assert len({(c.pp, c.dp) for c in coords[r : r + tp]}) == 1
+    for stage in range(pp):
+        assert {c.pp for c in coords[stage * tp * dp : (stage + 1) * tp * dp]} == {stage}
+        assert coords[grid.stage_source(stage)] == (0, stage, 0)
+
+
+def test_trainer_grid_by_hand_and_its_errors():
+    grid = TrainerGrid.of(8, 2, 2)  # TP 2 x PP 2 x DP 2
+    assert [tuple(grid.coords(r)) for r in range(8)] == [
+        (0, 0, 0), (1, 0, 0), (0, 0, 1), (1, 0, 1),  # stage 0: replica 0, then replica 1
+        (0, 1, 0), (1, 1, 0), (0, 1, 1), (1, 1, 1),  # stage 1
+    ]  # fmt: skip
+    assert [grid.stage_source(s) for s in range(2)] == [0, 4]
+    with pytest.raises(ValueError, match="must divide the trainer ranks"):
+        TrainerGrid.of(6, 4, 1)
+    with pytest.raises(ValueError, match="outside"):
+        grid.coords(8)
+    with pytest.raises(ValueError, match="outside"):
+        grid.rank(0, 2, 0)
+    with pytest.raises(ValueError, match="stage 2"):
+        grid.stage_source(2)
+    # world ranks: controller, reward, 1 engine of TP 2, then 8 trainers (ranks 3..10)
+    layout = Layout.from_config(
+        load_config(
+            TINY,
+            ["cluster.gpus_per_node=8", "allocation.gen_tp=2", "allocation.train_tp=2", "allocation.train_pp=2"]
+            + ["model.num_attention_heads=8", "model.num_key_value_heads=4", "model.hidden_size=64"],
+        )
+    )
+    first = layout.ranks(Role.TRAINER).start
+    assert layout.trainer_coords(first + 6) == TrainerCoords(tp=0, pp=1, dp=1)
+    assert layout.stage_source_rank(1) == first + grid.stage_source(1)
+    gens = layout.ranks(Role.GENERATOR)
+    assert [layout.weight_sync_ranks(g) for g in gens][:2] == [(1, 2), (3, 4)]
+    assert layout.weight_sync_size == 1 + 2 * len(gens)
+    with pytest.raises(ValueError, match="generator 0 .* is not a trainer"):
+        layout.trainer_coords(gens.start)
+    with pytest.raises(ValueError, match="is not a generator"):
+        layout.weight_sync_ranks(first)
+
+
+def test_generator_and_trainer_get_disjoint_cores_controller_and_reward_float():
+    lay = Layout.from_config(load_config(TINY))  # ranks: controller 0, reward 1, generator 2, trainer 3
+    assert lay.core_plan([0, 1]) == {2: ([0], 1), 3: ([1], 1)}
+    plan = lay.core_plan(list(range(8)))
+    assert plan == {2: ([0, 1, 2, 3], 4), 3: ([4, 5, 6, 7], 4)}
+    assert 0 not in plan and 1 not in plan
+    # fewer cores than generator + trainer ranks: each runs anywhere, with one thread
+    assert lay.core_plan([0]) == {2: ([0], 1), 3: ([0], 1)}
+
+
+@settings(max_examples=100, deadline=None)
+@given(nodes=st.integers(2, 6), gpus=st.sampled_from([1, 2, 4]), cores=st.integers(1, 64))
+def test_core_plan_shares_are_disjoint_and_equal(nodes, gpus, cores):
+    lay = Layout.from_config(load_config(TINY, [f"cluster.nodes={nodes}", f"cluster.gpus_per_node={gpus}"]))
+    plan = lay.core_plan(list(range(cores)))
+    assert set(plan) == {*lay.ranks(Role.GENERATOR), *lay.ranks(Role.TRAINER)}
+    if cores < len(plan):
+        assert all(p == (list(range(cores)), 1) for p in plan.values())
+        return
+    taken = [c for p in plan.values() for c in p.cores]
+    assert len(taken) == len(set(taken)) and set(taken) <= set(range(cores))
+    assert {(len(p.cores), p.threads) for p in plan.values()} == {(cores // len(plan),) * 2}

@@ -12,23 +12,13 @@ import pytest
 from areal_hpc import device
 from areal_hpc.config import load_config
 from areal_hpc.layout import Layout
-from areal_hpc.main import PIN_ENV, PLACEMENT_FLAG, SlurmTask, core_plan, narrow_gpus, own_gpus
+from areal_hpc.main import PIN_ENV, PLACEMENT_FLAG, SlurmTask, narrow_gpus, own_gpus
 from areal_hpc.rundir import log_path, prepare_run_dir
 from launch.local import _annotate, _dead_rank, mpirun_command
 
 
 def layout(*overrides):
     return Layout.from_config(load_config("configs/tiny-cpu.yaml", list(overrides)))
-
-
-def test_generator_and_trainer_get_disjoint_cores_controller_and_reward_float():
-    lay = layout()  # ranks: controller 0, reward 1, generator 2, trainer 3
-    assert core_plan(lay, [0, 1]) == {2: ([0], 1), 3: ([1], 1)}
-    plan = core_plan(lay, list(range(8)))
-    assert plan == {2: ([0, 1, 2, 3], 4), 3: ([4, 5, 6, 7], 4)}
-    assert 0 not in plan and 1 not in plan
-    # fewer cores than generator + trainer ranks: each runs anywhere, with one thread
-    assert core_plan(lay, [0]) == {2: ([0], 1), 3: ([0], 1)}
 
 
 def test_mpirun_command_is_one_mpmd_launch_in_world_rank_order(tmp_path):

@@ -1,6 +1,7 @@
 """Staleness gate and consumption check: the worked example, checkpoints, and a simulated system."""
 
 import json
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -21,6 +22,14 @@ class Version:
         return self.v
 
 
+@dataclass
+class Rollout:
+    """A buffered prompt group as the consumption check sees it."""
+
+    oldest_version: int | None
+    n: int = 1
+
+
 def test_worked_example():
     # B = 4, eta = 1: 8 groups at v = 0; 4 more after one step; a group from v = 0 is dropped at v = 2.
     version = Version()
@@ -30,22 +39,35 @@ def test_worked_example():
     assert not gate.can_admit() and gate.room() == 0
     with pytest.raises(RuntimeError, match="closed"):
         gate.admit()
-    for _ in range(8):
+    for _ in range(7):  # one straggler still generating
         gate.finish(accepted=True)
-    assert all(gate.consume(0) for _ in range(4))
+    step = gate.consume([Rollout(0) for _ in range(7)])
+    assert (len(step.consumed), step.dropped, len(step.buffered)) == (4, [], 3)
+    assert gate.take_metrics() == {"staleness/max": 0, "staleness/dropped": 0}
     version.v = 1
-    assert gate.room() == 4  # (1 + 1 + 1) * 4 - 8 accepted
+    assert gate.room() == 4  # (1 + 1 + 1) * 4 - 7 accepted - 1 running
     for _ in range(4):
         gate.admit()
     for _ in range(4):
         gate.finish(accepted=True)
-    assert all(gate.consume(0) for _ in range(3))  # still fresh at v = 1 (0 >= 1 - 1)
-    assert gate.consume(1)  # one of the new groups completes step 1
+    step = gate.consume(step.buffered + [Rollout(1) for _ in range(4)])
+    # still fresh at v = 1 (0 >= 1 - 1): the 3 from v = 0 and one of the new groups make step 1
+    assert [g.oldest_version for g in step.consumed] == [0, 0, 0, 1] and not step.dropped
+    assert gate.take_metrics() == {"staleness/max": 1, "staleness/dropped": 0}
     version.v = 2
-    assert gate.room() == 4  # (1 + 2 + 1) * 4 - 12 accepted - 0 running
-    assert not gate.consume(0)  # the last group from v = 0: 0 < 2 - 1, dropped; its slot is free again
+    assert gate.room() == 4  # (1 + 2 + 1) * 4 - 11 accepted - 1 running
+    gate.finish(accepted=True)  # the straggler, admitted first, goes first in the buffer
+    straggler = Rollout(0, n=8)
+    step = gate.consume([straggler, *step.buffered])
+    # 0 < 2 - 1: dropped, its slot free again; the 3 left are too few for a step
+    assert (step.consumed, step.dropped, len(step.buffered)) == ([], [straggler], 3)
     assert gate.room() == 5
-    assert gate.state.dropped == 1 and gate.state.dropped_trajectories == 1
+    assert gate.state.dropped == 1 and gate.state.dropped_trajectories == 8
+    restored = StalenessGate(4, 1, 100, version)
+    restored.load_state_dict(gate.state_dict())
+    assert gate.take_metrics() == {"staleness/max": 0, "staleness/dropped": 8}
+    assert gate.take_metrics()["staleness/dropped"] == 0  # counted once
+    assert restored.take_metrics()["staleness/dropped"] == 0  # its rows before the checkpoint are written
 
 
 def test_max_concurrent_and_rejections_free_slots():
@@ -61,8 +83,8 @@ def test_misuse_raises():
     gate = StalenessGate(1, 0, 1, version=lambda: 0)
     with pytest.raises(RuntimeError):
         gate.finish()
-    with pytest.raises(RuntimeError):
-        gate.consume(0)
+    with pytest.raises(RuntimeError, match="only 0 are buffered"):
+        gate.consume([Rollout(0)])
     with pytest.raises(ValueError):
         StalenessGate(0, 0, 1, version=lambda: 0)
     with pytest.raises(ValueError):
@@ -101,11 +123,11 @@ class System:
         self.version = Version()
         self.gates = [StalenessGate(B, eta, max_concurrent, self.version)]
         self.running = []  # admission version of each running group
-        self.buffer = []  # oldest-token version of each accepted group, in arrival order
+        self.buffer = []  # each accepted group (its oldest-token version), in arrival order
         self.oldest_first = oldest_first
-        self.pending = []  # consumed groups of the step being assembled
         self.staleness = []  # v - oldest of every consumed group
         self.dropped = 0
+        self.reported_drops = 0  # self.dropped at the last metrics row
 
     def call(self, name, *args):
         answers = {getattr(g, name)(*args) for g in self.gates}
@@ -130,21 +152,25 @@ class System:
             v0 = self.running.pop(k % len(self.running))
             self.call("finish", accepted)
             if accepted:
-                self.buffer.append(v0)
+                self.buffer.append(Rollout(v0, n=8))
         self.check()
 
     def train(self):
         if self.oldest_first:
-            self.buffer.sort()
-        while len(self.pending) < self.B and self.buffer:
-            oldest = self.buffer.pop(0)
-            if self.call("consume", oldest, 8):
-                self.pending.append(oldest)
-            else:
-                self.dropped += 1
-        if len(self.pending) == self.B:
-            self.staleness += [self.version.v - o for o in self.pending]
-            self.pending = []
+            self.buffer.sort(key=lambda g: g.oldest_version)
+        steps = [g.consume(self.buffer) for g in self.gates]
+        step = steps[0]
+        assert all(s == step for s in steps), "restored gate disagrees on consume"
+        assert sorted(map(id, step.consumed + step.dropped + step.buffered)) == sorted(map(id, self.buffer))
+        self.buffer = step.buffered
+        self.dropped += len(step.dropped)
+        if step.consumed:
+            ages = [self.version.v - g.oldest_version for g in step.consumed]
+            rows = [g.take_metrics() for g in self.gates]  # the step's metrics row
+            assert all(row["staleness/max"] == max(ages) for row in rows)
+            assert rows[0]["staleness/dropped"] == 8 * (self.dropped - self.reported_drops)
+            self.reported_drops = self.dropped
+            self.staleness += ages
             self.version.v += 1
         self.check()
 
@@ -155,14 +181,13 @@ class System:
             assert s.running == len(self.running) <= g.max_concurrent
             assert s.accepted + s.running <= (eta + v + 1) * B
             assert s.accepted - s.consumed == len(self.buffer)
-            assert s.consumed == v * B + len(self.pending)
-            assert s.dropped == self.dropped
+            assert s.consumed == v * B
+            assert s.dropped == self.dropped and s.dropped_trajectories == 8 * self.dropped
         # Liveness: with nothing running and too little buffered for a step, the gate must admit.
-        if not self.running and len(self.pending) + len(self.buffer) < B:
+        if not self.running and len(self.buffer) < B:
             assert self.call("can_admit"), "stall: the trainer waits and the gate admits nothing"
-        # The guarantee: no consumed group is staler than eta (pending ones are consumed at v too).
+        # The guarantee: no consumed group is staler than eta.
         assert all(s <= eta for s in self.staleness)
-        assert all(v - o <= eta for o in self.pending)
 
 
 ops = st.lists(

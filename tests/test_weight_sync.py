@@ -42,7 +42,7 @@ def _tensors():
 
 def test_threads_bit_exact_buckets():
     sender, spec = _local_group(3)
-    receivers = [WeightReceiver([spec], g, 1) for g in range(2)]
+    receivers = [WeightReceiver([spec], (rank,)) for rank in (1, 2)]
     got = [[], []]
 
     def recv(i):
@@ -75,7 +75,7 @@ def test_threads_bit_exact_buckets():
 
 def test_receiver_times_out_when_sender_is_silent():
     sender, spec = _local_group(2, timeout_s=1.5, name="silent")
-    receiver = WeightReceiver([spec], 0, 1)
+    receiver = WeightReceiver([spec], (1,))
     # The source joins the group but never sends: the receiver's first broadcast must time out.
     joined = threading.Thread(target=_Group, args=(spec, 0, torch.device("cpu"), sender._master_store))
     joined.start()

@@ -5,7 +5,7 @@ synchronous, generation and training take turns; > 0: asynchronous, they overlap
 run directory under one root, the modes alternating for `--rounds` rounds (sync, async, sync, async, ...)
 so that a change in the machine's load over the invocation falls on both. `areal-hpc run` pins the
 generator rank and the trainer rank to their own cores (the CPU stand-in for separate GPUs;
-areal_hpc.main.core_plan). Then prints, per mode, over the steady-state steps of all its rounds (the
+areal_hpc.layout.Layout.core_plan). Then prints, per mode, over the steady-state steps of all its rounds (the
 first `--warmup` steps of each run left out: engine warm-up, and the asynchronous pipeline filling):
 
   effective throughput   generated tokens consumed by training per second, computed from metrics.jsonl:

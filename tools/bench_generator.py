@@ -102,7 +102,7 @@ def child(size: str, args) -> dict:
 
     master = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=120), wait_for_workers=False)
     spec = GroupSpec("bench", 0, "127.0.0.1", master.port, 2, "gloo", 120.0)
-    sender, receiver = WeightSender(0, True, spec, master), WeightReceiver([spec], 0, 1)
+    sender, receiver = WeightSender(0, True, spec, master), WeightReceiver([spec], (1,))
     state = _state(path)
     gen.max_new_tokens = 512
     pauses, updates = [], []

@@ -355,7 +355,7 @@ def _export_rank(par, model_dir, port, bucket_mb, repeats):
 def _receive(port, out):
     from areal_hpc.weight_sync import GroupSpec, WeightReceiver
 
-    receiver = WeightReceiver([GroupSpec("bench-ws", 0, "127.0.0.1", port, 2, "gloo", 120.0)], 0, 1)
+    receiver = WeightReceiver([GroupSpec("bench-ws", 0, "127.0.0.1", port, 2, "gloo", 120.0)], (1,))
     for _ in range(2):
         n = sum(t.numel() * t.element_size() for bucket in receiver.receive() for _, t in bucket)
     Path(out).write_text(str(n))

@@ -6,8 +6,9 @@ from an injected callable so the gate needs no MPI and tests drive it directly.
 
     admission:    admit a new prompt group only while
                       accepted + running < (eta + v + 1) * B   and   running < max_concurrent
-    consumption:  a group about to be trained on at version v is dropped if its oldest generated
-                  token has version < v - eta; otherwise it is consumed.
+    consumption:  when a step is assembled at version v, every buffered group whose oldest generated
+                  token has version < v - eta is dropped; then the B oldest of the rest, if B
+                  remain, are consumed (`consume`, one call).
 
 Counters, in prompt groups:
 
@@ -20,8 +21,8 @@ Lifecycle of a group and the rule for what counts as accepted:
     admit()                  running += 1
     finish(accepted=True)    running -= 1, accepted += 1     into the buffer
     finish(accepted=False)   running -= 1                    filtered out or lost: frees its slot
-    consume(oldest) -> True  consumed += 1                   still counted in accepted
-    consume(oldest) -> False accepted -= 1, dropped += 1     too stale: frees its slot
+    consume: trained on      consumed += 1                   still counted in accepted
+    consume: dropped         accepted -= 1, dropped += 1     too stale: frees its slot
 
 A dropped group must leave `accepted`: otherwise each drop would permanently take one of the
 (eta + 1) * B slots above consumed = v * B, and after enough drops the gate would admit nothing
@@ -41,6 +42,10 @@ and still buffered at v = 2 is dropped (0 < 2 - 1); its slot goes to a new group
 A GRPO group is dropped or consumed whole: its answers are scored against each other, so its
 oldest version is the minimum over all of its trajectories (`oldest_version`).
 
+The gate also keeps what each step's metrics report (`take_metrics`): staleness/max, the largest
+v - oldest version over the groups consumed since the last report (at most eta, the guarantee), and
+staleness/dropped, the trajectories dropped since then.
+
 Checkpoints: `state_dict()` is a plain JSON-able dict; a gate restored with `load_state_dict` from
 it (and the same version) makes exactly the decisions the uninterrupted one would. Groups that
 were running at the checkpoint are still counted as running: the controller either generates them
@@ -50,8 +55,9 @@ again (and finishes them as usual) or releases each with `finish(accepted=False)
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -83,6 +89,31 @@ class StalenessState:
         return cls(**values)
 
 
+class Buffered(Protocol):
+    """What the consumption check reads of a buffered prompt group (`areal_hpc.buffer.Group`)."""
+
+    @property
+    def oldest_version(self) -> int | None: ...  # of its generated tokens (`oldest_version`)
+
+    @property
+    def n(self) -> int: ...  # its trajectories
+
+
+G = TypeVar("G", bound=Buffered)
+
+
+@dataclass
+class Consumption(Generic[G]):
+    """What `StalenessGate.consume` decided about a buffer, every group in exactly one list."""
+
+    consumed: list[G]
+    """The step's B groups, trained on at version v; empty when fewer than B fresh groups are buffered."""
+    dropped: list[G]
+    """Too stale (oldest < v - eta): counted, their slots freed, never trained on."""
+    buffered: list[G]
+    """The rest, still waiting, in the given order: the buffer from now on."""
+
+
 class StalenessGate:
     """Admission gate and consumption check; see the module docstring for the rules.
 
@@ -103,6 +134,8 @@ class StalenessGate:
         self.max_concurrent = max_concurrent
         self.version = version
         self.state = StalenessState()
+        self._staleness_max = 0  # since the last take_metrics
+        self._reported_drops = 0  # state.dropped_trajectories at the last take_metrics
 
     @classmethod
     def from_config(cls, rollout, version: Callable[[], int]) -> StalenessGate:
@@ -139,26 +172,41 @@ class StalenessGate:
 
     # --- consumption ------------------------------------------------------------------------
 
-    def is_fresh(self, oldest: int | None) -> bool:
-        """oldest >= v - eta (a group without generated tokens is fresh)."""
-        return oldest is None or oldest >= self.version() - self.max_staleness
+    def consume(self, buffer: Sequence[G]) -> Consumption[G]:
+        """The consumption check at version v over `buffer` (the accepted groups not yet consumed, in
+        the order they are to be trained: oldest first).
 
-    def consume(self, oldest: int | None, n_trajectories: int = 1) -> bool:
-        """The consumption check for one buffered group about to be trained on at version v.
-
-        `oldest`: the oldest generated-token version of the group (`oldest_version`). Returns True
-        (consumed) if oldest >= v - eta; else the group is dropped, counted (its `n_trajectories`
-        too), its slot freed, and False returned.
+        Every group whose oldest generated-token version is < v - eta is dropped and counted (its
+        trajectories too), which frees its slot; a group without generated tokens is fresh. Then, if
+        at least B fresh groups remain, the first B are consumed (trained on at v).
         """
-        if self.state.accepted - self.state.consumed <= 0:
-            raise RuntimeError("consume() without a buffered group")
-        if self.is_fresh(oldest):
-            self.state.consumed += 1
-            return True
-        self.state.accepted -= 1
-        self.state.dropped += 1
-        self.state.dropped_trajectories += n_trajectories
-        return False
+        s, v, eta = self.state, self.version(), self.max_staleness
+        if len(buffer) > s.accepted - s.consumed:
+            raise RuntimeError(f"consume() of {len(buffer)} groups, but only {s.accepted - s.consumed} are buffered")
+        stale = [g.oldest_version is not None and g.oldest_version < v - eta for g in buffer]
+        fresh = [g for g, old in zip(buffer, stale) if not old]
+        dropped = [g for g, old in zip(buffer, stale) if old]
+        s.accepted -= len(dropped)
+        s.dropped += len(dropped)
+        s.dropped_trajectories += sum(g.n for g in dropped)
+        if len(fresh) < self.prompts_per_step:
+            return Consumption([], dropped, fresh)
+        consumed, fresh = fresh[: self.prompts_per_step], fresh[self.prompts_per_step :]
+        s.consumed += len(consumed)
+        ages = [v - g.oldest_version for g in consumed if g.oldest_version is not None]
+        self._staleness_max = max([self._staleness_max, *ages])
+        return Consumption(consumed, dropped, fresh)
+
+    # --- metrics ----------------------------------------------------------------------------
+
+    def take_metrics(self) -> dict[str, int]:
+        """staleness/max and staleness/dropped since the last call (module docstring); starts anew."""
+        row = {
+            "staleness/max": self._staleness_max,
+            "staleness/dropped": self.state.dropped_trajectories - self._reported_drops,
+        }
+        self._staleness_max, self._reported_drops = 0, self.state.dropped_trajectories
+        return row
 
     # --- checkpoints ------------------------------------------------------------------------
 
@@ -166,7 +214,9 @@ class StalenessGate:
         return self.state.to_dict()
 
     def load_state_dict(self, data: dict) -> None:
+        """The counters of a checkpoint; the metrics count from here (the rows after it are written anew)."""
         self.state = StalenessState.from_dict(data)
+        self._staleness_max, self._reported_drops = 0, self.state.dropped_trajectories
 
 
 def oldest_version(versions: Iterable[np.ndarray]) -> int | None:

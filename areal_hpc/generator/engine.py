@@ -319,7 +319,7 @@ def _cpu_setup(model_path, tp: int, max_num_seqs: int, max_model_len: int | None
     than at the first step; and lets the workers' threads float (no auto-binding) with tp > 1 (vLLM's
     CPU auto-binding wants one NUMA node per worker, which a single machine does not have) and when
     OMP_NUM_THREADS asks for fewer threads than the cores this process may use (auto-binding would put
-    a thread on each of them: areal_hpc.main.core_plan's ranks that share the cores).
+    a thread on each of them: areal_hpc.layout.Layout.core_plan's ranks that share the cores).
     """
     import json
     from pathlib import Path

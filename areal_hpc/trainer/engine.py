@@ -1,8 +1,8 @@
 """One trainer rank's Megatron state: the process groups, its model stage, the optimizer.
 
 `init_parallel` starts torch.distributed among the trainer ranks and Megatron's parallel state in
-its default rank order (tp fastest, then dp, then pp: trainer-local rank = tp + TP * (dp + DP * pp),
-what `layout.stage_source_rank` assumes). `Engine` builds this rank's stage of a Qwen2/Qwen3 model from a
+its default rank order, and checks that Megatron placed every rank where the layout's formula
+(`areal_hpc.layout.TrainerGrid`) says. `Engine` builds this rank's stage of a Qwen2/Qwen3 model from a
 Hugging Face directory, wraps it in Megatron's DistributedDataParallel, builds Megatron's optimizer,
 and runs Megatron's forward/backward schedule (1F1B across pipeline stages) over packed micro-batches.
 
@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from areal_hpc.config import PPOConfig
 from areal_hpc.device import backend
+from areal_hpc.layout import TrainerGrid
 from areal_hpc.trainer import cpu_compat
 from areal_hpc.trainer.convert import export_stage, load_hf_into
 from areal_hpc.trainer.model import QwenArch, build_stage, transformer_config
@@ -49,9 +50,13 @@ class Parallel:
     device: torch.device
 
     @property
+    def grid(self) -> TrainerGrid:
+        return TrainerGrid(self.tp, self.pp, self.dp)
+
+    @property
     def stage_source(self) -> bool:
-        """Whether this rank sends its pipeline stage's weights (dp 0, tp 0)."""
-        return self.tp_rank == 0 and self.dp_rank == 0
+        """Whether this rank sends its pipeline stage's weights (`TrainerGrid.stage_source`)."""
+        return self.rank == self.grid.stage_source(self.pp_rank)
 
 
 def init_parallel(
@@ -64,8 +69,7 @@ def init_parallel(
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    if world % (tp * pp):
-        raise ValueError(f"train_tp x train_pp ({tp} x {pp}) must divide the trainer ranks ({world})")
+    grid = TrainerGrid.of(world, tp, pp)  # raises when tp x pp does not divide world
     dev = torch.device("cpu") if device == "cpu" else torch.device(device, 0)  # its own GPU: see above
     cpu_compat.enable(dev)
     if dev.type == "cuda":
@@ -79,23 +83,22 @@ def init_parallel(
     )
     ps.initialize_model_parallel(tp, pp, distributed_timeout_minutes=max(1, int(timeout_s // 60)))
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    dp = world // (tp * pp)
     got = Parallel(
         rank,
         world,
         tp,
         pp,
-        dp,
+        grid.dp,
         ps.get_tensor_model_parallel_rank(),
         ps.get_pipeline_model_parallel_rank(),
         ps.get_data_parallel_rank(),
         dev,
     )
-    expected = (rank % tp, rank // (tp * dp), (rank // tp) % dp)
+    expected = grid.coords(rank)
     if (got.tp_rank, got.pp_rank, got.dp_rank) != expected:
         raise RuntimeError(
             f"Megatron placed trainer rank {rank} at (tp, pp, dp) = {(got.tp_rank, got.pp_rank, got.dp_rank)}, "
-            f"the layout expects {expected} (rank = tp + TP * (dp + DP * pp))"
+            f"the layout expects {tuple(expected)} (rank = tp + TP * (dp + DP * pp))"
         )
     return got
 
@@ -298,9 +301,9 @@ class Engine:
         if self.par.pp == 1:
             return stage if self.par.rank == 0 else None
         parts = [None] * self.par.pp if self.par.rank == 0 else None
-        # gather over the pipeline group of (tp 0, dp 0): rank 0's group
+        # gather over the pipeline group of the stage sources (tp 0, dp 0): rank 0's group
         group = ps.get_pipeline_model_parallel_group()
-        if self.par.tp_rank == 0 and self.par.dp_rank == 0:
+        if self.par.stage_source:
             dist.gather_object(stage, parts, dst=0, group=group)
         if self.par.rank != 0:
             return None
