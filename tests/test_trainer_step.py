@@ -175,3 +175,49 @@ def _schedule_rank(par, model_dir, settings, total):
         assert decays == {(0.0, 0.0), (1.0, ppo.weight_decay)}, decays
         out.append([rates[v] for v in range(total)])
     return out
+
+
+def _entropy_rank(par, model_dir, temperature):
+    """Each token's entropy from the chunked logprob function and from the full logits of the same
+    forward pass; and ppo/entropy of a step over the same sequences (one minibatch: its forward passes
+    run on these weights)."""
+    from areal_hpc.trainer.engine import Engine
+    from areal_hpc.trainer.model import full_logits
+    from areal_hpc.trainer.step import StepConfig, _logprobs, make_microbatch, ppo_step
+
+    engine = Engine(model_dir, par, _optim())
+    sp = engine.config.sequence_parallel
+    batch = random_batch(MODEL.vocab_size, microbatches=[[[0, 1, 2], [3, 4, 5]]])
+    mb = make_microbatch(batch, list(range(6)), device=par.device, multiple=par.tp if sp else 1)
+    got = {}
+
+    def forward_step(it, model):
+        m = next(it)
+
+        def keep(output):
+            weight = engine.stage.output_weight()
+            got["chunked"] = _logprobs(m, weight, sp, output, temperature)[1]
+            got["logits"] = full_logits(output, weight, sp)[m.where]  # [n, V]
+            return output.sum() * 0, torch.tensor(0, dtype=torch.int, device=output.device), {}
+
+        return m.rows.forward(model), keep
+
+    engine.forward_backward([mb], forward_step, forward_only=True, seq_length=mb.width)
+    stats = ppo_step(engine, batch, StepConfig(temperature=temperature))
+    if par.rank != 0:
+        return None
+    logp = torch.log_softmax(got["logits"].double() / temperature, dim=-1)
+    direct = -(logp.exp() * logp).sum(-1)
+    return {"chunked": got["chunked"].cpu(), "direct": direct.cpu(), "mask": mb.loss_mask.cpu(), "stats": stats}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_entropy_is_that_of_the_full_logits(model_dir, tp):
+    """ppo/entropy: each token's entropy from the chunked (vocabulary-parallel) logprob function equals
+    the one from the whole vocabulary's logits, and the step reports its mean over the trained tokens."""
+    got = run_ranks(_entropy_rank, tp, tp, 1, model_dir, 0.7)[0]
+    torch.testing.assert_close(got["chunked"].double(), got["direct"], rtol=1e-5, atol=1e-5)
+    mask = got["mask"]
+    want = got["direct"][mask].mean().item()
+    assert 0 < want < torch.log(torch.tensor(float(MODEL.vocab_size))).item()
+    assert got["stats"]["ppo/entropy"] == pytest.approx(want, rel=1e-5)

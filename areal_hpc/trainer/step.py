@@ -5,6 +5,7 @@ minibatch, each over its packed micro-batches with the decoupled loss.
     for each minibatch k:
         for each micro-batch j of k (Megatron's schedule, 1F1B across pipeline stages):
             logp      = log_softmax(h W^T / T)[next token]                   (T = rollout.temperature)
+            entropy   = H(softmax(h W^T / T))                  (no gradient; ppo/entropy, over the mask)
             loss_sum += sum_t loss_t(logp, prox_logp, behav_logp, A)          (decoupled_ppo_loss)
         grads /= tokens of minibatch k over all data-parallel ranks          (Megatron, per-token loss)
         clip grad norm, Adam step
@@ -149,19 +150,20 @@ def _forward_step(loss_of):
 
 
 def _logprobs(mb: MicroBatch, weight, sequence_parallel: bool, hidden: torch.Tensor, temperature: float):
-    """[n] log_softmax(logits / T) of each token of `mb` given the tokens before it in its own sequence."""
+    """([n] log_softmax(logits / T) of each token of `mb` given the tokens before it in its own sequence,
+    [n] the entropy of that next-token distribution, without a gradient)."""
     return token_logprobs(hidden, weight, mb.where, mb.targets, temperature, sequence_parallel)
 
 
 def _logprob_loss(temperature: float, mb: MicroBatch, weight, sequence_parallel: bool, output: torch.Tensor):
-    logp = _logprobs(mb, weight, sequence_parallel, output, temperature)
+    logp, _ = _logprobs(mb, weight, sequence_parallel, output, temperature)
     return output.sum() * 0.0, torch.zeros((), dtype=torch.int, device=output.device), {"logprobs": logp}
 
 
 def _ppo_loss(
     cfg: StepConfig, alpha_step: float, version: int, mb: MicroBatch, weight, sequence_parallel, output: torch.Tensor
 ):
-    logp = _logprobs(mb, weight, sequence_parallel, output, cfg.temperature)
+    logp, entropy = _logprobs(mb, weight, sequence_parallel, output, cfg.temperature)
     if cfg.prox_logp == "recompute":
         # no recompute pass (one minibatch): this forward pass ran on the step's starting weights
         prox = mb.prox_logprobs if mb.prox_logprobs is not None else logp.detach()
@@ -194,6 +196,7 @@ def _ppo_loss(
             "behav_weight_sum": (stats["behav_weight_mean"] * n).double(),
             "mismatch_sum": ((mb.behav_logprobs - prox).abs() * current).sum().double(),
             "mismatch_n": current.sum().double(),
+            "entropy_sum": (entropy * mask).sum().double(),
         }
     return loss_sum, n.int(), report
 
@@ -213,7 +216,7 @@ def compute_logprobs(engine, mbs: list[MicroBatch], temperature: float) -> list[
     return [o["logprobs"] for o in out] if engine.is_last_stage else None
 
 
-_STAT_KEYS = ("loss_sum", "n", "clip_sum", "behav_weight_sum", "mismatch_sum", "mismatch_n")
+_STAT_KEYS = ("loss_sum", "n", "clip_sum", "behav_weight_sum", "mismatch_sum", "mismatch_n", "entropy_sum")
 
 
 def ppo_step(engine, batch, cfg: StepConfig) -> dict[str, float]:
@@ -263,6 +266,7 @@ def ppo_step(engine, batch, cfg: StepConfig) -> dict[str, float]:
         "ppo/clip_frac": s["clip_sum"] / n,
         "ppo/grad_norm": sum(grad_norms) / len(grad_norms),
         "ppo/behav_weight_mean": s["behav_weight_sum"] / n,
+        "ppo/entropy": s["entropy_sum"] / n,
         "ppo/logp_mismatch": s["mismatch_sum"] / max(s["mismatch_n"], 1.0),
         "ppo/logp_mismatch_tokens": s["mismatch_n"],  # 0: no token of the current version in the batch
         "ppo/tokens": s["n"],
