@@ -221,3 +221,54 @@ def test_entropy_is_that_of_the_full_logits(model_dir, tp):
     want = got["direct"][mask].mean().item()
     assert 0 < want < torch.log(torch.tensor(float(MODEL.vocab_size))).item()
     assert got["stats"]["ppo/entropy"] == pytest.approx(want, rel=1e-5)
+
+
+def _tensors(module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def _diff(a: dict, b: dict) -> float:
+    assert sorted(a) == sorted(b)
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def _kl_rank(par, model_dir, ckpt_dir):
+    """Steps with ppo.kl_coef > 0, save, resume: this rank's reference and policy weights on the way."""
+    from pathlib import Path
+
+    from areal_hpc.trainer import checkpoint
+    from areal_hpc.trainer.engine import Engine
+    from areal_hpc.trainer.step import StepConfig, ppo_step
+
+    ppo, cfg = PPOConfig(lr=1e-2, kl_coef=0.5), StepConfig(kl_coef=0.5)
+    engine = Engine(model_dir, par, ppo)
+    assert Engine(model_dir, par, PPOConfig()).reference is None  # off: nothing built
+    initial, ref0 = _tensors(engine.stage), _tensors(engine.reference)
+    # step 0, one minibatch: its forward passes run on the initial weights, which the reference holds
+    stats = [ppo_step(engine, random_batch(MODEL.vocab_size, microbatches=[[[0, 1, 2], [3, 4, 5]]]), cfg)]
+    stats += [ppo_step(engine, random_batch(MODEL.vocab_size, seed=s), cfg) for s in (1, 2)]
+    checkpoint.save(engine, ckpt_dir)
+    resumed = Engine(model_dir, par, ppo)
+    checkpoint.load(resumed, Path(ckpt_dir) / "trainer")
+    return {
+        "stats": stats,
+        "reference_is_initial": _diff(ref0, initial),
+        "reference_after_steps": _diff(_tensors(engine.reference), ref0),
+        "policy_after_steps": _diff(_tensors(engine.stage), ref0),
+        "resumed_reference": _diff(_tensors(resumed.reference), ref0),
+        "resumed_policy": _diff(_tensors(resumed.stage), _tensors(engine.stage)),
+    }
+
+
+def test_kl_penalty_to_the_initial_policy(model_dir, tmp_path):
+    """ppo.kl_coef > 0 at PP 2: the reference is the initial policy (ppo/kl 0 at step 0), stays frozen while
+    the policy moves (ppo/kl > 0 after), and a resume rebuilds it from the initial weights, not the
+    checkpoint's."""
+    got = run_ranks(_kl_rank, 2, 1, 2, model_dir, tmp_path / "step_3")
+    for rank in got.values():
+        assert rank["reference_is_initial"] == 0.0
+        assert rank["reference_after_steps"] == 0.0 and rank["policy_after_steps"] > 1e-3
+        assert rank["resumed_reference"] == 0.0 and rank["resumed_policy"] == 0.0
+    kl = [s["ppo/kl"] for s in got[0]["stats"]]
+    assert kl[0] == pytest.approx(0.0, abs=1e-7)
+    assert min(kl[1:]) > 1e-6
