@@ -258,6 +258,13 @@ class PPOConfig:
     """Activation recompute in the trainer (Megatron's): none (keep every layer's activations), selective
     (recompute the core attention in the backward pass) or full (keep each layer's input only and
     recompute the layer: the least memory, about a third more compute)."""
+    kl_coef: float = 0.0
+    """Weight of a KL penalty to the initial policy (0: off, as in the paper; nothing extra is built):
+    the trainer keeps a frozen copy of the weights the run started from (after the warm start; the same
+    after a resume), computes its token logprobs with the proximal ones, and adds kl_coef x the mean
+    over trained tokens of exp(ref_logp - logp) - (ref_logp - logp) - 1 to the loss (GRPO's k3
+    estimator); reported as ppo/kl. Costs a forward pass per step and the weights once more per trainer
+    rank."""
     sequence_parallel: bool = True
     """Megatron's sequence parallelism when allocation.train_tp > 1: the norms, dropout and the residual
     stream are split over the tensor-parallel ranks along the sequence (packed rows are padded to a
@@ -581,6 +588,7 @@ def validate(cfg: Config) -> None:
         f"ppo.behav_weight_cap must be > 1 (got {p.behav_weight_cap}); null disables the cap",
     )
     need(p.lr > 0, f"ppo.lr must be > 0 (got {p.lr})")
+    need(p.kl_coef >= 0, f"ppo.kl_coef must be >= 0 (got {p.kl_coef}); 0 is off")
     need(
         p.minibatches <= r.prompts_per_step,
         f"ppo.minibatches ({p.minibatches}) must not exceed rollout.prompts_per_step ({r.prompts_per_step})",

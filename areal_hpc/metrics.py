@@ -5,7 +5,9 @@ Names (one per concept): reward/mean, staleness/max, staleness/dropped (trajecto
 stale since the previous step), throughput/effective_tokens_per_s, timing/step_s,
 timing/weight_sync_s (the latest completed sync: the slowest generator's load), timing/gen_idle_frac,
 timing/train_idle_frac, timing/save_s (the trainers' time in checkpoint saves since the previous step),
-the trainer's ppo/* statistics, reward/errors (rewards scored 0 for a timeout or an error since the
+the trainer's ppo/* statistics (ppo/entropy: the mean over trained tokens of the entropy of the
+policy's next-token distribution; ppo/kl with ppo.kl_coef > 0: the mean k3 estimate of the KL to the
+initial policy), reward/errors (rewards scored 0 for a timeout or an error since the
 previous step), rollout/filtered (prompt groups left out by rollout.filter_uniform_groups since the
 previous step), rollout/truncated (answers of the step cut at rollout.max_new_tokens), and after an
 evaluation between steps eval/pass@1 ... (areal_hpc.eval). Each line also has `step`, the policy

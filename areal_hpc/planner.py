@@ -338,7 +338,8 @@ def train_step_s(m, hw, lengths: Lengths, gpus: int, tp: int, pp: int, answers: 
     s = prompt + L:
       FLOPs = 8 P N E[s] + 8 layers h N E[s^2]   (forward + backward = 6 P per token, plus the forward
               that recomputes prox_logprobs = 2 P; causal attention 2 h s^2 per layer and pass;
-              x 10/8 with ppo.recompute full: the forward again in the backward)
+              x (8 + 2 + 2) / 8 with ppo.recompute full (the forward again in the backward) and
+              ppo.kl_coef > 0 (the reference policy's forward), each counted when on)
       compute = FLOPs / (gpus * flops * mfu) * (m + pp - 1) / m   (1F1B bubble, m micro-batches per
               DP rank and minibatch, each ppo.max_tokens_per_mb tokens)
       + TP all-reduces (6 per layer and token, h * dtype bytes each) over NVLink
@@ -349,8 +350,9 @@ def train_step_s(m, hw, lengths: Lengths, gpus: int, tp: int, pp: int, answers: 
     second_s = p * p + 2 * p * lengths.mean + lengths.second_moment
     tokens = answers * mean_s
     flops = 8 * m.params * tokens + 8 * m.layers * m.hidden * answers * second_s
-    if cfg.ppo.recompute == "full":
-        flops *= 10 / 8  # each layer's forward once more, in the backward pass
+    # in forwards' worth of 2 P: 4 (forward, backward, prox forward), + recompute full, + reference forward
+    passes = 4 + (cfg.ppo.recompute == "full") + (cfg.ppo.kl_coef > 0)
+    flops *= passes / 4
     minibatches = cfg.ppo.minibatches
     micro = max(1.0, math.ceil(tokens / (d * minibatches * cfg.ppo.max_tokens_per_mb)))
     bubble = (micro + pp - 1) / micro
@@ -389,7 +391,8 @@ def train_memory_parts(m: ModelSize, tp: int, pp: int, dp: int, cfg: Config, cos
                  every layer; sequence parallelism splits what TP does not; tokens: ppo.max_tokens_per_mb)
     transients:  the dense gradient of the input embedding (vocab / tp x h x dtype bytes, made in its
                  backward) + the token logprobs' chunk temporaries. No micro-batch's whole logits: the
-                 token logprobs come chunk by chunk."""
+                 token logprobs come chunk by chunk.
+    reference:   with ppo.kl_coef > 0, the frozen initial policy: P / (tp pp) x dtype bytes (else 0)."""
     master = 0 if m.dtype_bytes == 4 else 4
     states = m.params / (tp * pp) * (m.dtype_bytes + 4 + (master + 8) / dp)
     layer = cost.activation_factor * (8 * m.hidden + 4 * m.intermediate)  # values per token, one layer
@@ -397,7 +400,8 @@ def train_memory_parts(m: ModelSize, tp: int, pp: int, dp: int, cfg: Config, cos
     activations = cfg.ppo.max_tokens_per_mb / tp * kept * m.dtype_bytes
     chunks = min(cost.logprob_transient_bytes, 2 * cfg.ppo.max_tokens_per_mb * m.vocab / tp * 4)  # short batches
     transients = m.vocab / tp * m.hidden * m.dtype_bytes + chunks
-    return {"states": states, "activations": activations, "transients": transients}
+    reference = m.params / (tp * pp) * m.dtype_bytes if cfg.ppo.kl_coef > 0 else 0.0
+    return {"states": states, "activations": activations, "transients": transients, "reference": reference}
 
 
 def train_memory(m: ModelSize, tp: int, pp: int, dp: int, cfg: Config, cost: CostModel = COST) -> float:

@@ -242,6 +242,12 @@ def test_each_memory_setting_moves_the_trainer_figure_the_right_way():
     assert half["activations"] == pytest.approx(parts["activations"] / 2)
     more_dp = planner.train_memory_parts(m, 2, 1, 56, base)
     assert more_dp["states"] < parts["states"]  # the distributed optimizer shards master weights and moments
+    kl = planner.train_memory_parts(m, 2, 1, 28, cfg_of("qwen1.5b", 16, "ppo.kl_coef=0.01"))
+    assert parts["reference"] == 0  # the KL penalty is off by default: no reference policy
+    assert kl["reference"] == pytest.approx(m.params / 2 * m.dtype_bytes)  # its weights, sharded like the policy's
+    assert {k: v for k, v in kl.items() if k != "reference"} == {k: v for k, v in parts.items() if k != "reference"}
+    kl_step = planner.predict(cfg_of("qwen1.5b", 16, "ppo.kl_coef=0.01")).t_train
+    assert kl_step > planner.predict(base).t_train  # and its forward pass in every step
 
 
 def test_a_cpu_run_is_checked_against_the_hosts_memory():

@@ -1,4 +1,4 @@
-"""The decoupled PPO loss: hand-computed values, gradients, invariances, micro-batch sums."""
+"""The decoupled PPO loss: hand-computed values, gradients, invariances, micro-batch sums; the KL penalty."""
 
 import math
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from areal_hpc.algo.ppo import decoupled_ppo_loss
+from areal_hpc.algo.ppo import decoupled_ppo_loss, kl_penalty
 
 
 def one_token(logp, prox, behav, adv, **kw):
@@ -204,3 +204,26 @@ def test_scaling_the_advantages_scales_the_loss(batch, scale, cap):
     loss, _ = decoupled_ppo_loss(logp, prox, behav, adv, mask, behav_weight_cap=cap)
     scaled, _ = decoupled_ppo_loss(logp, prox, behav, adv * scale, mask, behav_weight_cap=cap)
     assert scaled.item() == pytest.approx(scale * loss.item(), rel=1e-9, abs=1e-9)
+
+
+def test_kl_penalty_is_zero_at_the_reference_and_has_the_formulas_gradient():
+    """k3: exp(d) - d - 1 with d = ref - logp, its mean over the mask; gradient (1 - exp(d)) / |mask|."""
+    g = torch.Generator().manual_seed(0)
+    logp = -torch.rand(3, 7, generator=g, dtype=torch.float64) * 4
+    mask = torch.rand(3, 7, generator=g) > 0.3
+    same = logp.clone().requires_grad_(True)
+    at_ref = kl_penalty(same, logp, mask)
+    at_ref.backward()
+    assert at_ref.item() == 0.0 and same.grad.abs().max().item() == 0.0  # step 0: policy == reference
+
+    ref = logp + torch.randn(3, 7, generator=g, dtype=torch.float64)
+    ref[~mask] = 1e4  # outside the mask: ignored, even where exp would overflow
+    x = logp.clone().requires_grad_(True)
+    kl = kl_penalty(x, ref, mask)
+    kl.backward()
+    d = (ref - logp)[mask]
+    assert kl.item() == pytest.approx((d.exp() - d - 1).mean().item(), rel=1e-12) and kl.item() > 0
+    want = torch.zeros_like(logp)
+    want[mask] = (1 - d.exp()) / mask.sum()
+    torch.testing.assert_close(x.grad, want, rtol=1e-12, atol=0)
+    assert kl_penalty(x, ref, torch.zeros_like(mask)).item() == 0.0  # empty mask

@@ -175,3 +175,100 @@ def _schedule_rank(par, model_dir, settings, total):
         assert decays == {(0.0, 0.0), (1.0, ppo.weight_decay)}, decays
         out.append([rates[v] for v in range(total)])
     return out
+
+
+def _entropy_rank(par, model_dir, temperature):
+    """Each token's entropy from the chunked logprob function and from the full logits of the same
+    forward pass; and ppo/entropy of a step over the same sequences (one minibatch: its forward passes
+    run on these weights)."""
+    from areal_hpc.trainer.engine import Engine
+    from areal_hpc.trainer.model import full_logits
+    from areal_hpc.trainer.step import StepConfig, _logprobs, make_microbatch, ppo_step
+
+    engine = Engine(model_dir, par, _optim())
+    sp = engine.config.sequence_parallel
+    batch = random_batch(MODEL.vocab_size, microbatches=[[[0, 1, 2], [3, 4, 5]]])
+    mb = make_microbatch(batch, list(range(6)), device=par.device, multiple=par.tp if sp else 1)
+    got = {}
+
+    def forward_step(it, model):
+        m = next(it)
+
+        def keep(output):
+            weight = engine.stage.output_weight()
+            got["chunked"] = _logprobs(m, weight, sp, output, temperature)[1]
+            got["logits"] = full_logits(output, weight, sp)[m.where]  # [n, V]
+            return output.sum() * 0, torch.tensor(0, dtype=torch.int, device=output.device), {}
+
+        return m.rows.forward(model), keep
+
+    engine.forward_backward([mb], forward_step, forward_only=True, seq_length=mb.width)
+    stats = ppo_step(engine, batch, StepConfig(temperature=temperature))
+    if par.rank != 0:
+        return None
+    logp = torch.log_softmax(got["logits"].double() / temperature, dim=-1)
+    direct = -(logp.exp() * logp).sum(-1)
+    return {"chunked": got["chunked"].cpu(), "direct": direct.cpu(), "mask": mb.loss_mask.cpu(), "stats": stats}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_entropy_is_that_of_the_full_logits(model_dir, tp):
+    """ppo/entropy: each token's entropy from the chunked (vocabulary-parallel) logprob function equals
+    the one from the whole vocabulary's logits, and the step reports its mean over the trained tokens."""
+    got = run_ranks(_entropy_rank, tp, tp, 1, model_dir, 0.7)[0]
+    torch.testing.assert_close(got["chunked"].double(), got["direct"], rtol=1e-5, atol=1e-5)
+    mask = got["mask"]
+    want = got["direct"][mask].mean().item()
+    assert 0 < want < torch.log(torch.tensor(float(MODEL.vocab_size))).item()
+    assert got["stats"]["ppo/entropy"] == pytest.approx(want, rel=1e-5)
+
+
+def _tensors(module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def _diff(a: dict, b: dict) -> float:
+    assert sorted(a) == sorted(b)
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def _kl_rank(par, model_dir, ckpt_dir):
+    """Steps with ppo.kl_coef > 0, save, resume: this rank's reference and policy weights on the way."""
+    from pathlib import Path
+
+    from areal_hpc.trainer import checkpoint
+    from areal_hpc.trainer.engine import Engine
+    from areal_hpc.trainer.step import StepConfig, ppo_step
+
+    ppo, cfg = PPOConfig(lr=1e-2, kl_coef=0.5), StepConfig(kl_coef=0.5)
+    engine = Engine(model_dir, par, ppo)
+    assert Engine(model_dir, par, PPOConfig()).reference is None  # off: nothing built
+    initial, ref0 = _tensors(engine.stage), _tensors(engine.reference)
+    # step 0, one minibatch: its forward passes run on the initial weights, which the reference holds
+    stats = [ppo_step(engine, random_batch(MODEL.vocab_size, microbatches=[[[0, 1, 2], [3, 4, 5]]]), cfg)]
+    stats += [ppo_step(engine, random_batch(MODEL.vocab_size, seed=s), cfg) for s in (1, 2)]
+    checkpoint.save(engine, ckpt_dir)
+    resumed = Engine(model_dir, par, ppo)
+    checkpoint.load(resumed, Path(ckpt_dir) / "trainer")
+    return {
+        "stats": stats,
+        "reference_is_initial": _diff(ref0, initial),
+        "reference_after_steps": _diff(_tensors(engine.reference), ref0),
+        "policy_after_steps": _diff(_tensors(engine.stage), ref0),
+        "resumed_reference": _diff(_tensors(resumed.reference), ref0),
+        "resumed_policy": _diff(_tensors(resumed.stage), _tensors(engine.stage)),
+    }
+
+
+def test_kl_penalty_to_the_initial_policy(model_dir, tmp_path):
+    """ppo.kl_coef > 0 at PP 2: the reference is the initial policy (ppo/kl 0 at step 0), stays frozen while
+    the policy moves (ppo/kl > 0 after), and a resume rebuilds it from the initial weights, not the
+    checkpoint's."""
+    got = run_ranks(_kl_rank, 2, 1, 2, model_dir, tmp_path / "step_3")
+    for rank in got.values():
+        assert rank["reference_is_initial"] == 0.0
+        assert rank["reference_after_steps"] == 0.0 and rank["policy_after_steps"] > 1e-3
+        assert rank["resumed_reference"] == 0.0 and rank["resumed_policy"] == 0.0
+    kl = [s["ppo/kl"] for s in got[0]["stats"]]
+    assert kl[0] == pytest.approx(0.0, abs=1e-7)
+    assert min(kl[1:]) > 1e-6

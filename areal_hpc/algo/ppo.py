@@ -16,6 +16,9 @@ Three policies meet in the loss of one response token:
 
 With `behav_weight_cap` c, tokens with w_t > c contribute 0 and the denominator stays |mask|.
 When behav == prox (eta = 0, no interrupted generation) w = 1 and this is standard clipped PPO.
+
+An optional penalty keeps the policy near a frozen reference (the initial policy), added by the
+trainer with weight `ppo.kl_coef` (`kl_penalty`; off by default, as in the paper).
 """
 
 from __future__ import annotations
@@ -125,3 +128,28 @@ def decoupled_ppo_loss(
             "n_tokens": n_tokens,
         }
     return loss, stats
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Mean over the tokens of `loss_mask` of the k3 estimator of KL(policy || reference) (Schulman's
+    "Approximating KL divergence"; GRPO, DeepSeekMath Eq. 4):
+
+        d_t  = ref_logp_t - logp_t
+        kl_t = exp(d_t) - d_t - 1                     (>= 0; 0 where the policy equals the reference)
+        kl   = sum_{t in mask} kl_t / |mask|          (0 for an empty mask)
+        d kl_t / d logp_t = 1 - exp(d_t)
+
+    Tensors of equal shape; `ref_logprobs` is a constant. Values outside the mask are ignored (zeroed
+    before the exp, as in `decoupled_ppo_loss`). Computed in at least float32.
+    """
+    if ref_logprobs.shape != logprobs.shape or loss_mask.shape != logprobs.shape:
+        raise ValueError(
+            f"ref_logprobs {tuple(ref_logprobs.shape)} and loss_mask {tuple(loss_mask.shape)} must have "
+            f"the shape of logprobs {tuple(logprobs.shape)}"
+        )
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    mask = loss_mask.bool()
+    zero = torch.zeros((), dtype=dtype, device=logprobs.device)
+    diff = torch.where(mask, ref_logprobs.detach().to(dtype) - logprobs.to(dtype), zero)  # d
+    kl = torch.exp(diff) - diff - 1.0  # 0 outside the mask
+    return kl.sum() / mask.sum().clamp(min=1).to(dtype)

@@ -138,7 +138,6 @@ class Engine:
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-        from megatron.core.transformer.module import Float16Module
         from megatron.core.utils import unwrap_model
 
         self.par = par
@@ -153,18 +152,18 @@ class Engine:
         )
         # Micro-batches differ in length: the pipeline sends each activation's shape before it.
         self.config.variable_seq_lengths = True
-        stage = build_stage(self.arch, self.config, self.device)
-        load_hf_into(stage, model_dir, self.arch, par.tp_rank, par.tp, par.pp_rank, par.pp)
-        if dtype != torch.float32:
-            # As Megatron's own training does: every parameter in the 16-bit dtype (the local layer
-            # spec makes its norms fp32; the distributed optimizer needs one dtype per gradient buffer).
-            stage = Float16Module(self.config, stage)
+        stage = self._initial_stage(dtype)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
         )
         self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=stage)
         self.stage = unwrap_model(self.model)
         """This rank's GPTModel stage itself, inside DDP (and Float16Module in bf16/fp16)."""
+        self.reference: torch.nn.Module | None = None
+        """With ppo.kl_coef > 0: a frozen copy of the initial policy's stage (the weights of `model_dir`,
+        whatever checkpoint the engine loads later), same sharding, no gradient, no optimizer."""
+        if ppo.kl_coef > 0:
+            self.reference = self._initial_stage(dtype).requires_grad_(False).eval()
         self.grad_clip = ppo.grad_clip
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
@@ -205,6 +204,19 @@ class Engine:
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.grad_scale_func = self.optimizer.scale_loss if dtype == torch.float16 else None
 
+    def _initial_stage(self, dtype: torch.dtype) -> torch.nn.Module:
+        """This rank's stage with the weights of `model_dir` (wrapped in Float16Module in bf16/fp16)."""
+        from megatron.core.transformer.module import Float16Module
+
+        par = self.par
+        stage = build_stage(self.arch, self.config, self.device)
+        load_hf_into(stage, self.model_dir, self.arch, par.tp_rank, par.tp, par.pp_rank, par.pp)
+        if dtype != torch.float32:
+            # As Megatron's own training does: every parameter in the 16-bit dtype (the local layer
+            # spec makes its norms fp32; the distributed optimizer needs one dtype per gradient buffer).
+            stage = Float16Module(self.config, stage)
+        return stage
+
     @property
     def adam(self) -> torch.optim.Optimizer:
         """The torch Adam inside Megatron's (one distributed optimizer, in Megatron's chain)."""
@@ -226,20 +238,25 @@ class Engine:
         return self.par.pp_rank == self.par.pp - 1
 
     def forward_backward(
-        self, microbatches: list, forward_step: Callable, forward_only: bool, seq_length: int
+        self, microbatches: list, forward_step: Callable, forward_only: bool, seq_length: int, model=None
     ) -> list[dict]:
-        """Megatron's schedule over `microbatches`; the loss dicts of the last stage (else [])."""
+        """Megatron's schedule over `microbatches` through the policy (or `model`, forward only: the
+        reference); the loss dicts of the last stage (else [])."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        if not forward_only:
-            self.model.zero_grad_buffer()
-            self.optimizer.zero_grad()
-        self.model.train(not forward_only)
+        if model is None:
+            model = self.model
+            if not forward_only:
+                self.model.zero_grad_buffer()
+                self.optimizer.zero_grad()
+            self.model.train(not forward_only)
+        elif not forward_only:
+            raise ValueError("only the policy trains: a forward-backward pass through another model")
         run = get_forward_backward_func()
         return run(
             forward_step_func=forward_step,
             data_iterator=iter(microbatches),
-            model=self.model,
+            model=model,
             num_microbatches=len(microbatches),
             seq_length=seq_length,
             micro_batch_size=1,

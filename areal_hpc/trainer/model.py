@@ -232,7 +232,7 @@ def build_stage(arch: QwenArch, config, device: torch.device) -> HiddenGPTModel:
 
 LOGPROB_CHUNK_BYTES = 64 << 20
 """Size of one chunk's fp32 logits ([positions, V / TP] x 4 bytes): the positions per chunk follow from
-the vocabulary. A chunk's backward holds about two such tensors at once."""
+the vocabulary. A chunk's forward or backward holds about two such tensors at once."""
 WGRAD_BLOCK_BYTES = 64 << 20
 """Largest temporary of the output weight's gradient ([vocabulary rows, h] in the weight's dtype)."""
 
@@ -249,7 +249,12 @@ def _output_input(hidden: torch.Tensor, sequence_parallel: bool) -> torch.Tensor
 
 class _TokenLogprobs(torch.autograd.Function):
     """log_softmax(h W^T / T)[target] for [n, h] hidden states, a chunk of positions at a time, over the
-    vocabulary-parallel W ([V / TP, h], this TP rank's rows of the vocabulary).
+    vocabulary-parallel W ([V / TP, h], this TP rank's rows of the vocabulary); and, as a second output
+    without a gradient, the entropy of each position's next-token distribution p = softmax(z), z = h W^T / T:
+
+        H = -sum_v p_v log p_v = log S - sum_v e_v s_v / S,   s = z - max z, e = exp(s), S = sum_v e_v
+
+    (S and sum_v e_v s_v summed over the TP ranks, with the target's logit, in one all-reduce per chunk).
 
     Written by hand: megatron-core 0.16.1 has no fused output layer + cross entropy, and the fused ones
     elsewhere need TransformerEngine or Liger's Triton kernels (neither runs on the CPU). What it keeps for
@@ -268,26 +273,33 @@ class _TokenLogprobs(torch.autograd.Function):
         first = ps.get_tensor_model_parallel_rank() * weight.shape[0]  # this rank's first vocabulary id
         n = hidden.shape[0]
         out = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        lse = torch.empty_like(out)
+        lse, entropy = torch.empty_like(out), torch.empty_like(out)
         for a in range(0, n, chunk):
             logits = (hidden[a : a + chunk].to(weight.dtype) @ weight.t()).float().div_(temperature)  # [c, V/TP]
             local, inside = _local_target(target[a : a + chunk], first, weight.shape[0])
-            picked = logits.gather(1, local[:, None]).squeeze(1).mul_(inside)
             top = logits.max(1).values
             if tp > 1:
                 torch.distributed.all_reduce(top, torch.distributed.ReduceOp.MAX, group=group)
-            total = logits.sub_(top[:, None]).exp_().sum(1)
+            shifted = logits.sub_(top[:, None])  # s, in place
+            e = shifted.exp()
+            # [3, c]: S, sum e s (a batched dot: no [c, V/TP] product), the target's s (0 off this rank)
+            sums = torch.stack(
+                [e.sum(1), torch.einsum("cv,cv->c", e, shifted), shifted.gather(1, local[:, None]).squeeze(1) * inside]
+            )
             if tp > 1:
-                torch.distributed.all_reduce(total, group=group)
-                torch.distributed.all_reduce(picked, group=group)
-            lse[a : a + chunk] = top + total.log()
-            out[a : a + chunk] = picked - lse[a : a + chunk]
+                torch.distributed.all_reduce(sums, group=group)
+            total, e_dot_s, picked = sums
+            log_total = total.log()
+            lse[a : a + chunk] = top + log_total
+            out[a : a + chunk] = picked - log_total
+            entropy[a : a + chunk] = log_total - e_dot_s / total
         ctx.save_for_backward(hidden, weight, target, lse)
         ctx.temperature, ctx.chunk, ctx.first = temperature, chunk, first
-        return out
+        ctx.mark_non_differentiable(entropy)
+        return out, entropy
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, _grad_entropy):
         hidden, weight, target, lse = ctx.saved_tensors
         t, chunk, first = ctx.temperature, ctx.chunk, ctx.first
         grad_hidden = torch.empty_like(hidden)
@@ -322,8 +334,9 @@ def token_logprobs(
     target: torch.Tensor,
     temperature: float,
     sequence_parallel: bool,
-) -> torch.Tensor:
-    """[n] log_softmax(h W^T / T)[target] at the positions `where` ((row, column) pairs) of `hidden`.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([n] log_softmax(h W^T / T)[target], [n] entropy of softmax(h W^T / T), no gradient) at the
+    positions `where` ((row, column) pairs) of `hidden`.
 
     The softmax is over the whole (vocabulary-parallel) vocabulary, exact; only a chunk's logits exist
     at a time, forward or backward (`_TokenLogprobs`).

@@ -2,10 +2,13 @@
 minibatch, each over its packed micro-batches with the decoupled loss.
 
     prox_logp <- logprobs of every token under the weights at the start of the step (forward only)
+    ref_logp  <- logprobs of every token under the initial policy (forward only; ppo.kl_coef > 0)
     for each minibatch k:
         for each micro-batch j of k (Megatron's schedule, 1F1B across pipeline stages):
             logp      = log_softmax(h W^T / T)[next token]                   (T = rollout.temperature)
+            entropy   = H(softmax(h W^T / T))                  (no gradient; ppo/entropy, over the mask)
             loss_sum += sum_t loss_t(logp, prox_logp, behav_logp, A)          (decoupled_ppo_loss)
+                      + kl_coef * sum_t kl_t(logp, ref_logp)                   (kl_penalty; ppo/kl)
         grads /= tokens of minibatch k over all data-parallel ranks          (Megatron, per-token loss)
         clip grad norm, Adam step
 
@@ -42,7 +45,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.utils import unwrap_model
 
-from areal_hpc.algo.ppo import decoupled_ppo_loss
+from areal_hpc.algo.ppo import decoupled_ppo_loss, kl_penalty
 from areal_hpc.config import PROX_LOGPS
 from areal_hpc.trainer.model import PackedRows, pack_rows, token_logprobs
 
@@ -64,10 +67,14 @@ class StepConfig:
     prox_pass_always: bool = False
     """Run the recompute pass even with one minibatch, where the forward pass gives the same values
     (for comparison: tools/bench_trainer.py measures what skipping it saves)."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the engine's reference policy (`ppo.kl_coef`; 0: off)."""
 
     def __post_init__(self):
         if self.prox_logp not in PROX_LOGPS:
             raise ValueError(f"ppo.prox_logp must be one of {', '.join(PROX_LOGPS)} (got {self.prox_logp!r})")
+        if self.kl_coef < 0:
+            raise ValueError(f"ppo.kl_coef must be >= 0 (got {self.kl_coef})")
 
     @classmethod
     def from_config(cls, cfg) -> StepConfig:
@@ -78,6 +85,7 @@ class StepConfig:
             eps_clip_high=p.eps_clip_high,
             behav_weight_cap=p.behav_weight_cap,
             prox_logp=p.prox_logp,
+            kl_coef=p.kl_coef,
         )
 
 
@@ -93,6 +101,7 @@ class MicroBatch:
     advantages: torch.Tensor  # [n]
     versions: torch.Tensor  # [n] int64
     prox_logprobs: torch.Tensor | None = None  # [n], filled on the last stage
+    ref_logprobs: torch.Tensor | None = None  # [n] under the reference policy (ppo.kl_coef > 0), last stage
 
     @property
     def width(self) -> int:
@@ -149,19 +158,20 @@ def _forward_step(loss_of):
 
 
 def _logprobs(mb: MicroBatch, weight, sequence_parallel: bool, hidden: torch.Tensor, temperature: float):
-    """[n] log_softmax(logits / T) of each token of `mb` given the tokens before it in its own sequence."""
+    """([n] log_softmax(logits / T) of each token of `mb` given the tokens before it in its own sequence,
+    [n] the entropy of that next-token distribution, without a gradient)."""
     return token_logprobs(hidden, weight, mb.where, mb.targets, temperature, sequence_parallel)
 
 
 def _logprob_loss(temperature: float, mb: MicroBatch, weight, sequence_parallel: bool, output: torch.Tensor):
-    logp = _logprobs(mb, weight, sequence_parallel, output, temperature)
+    logp, _ = _logprobs(mb, weight, sequence_parallel, output, temperature)
     return output.sum() * 0.0, torch.zeros((), dtype=torch.int, device=output.device), {"logprobs": logp}
 
 
 def _ppo_loss(
     cfg: StepConfig, alpha_step: float, version: int, mb: MicroBatch, weight, sequence_parallel, output: torch.Tensor
 ):
-    logp = _logprobs(mb, weight, sequence_parallel, output, cfg.temperature)
+    logp, entropy = _logprobs(mb, weight, sequence_parallel, output, cfg.temperature)
     if cfg.prox_logp == "recompute":
         # no recompute pass (one minibatch): this forward pass ran on the step's starting weights
         prox = mb.prox_logprobs if mb.prox_logprobs is not None else logp.detach()
@@ -181,6 +191,9 @@ def _ppo_loss(
         eps_clip_high=cfg.eps_clip_high,
         behav_weight_cap=cfg.behav_weight_cap,
     )
+    if cfg.kl_coef > 0:
+        kl = kl_penalty(logp, mb.ref_logprobs, mask)
+        loss = loss + cfg.kl_coef * kl
     n = mask.sum()
     loss_sum = loss * n  # the loss is the mean over the mask; Megatron divides by the total count
     with torch.no_grad():
@@ -194,12 +207,15 @@ def _ppo_loss(
             "behav_weight_sum": (stats["behav_weight_mean"] * n).double(),
             "mismatch_sum": ((mb.behav_logprobs - prox).abs() * current).sum().double(),
             "mismatch_n": current.sum().double(),
+            "entropy_sum": (entropy * mask).sum().double(),
+            "kl_sum": (kl * n).double() if cfg.kl_coef > 0 else torch.zeros_like(n, dtype=torch.float64),
         }
     return loss_sum, n.int(), report
 
 
-def compute_logprobs(engine, mbs: list[MicroBatch], temperature: float) -> list[torch.Tensor] | None:
-    """[n] logprobs of each micro-batch's tokens under the current weights (on the last stage; else None).
+def compute_logprobs(engine, mbs: list[MicroBatch], temperature: float, model=None) -> list[torch.Tensor] | None:
+    """[n] logprobs of each micro-batch's tokens under the current weights, or those of `model` (the
+    engine's reference), on the last stage; else None.
 
     No autograd graph: Megatron's forward-only schedule does not turn gradients off by itself.
     """
@@ -209,11 +225,12 @@ def compute_logprobs(engine, mbs: list[MicroBatch], temperature: float) -> list[
             _forward_step(partial(_logprob_loss, temperature)),
             forward_only=True,
             seq_length=max(mb.width for mb in mbs),
+            model=model,
         )
     return [o["logprobs"] for o in out] if engine.is_last_stage else None
 
 
-_STAT_KEYS = ("loss_sum", "n", "clip_sum", "behav_weight_sum", "mismatch_sum", "mismatch_n")
+_STAT_KEYS = ("loss_sum", "n", "clip_sum", "behav_weight_sum", "mismatch_sum", "mismatch_n", "entropy_sum", "kl_sum")
 
 
 def ppo_step(engine, batch, cfg: StepConfig) -> dict[str, float]:
@@ -229,12 +246,19 @@ def ppo_step(engine, batch, cfg: StepConfig) -> dict[str, float]:
     minibatches = [
         [make_microbatch(batch, ids, cfg.padded, engine.device, multiple) for ids in mb] for mb in batch.microbatches
     ]
+    flat = [mb for k in minibatches for mb in k]
     if cfg.prox_logp == "recompute" and (len(minibatches) > 1 or cfg.prox_pass_always):
-        flat = [mb for k in minibatches for mb in k]
         prox = compute_logprobs(engine, flat, cfg.temperature)
         if prox is not None:
             for mb, lp in zip(flat, prox):
                 mb.prox_logprobs = lp
+    if cfg.kl_coef > 0:
+        if engine.reference is None:
+            raise ValueError("ppo.kl_coef > 0 needs an Engine built with it (it keeps the reference policy)")
+        ref = compute_logprobs(engine, flat, cfg.temperature, model=engine.reference)
+        if ref is not None:
+            for mb, lp in zip(flat, ref):
+                mb.ref_logprobs = lp
     totals = torch.zeros(len(_STAT_KEYS), dtype=torch.float64, device=engine.device)
     grad_norms = []
     K = len(minibatches)
@@ -258,11 +282,13 @@ def ppo_step(engine, batch, cfg: StepConfig) -> dict[str, float]:
         totals += part
     s = dict(zip(_STAT_KEYS, totals.tolist()))
     n = max(s["n"], 1.0)
-    return {
+    kl = {"ppo/kl": s["kl_sum"] / n} if cfg.kl_coef > 0 else {}
+    return kl | {
         "ppo/loss": s["loss_sum"] / n,
         "ppo/clip_frac": s["clip_sum"] / n,
         "ppo/grad_norm": sum(grad_norms) / len(grad_norms),
         "ppo/behav_weight_mean": s["behav_weight_sum"] / n,
+        "ppo/entropy": s["entropy_sum"] / n,
         "ppo/logp_mismatch": s["mismatch_sum"] / max(s["mismatch_n"], 1.0),
         "ppo/logp_mismatch_tokens": s["mismatch_n"],  # 0: no token of the current version in the batch
         "ppo/tokens": s["n"],
