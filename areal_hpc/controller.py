@@ -4,7 +4,7 @@ syncs and checkpoints, writes the metrics. One thread, one event loop, no blocki
 ```
  loop (until version == train.total_steps, or a stop request, then checkpoint and Stop everyone):
    poll every message that has arrived                                  never waits
-     Trajectory    -> decode, RewardRequest to the least-loaded reward rank
+     Trajectory    -> decode, RewardRequest to the least-loaded reward worker
      RewardResult  -> a group with all n answers scored goes to the buffer   (gate.finish); with
                       rollout.filter_uniform_groups one whose rewards are all equal is left out
                       (gate.finish(accepted=False): its slot admits another prompt)
@@ -139,10 +139,10 @@ class Controller:
         self.rng = random.Random(cfg.experiment.seed)
 
         self.generators = list(layout.ranks(Role.GENERATOR))
-        self.rewarders = list(layout.ranks(Role.REWARD))
+        self.reward_workers = list(layout.ranks(Role.REWARD))
         self.trainers = list(layout.ranks(Role.TRAINER))
         self.gen_load = dict.fromkeys(self.generators, 0)  # groups in flight per generator
-        self.reward_load = dict.fromkeys(self.rewarders, 0)
+        self.reward_load = dict.fromkeys(self.reward_workers, 0)
         self.reward_pending: dict[int, tuple[int, int, int]] = {}  # traj_id -> (group, sample, rank)
         self.liveness = Liveness(layout, cfg.train.rank_timeout_s, cfg.train.startup_timeout_s)
 
@@ -268,7 +268,7 @@ class Controller:
 
     def send_reward(self, traj_id: int, group_id: int, sample_idx: int, output_ids, target: str) -> None:
         """Score one answer on the least-loaded reward worker."""
-        rank = min(self.rewarders, key=lambda r: (self.reward_load[r], r))
+        rank = min(self.reward_workers, key=lambda r: (self.reward_load[r], r))
         self.reward_pending[traj_id] = (group_id, sample_idx, rank)
         response = self.tokenizer.decode(output_ids, skip_special_tokens=True)
         self.box.send(rank, RewardRequest(traj_id, self.cfg.reward.kind, response, target))

@@ -212,7 +212,7 @@ class Placement(NamedTuple):
 
 
 def core_plan(layout: Layout, cores: list[int]) -> dict[int, Placement]:
-    """World rank -> where a generator or trainer rank runs (the controller and reward ranks float: absent).
+    """World rank -> where a generator or trainer rank runs (the controller and reward workers float: absent).
 
     Enough cores: disjoint equal shares, one thread per core, so each rank has its own "device", as on
     a cluster. 2 cores, 1 generator (rank 2) + 1 trainer (rank 3): {2: ([c0], 1), 3: ([c1], 1)}.
