@@ -76,7 +76,7 @@ class TrainBatch:
     sequence indices of micro-batch j of PPO minibatch k.
     """
 
-    version: int  # the policy version being trained (the step number)
+    version: int  # the policy version the step starts from; the step is number version + 1
     tokens: np.ndarray  # [N] int32, prompt + response of every sequence, concatenated
     cu_seqlens: np.ndarray  # [S + 1] int32
     loss_mask: np.ndarray  # [N] uint8, 1 on response tokens

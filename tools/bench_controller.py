@@ -297,7 +297,7 @@ def sim_trainer(world, first_trainer: bool, eta: int, train_s: float) -> dict:
             received[type(msg).__name__, "bytes"] += wire_bytes(msg)
             if isinstance(msg, TrainBatch):
                 if version is not None and msg.version != version + 1:
-                    errors.append(f"step {msg.version} after step {version}")
+                    errors.append(f"step {msg.version + 1} after step {version + 1}")
                 version = int(msg.version)
                 trained += _check_batch(msg, eta, errors)
                 if first_trainer:
@@ -315,7 +315,7 @@ def sim_trainer(world, first_trainer: bool, eta: int, train_s: float) -> dict:
 def _check_batch(b, eta: int, errors: list) -> list:
     mask = b.loss_mask.astype(bool)
     if mask.any() and int(b.versions[mask].min()) < b.version - eta:
-        errors.append(f"step {b.version} trains a token of version {int(b.versions[mask].min())} (bound {eta})")
+        errors.append(f"step {b.version + 1} trains a token of version {int(b.versions[mask].min())} (bound {eta})")
     out = []
     cu = b.cu_seqlens
     for k in range(len(cu) - 1):
