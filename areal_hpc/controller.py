@@ -5,7 +5,7 @@ syncs and checkpoints, writes the metrics. One thread, one event loop, no blocki
  loop (until version == train.total_steps, or a stop request, then checkpoint and Stop everyone):
    poll every message that has arrived                                  never waits
      Trajectory    -> decode, RewardRequest to the least-loaded reward worker
-     RewardResult  -> a group with all n answers scored goes to the buffer   (gate.finish); with
+     RewardResult  -> a group with all n trajectories scored goes to the buffer   (gate.finish); with
                       rollout.filter_uniform_groups one whose rewards are all equal is left out
                       (gate.finish(accepted=False): its slot admits another prompt)
      TrainResult   -> version v+1: WeightSync(v+1) to trainers + generators, Save every save_every
@@ -249,7 +249,7 @@ class Controller:
         group.generator = self.send_generate(group.group_id, prompt_ids, n)
 
     def send_generate(self, group_id: int, prompt_ids: np.ndarray, n: int) -> int:
-        """n answers to one prompt from the least-loaded generator; returns its rank."""
+        """n trajectories to one prompt from the least-loaded generator; returns its rank."""
         gen = min(self.generators, key=lambda g: (self.gen_load[g], g))
         self.box.send(gen, GenerateRequest(group_id, prompt_ids, n))
         self.timeline.mark("gen_start", rank=gen, group=group_id)
@@ -259,7 +259,7 @@ class Controller:
         return gen
 
     def generator_done(self, src: int, group_id: int) -> None:
-        """Generator `src` sent the last answer of a prompt."""
+        """Generator `src` sent the last trajectory of a prompt."""
         self.timeline.mark("gen_done", rank=src, group=group_id)
         self.gen_load[src] -= 1
         self.liveness.done(src)
@@ -267,7 +267,7 @@ class Controller:
             self.gen_idle.busy(self.generators.index(src), False)
 
     def send_reward(self, traj_id: int, group_id: int, sample_idx: int, output_ids, target: str) -> None:
-        """Score one answer on the least-loaded reward worker."""
+        """Score one trajectory on the least-loaded reward worker."""
         rank = min(self.reward_workers, key=lambda r: (self.reward_load[r], r))
         self.reward_pending[traj_id] = (group_id, sample_idx, rank)
         response = self.tokenizer.decode(output_ids, skip_special_tokens=True)
@@ -279,7 +279,7 @@ class Controller:
         if traj.group_id < 0:
             self.evals.on_trajectory(src, traj)
             return
-        if not self.generating_since_start:  # the first step is timed from the first answer, not the
+        if not self.generating_since_start:  # the first step is timed from the first trajectory, not the
             self.generating_since_start = True  # engines' start-up
             self.last_step_end = time.monotonic()
             self.gen_idle.take_fraction()
@@ -306,7 +306,7 @@ class Controller:
             self.on_group_complete(group)
 
     def on_group_complete(self, group: Group) -> None:
-        """Into the buffer; or, with `rollout.filter_uniform_groups`, a group whose answers all got the
+        """Into the buffer; or, with `rollout.filter_uniform_groups`, a group whose trajectories all got the
         same reward is left out: it finishes unaccepted, which frees its admission slot (the gate's
         `finish(accepted=False)`, as a stale drop does), so another prompt takes its place."""
         if self.cfg.rollout.filter_uniform_groups and group.uniform:
@@ -314,7 +314,7 @@ class Controller:
             self.filtered_since_step += 1
             if self.filtered_since_step % (FILTERED_WARN_STEPS * self.cfg.rollout.prompts_per_step) == 0:
                 log.warning(
-                    "%d prompt groups left out at policy version %d: each one's answers all got the same reward "
+                    "%d prompt groups left out at policy version %d: each one's trajectories all got the same reward "
                     "(rollout.filter_uniform_groups); if no step comes, the prompts are too easy or too hard "
                     "for the model: change data.train_path or set rollout.filter_uniform_groups=false",
                     self.filtered_since_step,

@@ -7,7 +7,7 @@ timing/weight_sync_s (the latest completed sync: the slowest generator's load), 
 timing/train_idle_frac, timing/save_s (the trainers' time in checkpoint saves since the previous step),
 the trainer's ppo/* statistics, reward/errors (rewards scored 0 for a timeout or an error since the
 previous step), rollout/filtered (prompt groups left out by rollout.filter_uniform_groups since the
-previous step), rollout/truncated (answers of the step cut at rollout.max_new_tokens), and after an
+previous step), rollout/truncated (trajectories of the step cut at rollout.max_new_tokens), and after an
 evaluation between steps eval/pass@1 ... (areal_hpc.eval). Each line also has `step`, the policy
 version after the step.
 """

@@ -27,7 +27,7 @@ _DATA_TAG = 1000  # buffers of the header sent on tag t travel on tag t + _DATA_
 
 @dataclass
 class GenerateRequest:
-    """Generate `n` answers to one prompt (a GRPO group)."""
+    """Generate `n` trajectories to one prompt (a GRPO group)."""
 
     group_id: int
     prompt_ids: np.ndarray  # [P] int32
@@ -36,7 +36,7 @@ class GenerateRequest:
 
 @dataclass
 class Trajectory:
-    """One finished answer, sent as soon as it finishes."""
+    """One finished trajectory, sent as soon as it finishes."""
 
     group_id: int
     sample_idx: int
