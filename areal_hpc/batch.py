@@ -1,7 +1,7 @@
 """One training step's data: prompt groups -> advantages -> packed micro-batches per data-parallel rank.
 
 ```
- groups (B x n answers) --group_advantages--> A per answer, broadcast to its response tokens
+ groups (B x n trajectories) --group_advantages--> A per trajectory, broadcast to its response tokens
         |
         +-- PPO minibatches: the groups split into `ppo.minibatches` contiguous parts
               +-- split_for_dp: each minibatch's sequences over the DP ranks, tokens balanced, the
@@ -34,7 +34,7 @@ class BatchInfo:
     response_tokens: int
     sequences: int
     truncated: int = 0
-    """Answers cut at the token limit (`finish_reason == "length"`)."""
+    """Trajectories cut at the token limit (`finish_reason == "length"`)."""
 
 
 def build_train_batches(
@@ -48,7 +48,7 @@ def build_train_batches(
     mask_truncated: bool = False,
 ) -> tuple[list[TrainBatch], BatchInfo]:
     """`batches[r]` is data-parallel rank r's TrainBatch for training step `version`. With
-    `mask_truncated`, an answer cut at the token limit has loss mask 0 on every token (`ppo.mask_truncated`)."""
+    `mask_truncated`, a trajectory cut at the token limit has loss mask 0 on every token (`ppo.mask_truncated`)."""
     trajs = [t for g in groups for t in g.trajectories]
     rewards = np.array([r for g in groups for r in g.rewards], np.float64)
     adv = group_advantages(rewards, groups[0].n, adv_norm)  # [S]
@@ -68,7 +68,7 @@ def build_train_batches(
         )
     lengths = [len(s["tokens"]) for s in seqs]
 
-    # PPO minibatches by whole groups (a group's answers are scored against each other), then each
+    # PPO minibatches by whole groups (a group's trajectories are scored against each other), then each
     # minibatch over the DP ranks.
     group_parts = np.array_split(np.arange(len(groups)), minibatches)
     local: list[list[int]] = [[] for _ in range(dp)]  # global sequence indices held by each DP rank

@@ -1,7 +1,7 @@
 """The controller's rollouts: prompt groups in flight, and the buffer of finished groups, oldest first.
 
-A group is one prompt and its `n` answers (the GRPO group). It lives in `running` from admission
-until every answer has come back from a generator and been scored by a reward worker; then it moves
+A group is one prompt and its `n` trajectories (the GRPO group). It lives in `running` from admission
+until every trajectory has come back from a generator and been scored by a reward worker; then it moves
 to the buffer, where it waits to be trained on. The buffer is ordered by admission (group id), so
 the staleness gate's `consume` gives the trainer the oldest groups first: those most at risk of
 going stale.
@@ -42,22 +42,22 @@ class Group:
 
     @property
     def generated(self) -> bool:
-        """Every answer has come back from the generator."""
+        """Every trajectory has come back from the generator."""
         return all(t is not None for t in self.trajectories)
 
     @property
     def complete(self) -> bool:
-        """Every answer is back and scored."""
+        """Every trajectory is back and scored."""
         return self.generated and all(r is not None for r in self.rewards)
 
     @cached_property
     def oldest_version(self) -> int | None:
-        """Oldest generated-token version over the answers (read once the group is complete)."""
+        """Oldest generated-token version over the trajectories (read once the group is complete)."""
         return oldest_version(t.versions for t in self.trajectories if t is not None)
 
     @property
     def uniform(self) -> bool:
-        """Every answer got the same reward: every GRPO advantage is 0, the group teaches nothing."""
+        """Every trajectory got the same reward: every GRPO advantage is 0, the group teaches nothing."""
         return len(set(self.rewards)) == 1
 
     @property
@@ -100,7 +100,7 @@ class Rollouts:
     def add_trajectory(self, traj: Trajectory) -> Group:
         group = self.running[traj.group_id]
         if group.trajectories[traj.sample_idx] is not None:
-            raise RuntimeError(f"group {traj.group_id} answer {traj.sample_idx} arrived twice")
+            raise RuntimeError(f"group {traj.group_id} trajectory {traj.sample_idx} arrived twice")
         group.trajectories[traj.sample_idx] = traj
         return group
 

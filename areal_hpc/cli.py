@@ -270,9 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
         "eval",
         help="pass@1 and pass@k of a model or a run's checkpoint on held-out prompts",
         description="Evaluate a Hugging Face model directory, or a run directory's checkpoint (step 0: its "
-        "initial model), on held-out prompts: K answers per prompt from the generator's vLLM engine "
+        "initial model), on held-out prompts: K trajectories per prompt from the generator's vLLM engine "
         "(allocation.gen_tp, rollout.temperature, rollout.max_new_tokens), scored by the run's reward "
-        "(reward.kind); pass@1 averaged over the K answers, unbiased pass@k for k = 1, 2, 4, ... K, answer "
+        "(reward.kind); pass@1 averaged over the K trajectories, unbiased pass@k for k = 1, 2, 4, ... K, trajectory "
         "lengths. Prints a table and writes a JSON report. A run directory uses its own config.yaml.",
         epilog=OVERRIDES_HELP,
     )
@@ -287,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --submit: checkpoints to evaluate, one Slurm array task each (e.g. 100,200,300)",
     )
     p.add_argument("--data", help="held-out prompts, the formats of data.train_path (default: eval.data)")
-    p.add_argument("--samples", type=int, help="answers per prompt, K (default: eval.samples)")
+    p.add_argument("--samples", type=int, help="trajectories per prompt, K (default: eval.samples)")
     p.add_argument("--config", help="config for a model directory (default: the built-in defaults)")
     p.add_argument("-o", "--output", help="JSON report (default: RUN_DIR/eval/step_N-DATA.json, or here)")
     p.add_argument("--submit", action="store_true", help="run as a Slurm job array, one task per step of --steps")

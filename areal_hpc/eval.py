@@ -4,15 +4,15 @@
  MODEL_DIR | RUN_DIR --step N -> Hugging Face directory (step 0: the run's initial model; step N: its
                                   checkpoint, exported once to RUN_DIR/hf/step_N)
  --data FILE -> areal_hpc.data.load_prompts (the run's prompt format and length filter)
- K answers per prompt: the generator's vLLM engine (allocation.gen_tp, rollout.temperature, max_new_tokens)
- each answer, as it finishes -> the reward workers' scorer pool (reward.kind, reward.timeout_s)
- -> pass@1 (mean over prompts of c/K), pass@k for k = 1, 2, 4, ... K, answer lengths
+ K trajectories per prompt: the generator's vLLM engine (allocation.gen_tp, rollout.temperature, max_new_tokens)
+ each trajectory, as it finishes -> the reward workers' scorer pool (reward.kind, reward.timeout_s)
+ -> pass@1 (mean over prompts of c/K), pass@k for k = 1, 2, 4, ... K, trajectory lengths
  -> a table on the terminal and a JSON report
 ```
 
-An answer is correct when its reward is 1 (math: the boxed answer equals the reference; code: every
+A trajectory is correct when its reward is 1 (math: the boxed answer equals the reference; code: every
 test passes). The same bookkeeping (`EvalRound`) serves the evaluation between training steps, where
-the controller sends the prompts to the generators and the answers to the reward workers.
+the controller sends the prompts to the generators and the trajectories to the reward workers.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n answers of which c are correct (Chen et al. 2021, "Evaluating Large
+    """Unbiased pass@k from n trajectories of which c are correct (Chen et al. 2021, "Evaluating Large
     Language Models Trained on Code", eq. 1 and its numerically stable product form):
 
         pass@k = 1 - C(n - c, k) / C(n, k) = 1 - prod_{i = n - c + 1}^{n} (1 - k / i)
@@ -53,16 +53,16 @@ def ks(samples: int) -> list[int]:
 
 @dataclass
 class EvalRound:
-    """K answers to each of a list of prompts, scored; what they add up to (`report`)."""
+    """K trajectories to each of a list of prompts, scored; what they add up to (`report`)."""
 
     examples: list[Example]
     samples: int
     rewards: list[list[float | None]] = field(init=False)
     lengths: list[list[int | None]] = field(init=False)
-    """Tokens of each answer (None until it has come back: an answer may have none)."""
+    """Tokens of each trajectory (None until it has come back: a trajectory may have none)."""
     truncated: int = 0
     errors: int = 0
-    """Answers scored 0 for a reward timeout or error."""
+    """Trajectories scored 0 for a reward timeout or error."""
 
     def __post_init__(self):
         self.rewards = [[None] * self.samples for _ in self.examples]
@@ -77,7 +77,7 @@ class EvalRound:
         self.errors += reason != "ok"
 
     def generated(self, prompt: int) -> bool:
-        """Every answer to the prompt has come back from the generator."""
+        """Every trajectory to the prompt has come back from the generator."""
         return all(n is not None for n in self.lengths[prompt])
 
     @property
@@ -85,7 +85,7 @@ class EvalRound:
         return all(r is not None for rs in self.rewards for r in rs)
 
     def report(self) -> dict:
-        """pass@k, mean reward and answer lengths; `per_prompt` has each prompt's correct count."""
+        """pass@k, mean reward and trajectory lengths; `per_prompt` has each prompt's correct count."""
         n = self.samples
         correct = [sum(r >= 1.0 for r in rs) for rs in self.rewards]
         lengths = np.array(self.lengths, np.float64).ravel()
@@ -112,13 +112,13 @@ class EvalRound:
 class TrainingEval:
     """Evaluation between training steps (`eval.every_steps`), on the run's own generators and reward
     workers: before the first step and after every `every_steps` steps, the eval prompts go to the
-    generators (right after the WeightSync of that version, which they handle first), K answers each.
+    generators (right after the WeightSync of that version, which they handle first), K trajectories each.
 
-    They are not training data: their group ids are negative (-1 - prompt index), so their answers
+    They are not training data: their group ids are negative (-1 - prompt index), so their trajectories
     and rewards come back here, never to the buffer; the staleness gate never counts them. A round
     still running when the next one is due is left to finish (the next one is skipped). Its figures
     (`eval/pass@1`, `eval/pass@k`, `eval/reward_mean`, `eval/answer_tokens`, and `eval/version`, the
-    version it started on: answers in flight across a weight update finish on the newer weights) go
+    version it started on: trajectories in flight across a weight update finish on the newer weights) go
     into the metrics row of the next step that ends.
     """
 
@@ -178,14 +178,16 @@ class TrainingEval:
 def table(report: dict) -> str:
     """The report as the terminal shows it."""
     lines = [f"model    {report['model']}", f"data     {report['data']}"]
-    lines.append(f"prompts  {report['prompts']} x {report['samples']} answers (temperature {report['temperature']})")
+    lines.append(
+        f"prompts  {report['prompts']} x {report['samples']} trajectories (temperature {report['temperature']})"
+    )
     lines.append("")
     lines.append("  ".join(f"{'pass@' + k:>8}" for k in report["pass@k"]) + f"  {'reward':>8}")
     lines.append("  ".join(f"{v:8.3f}" for v in report["pass@k"].values()) + f"  {report['reward_mean']:8.3f}")
     t = report["answer_tokens"]
     lines.append("")
     lines.append(
-        f"answer tokens: mean {t['mean']:.1f}, median {t['median']:.0f}, p90 {t['p90']:.0f}, max {t['max']}; "
+        f"trajectory tokens: mean {t['mean']:.1f}, median {t['median']:.0f}, p90 {t['p90']:.0f}, max {t['max']}; "
         f"cut at max_new_tokens: {report['truncated_frac']:.1%}; reward errors: {report['reward_errors']}"
     )
     return "\n".join(lines)
@@ -248,7 +250,7 @@ def export(run_dir: Path, step: int) -> Path:
 
 
 def evaluate(cfg: Config, model_dir: Path, data: str | Path, samples: int, engine=None, progress=print) -> dict:
-    """Generate `samples` answers to every prompt of `data` with the generator's engine code, score them
+    """Generate `samples` trajectories to every prompt of `data` with the generator's engine code, score them
     with the reward workers' pool, and report (`EvalRound.report` plus what was evaluated)."""
     from transformers import AutoTokenizer
 
@@ -278,7 +280,7 @@ def evaluate(cfg: Config, model_dir: Path, data: str | Path, samples: int, engin
                 round_.scored(i, j, reward, reason)
             if time.monotonic() - shown > 10:
                 shown = time.monotonic()
-                progress(f"eval: {answered}/{total} answers ({shown - started:.0f} s)")
+                progress(f"eval: {answered}/{total} trajectories ({shown - started:.0f} s)")
     finally:
         pool.close()
         if own_engine:

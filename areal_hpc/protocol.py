@@ -27,7 +27,7 @@ _DATA_TAG = 1000  # buffers of the header sent on tag t travel on tag t + _DATA_
 
 @dataclass
 class GenerateRequest:
-    """Generate `n` answers to one prompt (a GRPO group)."""
+    """Generate `n` trajectories to one prompt (a GRPO group)."""
 
     group_id: int
     prompt_ids: np.ndarray  # [P] int32
@@ -36,7 +36,7 @@ class GenerateRequest:
 
 @dataclass
 class Trajectory:
-    """One finished answer, sent as soon as it finishes."""
+    """One finished trajectory, sent as soon as it finishes."""
 
     group_id: int
     sample_idx: int
@@ -76,7 +76,7 @@ class TrainBatch:
     sequence indices of micro-batch j of PPO minibatch k.
     """
 
-    version: int  # the policy version being trained (the step number)
+    version: int  # the policy version the step starts from; the step is number version + 1
     tokens: np.ndarray  # [N] int32, prompt + response of every sequence, concatenated
     cu_seqlens: np.ndarray  # [S + 1] int32
     loss_mask: np.ndarray  # [N] uint8, 1 on response tokens

@@ -279,7 +279,7 @@ class WeightReceiver:
 
 def setup_weight_sync(ctx: RankContext) -> WeightSender | WeightReceiver | None:
     """Every world rank calls this once, before `serve`. Returns a `WeightSender` on trainer ranks, a
-    `WeightReceiver` on generator ranks, None on the controller and reward ranks.
+    `WeightReceiver` on generator ranks, None on the controller and reward workers.
 
     For each stage s, the members ([stage_source_rank(s)] + generators) split off the world, check
     that they all resolved the same device, and the source opens the group's TCPStore on a free port

@@ -50,6 +50,18 @@ def test_staleness_bound_and_every_prompt_once(tmp_path, eta):
     assert latest_checkpoint(run_dir).name == "step_12"
 
 
+def test_the_log_and_the_metrics_number_a_step_alike(tmp_path, caplog):
+    """A step's number is the policy version after it (steps completed): the controller's "step N trains
+    prompts" line and the metrics row of that step say the same N, and so does the step's checkpoint."""
+    cfg, layout, run_dir, tok_dir = make(tmp_path, "train.total_steps=3", "train.save_every=3")
+    with caplog.at_level("INFO", logger="areal_hpc.controller"):
+        _, code = run(cfg, layout, run_dir, tok_dir, World(layout, build_tokenizer()), Prompts())
+    assert code == EXIT_DONE
+    logged = [int(r.getMessage().split()[1]) for r in caplog.records if " trains prompts " in r.getMessage()]
+    assert logged == [r["step"] for r in metrics(run_dir)] == [1, 2, 3]
+    assert latest_checkpoint(run_dir).name == "step_3"
+
+
 def test_stop_checkpoints_and_resume_continues_without_reusing_data(tmp_path):
     cfg, layout, run_dir, tok_dir = make(tmp_path, "rollout.max_staleness=2")
     tok = build_tokenizer()

@@ -151,7 +151,7 @@ def test_runs_stops_on_ctrl_c_after_a_checkpoint_and_resumes(root):
     # Each step trained on its own prompts: none twice, across the stop and the resume.
     log = (run_dir / "logs" / "controller-0.log").read_text()
     steps = [(int(s), json.loads(p)) for s, p in re.findall(r"step (\d+) trains prompts (\[.*\])", log)]
-    assert [s for s, _ in steps] == list(range(total))
+    assert [s for s, _ in steps] == [r["step"] for r in rows] == list(range(1, total + 1))
     prompts = [i for _, indices in steps for i in indices]
     assert len(prompts) == total * 4 and len(set(prompts)) == len(prompts)
     assert sorted(p.name for p in (run_dir / "logs").glob("*.log")) == [

@@ -20,9 +20,9 @@ and the token rate the cluster produces: its generators at full load, the fastes
              (the step's version, the staleness bound) and answers TrainResult, Saved
 ```
 
-The simulated ranks are few and stand for many (one generator for every engine, one reward rank for
-every reward worker), so they fit on a laptop: the messages rank 0 sees per step, their sizes and
-their kinds are the cluster's; only the tiny per-rank messages (WeightSync, SyncDone, Stop) are fewer,
+The simulated ranks are few and stand for many (one generator for every engine, `--reward-workers`
+reward workers, default one, for all of the cluster's), so they fit on a laptop: the messages rank 0
+sees per step, their sizes and their kinds are the cluster's; only the tiny per-rank messages (WeightSync, SyncDone, Stop) are fewer,
 and the TrainBatch copies: the controller sends each replica's batch to every one of its TP x PP ranks,
 and a replica here has `--tp-pp` ranks (default 1), so the bytes for the cluster's TP x PP are printed
 as a count, their CPU cost is not in rank 0's figures.
@@ -54,7 +54,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 DIGITS, BASE, FIRST_ID = 4, 80, 10  # prompt index -> the first prompt tokens (ids 10..89 of the tiny vocabulary)
-ACK_TAG = 7  # simulated reward rank -> simulated generator: answers rank 0 has taken in (side communicator)
+ACK_TAG = 7  # simulated reward worker -> simulated generator: answers rank 0 has taken in (side communicator)
 
 
 # --- the setting, from the planner ----------------------------------------------------------------
@@ -124,7 +124,7 @@ def setting(args) -> dict:
 
 def bench_config(args, s: dict, root: Path):
     """The config rank 0 runs: the cluster's rollout, ppo and train sections, on the simulated world
-    (one generator, `--reward-ranks` reward ranks, the cluster's data-parallel replicas of `--tp-pp`
+    (one generator, `--reward-workers` reward workers, the cluster's data-parallel replicas of `--tp-pp`
     ranks each)."""
     from areal_hpc.config import load_config
 
@@ -139,7 +139,7 @@ def bench_config(args, s: dict, root: Path):
         "allocation.gen_tp=1",
         f"allocation.train_tp={per}",
         "allocation.train_pp=1",
-        f"allocation.reward_workers={args.reward_ranks}",
+        f"allocation.reward_workers={args.reward_workers}",
         f"train.total_steps={args.warmup + args.steps}",
         f"train.save_every={args.save_every}",
         "logging.tensorboard=false",
@@ -297,7 +297,7 @@ def sim_trainer(world, first_trainer: bool, eta: int, train_s: float) -> dict:
             received[type(msg).__name__, "bytes"] += wire_bytes(msg)
             if isinstance(msg, TrainBatch):
                 if version is not None and msg.version != version + 1:
-                    errors.append(f"step {msg.version} after step {version}")
+                    errors.append(f"step {msg.version + 1} after step {version + 1}")
                 version = int(msg.version)
                 trained += _check_batch(msg, eta, errors)
                 if first_trainer:
@@ -315,7 +315,7 @@ def sim_trainer(world, first_trainer: bool, eta: int, train_s: float) -> dict:
 def _check_batch(b, eta: int, errors: list) -> list:
     mask = b.loss_mask.astype(bool)
     if mask.any() and int(b.versions[mask].min()) < b.version - eta:
-        errors.append(f"step {b.version} trains a token of version {int(b.versions[mask].min())} (bound {eta})")
+        errors.append(f"step {b.version + 1} trains a token of version {int(b.versions[mask].min())} (bound {eta})")
     out = []
     cu = b.cu_seqlens
     for k in range(len(cu) - 1):
@@ -505,7 +505,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="training steps measured")
     ap.add_argument("--warmup", type=int, default=2, help="training steps before the measured ones")
     ap.add_argument("--save-every", type=int, default=4, help="train.save_every of the run")
-    ap.add_argument("--reward-ranks", type=int, default=1, help="simulated reward ranks")
+    ap.add_argument("--reward-workers", type=int, default=1, help="simulated reward workers")
     ap.add_argument("--tp-pp", type=int, default=1, help="simulated trainer ranks per data-parallel replica")
     ap.add_argument("--window", type=int, default=1024, help="answers the generator sends ahead of rank 0")
     ap.add_argument("--train-s", type=float, default=0.0, help="seconds the simulated trainer takes per step")
@@ -542,7 +542,7 @@ def main() -> None:
         f"a step every {s['cluster_step_s']:,.0f} s"
     )
     with tempfile.TemporaryDirectory(prefix="bench-controller-") as work:
-        layout_size = 1 + args.reward_ranks + 1 + s["train_dp"] * args.tp_pp
+        layout_size = 1 + args.reward_workers + 1 + s["train_dp"] * args.tp_pp
         cmd = ["mpirun", "-n", str(layout_size), "--oversubscribe", "--bind-to", "none"]
         if os.geteuid() == 0:
             cmd.append("--allow-run-as-root")

@@ -1,7 +1,7 @@
-"""GRPO advantages: each answer is scored against the other answers to the same prompt.
+"""GRPO advantages: each trajectory is scored against the other trajectories to the same prompt.
 
-With `group_size` answers per prompt, laid out group after group (the order the controller builds
-its batch in), and r_i the reward of answer i in group g:
+With `group_size` trajectories per prompt, laid out group after group (the order the controller builds
+its batch in), and r_i the reward of trajectory i in group g:
 
     adv_norm="group":  A_i = (r_i - mean_g(r)) / (std_g(r) + eps)        GRPO
     adv_norm="mean":   A_i =  r_i - mean_g(r)                             centring only (Dr. GRPO)
@@ -9,11 +9,11 @@ its batch in), and r_i the reward of answer i in group g:
 
 The group mean is the baseline in every mode: it is what makes the method critic-free. "batch"
 scales by the spread of the centred values over the whole batch, so a group whose rewards barely
-differ is not blown up to unit scale. Every std is the population std (ddof = 0): with two answers
+differ is not blown up to unit scale. Every std is the population std (ddof = 0): with two trajectories
 scored 0 and 1 the advantages are -1 and +1 (up to eps). A group of equal rewards has advantage
 exactly 0 in every mode (it carries no signal), never NaN.
 
-The advantage of an answer applies to every token of its response (the controller broadcasts it).
+The advantage of a trajectory applies to every token of its response (the controller broadcasts it).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from areal_hpc.config import ADV_NORMS
 
 
 def group_advantages(rewards, group_size: int, adv_norm: str = "group", eps: float = 1e-6) -> np.ndarray:
-    """Advantages of a batch of answers, `group_size` consecutive answers per prompt.
+    """Advantages of a batch of trajectories, `group_size` consecutive trajectories per prompt.
 
         group: A = (r - mean(group)) / (std(group) + eps)
         mean:  A =  r - mean(group)

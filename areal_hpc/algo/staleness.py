@@ -32,14 +32,14 @@ fewer than B groups are buffered, the gate's room is (eta + 1) * B - buffered > 
 Why the bound holds. A group admitted at version v0 found accepted + running < (eta + v0 + 1) * B,
 so it is among the first (eta + v0 + 1) * B groups accepted; if groups finish in admission order it
 is consumed by step eta + v0 at the latest, and v - v0 <= eta. Groups finish out of order (a long
-answer, a slow reward), so the consumption check turns that into a guarantee by dropping the rare
+trajectory, a slow reward), so the consumption check turns that into a guarantee by dropping the rare
 group that waited too long: max over consumed tokens of (v - token version) <= eta, always.
 
 Worked example: B = 4, eta = 1, v = 0: up to (1 + 0 + 1) * 4 = 8 groups are admitted. After step 0
 consumes 4 of them (v = 1), the room is (1 + 1 + 1) * 4 - 8 = 4 more. A group admitted at v = 0
 and still buffered at v = 2 is dropped (0 < 2 - 1); its slot goes to a new group.
 
-A GRPO group is dropped or consumed whole: its answers are scored against each other, so its
+A GRPO group is dropped or consumed whole: its trajectories are scored against each other, so its
 oldest version is the minimum over all of its trajectories (`oldest_version`).
 
 The gate also keeps what each step's metrics report (`take_metrics`): staleness/max, the largest

@@ -1,7 +1,7 @@
-"""One vLLM engine, interruptible: answers with behaviour logprobs and per-token policy versions.
+"""One vLLM engine, interruptible: trajectories with behaviour logprobs and per-token policy versions.
 
-vLLM's `LLMEngine` (v1) is driven step by step: `add` queues the answers of a prompt group,
-`step` runs one continuous-batching iteration and returns the answers that finished in it (each
+vLLM's `LLMEngine` (v1) is driven step by step: `add` queues the trajectories of a prompt group,
+`step` runs one continuous-batching iteration and returns the trajectories that finished in it (each
 goes back as soon as it finishes, never held for a batch), `update_weights` interrupts and reloads.
 
 Behaviour logprobs (the convention the trainer matches): vLLM runs with
@@ -16,11 +16,11 @@ temperature 1.) With top_p < 1 the distribution is also truncated to the nucleus
 so behav_logprob >= the trainer's full-vocabulary logprob; keep top_p = 1 for exact agreement.
 
 Interruption (`update_weights`), nothing lost or duplicated:
-  1. abort every in-flight vLLM request; each answer keeps the tokens, logprobs and versions
+  1. abort every in-flight vLLM request; each trajectory keeps the tokens, logprobs and versions
      vLLM has returned so far (a token computed but not yet returned is simply sampled again);
   2. load the new weights bucket by bucket inside vLLM's worker(s) (`WeightLoader` below);
   3. reset the prefix cache (its KV entries were computed by the old weights);
-  4. resubmit each answer as prompt + partial output with the remaining token budget; tokens
+  4. resubmit each trajectory as prompt + partial output with the remaining token budget; tokens
      sampled from then on carry the new version.
 """
 
@@ -95,8 +95,8 @@ class WeightLoader:
 
 
 @dataclass
-class _Answer:
-    """One answer of a group, across interruptions."""
+class _InFlight:
+    """One trajectory of a group, across interruptions."""
 
     group_id: int
     sample_idx: int
@@ -122,7 +122,7 @@ class GenerationEngine:
         self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
         self.version = 0
         """Policy version of the loaded weights (0: the initial model)."""
-        self._running: dict[str, _Answer] = {}  # vLLM request id -> answer
+        self._running: dict[str, _InFlight] = {}  # vLLM request id -> its trajectory
 
     # --- construction ---
     @staticmethod
@@ -188,53 +188,53 @@ class GenerationEngine:
 
     # --- serving ---
     def add(self, group_id: int, prompt_ids, n: int) -> None:
-        """Queue `n` answers to one prompt (a GRPO group)."""
+        """Queue `n` trajectories to one prompt (a GRPO group)."""
         prompt = [int(t) for t in prompt_ids]
         for i in range(n):
-            self._submit(_Answer(group_id, i, prompt))
+            self._submit(_InFlight(group_id, i, prompt))
 
     def step(self) -> list[Trajectory]:
-        """One engine iteration; returns the answers that finished in it."""
+        """One engine iteration; returns the trajectories that finished in it."""
         finished = []
         for out in self.engine.step():
-            answer = self._running.pop(out.request_id, None)
-            if answer is None:  # a request aborted by an interruption
+            traj = self._running.pop(out.request_id, None)
+            if traj is None:  # a request aborted by an interruption
                 continue
             completion = out.outputs[0]
             # FINAL_ONLY: the whole attempt at once; flat logprobs with logprobs=0 hold exactly the
             # sampled token's logprob at each position. An attempt never spans a weight update.
-            _extend(answer, completion.token_ids, completion.logprobs.logprobs, self.version)
-            finished.append(_trajectory(answer, completion.finish_reason))
+            _extend(traj, completion.token_ids, completion.logprobs.logprobs, self.version)
+            finished.append(_trajectory(traj, completion.finish_reason))
         return finished
 
     @property
     def in_flight(self) -> int:
-        """Answers queued or being generated."""
+        """Trajectories queued or being generated."""
         return len(self._running)
 
-    def partial(self) -> dict[tuple[int, int], _Answer]:
-        """(group_id, sample_idx) -> a copy of each in-flight answer with everything it produced so far."""
+    def partial(self) -> dict[tuple[int, int], _InFlight]:
+        """(group_id, sample_idx) -> a copy of each in-flight trajectory with everything it produced so far."""
         out = {}
-        for request_id, answer in self._running.items():
+        for request_id, traj in self._running.items():
             copy = dataclasses.replace(
-                answer,
-                output_ids=list(answer.output_ids),
-                behav_logprobs=list(answer.behav_logprobs),
-                versions=list(answer.versions),
+                traj,
+                output_ids=list(traj.output_ids),
+                behav_logprobs=list(traj.behav_logprobs),
+                versions=list(traj.versions),
             )
             _extend(copy, *self._attempt_output(request_id), self.version)
-            out[(answer.group_id, answer.sample_idx)] = copy
+            out[(traj.group_id, traj.sample_idx)] = copy
         return out
 
-    def interrupt(self) -> list[_Answer]:
-        """Abort every in-flight request, keeping what each answer produced so far."""
-        answers = list(self._running.values())
-        for request_id, answer in self._running.items():
-            _extend(answer, *self._attempt_output(request_id), self.version)
-        if answers:
+    def interrupt(self) -> list[_InFlight]:
+        """Abort every in-flight request, keeping what each trajectory produced so far."""
+        trajectories = list(self._running.values())
+        for request_id, traj in self._running.items():
+            _extend(traj, *self._attempt_output(request_id), self.version)
+        if trajectories:
             self.engine.abort_request(list(self._running))
         self._running.clear()
-        return answers
+        return trajectories
 
     def _attempt_output(self, request_id: str) -> tuple[list[int], list[float]]:
         """Tokens and behaviour logprobs of a running request's current attempt, read from vLLM's
@@ -264,20 +264,20 @@ class GenerationEngine:
         if not self.engine.reset_prefix_cache():
             raise RuntimeError("vLLM did not reset its prefix cache after the weight update")
         self.version = version
-        for answer in paused:
-            answer.attempt += 1
-            self._submit(answer)
+        for traj in paused:
+            traj.attempt += 1
+            self._submit(traj)
         return time.perf_counter() - t0
 
     def load_weights(self, named_tensors: Iterable, version: int) -> float:
         """`update_weights` with one bucket of in-memory tensors (tests, benchmarks)."""
         return self.update_weights([list(named_tensors)], version)
 
-    def _submit(self, answer: _Answer) -> None:
+    def _submit(self, traj: _InFlight) -> None:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        remaining = self.max_new_tokens - len(answer.output_ids)
+        remaining = self.max_new_tokens - len(traj.output_ids)
         params = SamplingParams(
             n=1,
             temperature=self.temperature,
@@ -288,25 +288,25 @@ class GenerationEngine:
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,  # partial output is read on interruption
         )
-        prompt = {"prompt_token_ids": answer.prompt_ids + answer.output_ids}
-        self.engine.add_request(answer.request_id, prompt, params)
-        self._running[answer.request_id] = answer
+        prompt = {"prompt_token_ids": traj.prompt_ids + traj.output_ids}
+        self.engine.add_request(traj.request_id, prompt, params)
+        self._running[traj.request_id] = traj
 
 
-def _extend(answer: _Answer, token_ids, logprobs, version: int) -> None:
-    answer.output_ids += token_ids
-    answer.behav_logprobs += logprobs
-    answer.versions += [version] * len(token_ids)
+def _extend(traj: _InFlight, token_ids, logprobs, version: int) -> None:
+    traj.output_ids += token_ids
+    traj.behav_logprobs += logprobs
+    traj.versions += [version] * len(token_ids)
 
 
-def _trajectory(answer: _Answer, finish_reason: str | None) -> Trajectory:
+def _trajectory(traj: _InFlight, finish_reason: str | None) -> Trajectory:
     return Trajectory(
-        group_id=answer.group_id,
-        sample_idx=answer.sample_idx,
-        prompt_ids=np.asarray(answer.prompt_ids, dtype=np.int32),
-        output_ids=np.asarray(answer.output_ids, dtype=np.int32),
-        behav_logprobs=np.asarray(answer.behav_logprobs, dtype=np.float32),
-        versions=np.asarray(answer.versions, dtype=np.int32),
+        group_id=traj.group_id,
+        sample_idx=traj.sample_idx,
+        prompt_ids=np.asarray(traj.prompt_ids, dtype=np.int32),
+        output_ids=np.asarray(traj.output_ids, dtype=np.int32),
+        behav_logprobs=np.asarray(traj.behav_logprobs, dtype=np.float32),
+        versions=np.asarray(traj.versions, dtype=np.int32),
         finish_reason="stop" if finish_reason == "stop" else "length",
     )
 

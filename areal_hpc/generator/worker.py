@@ -2,10 +2,10 @@
 
 ```
  loop:  poll the controller (never blocks)
-          GenerateRequest(group_id, prompt_ids, n) -> queue n answers
+          GenerateRequest(group_id, prompt_ids, n) -> queue n trajectories
           WeightSync(version) -> interrupt, receive + load the broadcast, resume -> SyncDone(version, s)
           Stop                -> flush, exit
-        step the engine if anything is in flight -> one Trajectory per answer that finished
+        step the engine if anything is in flight -> a Trajectory message for each that finished
 ```
 
 Messages are handled in arrival order, so a request sent before a WeightSync is queued before the

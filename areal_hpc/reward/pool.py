@@ -1,7 +1,7 @@
 """A pool of scorer processes: each reward call runs in the main thread of a child process, under a deadline.
 
 ```
- ScorerPool (in the reward rank)                     child: python -m areal_hpc.reward.pool
+ ScorerPool (in a reward worker)                     child: python -m areal_hpc.reward.pool
    submit -> queue -> an idle child --task------->   score(kind, response, target, timeout_s)
    poll()  <- (key, reward, reason) <--result-----   (its own time limit: a timer, a sandbox deadline)
            deadline + grace passed -> SIGKILL the child, (key, 0, "timeout"), start a new child
