@@ -294,7 +294,7 @@ class Layout:
 
     def core_plan(self, cores: list[int]) -> dict[int, Cores]:
         """World rank -> where a generator or trainer rank runs when every rank shares this machine's
-        `cores` (the controller and reward ranks float: absent).
+        `cores` (the controller and reward workers float: absent).
 
         Enough cores: disjoint equal shares, one thread per core, so each rank has its own "device", as
         on a cluster. 2 cores, 1 generator (rank 2) + 1 trainer (rank 3): {2: ([c0], 1), 3: ([c1], 1)}.
