@@ -25,10 +25,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from areal_hpc.device import CHOICES as DEVICES
-
-
-class ConfigError(ValueError):
-    """A configuration a user wrote (or overrode) that cannot run; the message says why."""
+from areal_hpc.errors import ConfigError
 
 
 @dataclass
