@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from areal_hpc.arch import model_arch
 from areal_hpc.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -122,16 +123,14 @@ class ModelSize:
 
     @classmethod
     def from_config(cls, cfg: Config) -> ModelSize:
-        """Parameters of a Qwen2/Qwen3 decoder from the config's model section (d: the head size,
-        model.head_dim or h / heads):
+        """Parameters of a Qwen2/Qwen3 decoder of the config's architecture (`model_arch`; d: the head size):
         per layer  q, o: h * heads * d each; k, v: h * kv_heads * d each; MLP: 3 h f;
         plus the embedding v h, and the output projection v h unless tied."""
-        m = cfg.model
-        h, f = m.hidden_size, m.intermediate_size
-        d = m.head_dim or h // m.num_attention_heads
+        m = model_arch(cfg.model)
+        h, f, d = m.hidden_size, m.intermediate_size, m.head_dim
         per_layer = 2 * h * m.num_attention_heads * d + 2 * h * m.num_key_value_heads * d + 3 * h * f
         embed = m.vocab_size * h * (1 if m.tie_word_embeddings else 2)
-        dtype_bytes = 4 if m.dtype == "float32" else 2
+        dtype_bytes = 4 if cfg.model.dtype == "float32" else 2
         params = m.num_layers * per_layer + embed
         return cls(
             params, m.num_layers, h, m.num_attention_heads, m.num_key_value_heads, m.vocab_size, dtype_bytes, f, d
@@ -457,7 +456,7 @@ def config_plan(cfg: Config) -> Plan:
 
 def tp_sizes(cfg: Config) -> list[int]:
     """The tensor-parallel sizes a node allows: dividing its GPUs and the query and KV heads."""
-    m, g = cfg.model, cfg.cluster.gpus_per_node
+    m, g = model_arch(cfg.model), cfg.cluster.gpus_per_node
     return [
         t for t in range(1, g + 1) if g % t == 0 and m.num_attention_heads % t == 0 and m.num_key_value_heads % t == 0
     ]
@@ -468,7 +467,7 @@ def candidates(cfg: Config, fixed: dict[str, int] | None = None):
     nodes), trainer TP stays inside a node, both divide the query and KV heads, PP (at most 16) divides
     the layers, and TP x PP divides the trainer GPUs. Fields in `fixed` keep their value."""
     fixed = fixed or {}
-    m, n, g = cfg.model, cfg.cluster.nodes, cfg.cluster.gpus_per_node
+    m, n, g = model_arch(cfg.model), cfg.cluster.nodes, cfg.cluster.gpus_per_node
     gen_nodes = [fixed["gen_nodes"]] if "gen_nodes" in fixed else range(1, n)
     gen_tps = [fixed["gen_tp"]] if "gen_tp" in fixed else tp_sizes(cfg)
     train_tps = [fixed["train_tp"]] if "train_tp" in fixed else tp_sizes(cfg)
@@ -716,7 +715,7 @@ def host_memory_need(cfg: Config) -> dict[str, float]:
     trainers, generators = (cfg.cluster.nodes - plan.gen_nodes) * g, plan.gen_nodes * g // plan.gen_tp
     parts = train_memory_parts(m, plan.train_tp, plan.train_pp, trainers // (plan.train_tp * plan.train_pp), cfg)
     per_token = m.kv_bytes_per_token * 4 / m.dtype_bytes / plan.gen_tp
-    kv = cpu_kv_cache_bytes(per_token, cfg.rollout.engine_seqs * cfg.model.max_position_embeddings)
+    kv = cpu_kv_cache_bytes(per_token, cfg.rollout.engine_seqs * model_arch(cfg.model).max_position_embeddings)
     return {
         "trainer": trainers * sum(parts.values()),
         "generator": generators * plan.gen_tp * (m.weight_bytes / plan.gen_tp + kv),
