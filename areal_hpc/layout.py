@@ -228,8 +228,8 @@ class Layout:
     # --- construction ---
     @classmethod
     def from_config(cls, cfg: Config) -> Layout:
-        """Choose and validate the split; raises ConfigError when the config cannot fit."""
-
+        """The rank map on the split that `planner.split_nodes` chooses; raises ConfigError when the config
+        cannot fit."""
         c, a = cfg.cluster, cfg.allocation
         n, g = c.nodes, c.gpus_per_node
         if n < 2:
