@@ -9,7 +9,7 @@ from pathlib import Path
 
 from areal_hpc.config import Config, ConfigError, describe_config, load_config
 from areal_hpc.rundir import RunDirInUse
-from launch import LaunchError
+from launch.errors import LaunchError
 
 OVERRIDES_HELP = (
     "Any config field can be overridden as section.field=value (for example rollout.max_staleness=4 "
@@ -121,7 +121,7 @@ def cmd_status(args) -> int:
 
 
 def cmd_cancel(args) -> int:
-    from launch.record import cancel
+    from launch.slurm import cancel
 
     if not Path(args.run_dir).is_dir():
         raise ConfigError(f"no run directory at {args.run_dir}")

@@ -24,11 +24,9 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from areal_hpc.arch import model_arch
 from areal_hpc.device import CHOICES as DEVICES
-
-
-class ConfigError(ValueError):
-    """A configuration a user wrote (or overrode) that cannot run; the message says why."""
+from areal_hpc.errors import ConfigError
 
 
 @dataclass
@@ -47,38 +45,42 @@ class ExperimentConfig:
 
 @dataclass
 class ModelConfig:
+    """The model. Its architecture (the fields after dtype, null by default) comes from one place,
+    `areal_hpc.arch.model_arch`: for a Hugging Face directory its config.json (a field set here must agree
+    with it); for `tiny` these fields (null: the tiny default in parentheses); for a path not on this
+    machine yet, these fields stand in for its config.json (plan, render and submit --dry-run)."""
+
     path: str = "tiny"
     """Hugging Face model directory (config.json + safetensors) of a Qwen2 or Qwen3 model, or `tiny`
     for the small model that the project builds itself under the run root (no download)."""
-    architecture: str = "qwen2"
-    """`tiny`'s architecture: qwen2 or qwen3 (Qwen3: RMSNorm on each query and key head, no QKV bias,
-    `head_dim` apart from hidden_size / heads). The trainer and generator read a model's architecture
-    from its config.json."""
     dtype: str = "float32"
     """Parameter and compute dtype: float32, bfloat16 or float16."""
-    hidden_size: int = 64
-    """Width of the residual stream (Qwen2 `hidden_size`)."""
-    intermediate_size: int = 256
-    """Width of the SwiGLU feed-forward layer."""
-    num_layers: int = 2
-    """Number of transformer layers (`num_hidden_layers`)."""
-    num_attention_heads: int = 2
+    architecture: str | None = None
+    """qwen2 or qwen3, config.json's `model_type` (tiny: qwen2). Qwen3: RMSNorm on each query and key
+    head, no QKV bias, `head_dim` apart from hidden_size / heads."""
+    hidden_size: int | None = None
+    """Width of the residual stream (Qwen2 `hidden_size`; tiny: 64)."""
+    intermediate_size: int | None = None
+    """Width of the SwiGLU feed-forward layer (tiny: 256)."""
+    num_layers: int | None = None
+    """Number of transformer layers (`num_hidden_layers`; tiny: 2)."""
+    num_attention_heads: int | None = None
     """Query heads per layer (head size: head_dim, else hidden_size / heads; vLLM's CPU attention needs
-    at least 32)."""
-    num_key_value_heads: int = 2
-    """Key/value heads per layer (grouped-query attention when fewer than the query heads)."""
-    head_dim: int = 0
-    """Size of an attention head; 0: hidden_size / num_attention_heads (Qwen3 models set it apart)."""
-    vocab_size: int = 128
-    """Vocabulary size (for `tiny`, at least the 99 tokens of the project's tokenizer)."""
-    max_position_embeddings: int = 512
-    """Longest sequence (prompt + response) the model handles."""
-    rope_theta: float = 10000.0
-    """RoPE base."""
-    rms_norm_eps: float = 1e-6
-    """Epsilon of the RMSNorm layers."""
-    tie_word_embeddings: bool = True
-    """Share the input embedding and the output projection."""
+    at least 32; tiny: 2)."""
+    num_key_value_heads: int | None = None
+    """Key/value heads per layer (grouped-query attention when fewer than the query heads; tiny: 2)."""
+    head_dim: int | None = None
+    """Size of an attention head; 0: hidden_size / num_attention_heads (Qwen3 models set it apart; tiny: 0)."""
+    vocab_size: int | None = None
+    """Vocabulary size (for `tiny`, at least the 99 tokens of the project's tokenizer; tiny: 128)."""
+    max_position_embeddings: int | None = None
+    """Longest sequence (prompt + response) the model handles (tiny: 512)."""
+    rope_theta: float | None = None
+    """RoPE base (tiny: 10000)."""
+    rms_norm_eps: float | None = None
+    """Epsilon of the RMSNorm layers (tiny: 1e-6)."""
+    tie_word_embeddings: bool | None = None
+    """Share the input embedding and the output projection (tiny: true)."""
 
 
 @dataclass
@@ -520,15 +522,17 @@ CHOICES = {
 
 def validate(cfg: Config) -> None:
     """Rules across fields; raises ConfigError naming the fields and the fix."""
-    m, a, r, p, c = cfg.model, cfg.allocation, cfg.rollout, cfg.ppo, cfg.cluster
+    a, r, p, c = cfg.allocation, cfg.rollout, cfg.ppo, cfg.cluster
 
     def need(ok: bool, msg: str) -> None:
         if not ok:
             raise ConfigError(msg)
 
+    m = model_arch(cfg.model)  # the shape fields' own rules, and their agreement with config.json
+
     need(
-        m.dtype in ("float32", "bfloat16", "float16"),
-        f"model.dtype must be float32, bfloat16 or float16 (got '{m.dtype}')",
+        cfg.model.dtype in ("float32", "bfloat16", "float16"),
+        f"model.dtype must be float32, bfloat16 or float16 (got '{cfg.model.dtype}')",
     )
     for key, options in CHOICES.items():
         section, name = key.split(".")
@@ -543,11 +547,6 @@ def validate(cfg: Config) -> None:
     )
     need(0 <= p.min_lr <= p.lr, f"ppo.min_lr ({p.min_lr}) must be between 0 and ppo.lr ({p.lr})")
     for name, value in [
-        ("model.hidden_size", m.hidden_size),
-        ("model.num_layers", m.num_layers),
-        ("model.num_attention_heads", m.num_attention_heads),
-        ("model.num_key_value_heads", m.num_key_value_heads),
-        ("model.vocab_size", m.vocab_size),
         ("cluster.nodes", c.nodes),
         ("cluster.gpus_per_node", c.gpus_per_node),
         ("allocation.gen_tp", a.gen_tp),
@@ -596,16 +595,6 @@ def validate(cfg: Config) -> None:
     need(
         m.num_attention_heads % m.num_key_value_heads == 0,
         f"model.num_key_value_heads ({m.num_key_value_heads}) must divide model.num_attention_heads ({m.num_attention_heads})",
-    )
-    need(
-        m.architecture in ("qwen2", "qwen3"),
-        f"model.architecture must be qwen2 or qwen3 (got '{m.architecture}')",
-    )
-    need(m.head_dim >= 0, f"model.head_dim must be >= 0 (got {m.head_dim}); 0 is hidden_size / num_attention_heads")
-    need(
-        m.head_dim > 0 or m.hidden_size % m.num_attention_heads == 0,
-        f"model.num_attention_heads ({m.num_attention_heads}) must divide model.hidden_size ({m.hidden_size}), "
-        "or set model.head_dim",
     )
     for name, tp in (("allocation.train_tp", a.train_tp), ("allocation.gen_tp", a.gen_tp)):
         need(

@@ -62,7 +62,7 @@ from areal_hpc.batch import BatchInfo, build_train_batches
 from areal_hpc.buffer import Group, Rollouts
 from areal_hpc.checkpoints import Checkpoints, drop_rows_after, read_state
 from areal_hpc.eval import TrainingEval
-from areal_hpc.exit_codes import EXIT_DONE, EXIT_STOPPED
+from areal_hpc.exit_codes import EXIT_DONE, EXIT_STOPPED, STOP_REASON_ENV
 from areal_hpc.layout import Role
 from areal_hpc.liveness import SYNC, Liveness, RankFailure
 from areal_hpc.metrics import IdleClock, MetricsWriter
@@ -93,9 +93,6 @@ FILTERED_WARN_STEPS = 10
 right or all wrong, no step comes, and the run must not look busy without a word."""
 STOP_BUDGETS = {"SIGTERM": "grace_s", "SIGUSR2": "requeue_signal_s"}
 """The cluster setting that says how long Slurm leaves after each stop signal (preemption, time limit)."""
-STOP_REASON_ENV = "AREAL_STOP_REASON_FILE"
-"""Where the Slurm batch script wants the controller's stop reason (slurm_templates/hetjob.sbatch): Slurm
-signals only the tasks at a preemption, so the script learns of it from the controller."""
 
 
 _stop_signals: list[str] = []  # names of the stop signals received (set by the handlers below)

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from areal_hpc.arch import model_arch
 from areal_hpc.config import REWARD_KINDS, Config, ConfigError
 
 log = logging.getLogger(__name__)
@@ -224,7 +225,7 @@ class PromptFormat:
 
 def max_prompt_tokens(cfg: Config) -> int:
     """`data.max_prompt_tokens`, or by default the longest prompt whose full answer still fits."""
-    return cfg.data.max_prompt_tokens or cfg.model.max_position_embeddings - cfg.rollout.max_new_tokens
+    return cfg.data.max_prompt_tokens or model_arch(cfg.model).max_position_embeddings - cfg.rollout.max_new_tokens
 
 
 def load_prompts(cfg: Config, tokenizer, path: str | Path, setting: str = "data.train_path") -> list[Example]:

@@ -40,6 +40,9 @@ import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
+from areal_hpc.errors import ConfigError
+from areal_hpc.planner import split_nodes
+
 if TYPE_CHECKING:
     from areal_hpc.config import Config
 
@@ -328,9 +331,8 @@ class Layout:
     # --- construction ---
     @classmethod
     def from_config(cls, cfg: Config) -> Layout:
-        """Choose and validate the split; raises ConfigError when the config cannot fit."""
-        from areal_hpc.config import ConfigError
-
+        """The rank map on the split that `planner.split_nodes` chooses; raises ConfigError when the config
+        cannot fit."""
         c, a = cfg.cluster, cfg.allocation
         n, g = c.nodes, c.gpus_per_node
         if n < 2:
@@ -340,39 +342,7 @@ class Layout:
                 f"allocation.gen_tp ({a.gen_tp}) must divide cluster.gpus_per_node ({g}): "
                 "one vLLM engine never spans nodes"
             )
-        group = a.train_tp * a.train_pp
-
-        def trains(gen_nodes: int) -> bool:
-            return 1 <= gen_nodes < n and ((n - gen_nodes) * g) % group == 0
-
-        if a.gen_nodes is not None:
-            if not 1 <= a.gen_nodes < n:
-                raise ConfigError(
-                    f"allocation.gen_nodes ({a.gen_nodes}) must be between 1 and cluster.nodes - 1 ({n - 1})"
-                )
-            if not trains(a.gen_nodes):
-                raise ConfigError(
-                    f"allocation.train_tp x train_pp ({a.train_tp} x {a.train_pp} = {group}) must divide the "
-                    f"trainer GPUs ({n - a.gen_nodes} nodes x {g} = {(n - a.gen_nodes) * g})"
-                )
-            gen_nodes, why = a.gen_nodes, f"allocation.gen_nodes = {a.gen_nodes} (set in the config)"
-        elif a.gen_share == "auto":
-            from areal_hpc.planner import auto_split
-
-            gen_nodes, why = auto_split(cfg)
-        else:
-            target = a.gen_share * n
-            fits = sorted((k for k in range(1, n) if trains(k)), key=lambda k: (abs(k - target), -k))
-            if not fits:
-                raise ConfigError(
-                    f"no split of {n} nodes x {g} GPUs leaves the trainer a multiple of train_tp x train_pp "
-                    f"({a.train_tp} x {a.train_pp} = {group}) GPUs; change cluster.nodes or the parallel sizes"
-                )
-            gen_nodes = fits[0]
-            why = (
-                f"allocation.gen_share {a.gen_share:g} of {n} nodes = {target:g}; nearest split whose trainer "
-                f"GPUs divide by train_tp x train_pp ({group}): {gen_nodes} generator nodes"
-            )
+        gen_nodes, why = split_nodes(cfg)
         uses_gpus = c.device != "cpu"
         return cls(n, g, a.reward_workers, gen_nodes, a.gen_tp, a.train_tp, a.train_pp, why, uses_gpus, a.reward_nodes)
 

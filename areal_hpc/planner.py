@@ -33,6 +33,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from areal_hpc.arch import model_arch
+from areal_hpc.errors import ConfigError
+
 if TYPE_CHECKING:
     from areal_hpc.config import Config
 
@@ -120,16 +123,14 @@ class ModelSize:
 
     @classmethod
     def from_config(cls, cfg: Config) -> ModelSize:
-        """Parameters of a Qwen2/Qwen3 decoder from the config's model section (d: the head size,
-        model.head_dim or h / heads):
+        """Parameters of a Qwen2/Qwen3 decoder of the config's architecture (`model_arch`; d: the head size):
         per layer  q, o: h * heads * d each; k, v: h * kv_heads * d each; MLP: 3 h f;
         plus the embedding v h, and the output projection v h unless tied."""
-        m = cfg.model
-        h, f = m.hidden_size, m.intermediate_size
-        d = m.head_dim or h // m.num_attention_heads
+        m = model_arch(cfg.model)
+        h, f, d = m.hidden_size, m.intermediate_size, m.head_dim
         per_layer = 2 * h * m.num_attention_heads * d + 2 * h * m.num_key_value_heads * d + 3 * h * f
         embed = m.vocab_size * h * (1 if m.tie_word_embeddings else 2)
-        dtype_bytes = 4 if m.dtype == "float32" else 2
+        dtype_bytes = 4 if cfg.model.dtype == "float32" else 2
         params = m.num_layers * per_layer + embed
         return cls(
             params, m.num_layers, h, m.num_attention_heads, m.num_key_value_heads, m.vocab_size, dtype_bytes, f, d
@@ -452,16 +453,14 @@ def colocated_step_s(cfg: Config, plan: Plan, cost: CostModel = COST) -> float:
 
 
 def config_plan(cfg: Config) -> Plan:
-    """The allocation the config asks for (gen_nodes from gen_share through the Layout when null)."""
-    from areal_hpc.layout import Layout
-
+    """The allocation the config asks for (gen_nodes from `split_nodes` when null)."""
     a = cfg.allocation
-    return Plan(Layout.from_config(cfg).gen_nodes, a.gen_tp, a.train_tp, a.train_pp)
+    return Plan(split_nodes(cfg)[0], a.gen_tp, a.train_tp, a.train_pp)
 
 
 def tp_sizes(cfg: Config) -> list[int]:
     """The tensor-parallel sizes a node allows: dividing its GPUs and the query and KV heads."""
-    m, g = cfg.model, cfg.cluster.gpus_per_node
+    m, g = model_arch(cfg.model), cfg.cluster.gpus_per_node
     return [
         t for t in range(1, g + 1) if g % t == 0 and m.num_attention_heads % t == 0 and m.num_key_value_heads % t == 0
     ]
@@ -472,7 +471,7 @@ def candidates(cfg: Config, fixed: dict[str, int] | None = None):
     nodes), trainer TP stays inside a node, both divide the query and KV heads, PP (at most 16) divides
     the layers, and TP x PP divides the trainer GPUs. Fields in `fixed` keep their value."""
     fixed = fixed or {}
-    m, n, g = cfg.model, cfg.cluster.nodes, cfg.cluster.gpus_per_node
+    m, n, g = model_arch(cfg.model), cfg.cluster.nodes, cfg.cluster.gpus_per_node
     gen_nodes = [fixed["gen_nodes"]] if "gen_nodes" in fixed else range(1, n)
     gen_tps = [fixed["gen_tp"]] if "gen_tp" in fixed else tp_sizes(cfg)
     train_tps = [fixed["train_tp"]] if "train_tp" in fixed else tp_sizes(cfg)
@@ -495,7 +494,6 @@ def choose(
     """The plan with the highest predicted asynchronous throughput at cfg.rollout.max_staleness among
     those that fit memory (among all when not `fit`); ties go to fewer GPUs per model copy (less
     communication)."""
-    from areal_hpc.config import ConfigError
 
     best, tried, fitting = None, 0, 0
     for plan in candidates(cfg, fixed):
@@ -524,7 +522,6 @@ def choose(
 def auto_split(cfg: Config, cost: CostModel = COST) -> tuple[int, str]:
     """`allocation.gen_share: auto`: the generator nodes of the fastest plan (`choose`) with the config's
     gen_tp, train_tp and train_pp; returns (gen_nodes, why). Deterministic: every rank finds the same."""
-    from areal_hpc.config import ConfigError
 
     a = cfg.allocation
     fixed = {"gen_tp": a.gen_tp, "train_tp": a.train_tp, "train_pp": a.train_pp}
@@ -539,6 +536,41 @@ def auto_split(cfg: Config, cost: CostModel = COST) -> tuple[int, str]:
         f"({_tok(p.tokens_per_s())} effective tokens/s predicted, {p.bottleneck}-bound{fits})"
     )
     return p.plan.gen_nodes, why
+
+
+def split_nodes(cfg: Config) -> tuple[int, str]:
+    """The generator nodes of `cfg.cluster.nodes` and why: exactly `allocation.gen_nodes` when set; with
+    `gen_share: auto` the fastest split (`auto_split`); else the split nearest `gen_share` whose trainer
+    GPUs divide by train_tp x train_pp. The Layout builds the rank map on it."""
+    a, n, g = cfg.allocation, cfg.cluster.nodes, cfg.cluster.gpus_per_node
+    group = a.train_tp * a.train_pp
+
+    def trains(gen_nodes: int) -> bool:
+        return 1 <= gen_nodes < n and ((n - gen_nodes) * g) % group == 0
+
+    if a.gen_nodes is not None:
+        if not 1 <= a.gen_nodes < n:
+            raise ConfigError(f"allocation.gen_nodes ({a.gen_nodes}) must be between 1 and cluster.nodes - 1 ({n - 1})")
+        if not trains(a.gen_nodes):
+            raise ConfigError(
+                f"allocation.train_tp x train_pp ({a.train_tp} x {a.train_pp} = {group}) must divide the "
+                f"trainer GPUs ({n - a.gen_nodes} nodes x {g} = {(n - a.gen_nodes) * g})"
+            )
+        return a.gen_nodes, f"allocation.gen_nodes = {a.gen_nodes} (set in the config)"
+    if a.gen_share == "auto":
+        return auto_split(cfg)
+    target = a.gen_share * n
+    fits = sorted((k for k in range(1, n) if trains(k)), key=lambda k: (abs(k - target), -k))
+    if not fits:
+        raise ConfigError(
+            f"no split of {n} nodes x {g} GPUs leaves the trainer a multiple of train_tp x train_pp "
+            f"({a.train_tp} x {a.train_pp} = {group}) GPUs; change cluster.nodes or the parallel sizes"
+        )
+    why = (
+        f"allocation.gen_share {a.gen_share:g} of {n} nodes = {target:g}; nearest split whose trainer "
+        f"GPUs divide by train_tp x train_pp ({group}): {fits[0]} generator nodes"
+    )
+    return fits[0], why
 
 
 def with_plan(cfg: Config, plan: Plan) -> Config:
@@ -558,7 +590,6 @@ def _tok(x: float) -> str:
 
 def report(cfg: Config, p: Prediction) -> str:
     """The prediction table (synchronous and asynchronous) and why, below the Layout table."""
-    from areal_hpc.config import ConfigError
 
     steps = cfg.train.total_steps
     rows = [("prediction", "steps/hour", "effective tokens/s", "step time", f"{steps} steps")]
@@ -634,7 +665,6 @@ def _with_ppo(cfg: Config, **fields) -> Config:
 
 def check_fits(cfg: Config) -> None:
     """ConfigError naming what to change when the config's generator or trainer does not fit its GPUs."""
-    from areal_hpc.config import ConfigError
 
     p = predict(cfg)
     if not p.fits:
@@ -656,7 +686,6 @@ def cpu_kv_cache_bytes(per_token: float, tokens: int) -> int:
 def check_host_fits(cfg: Config, available: float | None = None) -> str:
     """For a run on this host's CPUs: one line on the memory its ranks need against what the host has
     available (`available` bytes; default: MemAvailable); ConfigError naming the settings when it is more."""
-    from areal_hpc.config import ConfigError
 
     need = host_memory_need(cfg)
     total = sum(need.values())
@@ -686,21 +715,19 @@ def host_memory_need(cfg: Config) -> dict[str, float]:
     """Bytes the ranks of a CPU run on one host need, by role: each trainer rank's states, activations and
     transients (`train_memory_parts`), each generator's weights and KV cache (`cpu_kv_cache_bytes`, K and
     V in fp32 at most as the engine asks)."""
-    from areal_hpc.layout import Layout
-
-    layout, m = Layout.from_config(cfg), ModelSize.from_config(cfg)
-    parts = train_memory_parts(m, layout.train_tp, layout.train_pp, layout.train_dp, cfg)
-    per_token = m.kv_bytes_per_token * 4 / m.dtype_bytes / layout.gen_tp
-    kv = cpu_kv_cache_bytes(per_token, cfg.rollout.engine_seqs * cfg.model.max_position_embeddings)
+    plan, m, g = config_plan(cfg), ModelSize.from_config(cfg), cfg.cluster.gpus_per_node
+    trainers, generators = (cfg.cluster.nodes - plan.gen_nodes) * g, plan.gen_nodes * g // plan.gen_tp
+    parts = train_memory_parts(m, plan.train_tp, plan.train_pp, trainers // (plan.train_tp * plan.train_pp), cfg)
+    per_token = m.kv_bytes_per_token * 4 / m.dtype_bytes / plan.gen_tp
+    kv = cpu_kv_cache_bytes(per_token, cfg.rollout.engine_seqs * model_arch(cfg.model).max_position_embeddings)
     return {
-        "trainer": layout.trainers * sum(parts.values()),
-        "generator": layout.generators * layout.gen_tp * (m.weight_bytes / layout.gen_tp + kv),
+        "trainer": trainers * sum(parts.values()),
+        "generator": generators * plan.gen_tp * (m.weight_bytes / plan.gen_tp + kv),
     }
 
 
 def search_hint(cfg: Config, p: Prediction) -> str:
     """One line on what `--search` would choose, when it predicts more than the config's plan."""
-    from areal_hpc.config import ConfigError
 
     try:
         best, _ = choose(cfg)

@@ -9,6 +9,7 @@ place, so an interrupted build never leaves a cache that looks complete.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -18,6 +19,7 @@ import string
 import tempfile
 from pathlib import Path
 
+from areal_hpc.arch import model_arch
 from areal_hpc.config import ConfigError, ModelConfig
 
 BOXED = "\\boxed{"
@@ -79,22 +81,23 @@ def build_tokenizer():
 
 
 def hf_config(m: ModelConfig):
-    """The transformers config (Qwen2Config or Qwen3Config) of a model section."""
+    """The transformers config (Qwen2Config or Qwen3Config) of a model section (`model_arch(m)`)."""
     from transformers import Qwen2Config, Qwen3Config
 
-    cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config}[m.architecture]
+    arch = model_arch(m)
+    cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch.model_type]
     return cls(
-        vocab_size=m.vocab_size,
-        hidden_size=m.hidden_size,
-        intermediate_size=m.intermediate_size,
-        num_hidden_layers=m.num_layers,
-        num_attention_heads=m.num_attention_heads,
-        num_key_value_heads=m.num_key_value_heads,
-        head_dim=m.head_dim or m.hidden_size // m.num_attention_heads,
-        max_position_embeddings=m.max_position_embeddings,
-        rope_theta=m.rope_theta,
-        rms_norm_eps=m.rms_norm_eps,
-        tie_word_embeddings=m.tie_word_embeddings,
+        vocab_size=arch.vocab_size,
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.intermediate_size,
+        num_hidden_layers=arch.num_layers,
+        num_attention_heads=arch.num_attention_heads,
+        num_key_value_heads=arch.num_key_value_heads,
+        head_dim=arch.head_dim,
+        max_position_embeddings=arch.max_position_embeddings,
+        rope_theta=arch.rope_theta,
+        rms_norm_eps=arch.rms_norm_eps,
+        tie_word_embeddings=arch.tie_word_embeddings,
         torch_dtype=m.dtype,
         bos_token_id=TINY_VOCAB.index(EOS),
         eos_token_id=TINY_VOCAB.index(EOS),
@@ -104,11 +107,12 @@ def hf_config(m: ModelConfig):
 
 def build_tiny_model(m: ModelConfig, root: str | Path, seed: int) -> Path:
     """The directory of the tiny model (config.json, safetensors, tokenizer), built once per settings."""
-    if m.vocab_size < len(TINY_VOCAB):
+    arch = model_arch(m)
+    if arch.vocab_size < len(TINY_VOCAB):
         raise ConfigError(
-            f"model.vocab_size ({m.vocab_size}) must be at least {len(TINY_VOCAB)} for the tiny tokenizer"
+            f"model.vocab_size ({arch.vocab_size}) must be at least {len(TINY_VOCAB)} for the tiny tokenizer"
         )
-    key = _digest({"arch": vars(m), "seed": seed, "vocab": TINY_VOCAB})
+    key = _digest({"arch": dataclasses.asdict(arch), "dtype": m.dtype, "seed": seed, "vocab": TINY_VOCAB})
 
     def build(out: Path) -> None:
         import torch

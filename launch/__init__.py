@@ -14,13 +14,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+from launch.errors import LaunchError
+
 if TYPE_CHECKING:
     from areal_hpc.config import Config
-
-
-class LaunchError(RuntimeError):
-    """The cluster cannot do what the config asks (sbatch rejected it, no such partition, ...); the message
-    says what and why, and the CLI prints it."""
 
 
 class Launcher(Protocol):

@@ -1,4 +1,5 @@
-"""The Slurm job of a run, as recorded in its run directory, and what `areal-hpc status`/`cancel` do.
+"""The Slurm job of a run, as recorded in its run directory, and what `areal-hpc status` shows of it
+(`areal-hpc cancel` is `launch.slurm.cancel`, which cancels through submitit).
 
 ```
  RUN_DIR/job.json               written at submission: job id, submit time, script, components; cancel time
@@ -15,13 +16,12 @@ the last attempt's exit code, or the cancel time.
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 import json
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launch import LaunchError
+from launch.errors import LaunchError
 
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "RESIZING", "SUSPENDED"}
 
@@ -198,23 +198,3 @@ SHOWN_METRICS = (
 
 def _fmt(v) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
-
-
-def cancel(run_dir: Path) -> str:
-    """Cancel the run's job (every component) and record it; returns what was done."""
-    run_dir = Path(run_dir)
-    record = JobRecord.load(run_dir)
-    if record is None:
-        raise LaunchError(f"{run_dir} has no Slurm job record (job.json): nothing to cancel")
-    from launch.slurm import HetSlurmJob
-
-    state = record.state()
-    if state not in ACTIVE:
-        return f"job {record.job_id} is already {state}; nothing to cancel"
-    try:
-        HetSlurmJob(folder=run_dir / "slurm", job_id=record.job_id).cancel(check=True)
-    except subprocess.CalledProcessError as e:
-        raise LaunchError(f"scancel {record.job_id} failed (exit code {e.returncode})") from None
-    record.cancelled_at = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    record.save(run_dir)
-    return f"cancelled job {record.job_id} ({state} before)"

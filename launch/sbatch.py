@@ -26,8 +26,7 @@ import shlex
 from pathlib import Path
 
 from areal_hpc.config import Config
-from areal_hpc.controller import STOP_REASON_ENV
-from areal_hpc.exit_codes import EXIT_STOPPED
+from areal_hpc.exit_codes import EXIT_STOPPED, STOP_REASON_ENV
 from areal_hpc.layout import Layout
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "slurm_templates" / "hetjob.sbatch"

@@ -28,8 +28,8 @@ from submitit.slurm.slurm import SlurmExecutor, SlurmInfoWatcher, SlurmJob
 from areal_hpc.config import Config
 from areal_hpc.layout import Layout
 from areal_hpc.rundir import Holder, lock_run_dir, prepare_run_dir, relock_run_dir, unlock_run_dir
-from launch import LaunchError
-from launch.record import JobRecord, job_active, parse_squeue, squeue_command
+from launch.errors import LaunchError
+from launch.record import ACTIVE, JobRecord, job_active, parse_squeue, squeue_command
 from launch.sbatch import render_sbatch, tasks_text
 
 
@@ -237,11 +237,30 @@ def _default_python(cfg: Config) -> str:
     return "python" if cfg.cluster.container else sys.executable
 
 
+def cancel(run_dir: Path) -> str:
+    """Cancel the run's job (every component) and record it; returns what was done."""
+    run_dir = Path(run_dir)
+    record = JobRecord.load(run_dir)
+    if record is None:
+        raise LaunchError(f"{run_dir} has no Slurm job record (job.json): nothing to cancel")
+    state = record.state()
+    if state not in ACTIVE:
+        return f"job {record.job_id} is already {state}; nothing to cancel"
+    try:
+        HetSlurmJob(folder=run_dir / "slurm", job_id=record.job_id).cancel(check=True)
+    except subprocess.CalledProcessError as e:
+        raise LaunchError(f"scancel {record.job_id} failed (exit code {e.returncode})") from None
+    record.cancelled_at = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    record.save(run_dir)
+    return f"cancelled job {record.job_id} ({state} before)"
+
+
 __all__ = [
     "DryRunLauncher",
     "HetSlurmExecutor",
     "HetSlurmJob",
     "SlurmLauncher",
+    "cancel",
     "check_cluster",
     "partitions",
 ]

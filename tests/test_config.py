@@ -114,3 +114,54 @@ def test_learning_rate_schedule_is_validated():
     ]:
         with pytest.raises(ConfigError, match=re.escape(says)):
             load_config(None, [bad])
+
+
+QWEN15B = REPO / "configs" / "qwen1.5b.yaml"
+QWEN15B_JSON = {  # DeepSeek-R1-Distill-Qwen-1.5B's config.json, the fields the trainer reads
+    "model_type": "qwen2",
+    "vocab_size": 151936,
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 131072,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-06,
+    "tie_word_embeddings": False,
+}
+
+
+def _hf_dir(tmp_path, **fields):
+    import json
+
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "config.json").write_text(json.dumps(QWEN15B_JSON | fields))
+    return tmp_path
+
+
+def test_a_model_directory_gives_the_shape_and_the_config_must_agree(tmp_path):
+    from areal_hpc import planner
+    from areal_hpc.arch import QwenArch, model_arch
+
+    model = _hf_dir(tmp_path)
+    without = load_config(QWEN15B)  # no directory here: the config's fields stand in
+    cfg = load_config(QWEN15B, [f"model.path={model}"])  # the same fields, now checked against config.json
+    assert model_arch(cfg.model) == QwenArch.from_hf(model) == model_arch(without.model)
+    assert planner.ModelSize.from_config(cfg) == planner.ModelSize.from_config(without)
+
+    with pytest.raises(ConfigError) as e:
+        load_config(QWEN15B, [f"model.path={model}", "model.hidden_size=1024", "model.num_layers=28"])
+    assert f"model.hidden_size is 1024 but {model / 'config.json'} has 1536" in str(e.value)
+    assert "num_layers" not in str(e.value)  # agrees
+
+    qwen3 = _hf_dir(tmp_path / "qwen3", model_type="qwen3", head_dim=256, max_position_embeddings=4096)
+    only_path = tmp_path / "only-path.yaml"  # no shape field: all of it from config.json
+    only_path.write_text(f"model:\n  path: {qwen3}\n  dtype: bfloat16\n")
+    arch = model_arch(load_config(only_path, ["rollout.max_new_tokens=1024"]).model)
+    assert (arch.model_type, arch.head_dim, arch.qk_norm, arch.num_layers) == ("qwen3", 256, True, 28)
+
+
+def test_a_model_not_here_needs_its_whole_shape_in_the_config(tmp_path):
+    with pytest.raises(ConfigError, match=r"no config.json\), so the config must give its architecture: set "):
+        load_config(QWEN15B, [f"model.path={tmp_path / 'absent'}", "model.vocab_size=null"])

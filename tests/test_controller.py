@@ -14,8 +14,8 @@ from collections import Counter
 import pytest
 
 from areal_hpc.config import load_config
-from areal_hpc.controller import STOP_REASON_ENV, Controller
-from areal_hpc.exit_codes import EXIT_DONE, EXIT_STOPPED
+from areal_hpc.controller import Controller
+from areal_hpc.exit_codes import EXIT_DONE, EXIT_STOPPED, STOP_REASON_ENV
 from areal_hpc.layout import Layout, Role
 from areal_hpc.liveness import RankFailure
 from areal_hpc.metrics import REQUIRED

@@ -187,7 +187,7 @@ def test_stand_in_command_is_quoted():
 
 
 def test_requeue_exit_code_is_the_controllers():
-    from areal_hpc.controller import STOP_REASON_ENV
+    from areal_hpc.exit_codes import STOP_REASON_ENV
 
     assert f'if [ "$rc" -eq {EXIT_STOPPED} ]' in render(["cluster.nodes=3"])  # requeued on the controller's code
     # the script learns of a preemption (SIGTERM to the tasks only) from the controller's stop reason

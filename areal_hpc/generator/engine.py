@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from areal_hpc.arch import model_arch
 from areal_hpc.protocol import Trajectory
 
 # In-process engine core: under mpirun a spawned engine process would fail in MPI init, and it starts
@@ -177,7 +178,7 @@ class GenerationEngine:
             dtype=m.dtype,
             tp=cfg.allocation.gen_tp,
             seed=cfg.experiment.seed + seed_offset,
-            max_model_len=m.max_position_embeddings,
+            max_model_len=model_arch(m).max_position_embeddings,
             max_num_seqs=r.engine_seqs,
         )
 

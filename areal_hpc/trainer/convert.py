@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from areal_hpc.trainer.model import QwenArch
+from areal_hpc.arch import QwenArch
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 

@@ -27,12 +27,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from areal_hpc.arch import QwenArch
 from areal_hpc.config import PPOConfig
 from areal_hpc.device import backend
 from areal_hpc.layout import TrainerGrid
 from areal_hpc.trainer import cpu_compat
 from areal_hpc.trainer.convert import export_stage, load_hf_into
-from areal_hpc.trainer.model import QwenArch, build_stage, transformer_config
+from areal_hpc.trainer.model import build_stage, transformer_config
 
 
 @dataclass(frozen=True)

@@ -124,8 +124,9 @@ def _export_rank(par, ckpt_dir: str, out_dir: str, max_shard_size: int | str) ->
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
+    from areal_hpc.arch import QwenArch
     from areal_hpc.trainer.convert import export_stage
-    from areal_hpc.trainer.model import QwenArch, build_stage, transformer_config
+    from areal_hpc.trainer.model import build_stage, transformer_config
 
     before = _peak_memory_gib()
     saved = checkpoint.manifest(ckpt_dir)

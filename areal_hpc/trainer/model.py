@@ -24,9 +24,7 @@ make that exact, and keep the cost of attention that of the sequences, not of th
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -34,75 +32,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 
+from areal_hpc.arch import QwenArch
 from areal_hpc.config import RECOMPUTES
-
-ARCHITECTURES = ("qwen2", "qwen3")
-"""The Hugging Face `model_type`s the trainer builds."""
-
-
-@dataclass(frozen=True)
-class QwenArch:
-    """The architecture fields the trainer needs, read from a Qwen2 or Qwen3 config.json."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rope_theta: float
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-    qkv_bias: bool
-    """Bias of the query, key and value projections (Qwen2; Qwen3's `attention_bias`, false in its models)."""
-    qk_norm: bool
-    """RMSNorm of each query and key head before RoPE (Qwen3)."""
-
-    @classmethod
-    def from_hf(cls, model_dir: str | Path) -> QwenArch:
-        c = json.loads((Path(model_dir) / "config.json").read_text())
-        model_type = c.get("model_type", "qwen2")
-        if model_type not in ARCHITECTURES:
-            raise ValueError(
-                f"{model_dir}: model_type {model_type!r} is not supported by the trainer ({', '.join(ARCHITECTURES)})"
-            )
-        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"{model_dir}: RoPE scaling {rope.get('rope_type')!r} is not supported by the trainer")
-        heads = c["num_attention_heads"]
-        return cls(
-            vocab_size=c["vocab_size"],
-            hidden_size=c["hidden_size"],
-            intermediate_size=c["intermediate_size"],
-            num_layers=c["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=c.get("num_key_value_heads", heads),
-            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-            rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
-            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-            tie_word_embeddings=c.get("tie_word_embeddings", False),
-            max_position_embeddings=c.get("max_position_embeddings", 4096),
-            qkv_bias=model_type == "qwen2" or c.get("attention_bias", False),
-            qk_norm=model_type == "qwen3",
-        )
-
-    def check_parallel(self, tp: int, pp: int) -> None:
-        """Raise ValueError naming the field when the model cannot be split `tp` x `pp` ways."""
-        for name, n in (
-            ("num_attention_heads", self.num_attention_heads),
-            ("num_key_value_heads", self.num_key_value_heads),
-            ("intermediate_size", self.intermediate_size),
-            ("vocab_size", self.vocab_size),
-        ):
-            if n % tp:
-                raise ValueError(f"allocation.train_tp ({tp}) must divide the model's {name} ({n})")
-        if self.num_layers % pp:
-            raise ValueError(
-                f"allocation.train_pp ({pp}) must divide the model's num_hidden_layers ({self.num_layers})"
-            )
-
 
 RECOMPUTE = {
     "none": {},

@@ -16,6 +16,7 @@ def main(out: Path) -> None:
     import torch
     from mpi4py import MPI
 
+    from areal_hpc.arch import model_arch
     from areal_hpc.config import load_config
     from areal_hpc.layout import Layout, Role
     from areal_hpc.protocol import Mailbox, Save, Stop, TrainResult, WeightSync
@@ -65,7 +66,7 @@ def main(out: Path) -> None:
     elif role == Role.REWARD:
         wait(Stop, 0)
     else:
-        batch = random_batch(cfg.model.vocab_size)
+        batch = random_batch(model_arch(cfg.model).vocab_size)
         batch.version = 0
         for t in trainers:
             box.send(t, batch)

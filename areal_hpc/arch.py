@@ -1,0 +1,179 @@
+"""The architecture of the config's model, read in one place (`model_arch`); the trainer's model build,
+the conversion, the planner's sizes, the config's checks, the generator's context length and the tiny
+model's build all take it from here.
+
+```
+ model.path                       the architecture                     the config's model.* shape fields
+ tiny                             the config's fields                  build it (unset: TINY's value)
+ a Hugging Face dir (config.json) its config.json                      unset, or equal to config.json's
+ a path not on this machine       the config's fields (all set)        stand in for config.json until the
+                                                                       weights are there (plan, render,
+                                                                       submit --dry-run on a login node)
+```
+
+A shape field the config sets and config.json contradicts is a ConfigError naming both values: neither
+is silently preferred. A leaf module (json and the errors only), so config, planner and trainer import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from areal_hpc.errors import ConfigError
+
+if TYPE_CHECKING:
+    from areal_hpc.config import ModelConfig
+
+ARCHITECTURES = ("qwen2", "qwen3")
+"""The Hugging Face `model_type`s the trainer builds."""
+
+
+@dataclass(frozen=True)
+class QwenArch:
+    """The architecture fields of a Qwen2 or Qwen3 model, as its config.json has them."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    qkv_bias: bool
+    """Bias of the query, key and value projections (Qwen2; Qwen3's `attention_bias`, false in its models)."""
+    qk_norm: bool
+    """RMSNorm of each query and key head before RoPE (Qwen3)."""
+
+    @property
+    def model_type(self) -> str:
+        return "qwen3" if self.qk_norm else "qwen2"
+
+    @classmethod
+    def from_hf(cls, model_dir: str | Path) -> QwenArch:
+        c = json.loads((Path(model_dir) / "config.json").read_text())
+        model_type = c.get("model_type", "qwen2")
+        if model_type not in ARCHITECTURES:
+            raise ValueError(
+                f"{model_dir}: model_type {model_type!r} is not supported by the trainer ({', '.join(ARCHITECTURES)})"
+            )
+        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"{model_dir}: RoPE scaling {rope.get('rope_type')!r} is not supported by the trainer")
+        heads = c["num_attention_heads"]
+        return cls(
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_layers=c["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=c.get("num_key_value_heads", heads),
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=c.get("tie_word_embeddings", False),
+            max_position_embeddings=c.get("max_position_embeddings", 4096),
+            qkv_bias=model_type == "qwen2" or c.get("attention_bias", False),
+            qk_norm=model_type == "qwen3",
+        )
+
+    def check_parallel(self, tp: int, pp: int) -> None:
+        """Raise ValueError naming the field when the model cannot be split `tp` x `pp` ways."""
+        for name, n in (
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("intermediate_size", self.intermediate_size),
+            ("vocab_size", self.vocab_size),
+        ):
+            if n % tp:
+                raise ValueError(f"allocation.train_tp ({tp}) must divide the model's {name} ({n})")
+        if self.num_layers % pp:
+            raise ValueError(
+                f"allocation.train_pp ({pp}) must divide the model's num_hidden_layers ({self.num_layers})"
+            )
+
+
+TINY = {
+    "architecture": "qwen2",
+    "hidden_size": 64,
+    "intermediate_size": 256,
+    "num_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 0,
+    "vocab_size": 128,
+    "max_position_embeddings": 512,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+}
+"""The tiny model's shape where the config leaves a `model.*` field unset (null)."""
+SHAPE_FIELDS = tuple(TINY)
+"""The `model.*` fields that describe the architecture (all of them null by default)."""
+
+
+def model_arch(m: ModelConfig) -> QwenArch:
+    """The architecture of `m` (the table in the module docstring); ConfigError when the config's shape
+    fields contradict the model's config.json, or cannot stand in for it."""
+    given = {k: getattr(m, k) for k in SHAPE_FIELDS if getattr(m, k) is not None}
+    config_json = Path(m.path) / "config.json"
+    if m.path != "tiny" and config_json.is_file():
+        try:
+            arch = _read_hf(str(config_json.parent), config_json.stat().st_mtime_ns)
+        except (ValueError, KeyError) as e:
+            raise ConfigError(f"model.path {m.path}: {e}") from None
+        have = _shape(arch)
+        if given.get("head_dim") == 0:  # hidden_size / num_attention_heads
+            given["head_dim"] = given.get("hidden_size", arch.hidden_size) // given.get(
+                "num_attention_heads", arch.num_attention_heads
+            )
+        wrong = [f"model.{k} is {v!r} but {config_json} has {have[k]!r}" for k, v in given.items() if v != have[k]]
+        if wrong:
+            raise ConfigError(
+                "; ".join(wrong) + " (the architecture of a Hugging Face model comes from its config.json: "
+                "remove those fields from the config, or correct them)"
+            )
+        return arch
+    if m.path != "tiny":
+        missing = [f"model.{k}" for k in SHAPE_FIELDS if k not in given and k not in ("head_dim", "architecture")]
+        if missing:
+            raise ConfigError(
+                f"model.path {m.path} is not a Hugging Face model directory here (no config.json), so the config "
+                f"must give its architecture: set {', '.join(missing)}"
+            )
+    s = TINY | given
+    if s["architecture"] not in ARCHITECTURES:
+        raise ConfigError(f"model.architecture must be {' or '.join(ARCHITECTURES)} (got '{s['architecture']}')")
+    if s["head_dim"] < 0:
+        raise ConfigError(f"model.head_dim must be >= 0 (got {s['head_dim']}); 0 is hidden_size / num_attention_heads")
+    for k in ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"):
+        if s[k] < 1:
+            raise ConfigError(f"model.{k} must be at least 1 (got {s[k]})")
+    if not s["head_dim"] and s["hidden_size"] % s["num_attention_heads"]:
+        raise ConfigError(
+            f"model.num_attention_heads ({s['num_attention_heads']}) must divide model.hidden_size "
+            f"({s['hidden_size']}), or set model.head_dim"
+        )
+    qwen3 = s.pop("architecture") == "qwen3"
+    s["head_dim"] = s["head_dim"] or s["hidden_size"] // s["num_attention_heads"]
+    return QwenArch(qkv_bias=not qwen3, qk_norm=qwen3, **s)
+
+
+def _shape(arch: QwenArch) -> dict:
+    """`arch` as the config's shape fields."""
+    shape = {k: v for k, v in dataclasses.asdict(arch).items() if k in SHAPE_FIELDS}
+    return shape | {"architecture": arch.model_type}
+
+
+@cache
+def _read_hf(model_dir: str, mtime_ns: int) -> QwenArch:
+    """config.json read once per version of the file (the planner asks for the shape of every plan)."""
+    return QwenArch.from_hf(model_dir)

@@ -1,0 +1,109 @@
+"""Imports run one way: no module of areal_hpc/ or launch/ imports one that imports it back, directly or
+through others. Function-level imports count (one that only hides a circle is still a circle); imports
+under `if TYPE_CHECKING:` do not (they never run). Shared error types and helpers live in leaf modules
+(areal_hpc/errors.py, launch/errors.py, areal_hpc/exit_codes.py) for that reason."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("areal_hpc", "launch")
+
+
+def module_files(root: Path, packages=PACKAGES) -> dict[str, Path]:
+    """Dotted module name -> file, a package by its __init__.py."""
+    files = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return files
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.AST):
+    """Every Import/ImportFrom node at any depth, except under `if TYPE_CHECKING:`."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            yield from (n for child in node.orelse for n in _imports(ast.Module(body=[child], type_ignores=[])))
+            continue
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+        yield from _imports(node)
+
+
+def import_graph(files: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the project modules it imports (`from pkg import mod` is an edge to pkg.mod)."""
+
+    def known(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for module, path in files.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        deps = set()
+        for node in _imports(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                deps |= {known(a.name) for a in node.names}
+                continue
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            deps |= {f"{base}.{a.name}" if f"{base}.{a.name}" in files else known(base) for a in node.names}
+        graph[module] = deps - {None, module}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle as [a, b, ..., a], or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == 1:
+                return path[path.index(d) :] + [d]
+            if d not in state and (cycle := visit(d)):
+                return cycle
+        path.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (cycle := visit(m)):
+            return cycle
+    return None
+
+
+def test_project_imports_have_no_circle():
+    graph = import_graph(module_files(REPO))
+    assert len(graph) > 40 and "areal_hpc.layout" in graph["areal_hpc.config"]  # the walk sees the project
+    cycle = find_cycle(graph)
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_a_function_level_import_that_closes_a_circle_is_found(tmp_path):
+    pkg = tmp_path / "areal_hpc"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from areal_hpc import c\n")
+    (pkg / "b.py").write_text("from areal_hpc import a\nfrom .sub import d\n")
+    (pkg / "sub" / "d.py").write_text("def f():\n    from ..b import g\n")
+    graph = import_graph(module_files(tmp_path, ("areal_hpc",)))
+    assert graph["areal_hpc.a"] == set(), "a TYPE_CHECKING import never runs"
+    assert graph["areal_hpc.b"] == {"areal_hpc.a", "areal_hpc.sub.d"}
+    assert find_cycle(graph) == ["areal_hpc.b", "areal_hpc.sub.d", "areal_hpc.b"]
