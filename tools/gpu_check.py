@@ -108,6 +108,17 @@ def check_resume(work: Path, tp: int, dtype: str, device: str):
     )
 
 
+def smoke_overrides(overrides: list[str]) -> list[str]:
+    """`overrides` for configs/gpu-smoke.yaml; with `model.path=DIR` the YAML's shape fields (those of the
+    model it builds) are cleared, so the shape is DIR's config.json (a field the user sets is kept and checked)."""
+    from areal_hpc.arch import SHAPE_FIELDS
+
+    keys = {o.split("=", 1)[0] for o in overrides}
+    if "model.path" not in keys:
+        return list(overrides)
+    return [*(f"model.{f}=null" for f in SHAPE_FIELDS if f"model.{f}" not in keys), *overrides]
+
+
 def check_run(work: Path, overrides: list[str]):
     """20 steps of configs/gpu-smoke.yaml through `areal-hpc run`, judged from its metrics."""
     from areal_hpc.config import load_config
@@ -230,7 +241,11 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
         else:
-            results.append(_run("NCCL weight sync + 20 steps of gpu-smoke", lambda: check_run(work, args.overrides)))
+            results.append(
+                _run(
+                    "NCCL weight sync + 20 steps of gpu-smoke", lambda: check_run(work, smoke_overrides(args.overrides))
+                )
+            )
 
     counts = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "SKIP")}
     print("\n== areal-hpc gpu_check summary (attach to a bug report) ==")
