@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from areal_hpc.config import REWARD_KINDS, Config, ConfigError
+from areal_hpc.jsonl import JSONLError, read_jsonl
 from areal_hpc.reward.code import parse_tests
 
 log = logging.getLogger(__name__)
@@ -106,18 +107,11 @@ def read_rows(path: str | Path, setting: str = "data.train_path") -> Iterator[tu
         for i, row in enumerate(rows):
             yield f"{path}: row {i}", row
         return
-    with open(path, encoding="utf-8") as f:
-        try:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    yield where, json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ConfigError(f"{where}: not valid JSON: {e}") from None
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{path}: not UTF-8 text ({e}); JSONL data is one JSON object a line") from None
+    try:
+        for lineno, _, row in read_jsonl(path):
+            yield f"{path}:{lineno}", row
+    except JSONLError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[str, object]]:
