@@ -193,9 +193,11 @@ class Prompts:
     def __init__(self, payloads: Payloads):
         self.payloads, self.position = payloads, 0
 
-    def next(self) -> dict:
+    def next(self):
+        from areal_hpc.data import Example
+
         i, self.position = self.position, self.position + 1
-        return {"index": i, "prompt": f"prompt {i}", "answer": "0", "prompt_ids": self.payloads.prompt_ids(i)}
+        return Example(i, f"prompt {i}", "0", "math", prompt_ids=self.payloads.prompt_ids(i))
 
     def state_dict(self) -> dict:
         return {"position": self.position}
