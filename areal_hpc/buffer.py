@@ -17,14 +17,15 @@ from functools import cached_property
 import numpy as np
 
 from areal_hpc.algo.staleness import oldest_version
+from areal_hpc.data import Example
 from areal_hpc.protocol import Trajectory
 
 
 @dataclass
 class Group:
     group_id: int
-    row: dict
-    """The prompt row of the data set (prompt, answer or tests, ...); saved in checkpoints."""
+    example: Example
+    """The prompt of the data set with its target (the reward's); saved in checkpoints."""
     prompt_ids: np.ndarray  # [P] int32
     n: int
     generator: int = -1
@@ -68,7 +69,7 @@ class Group:
         """Plain data (numpy arrays inside) for the controller checkpoint."""
         return {
             "group_id": self.group_id,
-            "row": self.row,
+            "example": self.example,
             "prompt_ids": self.prompt_ids,
             "n": self.n,
             "rewards": list(self.rewards),
@@ -79,7 +80,7 @@ class Group:
     def from_state(cls, s: dict) -> Group:
         return cls(
             group_id=s["group_id"],
-            row=s["row"],
+            example=s["example"],
             prompt_ids=np.asarray(s["prompt_ids"], np.int32),
             n=s["n"],
             trajectories=[Trajectory(**t) for t in s["trajectories"]],

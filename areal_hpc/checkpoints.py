@@ -26,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from areal_hpc.jsonl import read_jsonl
 from areal_hpc.rundir import checkpoint_dir, clear_complete, mark_complete, prune_checkpoints, record_files
 
 log = logging.getLogger("areal_hpc.controller")
@@ -114,13 +115,9 @@ def drop_rows_after(path: Path, version: int) -> None:
     """Cut metrics.jsonl after the line of step `version` (in place: writers append to the same file)."""
     if not path.exists():
         return
-    offset = 0
-    with open(path, "rb") as f:
-        for line in f:
-            try:
-                if json.loads(line)["step"] > version:
-                    break
-            except (ValueError, KeyError):
-                break  # a torn last line
-            offset += len(line)
+    offset = 0  # the end of the last row kept: a torn last line goes too
+    for _, end, row in read_jsonl(path, torn_ok=True):
+        if row["step"] > version:
+            break
+        offset = end
     os.truncate(path, offset)

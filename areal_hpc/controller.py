@@ -4,8 +4,8 @@ syncs and checkpoints, writes the metrics. One thread, one event loop, no blocki
 ```
  loop (until version == train.total_steps, or a stop request, then checkpoint and Stop everyone):
    poll every message that has arrived                                  never waits
-     Trajectory    -> decode, RewardRequest to the least-loaded reward worker
-     RewardResult  -> a group with all n trajectories scored goes to the buffer   (gate.finish); with
+    Trajectory    -> RewardRequest (token ids, the Example's target) to the least-loaded reward worker
+    RewardResult  -> a group with all n trajectories scored goes to the buffer   (gate.finish); with
                       rollout.filter_uniform_groups one whose rewards are all equal is left out
                       (gate.finish(accepted=False): its slot admits another prompt)
      TrainResult   -> version v+1: WeightSync(v+1) to trainers + generators, Save every save_every
@@ -46,7 +46,6 @@ on this same path: B groups in flight, train, sync, B more.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
@@ -61,6 +60,7 @@ from areal_hpc.algo.staleness import StalenessGate
 from areal_hpc.batch import BatchInfo, build_train_batches
 from areal_hpc.buffer import Group, Rollouts
 from areal_hpc.checkpoints import Checkpoints, drop_rows_after, read_state
+from areal_hpc.data import Example
 from areal_hpc.eval import TrainingEval
 from areal_hpc.exit_codes import EXIT_DONE, EXIT_STOPPED, STOP_REASON_ENV
 from areal_hpc.layout import Role
@@ -132,7 +132,7 @@ class Controller:
         self.rollouts = Rollouts()
         self.tokenizer = _tokenizer(ctx.model_path)
         self.prompts = prompts or _prompt_stream(cfg, self.tokenizer)
-        self.requeued: list[dict] = []  # prompts of groups running at the restored checkpoint
+        self.requeued: list[Example] = []  # prompts of groups running at the restored checkpoint
         self.next_group_id = 0
         self.rng = random.Random(cfg.experiment.seed)
 
@@ -229,18 +229,18 @@ class Controller:
         started = False
         while self.requeued or self.gate.can_admit():
             if self.requeued:
-                row = self.requeued.pop(0)
+                example = self.requeued.pop(0)
             else:
-                row = self.prompts.next()
+                example = self.prompts.next()
                 self.gate.admit()
-            self.start_group(row)
+            self.start_group(example)
             started = True
         return started
 
-    def start_group(self, row: dict) -> None:
+    def start_group(self, example: Example) -> None:
         n = self.cfg.rollout.group_size
-        prompt_ids = np.asarray(row["prompt_ids"], np.int32)  # formatted and tokenized by areal_hpc.data
-        group = Group(self.next_group_id, row, prompt_ids, n)
+        prompt_ids = np.asarray(example.prompt_ids, np.int32)  # formatted and tokenized by areal_hpc.data
+        group = Group(self.next_group_id, example, prompt_ids, n)
         self.next_group_id += 1
         self.rollouts.start(group)
         group.generator = self.send_generate(group.group_id, prompt_ids, n)
@@ -263,12 +263,11 @@ class Controller:
         if self.gen_load[src] == 0:
             self.gen_idle.busy(self.generators.index(src), False)
 
-    def send_reward(self, traj_id: int, group_id: int, sample_idx: int, output_ids, target: str) -> None:
+    def send_reward(self, traj_id: int, group_id: int, sample_idx: int, output_ids, target) -> None:
         """Score one trajectory on the least-loaded reward worker."""
         rank = min(self.reward_workers, key=lambda r: (self.reward_load[r], r))
         self.reward_pending[traj_id] = (group_id, sample_idx, rank)
-        response = self.tokenizer.decode(output_ids, skip_special_tokens=True)
-        self.box.send(rank, RewardRequest(traj_id, self.cfg.reward.kind, response, target))
+        self.box.send(rank, RewardRequest(traj_id, self.cfg.reward.kind, output_ids, target))
         self.reward_load[rank] += 1
         self.liveness.expect(rank, time.monotonic(), "a reward")
 
@@ -285,7 +284,7 @@ class Controller:
         if group.generated:  # the generator is done with this group
             self.generator_done(src, group.group_id)
         traj_id = group.group_id * group.n + traj.sample_idx
-        self.send_reward(traj_id, group.group_id, traj.sample_idx, traj.output_ids, _target(group.row))
+        self.send_reward(traj_id, group.group_id, traj.sample_idx, traj.output_ids, group.example.target)
 
     def on_reward(self, src: int, res: RewardResult) -> None:
         group_id, sample_idx, rank = self.reward_pending.pop(res.traj_id)
@@ -332,7 +331,7 @@ class Controller:
         groups = taken.consumed
         if not groups:
             return False
-        log.info("step %d trains prompts %s", self.version + 1, [g.row.get("index") for g in groups])
+        log.info("step %d trains prompts %s", self.version + 1, [g.example.index for g in groups])
         p, a = self.cfg.ppo, self.cfg.allocation
         batches, self.training = build_train_batches(
             groups,
@@ -428,7 +427,7 @@ class Controller:
             "version": self.version,
             "gate": self.gate.state_dict(),
             "prompts": self.prompts.state_dict(),
-            "requeued": [g.row for g in running] + list(self.requeued),
+            "requeued": [g.example for g in running] + list(self.requeued),
             "buffer": [g.to_state() for g in self.rollouts.buffer],
             "next_group_id": self.next_group_id,
             "rng": self.rng.getstate(),
@@ -519,10 +518,3 @@ def _tokenizer(model_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_path)
-
-
-def _target(row: dict) -> str:
-    """What the reward function compares against: the answer (math) or the tests as JSON (code)."""
-    if "answer" in row:
-        return str(row["answer"])
-    return json.dumps(row.get("tests", []))

@@ -35,6 +35,8 @@ import numpy as np
 
 from areal_hpc.arch import model_arch
 from areal_hpc.config import REWARD_KINDS, Config, ConfigError
+from areal_hpc.jsonl import JSONLError, read_jsonl
+from areal_hpc.reward.code import parse_tests
 
 log = logging.getLogger(__name__)
 
@@ -48,26 +50,20 @@ class Example:
     """Position of the row in its file (0-based, blank lines not counted)."""
     prompt: str
     """The prompt as the data set has it (before formatting)."""
-    target: str
-    """What the reward compares against: the answer (math) or the tests as JSON (code)."""
+    target: str | list[dict]
+    """What the reward compares against, as the reward worker gets it: the answer (math), or the tests,
+    a list of {"input", "output"} checked by `reward.code.parse_tests` (code)."""
     kind: str
     where: str = ""
     """The row's place in its file (`file:line` or `file: row i`), for messages."""
     prompt_ids: np.ndarray | None = field(default=None, compare=False, repr=False)
     """The formatted prompt's tokens (`load_prompts`); None from `load_dataset` alone."""
 
-    def row(self) -> dict:
-        """The row as the controller keeps it: {prompt, answer} or {prompt, tests}, index, prompt_ids."""
-        out = {"prompt": self.prompt, "index": self.index, "prompt_ids": self.prompt_ids}
-        if self.kind == "math":
-            return {**out, "answer": self.target}
-        return {**out, "tests": json.loads(self.target)}
-
 
 # --- reading and checking rows -----------------------------------------------------------------
 
 
-def _check_row(row, where: str, kind: str) -> tuple[str, str]:
+def _check_row(row, where: str, kind: str) -> tuple[str, str | list[dict]]:
     """(prompt, target) of a raw row, or ConfigError naming `where` and the field."""
     if not isinstance(row, dict):
         raise ConfigError(f"{where}: expected an object with 'prompt' and '{_TARGET[kind]}', got {type(row).__name__}")
@@ -79,18 +75,10 @@ def _check_row(row, where: str, kind: str) -> tuple[str, str]:
         if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or str(answer).strip() == "":
             raise ConfigError(f"{where}: field 'answer' must be a non-empty string or number (got {answer!r:.60})")
         return prompt, str(answer)
-    tests = row.get("tests")
-    if isinstance(tests, str):
-        try:
-            tests = json.loads(tests)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{where}: field 'tests' is a string but not JSON: {e}") from None
-    if not isinstance(tests, list) or not tests:
-        raise ConfigError(f"{where}: field 'tests' must be a non-empty list of {{input, output}} (got {tests!r:.60})")
-    for i, t in enumerate(tests):
-        if not isinstance(t, dict) or not isinstance(t.get("output"), str) or not isinstance(t.get("input", ""), str):
-            raise ConfigError(f"{where}: field 'tests[{i}]' must be an object with string 'input' and 'output'")
-    return prompt, json.dumps([{"input": t.get("input", ""), "output": t["output"]} for t in tests])
+    try:
+        return prompt, parse_tests(row.get("tests"))
+    except ValueError as e:
+        raise ConfigError(f"{where}: field {e}") from None
 
 
 _TARGET = {"math": "answer", "code": "tests"}
@@ -120,18 +108,11 @@ def read_rows(path: str | Path, setting: str = "data.train_path") -> Iterator[tu
         for i, row in enumerate(rows):
             yield f"{path}: row {i}", row
         return
-    with open(path, encoding="utf-8") as f:
-        try:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    yield where, json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ConfigError(f"{where}: not valid JSON: {e}") from None
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{path}: not UTF-8 text ({e}); JSONL data is one JSON object a line") from None
+    try:
+        for lineno, _, row in read_jsonl(path):
+            yield f"{path}:{lineno}", row
+    except JSONLError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[str, object]]:
@@ -307,7 +288,7 @@ class PromptStream:
         random.Random(f"{self.seed}:{epoch}").shuffle(order)
         return order
 
-    def next_example(self) -> Example:
+    def next(self) -> Example:
         if self.position == len(self._order):
             self.epoch, self.position = self.epoch + 1, 0
             self._order = self._permutation(self.epoch)
@@ -315,13 +296,9 @@ class PromptStream:
         self.position += 1
         return example
 
-    def next(self) -> dict:
-        """The next row, as the controller keeps it (`Example.row`)."""
-        return self.next_example().row()
-
     def __iter__(self) -> Iterator[Example]:
         while True:
-            yield self.next_example()
+            yield self.next()
 
     @property
     def consumed(self) -> int:

@@ -256,6 +256,7 @@ def evaluate(cfg: Config, model_dir: Path, data: str | Path, samples: int, engin
 
     from areal_hpc.device import resolve_device
     from areal_hpc.generator.engine import GenerationEngine
+    from areal_hpc.reward import response_text
     from areal_hpc.reward.pool import ScorerPool
     from areal_hpc.reward.worker import pool_size
 
@@ -273,7 +274,7 @@ def evaluate(cfg: Config, model_dir: Path, data: str | Path, samples: int, engin
         while engine.in_flight or pool.pending:
             for t in engine.step() if engine.in_flight else []:
                 round_.answered(t.group_id, t.sample_idx, len(t.output_ids), t.finish_reason == "length")
-                text = tokenizer.decode(t.output_ids, skip_special_tokens=True)
+                text = response_text(tokenizer, t.output_ids)
                 pool.submit((t.group_id, t.sample_idx), cfg.reward.kind, text, examples[t.group_id].target)
                 answered += 1
             for (i, j), reward, reason in pool.poll(0 if engine.in_flight else 0.01):

@@ -21,6 +21,8 @@ import math
 import time
 from pathlib import Path
 
+from areal_hpc.jsonl import read_jsonl
+
 REQUIRED = (
     "reward/mean",
     "staleness/max",
@@ -63,20 +65,9 @@ class MetricsWriter:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    """The rows of a run's metrics.jsonl in step order."""
-    return read_jsonl(Path(run_dir) / "metrics.jsonl", "step")
-
-
-def read_jsonl(path: Path, order_by: str) -> list[dict]:
-    """The rows of a JSONL file the run appends to, sorted by `order_by`; a torn line (the one being
-    written, or the last one of a crash) is skipped."""
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return sorted(rows, key=lambda r: r[order_by])
+    """The rows of a run's metrics.jsonl in step order (a torn line skipped)."""
+    rows = [row for *_, row in read_jsonl(Path(run_dir) / "metrics.jsonl", torn_ok=True)]
+    return sorted(rows, key=lambda r: r["step"])
 
 
 def _plain(v):

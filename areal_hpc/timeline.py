@@ -22,7 +22,7 @@ import json
 import time
 from pathlib import Path
 
-from areal_hpc.metrics import read_jsonl
+from areal_hpc.jsonl import read_jsonl
 
 FILE = "timeline.jsonl"
 
@@ -44,4 +44,6 @@ class Timeline:
 def read_events(run_dir: str | Path) -> list[dict]:
     """The events of a run, oldest first (a torn last line is skipped); [] without a timeline."""
     path = Path(run_dir) / FILE
-    return read_jsonl(path, "t") if path.exists() else []
+    if not path.exists():
+        return []
+    return sorted((row for *_, row in read_jsonl(path, torn_ok=True)), key=lambda r: r["t"])

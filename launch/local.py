@@ -18,7 +18,6 @@ checkpoint; 1 a rank failed (the message names it).
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import re
@@ -34,6 +33,7 @@ from areal_hpc import planner
 from areal_hpc.config import Config
 from areal_hpc.device import visible_gpus
 from areal_hpc.exit_codes import EXIT_STOPPED
+from areal_hpc.jsonl import read_jsonl
 from areal_hpc.layout import Layout, Role
 from areal_hpc.metrics import progress_line
 from areal_hpc.rundir import STOP_FILE, Holder, latest_checkpoint, lock_run_dir, prepare_run_dir, unlock_run_dir
@@ -235,12 +235,11 @@ class _Tail:
     def rows(self) -> list[dict]:
         if not self.path.exists():
             return []
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            data = f.read()
-        end = data.rfind(b"\n") + 1
-        self.offset += end
-        return [json.loads(line) for line in data[:end].decode().splitlines() if line.strip()]
+        rows = []
+        for _, end, row in read_jsonl(self.path, torn_ok=True, start=self.offset):
+            rows.append(row)
+            self.offset = end
+        return rows
 
 
 def _end_leftovers(token: str) -> int:

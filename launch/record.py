@@ -21,6 +21,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from areal_hpc.jsonl import read_jsonl
 from launch.errors import LaunchError
 
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "RESIZING", "SUSPENDED"}
@@ -107,15 +108,7 @@ class JobRecord:
         p = Path(self.run_dir) / "slurm" / "attempts.jsonl"
         if not p.is_file():
             return []
-        events = []
-        for line in p.read_text().splitlines():
-            try:
-                e = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line being written
-            if str(e.get("job_id")) == self.job_id:
-                events.append(e)
-        return events
+        return [e for *_, e in read_jsonl(p, torn_ok=True) if str(e.get("job_id")) == self.job_id]
 
     def state(self, slurm: dict[str, dict[str, str]] | None = None) -> str:
         """The job's state: Slurm's while it knows the job, else the record's."""
@@ -169,16 +162,10 @@ def status(run_dir: Path) -> str:
 def _metrics_lines(path: Path) -> list[str]:
     if not path.is_file():
         return ["metrics: none yet"]
-    rows = [line for line in path.read_text().splitlines() if line.strip()]
-    last = None
-    for line in reversed(rows):
-        try:
-            last = json.loads(line)
-            break
-        except json.JSONDecodeError:
-            continue  # the line being written
-    if last is None:
+    rows = [row for *_, row in read_jsonl(path, torn_ok=True)]
+    if not rows:
         return ["metrics: none yet"]
+    last = rows[-1]
     step = last.get("step", len(rows))
     keys = [k for k in SHOWN_METRICS if k in last] or [k for k in last if k != "step"]
     shown = ", ".join(f"{k}={_fmt(last[k])}" for k in keys)

@@ -12,6 +12,7 @@ import numpy as np
 
 from areal_hpc.config import load_config
 from areal_hpc.controller import Controller
+from areal_hpc.data import Example
 from areal_hpc.layout import Layout, Role
 from areal_hpc.protocol import (
     Envelope,
@@ -39,11 +40,11 @@ class Prompts:
         self.position = 0
         self.tok = build_tokenizer()
 
-    def next(self) -> dict:
+    def next(self) -> Example:
         a, b = divmod(self.position, 100)
         self.position += 1
         prompt = f"{a}+{b}="
-        return {"prompt": prompt, "answer": str(a + b), "prompt_ids": self.tok(prompt)["input_ids"]}
+        return Example(self.position - 1, prompt, str(a + b), "math", prompt_ids=self.tok(prompt)["input_ids"])
 
     def state_dict(self):
         return {"position": self.position}
@@ -78,7 +79,8 @@ class World:
                 self.gen_version[dest] = msg.version
                 self.later.append((1, Envelope(dest, SyncDone(msg.version, 0.01))))
         elif isinstance(msg, RewardRequest):
-            a, b = msg.target, msg.response.removeprefix(BOXED).removesuffix("}")
+            response = self.tok.decode(msg.output_ids, skip_special_tokens=True)  # as the reward worker does
+            a, b = msg.target, response.removeprefix(BOXED).removesuffix("}")
             result = RewardResult(msg.traj_id, float(a == b), "ok")
             if msg.traj_id % 17 == 0:  # now and then a reward call times out: scored 0, counted
                 result = RewardResult(msg.traj_id, 0.0, "timeout")

@@ -24,7 +24,6 @@ def test_math_rows(tmp_path):
     path = write_jsonl(tmp_path / "m.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2*3=", "answer": 6}])
     examples = load_dataset(path, "math")
     assert [(e.prompt, e.target, e.index) for e in examples] == [("1+1=", "2", 0), ("2*3=", "6", 1)]
-    assert examples[1].row() == {"prompt": "2*3=", "answer": "6", "index": 1, "prompt_ids": None}
 
 
 def test_code_rows_tests_as_list_or_json_string(tmp_path):
@@ -35,8 +34,7 @@ def test_code_rows_tests_as_list_or_json_string(tmp_path):
     )
     examples = load_dataset(path, "code")
     want = [{"input": "1 2", "output": "3"}, {"input": "", "output": "hi"}]
-    assert [json.loads(e.target) for e in examples] == [want, want]
-    assert examples[0].row()["tests"] == want
+    assert [e.target for e in examples] == [want, want], "the tests in one form, checked and normalised"
 
 
 @pytest.mark.parametrize(
@@ -112,7 +110,7 @@ def test_datasets_directories(tmp_path):
     tests = [{"input": "1", "output": "1"}]
     ds = Dataset.from_list([{"prompt": "echo", "tests": json.dumps(tests), "source": "x"}])
     ds.save_to_disk(str(tmp_path / "one"))
-    assert json.loads(load_dataset(tmp_path / "one", "code")[0].target) == tests
+    assert load_dataset(tmp_path / "one", "code")[0].target == tests
     DatasetDict({"train": ds, "test": ds}).save_to_disk(str(tmp_path / "dict"))
     with pytest.raises(
         ConfigError, match=r"splits train, test of a datasets DatasetDict; set data.train_path to one of .*dict/train"
@@ -134,15 +132,15 @@ def stream_of(n: int, seed: int, tmp_path) -> PromptStream:
 
 def test_every_epoch_is_a_permutation_and_epochs_differ(tmp_path):
     s = stream_of(50, seed=3, tmp_path=tmp_path)
-    epochs = [[s.next()["prompt"] for _ in range(50)] for _ in range(3)]
+    epochs = [[s.next().prompt for _ in range(50)] for _ in range(3)]
     for e in epochs:
         assert sorted(e) == sorted(f"p{i}" for i in range(50))
     assert epochs[0] != epochs[1] != epochs[2]
     assert s.consumed == 150
     again = stream_of(50, seed=3, tmp_path=tmp_path)
-    assert [again.next()["prompt"] for _ in range(50)] == epochs[0], "deterministic in the seed"
+    assert [again.next().prompt for _ in range(50)] == epochs[0], "deterministic in the seed"
     other = stream_of(50, seed=4, tmp_path=tmp_path)
-    assert [other.next()["prompt"] for _ in range(50)] != epochs[0]
+    assert [other.next().prompt for _ in range(50)] != epochs[0]
 
 
 @settings(max_examples=30, deadline=None)
@@ -150,13 +148,13 @@ def test_every_epoch_is_a_permutation_and_epochs_differ(tmp_path):
 def test_resume_continues_exactly(tmp_path_factory, n, before, after, seed):
     tmp_path = tmp_path_factory.mktemp("resume")
     uninterrupted = stream_of(n, seed, tmp_path)
-    want = [uninterrupted.next()["prompt"] for _ in range(before + after)]
+    want = [uninterrupted.next().prompt for _ in range(before + after)]
     first = stream_of(n, seed, tmp_path)
-    got = [first.next()["prompt"] for _ in range(before)]
+    got = [first.next().prompt for _ in range(before)]
     state = json.loads(json.dumps(first.state_dict()))  # survives a checkpoint file
     resumed = stream_of(n, seed, tmp_path)
     resumed.load_state_dict(state)
-    got += [resumed.next()["prompt"] for _ in range(after)]
+    got += [resumed.next().prompt for _ in range(after)]
     assert got == want
 
 
@@ -174,9 +172,9 @@ def test_from_config_builds_the_synthetic_task_with_a_held_out_split(tmp_path):
     cfg.data.synthetic_size, cfg.data.synthetic_max_operand = 300, 9
     tok = build_tokenizer()
     stream = PromptStream.from_config(cfg, tok)
-    row = stream.next()
-    assert row["prompt"].endswith("=") and row["answer"].lstrip("-").isdigit()
-    assert tok.decode(row["prompt_ids"]) == row["prompt"]
+    example = stream.next()
+    assert example.prompt.endswith("=") and example.target.lstrip("-").isdigit()
+    assert tok.decode(example.prompt_ids) == example.prompt
     train = {e.prompt for e in stream.examples}
     test = [e.prompt for e in load_dataset(eval_path(cfg), "math")]
     assert len(test) == len(set(test)) == 200 // 5, "a fifth of the 200 problems, each once"
@@ -190,7 +188,7 @@ def test_from_config_builds_the_synthetic_task_with_a_held_out_split(tmp_path):
     with pytest.raises(ConfigError, match="needs data.train_path"):
         PromptStream.from_config(cfg, tok)
     cfg.data.train_path = str(write_jsonl(tmp_path / "c.jsonl", [{"prompt": "p", "tests": [{"output": "1"}]}]))
-    assert PromptStream.from_config(cfg, tok).next()["tests"] == [{"input": "", "output": "1"}]
+    assert PromptStream.from_config(cfg, tok).next().target == [{"input": "", "output": "1"}]
     with pytest.raises(ConfigError, match="eval.data is empty"):
         eval_path(cfg)
 

@@ -16,6 +16,7 @@ from areal_hpc.batch import build_train_batches
 from areal_hpc.buffer import Group
 from areal_hpc.config import ConfigError, load_config
 from areal_hpc.controller import EXIT_DONE, FILTERED_WARN_STEPS
+from areal_hpc.data import Example
 from areal_hpc.protocol import Envelope, RewardRequest, RewardResult, Trajectory
 from areal_hpc.reward import overlong_penalty
 from areal_hpc.tiny import build_tokenizer
@@ -217,7 +218,7 @@ def test_controller_adds_the_penalty_to_each_answers_reward(tmp_path):
 
 def group(answers: list[tuple[int, str]], rewards: list[float]) -> Group:
     """A finished group: (response length, finish reason) per answer."""
-    g = Group(0, {"prompt": "p"}, np.array([5, 6], np.int32), len(answers))
+    g = Group(0, Example(0, "p", "1", "math"), np.array([5, 6], np.int32), len(answers))
     for i, (n, reason) in enumerate(answers):
         zeros = np.zeros(n, np.int32)
         g.trajectories[i] = Trajectory(0, i, g.prompt_ids, zeros + 7, zeros.astype(np.float32), zeros, reason)

@@ -88,7 +88,7 @@ def test_bad_tests_are_an_error_not_an_exception():
     good = fenced("print(1)")
     for tests in ["not json", "[]", '[{"input": 1}]', None, 42]:
         reward, reason = code_score(good, tests, limits=FAST)
-        assert reward == 0.0 and reason.startswith("error: tests"), (tests, reason)
+        assert reward == 0.0 and reason.startswith("error: 'tests"), (tests, reason)
     assert code_score(None, ADD, limits=FAST)[0] == 0.0
 
 

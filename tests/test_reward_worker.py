@@ -10,7 +10,7 @@ import pytest
 from areal_hpc.reward.pool import ScorerPool
 from tests.helpers import MPI_PROGRAMS
 
-TESTS = '[{"input": "2 3", "output": "5"}, {"input": "1 1", "output": "2"}]'
+TESTS = [{"input": "2 3", "output": "5"}, {"input": "1 1", "output": "2"}]
 ADD = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
 
 

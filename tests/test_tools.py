@@ -230,7 +230,7 @@ def test_prepare_code_layouts_from_parquet_and_the_command_line(tmp_path, capsys
     assert "wrote 2 code rows" in capsys.readouterr().out
     from areal_hpc.data import load_dataset
 
-    got = [json.loads(e.target) for e in load_dataset(tmp_path / "c.jsonl", "code")]
+    got = [e.target for e in load_dataset(tmp_path / "c.jsonl", "code")]
     assert got == [[{"input": "1 2\n", "output": "3\n"}], [{"input": "a", "output": "a"}]]
     contests = {"description": "sum", "public_tests": {"input": [["1", "2"]], "output": [3]}}  # stdin as lines
     assert prepare.convert_row(contests, "code") == {"prompt": "sum", "tests": [{"input": "1\n2", "output": "3"}]}

@@ -13,7 +13,9 @@ and the token rate the cluster produces: its generators at full load, the fastes
 
 ```
  rank 0      the real Controller (Mailbox over MPI, gate, buffer, advantages, packer, metrics, checkpoints)
- reward      simulated: RewardResult for each RewardRequest at once; tells the generator what rank 0 took
+ reward      simulated: RewardResult for each RewardRequest (the answer's token ids, as the generator sent
+             them: the real reward worker decodes them, rank 0 no longer does) at once; tells the
+             generator what rank 0 took
  generator   simulated: for each GenerateRequest its n Trajectory messages (precomputed token ids,
              behaviour logprobs, per-token versions), at most --window answers ahead of rank 0; SyncDone
  trainers    simulated: one rank per data-parallel replica (--tp-pp ranks each): checks each TrainBatch
@@ -191,9 +193,11 @@ class Prompts:
     def __init__(self, payloads: Payloads):
         self.payloads, self.position = payloads, 0
 
-    def next(self) -> dict:
+    def next(self):
+        from areal_hpc.data import Example
+
         i, self.position = self.position, self.position + 1
-        return {"index": i, "prompt": f"prompt {i}", "answer": "0", "prompt_ids": self.payloads.prompt_ids(i)}
+        return Example(i, f"prompt {i}", "0", "math", prompt_ids=self.payloads.prompt_ids(i))
 
     def state_dict(self) -> dict:
         return {"position": self.position}
@@ -231,6 +235,7 @@ def sim_reward(world, side, generator: int) -> dict:
             received[type(msg).__name__, "n"] += 1
             received[type(msg).__name__, "bytes"] += wire_bytes(msg)
             if isinstance(msg, RewardRequest):
+                assert msg.output_ids.dtype == np.int32 and msg.output_ids.ndim == 1, "token ids, not text"
                 box.send(0, RewardResult(msg.traj_id, float(msg.traj_id * 2654435761 >> 9 & 1), "ok"))
                 taken += 1
             elif isinstance(msg, Stop):

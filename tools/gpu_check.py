@@ -122,14 +122,14 @@ def smoke_overrides(overrides: list[str]) -> list[str]:
 def check_run(work: Path, overrides: list[str]):
     """20 steps of configs/gpu-smoke.yaml through `areal-hpc run`, judged from its metrics."""
     from areal_hpc.config import load_config
+    from areal_hpc.metrics import read_metrics
 
     root = work / "runs"
     cmd = [sys.executable, "-m", "areal_hpc.cli", "run", str(REPO / "configs" / "gpu-smoke.yaml")]
     cmd += [f"experiment.root={root}", *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     cfg = load_config(REPO / "configs" / "gpu-smoke.yaml", [f"experiment.root={root}", *overrides])
-    metrics = cfg.run_dir / "metrics.jsonl"
-    lines = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
+    lines = read_metrics(cfg.run_dir) if (cfg.run_dir / "metrics.jsonl").exists() else []
     problems = []
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])

@@ -1,14 +1,23 @@
 """Rewards: math answer equivalence (`math.math_reward`) and tests run in a sandbox (`code.code_reward`).
 
-The reward worker rank (`worker.serve`) scores requests in a pool of processes (`pool.ScorerPool`),
-each call through `score` below, under the time limit `reward.timeout_s`.
+The reward worker rank (`worker.serve`) decodes each answer's tokens (`response_text`) and scores it
+in a pool of processes (`pool.ScorerPool`), each call through `score` below, under the time limit
+`reward.timeout_s`. Decoding is here, not on the controller: rank 0 has one core for the whole
+cluster's answers, the reward workers have many.
 """
 
 from __future__ import annotations
 
 
-def score(kind: str, response: str, target: str, timeout_s: float | None) -> tuple[float, str]:
-    """(reward, reason) of one request; `target` is the answer (math) or the tests as JSON (code).
+def response_text(tokenizer, output_ids) -> str:
+    """The text a reward scores: an answer's tokens decoded, special tokens (EOS) left out. Every
+    path that scores answers (the reward worker, `areal-hpc eval`) decodes through this."""
+    return tokenizer.decode(output_ids, skip_special_tokens=True)
+
+
+def score(kind: str, response: str, target, timeout_s: float | None) -> tuple[float, str]:
+    """(reward, reason) of one request; `target` is the answer (math) or the tests, a list of
+    {"input", "output"} (code): an `areal_hpc.data.Example`'s target.
 
     reason: "ok" (the reward is the verdict), "timeout" (scored 0) or "error: ..." (scored 0)."""
     if kind == "math":

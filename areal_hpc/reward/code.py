@@ -296,15 +296,20 @@ def output_matches(stdout: str, expected: str) -> bool:
 
 
 def parse_tests(tests) -> list[dict]:
-    """`tests` as a list of {"input": str, "output": str} (a JSON string of one is accepted); raises ValueError."""
+    """`tests` checked and normalised to a list of {"input": str, "output": str} ("input" defaults to "";
+    a JSON string of such a list is accepted, as data files may hold it); ValueError naming the field
+    ('tests' or 'tests[i]'). The one check of code tests: data loading and the code reward use it."""
     if isinstance(tests, (str, bytes)):
-        tests = json.loads(tests)
+        try:
+            tests = json.loads(tests)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"'tests' is a string but not JSON: {e}") from None
     if not isinstance(tests, list) or not tests:
-        raise ValueError("tests must be a non-empty list of {input, output}")
+        raise ValueError(f"'tests' must be a non-empty list of {{input, output}} (got {tests!r:.60})")
     for i, t in enumerate(tests):
         if not isinstance(t, dict) or not isinstance(t.get("output"), str) or not isinstance(t.get("input", ""), str):
-            raise ValueError(f"test {i} must be an object with string fields 'input' and 'output'")
-    return tests
+            raise ValueError(f"'tests[{i}]' must be an object with string 'input' and 'output'")
+    return [{"input": t.get("input", ""), "output": t["output"]} for t in tests]
 
 
 def code_score(
@@ -316,7 +321,7 @@ def code_score(
         try:
             cases = parse_tests(tests)
         except ValueError as e:
-            return 0.0, f"error: tests: {e}"[:500]
+            return 0.0, f"error: {e}"[:500]
         source = extract_program(str(response))
         if source is None:
             return 0.0, "ok"
@@ -325,7 +330,7 @@ def code_score(
             left = deadline - time.monotonic()
             if left <= 0:
                 return 0.0, "timeout"
-            run = run_program(source, case.get("input", ""), limits, wall_s=left)
+            run = run_program(source, case["input"], limits, wall_s=left)
             if run.status.startswith("error"):
                 return 0.0, run.status[:500]
             if run.status == "timeout" and left < limits.wall_s:  # the call's limit, not the test's

@@ -51,7 +51,7 @@ class _Task:
     key: Any
     kind: str
     response: str
-    target: str
+    target: Any
 
 
 @dataclass
@@ -93,7 +93,7 @@ class ScorerPool:
 
     # --- public ----------------------------------------------------------------------------------
 
-    def submit(self, key: Any, kind: str, response: str, target: str) -> None:
+    def submit(self, key: Any, kind: str, response: str, target) -> None:
         self.queue.append(_Task(key, kind, response, target))
 
     @property

@@ -1,8 +1,10 @@
-"""The reward worker rank: scores the controller's RewardRequests in a pool of processes, in parallel.
+"""The reward worker rank: decodes the controller's RewardRequests and scores them in a pool of processes,
+in parallel.
 
 ```
  loop (never blocks for long):
-   mailbox.poll(controller)  RewardRequest -> pool queue          Stop -> answer what is left, flush, return
+   mailbox.poll(controller)  RewardRequest -> decode (the run's tokenizer) -> pool queue
+                             Stop -> answer what is left, flush, return
    pool.poll(few ms)         (traj_id, reward, reason) -> RewardResult to the controller, as each finishes
 ```
 
@@ -19,6 +21,7 @@ import os
 import time
 
 from areal_hpc.protocol import Failure, Mailbox, RewardRequest, RewardResult, Stop
+from areal_hpc.reward import response_text
 from areal_hpc.reward.pool import ScorerPool
 from areal_hpc.runtime import CONTROLLER_RANK
 
@@ -37,8 +40,12 @@ def pool_size(processes: int) -> int:
 
 def serve(ctx) -> int:
     """Answer RewardRequests from the controller until Stop; returns 0."""
+    from transformers import AutoTokenizer
+
     cfg = ctx.cfg.reward
     box = Mailbox(ctx.world)
+    tokenizer = AutoTokenizer.from_pretrained(ctx.model_path)  # the run's: the controller's and the generators'
+
     pool = ScorerPool(pool_size(cfg.processes), timeout_s=cfg.timeout_s)
     log.info("reward worker: %d scorer processes, time limit %.1f s per call", len(pool.pids), cfg.timeout_s)
     pending: dict[int, int] = {}  # pool key -> traj_id (the key is unique even if a traj_id repeats)
@@ -58,7 +65,7 @@ def serve(ctx) -> int:
                 msg = env.msg
                 if isinstance(msg, RewardRequest):
                     pending[next_key] = msg.traj_id
-                    pool.submit(next_key, msg.kind, msg.response, msg.target)
+                    pool.submit(next_key, msg.kind, response_text(tokenizer, msg.output_ids), msg.target)
                     next_key += 1
                 elif isinstance(msg, Stop):
                     stop = msg

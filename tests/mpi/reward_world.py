@@ -7,8 +7,11 @@ processes it left and the sandboxes still running.
 """
 
 import os
+import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 
 def children_of(pid):
@@ -32,8 +35,10 @@ def main():
     from areal_hpc.layout import Layout
     from areal_hpc.protocol import Mailbox, RewardRequest, RewardResult, Stop
     from areal_hpc.runtime import RankContext
+    from areal_hpc.tiny import build_tokenizer
 
     world = MPI.COMM_WORLD
+    tok = build_tokenizer()  # the worker decodes the trajectories' tokens with the run's tokenizer
     cfg = Config()
     cfg.reward.timeout_s = 1.5
     cfg.reward.processes = 2
@@ -42,7 +47,9 @@ def main():
         from areal_hpc.reward.worker import serve
 
         world.send(os.getpid(), dest=0)
-        assert serve(RankContext(cfg, layout, world, None, Path("."), Path("."))) == 0
+        model = Path(tempfile.mkdtemp())
+        tok.save_pretrained(model)
+        assert serve(RankContext(cfg, layout, world, None, Path("."), model)) == 0
         time.sleep(0.2)
         left = [p for p in children_of(os.getpid()) if comm(p) != "sh"]
         bwraps = [
@@ -58,6 +65,10 @@ def main():
     box = Mailbox(world)
     worker = world.recv(source=1)
 
+    def request(traj_id, kind, response, target):
+        ids = np.array(tok(response, add_special_tokens=False)["input_ids"] + [tok.eos_token_id], np.int32)
+        return RewardRequest(traj_id, kind, ids, target)
+
     def collect(ids, timeout_s=60):
         got = {}
         while set(got) != set(ids):
@@ -68,7 +79,7 @@ def main():
         return got
 
     # 1. A scorer process crashes mid-request (killed from outside): answered with the cause.
-    box.send(1, RewardRequest(100, "code", "```python\nimport time\ntime.sleep(1.2)\nprint(5)\n```", TESTS))
+    box.send(1, request(100, "code", "```python\nimport time\ntime.sleep(1.2)\nprint(5)\n```", TESTS))
     give_up, busy = time.monotonic() + 60, None
     while busy is None:
         assert time.monotonic() < give_up, "no scorer started the sandbox"
@@ -96,7 +107,7 @@ def main():
         want[i] = ("math", f"\\boxed{{{i}}}", str(i), (1.0, "ok"))
     started = time.monotonic()
     for traj_id, (kind, response, target, _) in want.items():
-        box.send(1, RewardRequest(traj_id, kind, response, target))
+        box.send(1, request(traj_id, kind, response, target))
     got = collect(set(want))
     for traj_id, (*_, expected) in want.items():
         if expected is None:
@@ -106,7 +117,7 @@ def main():
     print(f"BATCH {len(want)} requests answered in {time.monotonic() - started:.2f} s", flush=True)
 
     # 3. Stop with a request still running: it is answered (cancelled) before the worker returns.
-    box.send(1, RewardRequest(200, "code", "```python\nimport time\ntime.sleep(5)\n```", TESTS))
+    box.send(1, request(200, "code", "```python\nimport time\ntime.sleep(5)\n```", TESTS))
     time.sleep(0.3)
     box.send(1, Stop("done"))
     got = collect({200})
@@ -115,7 +126,7 @@ def main():
     print("CONTROLLER OK", flush=True)
 
 
-TESTS = '[{"input": "2 3", "output": "5"}, {"input": "1 1", "output": "2"}]'
+TESTS = [{"input": "2 3", "output": "5"}, {"input": "1 1", "output": "2"}]
 ADD = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
 
 if __name__ == "__main__":
