@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from areal_hpc.arch import model_arch
 from areal_hpc.config import ModelConfig
 from areal_hpc.device import resolve_device
 from areal_hpc.tiny import build_tiny_model
@@ -70,7 +71,11 @@ def hf_logprobs(model, prompt, output) -> np.ndarray:
 
 def load(engine, model, version):
     """Load as the trainer sends: a tied model's state has no `lm_head.weight` (HF checkpoint layout)."""
-    named = [(k, v) for k, v in model.state_dict().items() if not (MODEL.tie_word_embeddings and k == "lm_head.weight")]
+    named = [
+        (k, v)
+        for k, v in model.state_dict().items()
+        if not (model_arch(MODEL).tie_word_embeddings and k == "lm_head.weight")
+    ]
     return engine.load_weights(named, version)
 
 

@@ -7,11 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from areal_hpc.arch import model_arch
 from areal_hpc.config import PPOConfig
 from areal_hpc.protocol import TrainBatch
 from areal_hpc.tiny import build_tiny_model
 from areal_hpc.trainer.checks import MODEL, random_batch, shard
 from areal_hpc.trainer.spawn import run_ranks
+
+VOCAB = model_arch(MODEL).vocab_size
 
 pytestmark = pytest.mark.megatron
 
@@ -61,7 +64,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    batch = random_batch(MODEL.vocab_size)
+    batch = random_batch(VOCAB)
     regrouped = TrainBatch(**{**batch.__dict__, "microbatches": [[[0], [1], [2]], [[3, 4], [5]]]})
     one_minibatch = TrainBatch(**{**batch.__dict__, "microbatches": [[[0, 1], [2], [3], [4, 5]]]})
     variants = {
@@ -124,7 +127,7 @@ def test_activation_recompute_gives_the_same_step(reference):
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_tensor_and_pipeline_parallel_step_equals_single_rank(reference, model_dir, tp, pp):
     """At TP 2 with and without sequence parallelism (rows padded to even widths), and with full recompute."""
-    batch = random_batch(MODEL.vocab_size)
+    batch = random_batch(VOCAB)
     variants = {
         "packed": ([batch], {}),
         "no-sequence-parallel": ([batch], {}, {"sequence_parallel": False}),
@@ -137,7 +140,7 @@ def test_tensor_and_pipeline_parallel_step_equals_single_rank(reference, model_d
 
 def test_data_parallel_step_equals_single_rank(reference, model_dir):
     """Two DP ranks with half the sequences each: every token still weighs the same."""
-    batch = random_batch(MODEL.vocab_size)
+    batch = random_batch(VOCAB)
     shards = [shard(batch, [0, 1, 3], [[[0, 1]], [[3]]]), shard(batch, [2, 4, 5], [[[2]], [[4, 5]]])]
     got = run_ranks(_train, 2, 1, 1, model_dir, {"packed": (shards, {})})[0]
     _assert_same(got["packed"], reference["packed"])
@@ -187,7 +190,7 @@ def _entropy_rank(par, model_dir, temperature):
 
     engine = Engine(model_dir, par, _optim())
     sp = engine.config.sequence_parallel
-    batch = random_batch(MODEL.vocab_size, microbatches=[[[0, 1, 2], [3, 4, 5]]])
+    batch = random_batch(VOCAB, microbatches=[[[0, 1, 2], [3, 4, 5]]])
     mb = make_microbatch(batch, list(range(6)), device=par.device, multiple=par.tp if sp else 1)
     got = {}
 
@@ -219,7 +222,7 @@ def test_entropy_is_that_of_the_full_logits(model_dir, tp):
     torch.testing.assert_close(got["chunked"].double(), got["direct"], rtol=1e-5, atol=1e-5)
     mask = got["mask"]
     want = got["direct"][mask].mean().item()
-    assert 0 < want < torch.log(torch.tensor(float(MODEL.vocab_size))).item()
+    assert 0 < want < torch.log(torch.tensor(float(VOCAB))).item()
     assert got["stats"]["ppo/entropy"] == pytest.approx(want, rel=1e-5)
 
 
@@ -245,8 +248,8 @@ def _kl_rank(par, model_dir, ckpt_dir):
     assert Engine(model_dir, par, PPOConfig()).reference is None  # off: nothing built
     initial, ref0 = _tensors(engine.stage), _tensors(engine.reference)
     # step 0, one minibatch: its forward passes run on the initial weights, which the reference holds
-    stats = [ppo_step(engine, random_batch(MODEL.vocab_size, microbatches=[[[0, 1, 2], [3, 4, 5]]]), cfg)]
-    stats += [ppo_step(engine, random_batch(MODEL.vocab_size, seed=s), cfg) for s in (1, 2)]
+    stats = [ppo_step(engine, random_batch(VOCAB, microbatches=[[[0, 1, 2], [3, 4, 5]]]), cfg)]
+    stats += [ppo_step(engine, random_batch(VOCAB, seed=s), cfg) for s in (1, 2)]
     checkpoint.save(engine, ckpt_dir)
     resumed = Engine(model_dir, par, ppo)
     checkpoint.load(resumed, Path(ckpt_dir) / "trainer")

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
+from areal_hpc.arch import model_arch
 from areal_hpc.config import ModelConfig, PPOConfig
 from areal_hpc.device import visible_gpus
 from areal_hpc.packing import pack_microbatches
@@ -236,7 +237,7 @@ def bench_settings(args, device: str) -> None:
     model, dtype = MODELS[args.model]
     with tempfile.TemporaryDirectory() as root:
         model_dir = str(build_tiny_model(model, root, seed=1))
-        batch = make_batch(model.vocab_size, args.seqs, args.seq_len, args.mb_tokens)
+        batch = make_batch(model_arch(model).vocab_size, args.seqs, args.seq_len, args.mb_tokens)
         tokens = len(batch.tokens)
         mbs = len(batch.microbatches[0])
         print(
@@ -312,7 +313,7 @@ def bench_packing(args) -> None:
     microbatches = [[[int(idx[i]) for i in mb] for mb in pack_microbatches(lens[idx], 1024)] for idx in per]
     batch = TrainBatch(
         0,
-        rng.integers(0, model.vocab_size, n).astype(np.int32),
+        rng.integers(0, model_arch(model).vocab_size, n).astype(np.int32),
         np.r_[0, np.cumsum(lens)].astype(np.int32),
         mask,
         np.where(mask, -1.0, 0.0).astype(np.float32),
