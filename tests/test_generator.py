@@ -188,6 +188,33 @@ def test_loaded_weights_change_outputs(setup):
     assert mean_b > mean_a + 0.5, (mean_a, mean_b)
 
 
+def test_update_loads_in_place(setup, monkeypatch):
+    """An update of the unquantized model bypasses vLLM's layerwise reload: tensors go straight into
+    the existing parameters (the embedding keeps its storage), and what vLLM derives from them after
+    a load is rebuilt (on CPU: the oneDNN handles of the linear layers and of the tied lm_head), as
+    the logprobs under the new weights show."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    engine, model_a, model_b = setup
+    calls = []
+    monkeypatch.setattr(layerwise, "_layerwise_process", lambda *a: calls.append(a))
+
+    def embedding(worker):
+        weight = worker.model_runner.get_model().model.embed_tokens.weight
+        return weight.data_ptr(), weight.detach().clone()
+
+    [(ptr_before, _)] = engine.engine.collective_rpc(embedding)
+    v = engine.version + 1
+    load(engine, model_b, v)
+    [(ptr_after, loaded)] = engine.engine.collective_rpc(embedding)
+    assert not calls and ptr_after == ptr_before
+    torch.testing.assert_close(loaded, model_b.model.embed_tokens.weight, rtol=0, atol=0)
+    engine.add(300, [30, 31, 32], n=8)
+    for t in drain(engine):
+        assert (t.versions == v).all()
+        np.testing.assert_allclose(t.behav_logprobs, hf_logprobs(model_b, t.prompt_ids, t.output_ids), atol=TOL, rtol=0)
+
+
 def test_qwen3_loads_the_trainers_weights(tmp_path):
     """A Qwen3 engine (q/k norms, a head size apart from hidden / heads, tied embeddings) loads weights
     under the names the trainer sends (Hugging Face's, no lm_head.weight when tied), the norms

@@ -14,12 +14,15 @@ answers per step, up to 128 new tokens, one optimizer step per batch, no KL term
               forward pass, and TRL with one iteration per batch makes none either.
   TRL         GRPOTrainer in this process on both cores: transformers generation, then training, in turn.
 
-Prints each one's trained samples per second over the steps after `--warmup` (areal-hpc: from
-metrics.jsonl, samples / summed timing/step_s; TRL: from the step-end times of a trainer callback),
-and their ratio last. Needs the `bench` extra (pip install -e .[bench]).
+The two alternate for `--rounds` rounds (TRL, areal-hpc, TRL, areal-hpc, ...), so that a change in
+the machine's load over the invocation falls on both (TRL's figure alone moved between 3.1 and 4.6
+samples/s from one invocation to another here). Prints each run's trained samples per second over the
+steps after `--warmup` (areal-hpc: from metrics.jsonl, samples / summed timing/step_s; TRL: from the
+step-end times of a trainer callback), each round's ratio, each system's median over the rounds, and
+the ratio of the medians last. Needs the `bench` extra (pip install -e .[bench]).
 
-    python tools/bench_vs_trl.py                          # 2 warm-up + 8 measured steps each
-    python tools/bench_vs_trl.py --steps 6 --warmup 2
+    python tools/bench_vs_trl.py                          # 2 rounds, 2 warm-up + 8 measured steps each run
+    python tools/bench_vs_trl.py --rounds 3 --steps 6 --warmup 2
     python tools/bench_vs_trl.py ppo.prox_logp=recompute  # areal-hpc settings given last win
 """
 
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -82,18 +86,18 @@ def ratio(areal: float, trl: float) -> float:
 # --- areal-hpc ---------------------------------------------------------------------------------
 
 
-def bench_areal(root: Path, steps: int, warmup: int, extra: list[str]) -> float:
+def bench_areal(root: Path, trial: str, steps: int, warmup: int, extra: list[str]) -> float:
     from areal_hpc.metrics import read_metrics
 
     cmd = [sys.executable, "-m", "areal_hpc.cli", "run", str(CONFIG), "--fresh", f"experiment.root={root}"]
-    cmd += ["experiment.trial=areal", f"train.total_steps={steps}", f"train.save_every={steps}", *OVERRIDES, *extra]
-    log = root / "areal.out"
+    cmd += [f"experiment.trial={trial}", f"train.total_steps={steps}", f"train.save_every={steps}", *OVERRIDES, *extra]
+    log = root / f"{trial}.out"
     t0 = time.monotonic()
     with open(log, "w") as out:
         code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO).returncode
     if code != 0:
         sys.exit(f"areal-hpc run failed (exit {code}); its output: {log}")
-    rows = read_metrics(root / "tiny-cpu" / "areal")
+    rows = read_metrics(root / "tiny-cpu" / trial)
     print(f"areal-hpc: {steps} steps in {time.monotonic() - t0:.0f} s (start-up included); output {log}", flush=True)
     for r in rows:
         print(
@@ -190,12 +194,15 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=10, help="steps of each system (warm-up included)")
-    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the figures")
+    p.add_argument("--warmup", type=int, default=2, help="first steps of each run left out of the figures")
+    p.add_argument("--rounds", type=int, default=2, help="runs per system, alternating TRL and areal-hpc")
     p.add_argument("--root", default=None, help="run root (default: a temporary directory)")
     p.add_argument(
         "overrides", nargs="*", help="more areal-hpc settings (section.field=value), e.g. ppo.prox_logp=recompute"
     )
     args = p.parse_args(argv)
+    if args.rounds < 1 or not 1 <= args.warmup < args.steps:
+        p.error(f"need --rounds >= 1 and 1 <= --warmup < --steps (got {args.rounds}, {args.warmup}, {args.steps})")
     root = Path(args.root or tempfile.mkdtemp(prefix="bench-trl-")).resolve()
     root.mkdir(parents=True, exist_ok=True)
     cfg = load_config(CONFIG, [f"experiment.root={root}", *OVERRIDES])
@@ -209,12 +216,22 @@ def main(argv: list[str] | None = None) -> int:
         f"per step, up to {MAX_NEW} new tokens; torch {torch.__version__}"
     )
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} cores)", flush=True)
-    areal = bench_areal(root, args.steps, args.warmup, args.overrides)
-    trl = bench_trl(cfg, model_dir, root / "trl", args.steps, args.warmup)
+    trl, areal = [], []
+    for k in range(1, args.rounds + 1):
+        trl.append(bench_trl(cfg, model_dir, root / f"trl{k}", args.steps, args.warmup))
+        areal.append(bench_areal(root, f"areal{k}", args.steps, args.warmup, args.overrides))
+        print(
+            f"round {k}: TRL {trl[-1]:.2f}, areal-hpc {areal[-1]:.2f} trained samples/s: {ratio(areal[-1], trl[-1]):.2f}x"
+        )
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"areal-hpc: {areal:.2f} trained samples/s")
-    print(f"TRL GRPOTrainer: {trl:.2f} trained samples/s")
-    print(f"areal-hpc/TRL trained samples per second: {ratio(areal, trl):.2f}x")
+    areal_s, trl_s = statistics.median(areal), statistics.median(trl)
+    print(
+        f"areal-hpc: {areal_s:.2f} trained samples/s (median of {args.rounds}: {', '.join(f'{x:.2f}' for x in areal)})"
+    )
+    print(
+        f"TRL GRPOTrainer: {trl_s:.2f} trained samples/s (median of {args.rounds}: {', '.join(f'{x:.2f}' for x in trl)})"
+    )
+    print(f"areal-hpc/TRL trained samples per second: {ratio(areal_s, trl_s):.2f}x")
     return 0
 
 

@@ -18,7 +18,8 @@ so behav_logprob >= the trainer's full-vocabulary logprob; keep top_p = 1 for ex
 Interruption (`update_weights`), nothing lost or duplicated:
   1. abort every in-flight vLLM request; each trajectory keeps the tokens, logprobs and versions
      vLLM has returned so far (a token computed but not yet returned is simply sampled again);
-  2. load the new weights bucket by bucket inside vLLM's worker(s) (`WeightLoader` below);
+  2. load the new weights bucket by bucket inside vLLM's worker(s), in place where vLLM allows it
+     (`WeightLoader` below);
   3. reset the prefix cache (its KV entries were computed by the old weights);
   4. resubmit each trajectory as prompt + partial output with the remaining token budget; tokens
      sampled from then on carry the new version.
@@ -48,16 +49,76 @@ class WeightLoader:
     """Mixed into vLLM's worker class (`worker_extension_cls`): runs where the model lives, so with
     gen_tp > 1 every tensor-parallel worker receives the broadcast itself and loads its shard.
 
-    Loading goes through the worker's `reload_weights` (vLLM's in-place layerwise reload): a plain
-    `model.load_weights` fails after the first load on CPU, where weights were repacked into kernel
-    format. The iterator is lazy, so each bucket is loaded as it arrives.
+    The iterator is lazy, so each bucket is loaded as it arrives; `_areal_load` says how.
     """
 
     def areal_load_weights(self, buckets: list) -> int:
         """Load buckets of Hugging Face named tensors (the model shards them by its own TP rank)."""
         named = [item for bucket in buckets for item in bucket]
-        self.reload_weights(weights_iterator=self._areal_tied(iter(named)), is_checkpoint_format=True)
+        self._areal_load(iter(named))
         return len(named)
+
+    def _areal_load(self, named: Iterator) -> None:
+        """Load Hugging Face named tensors into the running model, straight into its parameters.
+
+        vLLM's own reload (`reload_weights`, layerwise) moves every layer back to its checkpoint
+        format on the meta device, records each tensor passed to a weight loader (a dispatch mode
+        counting copied elements), loads and post-processes a layer once all its elements arrived,
+        and copies the result back into the old storage (kept for CUDA graphs). For an unquantized
+        model that is mostly overhead, so per module:
+          - unquantized (or no quant method), tensors as vLLM recorded them at load (names, shapes,
+            dtypes: `record_metadata_for_reloading`): each tensor goes through its parameter's own
+            `weight_loader`, vLLM's name mapping included (q/k/v and gate/up land in their slice of
+            the fused parameter), in place;
+          - unquantized, but post-processing replaced a tensor (on CPU the linear weights live only
+            in oneDNN handles: the parameter is empty): the module first gets fresh tensors of its
+            recorded checkpoint format (vLLM's meta helpers), which the loaders then fill;
+          - both run the unquantized `process_weights_after_loading` again afterwards: it derives
+            only from the weights (on CPU it creates the oneDNN handles of the linear layers and of
+            the embedding / lm_head, whose sampling would otherwise stay on the old weights);
+          - anything else (quantized): vLLM's layerwise reload, applied to those modules only.
+        On GPU an unquantized model loads in place throughout (no post-processing, no copies).
+        """
+        from torch import nn
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            finalize_layerwise_reload,
+            get_layerwise_info,
+            initialize_layerwise_reload,
+        )
+        from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
+
+        model = self.model_runner.get_model()
+        direct, restored, others = [], [], []
+        for name, module in model.named_modules():
+            if not _has_tensors(module):
+                continue
+            if not _unquantized(module):
+                others.append(module)
+                continue
+            direct.append(module)
+            if not _as_recorded(module):
+                info = get_layerwise_info(module)
+                restore_layer_on_meta(module, info)
+                materialize_layer(module, info)
+                restored.append((name, module))
+        # vLLM's layerwise functions walk `.modules()`: hand them a container of the others only.
+        reloaded = nn.ModuleList(others)
+        initialize_layerwise_reload(reloaded)
+        loaded = model.load_weights(self._areal_tied(named))
+        finalize_layerwise_reload(reloaded, self.model_config)
+        missing = [f"{n}.{p}" for n, m in restored for p, _ in m.named_parameters(recurse=False)]
+        missing = [p for p in missing if p not in loaded]
+        if missing:  # their fresh tensors would hold uninitialised memory
+            raise RuntimeError(f"weight update without {', '.join(missing)}: send the whole model")
+        for module in direct:
+            if getattr(module, "quant_method", None) is not None:
+                module.quant_method.process_weights_after_loading(module)
+                if hasattr(module, "update_param_tp_status"):  # as vLLM does after processing
+                    module.update_param_tp_status()
+        # What vLLM's model runner does after its own reload.
+        self.model_runner.reset_lora_state()
+        self.model_runner.reset_encoder_cache()
+        self.model_runner.reset_mm_cache()
 
     def _areal_tied(self, named: Iterator) -> Iterator:
         """With tied embeddings, also load the input embedding as `lm_head.weight`.
@@ -91,8 +152,37 @@ class WeightLoader:
                 count += len(bucket)
                 yield from bucket
 
-        self.reload_weights(weights_iterator=self._areal_tied(stream()), is_checkpoint_format=True)
+        self._areal_load(stream())
         return count
+
+
+def _unquantized(module) -> bool:
+    """No quant method, or vLLM's unquantized one, whose `process_weights_after_loading` derives
+    only from the checkpoint-format weights (so it can run again after any load)."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    quant = getattr(module, "quant_method", None)
+    return quant is None or type(quant) in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)
+
+
+def _as_recorded(module) -> bool:
+    """Whether `module`'s parameters and buffers are still as vLLM recorded them before
+    post-processing (names, shapes, dtypes), i.e. in the format their weight loaders write."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
+
+    recorded = get_layerwise_info(module).restore_metadata
+    current = (dict(module.named_parameters(recurse=False)), dict(module.named_buffers(recurse=False)))
+    for was, now in zip(recorded, current):
+        now = {k: t for k, t in now.items() if k not in SKIP_TENSORS}
+        if was.keys() != now.keys() or any(t.shape != now[k].shape or t.dtype != now[k].dtype for k, t in was.items()):
+            return False
+    return True
+
+
+def _has_tensors(module) -> bool:
+    return any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))
 
 
 @dataclass
