@@ -149,6 +149,29 @@ class Layout:
             raise ValueError(f"pipeline stage {stage} outside 0..{self.train_pp - 1}")
         return self.ranks(Role.TRAINER).start + stage * self.train_tp * self.train_dp
 
+    def replica_ranks(self, replica: int) -> list[int]:
+        """World ranks of data-parallel replica `replica`: its TP x PP trainers, in world-rank order, so
+        its (pp 0, tp 0) rank first. In Megatron's order (tp fastest, then dp, then pp) the trainer-local
+        rank of (pp, dp, tp) is (pp * DP + dp) * TP + tp."""
+        if not 0 <= replica < self.train_dp:
+            raise ValueError(f"data-parallel replica {replica} outside 0..{self.train_dp - 1}")
+        first = self.ranks(Role.TRAINER).start
+        tp, dp = self.train_tp, self.train_dp
+        return [first + (pp * dp + replica) * tp + t for pp in range(self.train_pp) for t in range(tp)]
+
+    def replica_of(self, rank: int) -> int:
+        """The data-parallel replica of a trainer world rank."""
+        trainers = self.ranks(Role.TRAINER)
+        if rank not in trainers:
+            raise ValueError(f"{self.describe_rank(rank)} is not a trainer")
+        return (rank - trainers.start) // self.train_tp % self.train_dp
+
+    def split_replica(self, role_comm):
+        """The communicator of this trainer rank's data-parallel replica (`role_comm.Split`, collective
+        over the trainers), ranked as `replica_ranks`: the replica's first rank is its rank 0."""
+        rank = self.ranks(Role.TRAINER).start + role_comm.Get_rank()
+        return role_comm.Split(color=self.replica_of(rank), key=rank)
+
     def describe_rank(self, rank: int) -> str:
         """'generator 2 (world rank 5)': how errors and logs name a rank."""
         role = self.role_of(rank)

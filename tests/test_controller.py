@@ -72,12 +72,16 @@ class World:
         self.later: list = []  # (ticks left, envelope)
         self.trained_prompts: list[str] = []
         self.trainer_version = 0
+        self.batch_dests: list[tuple[int, int]] = []  # (version, rank) of each TrainBatch
         self.stopped: set[int] = set()
 
     # Mailbox interface
     def send(self, dest: int, msg) -> None:
         if dest == self.hang:
             return  # this rank has stopped answering
+        if dest in self.layout.ranks(Role.TRAINER):  # protocol.ReplicaRelay: the whole replica gets it
+            replica = self.layout.replica_ranks(self.layout.replica_of(dest))
+            assert dest == replica[0], f"{msg} sent to trainer {dest}, not its replica's first rank"
         if isinstance(msg, GenerateRequest):
             for i in range(msg.n):
                 self.generating.append([dest, msg, i, self.rng.randint(1, self.max_ticks), [], []])
@@ -92,11 +96,13 @@ class World:
                 result = RewardResult(msg.traj_id, 0.0, "timeout")
             self.later.append((self.rng.randint(0, 2), Envelope(dest, result)))
         elif isinstance(msg, TrainBatch):
+            self.batch_dests.append((msg.version, dest))
             self.on_train_batch(dest, msg)
         elif isinstance(msg, Save):
-            self.later.append((1, Envelope(dest, Saved(msg.version))))
+            for rank in replica:
+                self.later.append((1, Envelope(rank, Saved(msg.version))))
         elif isinstance(msg, Stop):
-            self.stopped.add(dest)
+            self.stopped.update(replica if dest in self.layout.ranks(Role.TRAINER) else [dest])
 
     def on_train_batch(self, dest, batch: TrainBatch) -> None:
         assert batch.version == self.trainer_version, "a step was trained twice or skipped"
@@ -105,9 +111,12 @@ class World:
             seq = slice(batch.cu_seqlens[k], batch.cu_seqlens[k + 1])
             prompt = batch.tokens[seq][batch.loss_mask[seq] == 0]
             self.trained_prompts.append(self.tok.decode(prompt))
+        if dest != self.layout.replica_ranks(self.layout.train_dp - 1)[0]:
+            return  # the step's last replica's batch, sent last, ends the step
         self.trainer_version += 1
         stats = {"ppo/loss": 0.1, "ppo/logp_mismatch": 0.0}
-        self.later.append((self.rng.randint(1, 4), Envelope(dest, TrainResult(self.trainer_version, stats))))
+        first = self.layout.ranks(Role.TRAINER)[0]  # trainer-local rank 0 answers
+        self.later.append((self.rng.randint(1, 4), Envelope(first, TrainResult(self.trainer_version, stats))))
 
     def poll(self, source=None) -> list[Envelope]:
         self.tick()
@@ -213,6 +222,21 @@ def test_staleness_bound_and_every_prompt_once(tmp_path, eta):
     assert set(Counter(world.trained_prompts).values()) == {n}, "a prompt was trained on twice"
     assert world.stopped == set(range(1, layout.world_size))
     assert latest_checkpoint(run_dir).name == "step_12"
+
+
+def test_each_replica_gets_its_batch_once_at_its_first_rank(tmp_path):
+    """Trainer TP 2 x PP 2 x DP 2: one TrainBatch per replica and step, to its first rank (which relays
+    it); the Saves and the Stop reach every trainer rank the same way."""
+    over = ["cluster.gpus_per_node=8", "allocation.train_tp=2", "allocation.train_pp=2", "rollout.max_staleness=1"]
+    cfg, layout, run_dir, tok_dir = make(tmp_path, *over)
+    assert layout.train_dp == 2 and len(layout.ranks(Role.TRAINER)) == 8
+    world = World(layout, build_tokenizer(), seed=1)
+    c, code = run(cfg, layout, run_dir, tok_dir, world, Prompts())
+    assert code == EXIT_DONE
+    firsts = [layout.replica_ranks(d)[0] for d in range(2)]
+    assert world.batch_dests == [(v, rank) for v in range(12) for rank in firsts]
+    assert latest_checkpoint(run_dir).name == "step_12", "every trainer rank's Saved arrived"
+    assert world.stopped == set(range(1, layout.world_size))
 
 
 def test_stop_checkpoints_and_resume_continues_without_reusing_data(tmp_path):
