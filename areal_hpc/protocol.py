@@ -70,7 +70,8 @@ class RewardResult:
 
 @dataclass
 class TrainBatch:
-    """One training step's data for one data-parallel rank (every TP/PP rank of it gets a copy).
+    """One training step's data for one data-parallel replica (sent to its first rank, which relays it to
+    the replica's other TP x PP ranks: ReplicaRelay).
 
     Sequences are concatenated; `cu_seqlens` marks their boundaries. `microbatches[k][j]` lists the
     sequence indices of micro-batch j of PPO minibatch k.
