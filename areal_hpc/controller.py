@@ -22,9 +22,10 @@ syncs and checkpoints, writes the metrics. One thread, one event loop, no blocki
    admit    while the gate has room: next prompt -> GenerateRequest to the least-loaded generator
             (waits for: room = (eta + v + 1) * B - accepted - running > 0; TrainResult or a dropped
             group makes room)
-   train    when no step is running: the gate drops stale groups and, if B fresh ones are buffered,
-            consumes the oldest B (one call, gate.consume); advantages, pack, one TrainBatch per
-            data-parallel rank
+  train    when no step is running: the gate drops stale groups and, if B fresh ones are buffered,
+           consumes the oldest B (one call, gate.consume); advantages, pack, one TrainBatch per
+           data-parallel replica, to its first rank (which passes every message on to the replica's
+           other TP x PP ranks: protocol.ReplicaRelay)
             (waits for: the previous TrainResult, and B finished groups)
    watch    a rank with work outstanding that has said nothing for train.rank_timeout_s -> error
 ```
@@ -139,6 +140,7 @@ class Controller:
         self.generators = list(layout.ranks(Role.GENERATOR))
         self.reward_workers = list(layout.ranks(Role.REWARD))
         self.trainers = list(layout.ranks(Role.TRAINER))
+        self.replicas = [layout.replica_ranks(d)[0] for d in range(layout.train_dp)]  # where a replica's messages go
         self.gen_load = dict.fromkeys(self.generators, 0)  # groups in flight per generator
         self.reward_load = dict.fromkeys(self.reward_workers, 0)
         self.reward_pending: dict[int, tuple[int, int, int]] = {}  # traj_id -> (group, sample, rank)
@@ -343,8 +345,8 @@ class Controller:
             a.train_pp,
             mask_truncated=p.mask_truncated,
         )
-        for rank in self.trainers:
-            self.box.send(rank, batches[self.layout.trainer_coords(rank).dp])
+        for rank, batch in zip(self.replicas, batches):
+            self.box.send(rank, batch)
         self.train_idle.busy(0, True)
         self.train_started = time.monotonic()
         self.timeline.mark("train_start", version=self.version)
@@ -370,7 +372,7 @@ class Controller:
     def sync_weights(self) -> None:
         """Weights of the current version to every generator. Sent before any request that should
         run on them: generators handle messages in order."""
-        for rank in self.trainers + self.generators:
+        for rank in self.replicas + self.generators:
             self.box.send(rank, WeightSync(self.version))
         self.syncing[self.version] = set(self.generators)
         self.timeline.mark("sync_start", version=self.version)
@@ -412,8 +414,9 @@ class Controller:
         """Ask every trainer rank to save version v, and snapshot the controller's state now (the
         trainers save exactly this version: a later TrainBatch queues behind the Save)."""
         path = self.ckpt.begin(self.version, self.state(), self.trainers)
-        for rank in self.trainers:
+        for rank in self.replicas:
             self.box.send(rank, Save(self.version, str(path)))
+        for rank in self.trainers:  # each answers Saved
             self.liveness.expect(rank, time.monotonic(), f"the checkpoint of version {self.version}")
 
     def on_saved(self, src: int, msg: Saved) -> None:
@@ -500,8 +503,10 @@ class Controller:
         if self.stopped_at_once:
             return
         reason = self.stop_reason or "done"
+        relayed = set(self.trainers) - set(self.replicas)
         for rank in range(1, self.layout.world_size):
-            self.box.send(rank, Stop(reason))
+            if rank not in relayed:
+                self.box.send(rank, Stop(reason))
         self.box.flush()
 
 

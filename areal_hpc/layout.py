@@ -238,6 +238,24 @@ class Layout:
         first = 1 + (rank - self.ranks(Role.GENERATOR).start) * self.gen_tp
         return tuple(range(first, first + self.gen_tp))
 
+    def replica_ranks(self, replica: int) -> list[int]:
+        """World ranks of data-parallel replica `replica`: its TP x PP trainers in world-rank order, so its
+        (tp 0, pp 0) rank, the one the controller sends to, first."""
+        if not 0 <= replica < self.train_dp:
+            raise ValueError(f"data-parallel replica {replica} outside 0..{self.train_dp - 1}")
+        first, grid = self.ranks(Role.TRAINER).start, self.trainer_grid
+        return [first + grid.rank(t, pp, replica) for pp in range(self.train_pp) for t in range(self.train_tp)]
+
+    def replica_of(self, rank: int) -> int:
+        """The data-parallel replica of a trainer world rank."""
+        return self.trainer_coords(rank).dp
+
+    def split_replica(self, role_comm):
+        """The communicator of this trainer rank's data-parallel replica (`role_comm.Split`, collective
+        over the trainers), ranked as `replica_ranks`: the replica's first rank is its rank 0."""
+        rank = self.ranks(Role.TRAINER).start + role_comm.Get_rank()
+        return role_comm.Split(color=self.replica_of(rank), key=rank)
+
     def describe_rank(self, rank: int) -> str:
         """'generator 2 (world rank 5)': how errors and logs name a rank."""
         role = self.role_of(rank)

@@ -72,7 +72,8 @@ class RewardResult:
 
 @dataclass
 class TrainBatch:
-    """One training step's data for one data-parallel rank (every TP/PP rank of it gets a copy).
+    """One training step's data for one data-parallel replica (sent to its first rank, which relays it to
+    the replica's other TP x PP ranks: ReplicaRelay).
 
     Sequences are concatenated; `cu_seqlens` marks their boundaries. `microbatches[k][j]` lists the
     sequence indices of micro-batch j of PPO minibatch k.
@@ -236,3 +237,35 @@ class Mailbox:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{len(self._pending)} sends not completed within {timeout_s} s")
             time.sleep(0.001)
+
+
+class ReplicaRelay:
+    """A trainer rank's messages from the controller, which addresses each data-parallel replica once,
+    at its first rank (`Layout.replica_ranks`): that rank passes every message on to the replica's
+    other TP x PP ranks over the replica communicator (`Layout.split_replica`), in the order it came,
+    and the others read only from it. So every rank of a replica handles the same messages in the same
+    order (their collectives line up), and rank 0 sends a step's batch once per replica, not TP x PP
+    times (a point-to-point fan-out, not a broadcast: non-blocking, ordered with the small messages,
+    and the same MPI code on CPU and GPU nodes).
+
+    The first rank waits until its peers have each message before it handles it: the collectives it
+    starts next do not enter MPI, and MPI moves a large buffer only while its sender is inside MPI.
+    """
+
+    def __init__(self, box: Mailbox, replica_comm, source: int, timeout_s: float):
+        self.box, self.source, self.timeout_s = box, source, timeout_s
+        self.peers = Mailbox(replica_comm)
+        self.first = replica_comm.Get_rank() == 0
+        self.size = replica_comm.Get_size()
+
+    def poll(self) -> list[Envelope]:
+        """The controller's messages that have arrived, without waiting (the first rank: once its peers
+        have them too)."""
+        if not self.first:
+            return [Envelope(self.source, env.msg) for env in self.peers.poll(source=0)]
+        envelopes = self.box.poll(source=self.source)
+        for env in envelopes:
+            for peer in range(1, self.size):
+                self.peers.send(peer, env.msg)
+        self.peers.flush(self.timeout_s)
+        return envelopes

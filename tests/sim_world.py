@@ -28,6 +28,7 @@ from areal_hpc.protocol import (
     Trajectory,
     WeightSync,
 )
+from areal_hpc.reward import response_text
 from areal_hpc.rundir import latest_checkpoint, prepare_run_dir
 from areal_hpc.runtime import RankContext
 from areal_hpc.tiny import BOXED, build_tokenizer
@@ -65,12 +66,17 @@ class World:
         self.later: list = []  # (ticks left, envelope)
         self.trained_prompts: list[str] = []
         self.trainer_version = 0
+        self.batch_dests: list[tuple[int, int]] = []  # (version, rank) of each TrainBatch
         self.stopped: set[int] = set()
 
     # Mailbox interface
     def send(self, dest: int, msg) -> None:
         if dest == self.hang:
             return  # this rank has stopped answering
+        replica = [dest]  # who gets the message: a trainer's whole replica (protocol.ReplicaRelay)
+        if dest in self.layout.ranks(Role.TRAINER):
+            replica = self.layout.replica_ranks(self.layout.replica_of(dest))
+            assert dest == replica[0], f"{msg} sent to trainer {dest}, not its replica's first rank"
         if isinstance(msg, GenerateRequest):
             for i in range(msg.n):
                 self.generating.append([dest, msg, i, self.rng.randint(1, self.max_ticks), [], []])
@@ -79,18 +85,20 @@ class World:
                 self.gen_version[dest] = msg.version
                 self.later.append((1, Envelope(dest, SyncDone(msg.version, 0.01))))
         elif isinstance(msg, RewardRequest):
-            response = self.tok.decode(msg.output_ids, skip_special_tokens=True)  # as the reward worker does
+            response = response_text(self.tok, msg.output_ids)  # as the reward worker decodes
             a, b = msg.target, response.removeprefix(BOXED).removesuffix("}")
             result = RewardResult(msg.traj_id, float(a == b), "ok")
             if msg.traj_id % 17 == 0:  # now and then a reward call times out: scored 0, counted
                 result = RewardResult(msg.traj_id, 0.0, "timeout")
             self.later.append((self.rng.randint(0, 2), Envelope(dest, result)))
         elif isinstance(msg, TrainBatch):
+            self.batch_dests.append((msg.version, dest))
             self.on_train_batch(dest, msg)
         elif isinstance(msg, Save):
-            self.later.append((1, Envelope(dest, Saved(msg.version))))
+            for rank in replica:
+                self.later.append((1, Envelope(rank, Saved(msg.version))))
         elif isinstance(msg, Stop):
-            self.stopped.add(dest)
+            self.stopped.update(replica)
 
     def on_train_batch(self, dest, batch: TrainBatch) -> None:
         assert batch.version == self.trainer_version, "a step was trained twice or skipped"
@@ -99,9 +107,12 @@ class World:
             seq = slice(batch.cu_seqlens[k], batch.cu_seqlens[k + 1])
             prompt = batch.tokens[seq][batch.loss_mask[seq] == 0]
             self.trained_prompts.append(self.tok.decode(prompt))
+        if dest != self.layout.replica_ranks(self.layout.train_dp - 1)[0]:
+            return  # the step's last replica's batch, sent last, ends the step
         self.trainer_version += 1
         stats = {"ppo/loss": 0.1, "ppo/logp_mismatch": 0.0}
-        self.later.append((self.rng.randint(1, 4), Envelope(dest, TrainResult(self.trainer_version, stats))))
+        first = self.layout.ranks(Role.TRAINER)[0]  # trainer-local rank 0 answers
+        self.later.append((self.rng.randint(1, 4), Envelope(first, TrainResult(self.trainer_version, stats))))
 
     def poll(self, source=None) -> list[Envelope]:
         self.tick()

@@ -4,7 +4,7 @@ generator, reward and trainer ranks, and the checks the benchmark makes on what 
 What must hold: every answer the generator sent for a trained prompt is trained exactly once, in one
 step with the rest of its group, `prompts_per_step` prompts a step; no trained token is more than
 `max_staleness` versions old (set to 1 here, so the gate and the drop of stale groups are what keep
-it); rank 0's bytes per step are counted; the last line is `controller headroom: X.Xx`.
+it); rank 0's bytes per step are counted, a replica's batch sent once and relayed by its first rank; the last line is `controller headroom: X.Xx`.
 """
 
 from __future__ import annotations
@@ -90,8 +90,9 @@ PROMPTS, GROUP, WARMUP, STEPS = 8, 4, 1, 3
 @pytest.mark.mpi
 def test_bench_controller_small_world(tmp_path):
     out = tmp_path / "result.json"
-    cmd = [sys.executable, str(TOOL), "--prompts", str(PROMPTS), "--group", str(GROUP), "--mean-tokens", "300"]
-    cmd += ["--warmup", str(WARMUP), "--steps", str(STEPS), "--save-every", "2", "--json", str(out)]
+    cmd = [sys.executable, str(TOOL), "--nodes", "4", "--prompts", str(PROMPTS), "--group", str(GROUP)]
+    cmd += ["--mean-tokens", "300"]
+    cmd += ["--warmup", str(WARMUP), "--steps", str(STEPS), "--save-every", "2", "--json", str(out), "--tp-pp", "2"]
     cmd += ["rollout.max_staleness=1"]
     env = {**os.environ, "OMPI_MCA_btl": "self,tcp", "TMPDIR": str(tmp_path)}  # its work dir too
     # Its own session: a hung world is killed whole (mpirun and its ranks), not left polling.
@@ -112,10 +113,9 @@ def test_bench_controller_small_world(tmp_path):
         assert r["bytes_per_step"][kind] > 0, kind
     # A step's batches carry at least every trained response token as int32 ids.
     assert r["bytes_per_step"]["TrainBatch"] >= 4 * r["tokens_per_step"] > 0
-    # The cluster's replicas have TP x PP ranks, each sent the whole batch; the simulated ones have 1.
-    copies = r["setting"]["train_tp"] * r["setting"]["train_pp"]
-    others = sum(v for k, v in r["bytes_per_step"].items() if k != "TrainBatch")
-    assert r["bytes_per_step_cluster"] == pytest.approx(others + copies * r["bytes_per_step"]["TrainBatch"])
+    # Rank 0 sends each replica's batch once, to its first rank, which passes it on to the other (--tp-pp 2).
+    assert r["trainbatch_sends_per_step"] == r["setting"]["train_dp"]
+    assert r["relayed_bytes_per_step"] == pytest.approx(r["bytes_per_step"]["TrainBatch"])
     assert r["cpu_s_per_step"] > 0 and r["tokens_s_cpu"] > 0
 
     last = stdout.strip().splitlines()[-1]

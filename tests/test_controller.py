@@ -62,6 +62,21 @@ def test_the_log_and_the_metrics_number_a_step_alike(tmp_path, caplog):
     assert latest_checkpoint(run_dir).name == "step_3"
 
 
+def test_each_replica_gets_its_batch_once_at_its_first_rank(tmp_path):
+    """Trainer TP 2 x PP 2 x DP 2: one TrainBatch per replica and step, to its first rank (which relays
+    it); the Saves and the Stop reach every trainer rank the same way."""
+    over = ["cluster.gpus_per_node=8", "allocation.train_tp=2", "allocation.train_pp=2", "rollout.max_staleness=1"]
+    cfg, layout, run_dir, tok_dir = make(tmp_path, *over)
+    assert layout.train_dp == 2 and len(layout.ranks(Role.TRAINER)) == 8
+    world = World(layout, build_tokenizer(), seed=1)
+    c, code = run(cfg, layout, run_dir, tok_dir, world, Prompts())
+    assert code == EXIT_DONE
+    firsts = [layout.replica_ranks(d)[0] for d in range(2)]
+    assert world.batch_dests == [(v, rank) for v in range(12) for rank in firsts]
+    assert latest_checkpoint(run_dir).name == "step_12", "every trainer rank's Saved arrived"
+    assert world.stopped == set(range(1, layout.world_size))
+
+
 def test_stop_checkpoints_and_resume_continues_without_reusing_data(tmp_path):
     cfg, layout, run_dir, tok_dir = make(tmp_path, "rollout.max_staleness=2")
     tok = build_tokenizer()

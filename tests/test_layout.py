@@ -52,6 +52,24 @@ def test_layout_partitions_the_world(nodes, gpus, rewards, gen_tp, train_tp, tra
     assert layout.uses_gpus == (device != "cpu")
     check_placement(layout)
     check_trainer_ranks(layout)
+    replicas = [layout.replica_ranks(d) for d in range(layout.train_dp)]
+    assert sorted(r for rep in replicas for r in rep) == list(layout.ranks(Role.TRAINER)), "replicas partition"
+    assert all(rep == sorted(rep) and len(rep) == train_tp * train_pp for rep in replicas)
+    assert all(layout.replica_of(r) == d for d, rep in enumerate(replicas) for r in rep)
+    assert {layout.stage_source_rank(s) for s in range(train_pp)} <= set(replicas[0]), "dp 0 sends the weights"
+
+
+def test_replicas_in_megatrons_rank_order():
+    """TP 2 x PP 2 x DP 2: trainer-local rank (pp * DP + dp) * TP + tp."""
+    overrides = ["cluster.nodes=2", "cluster.gpus_per_node=8", "allocation.gen_nodes=1", "allocation.gen_tp=1"]
+    layout = Layout.from_config(load_config(TINY, [*overrides, "allocation.train_tp=2", "allocation.train_pp=2"]))
+    first = layout.ranks(Role.TRAINER).start
+    assert layout.train_dp == 2
+    assert [[r - first for r in layout.replica_ranks(d)] for d in range(2)] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    with pytest.raises(ValueError, match="replica 2 outside"):
+        layout.replica_ranks(2)
+    with pytest.raises(ValueError, match="not a trainer"):
+        layout.replica_of(0)
 
 
 def test_rank_outside_world():

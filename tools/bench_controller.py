@@ -18,16 +18,17 @@ and the token rate the cluster produces: its generators at full load, the fastes
              generator what rank 0 took
  generator   simulated: for each GenerateRequest its n Trajectory messages (precomputed token ids,
              behaviour logprobs, per-token versions), at most --window answers ahead of rank 0; SyncDone
- trainers    simulated: one rank per data-parallel replica (--tp-pp ranks each): checks each TrainBatch
-             (the step's version, the staleness bound) and answers TrainResult, Saved
+ trainers    simulated: each data-parallel replica (--tp-pp ranks) gets the controller's messages as a
+             real one does (protocol.ReplicaRelay: rank 0 sends its first rank, which passes them on);
+             checks each TrainBatch (the step's version, the staleness bound), answers TrainResult, Saved
 ```
 
 The simulated ranks are few and stand for many (one generator for every engine, `--reward-workers`
 reward workers, default one, for all of the cluster's), so they fit on a laptop: the messages rank 0
-sees per step, their sizes and their kinds are the cluster's; only the tiny per-rank messages (WeightSync, SyncDone, Stop) are fewer,
-and the TrainBatch copies: the controller sends each replica's batch to every one of its TP x PP ranks,
-and a replica here has `--tp-pp` ranks (default 1), so the bytes for the cluster's TP x PP are printed
-as a count, their CPU cost is not in rank 0's figures.
+sees per step, their sizes and their kinds are the cluster's (rank 0 sends a replica's messages once,
+to its first rank, whatever its TP x PP); only the tiny per-generator messages (WeightSync, SyncDone,
+Stop) are fewer. A replica here has `--tp-pp` ranks (default 1): what its first rank passes on is
+counted, apart from rank 0's bytes.
 They flood rank 0, which then runs as fast as it can; its CPU time (time.process_time) says what one
 core sustains, whatever else the machine runs. The tokenizer rank 0 loads is the project's tiny one.
 
@@ -287,15 +288,19 @@ def sim_generator(world, side, payloads: Payloads, window: int) -> dict:
             time.sleep(0.0005)
 
 
-def sim_trainer(world, first_trainer: bool, eta: int, train_s: float) -> dict:
-    from areal_hpc.protocol import Mailbox, Save, Saved, Stop, TrainBatch, TrainResult
+def sim_trainer(world, replica_comm, first_trainer: bool, eta: int, train_s: float) -> dict:
+    """A trainer rank as the real one (areal_hpc.trainer.worker.serve): the controller's messages through
+    the replica relay; the replica's first rank counts what rank 0 sent it, the others what it relayed."""
+    from areal_hpc.protocol import Mailbox, ReplicaRelay, Save, Saved, Stop, TrainBatch, TrainResult
+    from areal_hpc.runtime import CONTROLLER_RANK
 
     box, received = Mailbox(world), Counter()
+    inbox = ReplicaRelay(box, replica_comm, CONTROLLER_RANK, timeout_s=600.0)
     trained = []  # (version, prompt index, response length)
     errors = []
     version = None
     while True:
-        envs = box.poll(source=0)
+        envs = inbox.poll()
         for env in envs:
             msg = env.msg
             received[type(msg).__name__, "n"] += 1
@@ -304,7 +309,8 @@ def sim_trainer(world, first_trainer: bool, eta: int, train_s: float) -> dict:
                 if version is not None and msg.version != version + 1:
                     errors.append(f"step {msg.version + 1} after step {version + 1}")
                 version = int(msg.version)
-                trained += _check_batch(msg, eta, errors)
+                if inbox.first:  # each replica's batch checked once
+                    trained += _check_batch(msg, eta, errors)
                 if first_trainer:
                     time.sleep(train_s)
                     box.send(0, TrainResult(version + 1, {"ppo/loss": 0.0}))
@@ -312,7 +318,10 @@ def sim_trainer(world, first_trainer: bool, eta: int, train_s: float) -> dict:
                 box.send(0, Saved(msg.version))
             elif isinstance(msg, Stop):
                 box.flush()
-                return {"received": _plain(received), "trained": trained, "errors": errors}
+                counts = {"received": _plain(received), "relayed": []}
+                if not inbox.first:
+                    counts = {"received": [], "relayed": _plain(received)}
+                return {**counts, "trained": trained, "errors": errors}
         if not envs:
             time.sleep(0.0005)
 
@@ -405,6 +414,7 @@ def rank_main(args) -> None:
     if world.Get_size() != layout.world_size:
         raise SystemExit(f"the bench world needs {layout.world_size} ranks, mpirun started {world.Get_size()}")
     rank, role = world.Get_rank(), layout.role_of(world.Get_rank())
+    role_comm = layout.split(world)
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) > 1:  # rank 0 on a core of its own, the simulated ranks on the others
         os.sched_setaffinity(0, cores[:1] if rank == 0 else cores[1:])
@@ -424,7 +434,8 @@ def rank_main(args) -> None:
         report = sim_generator(world, side, payloads, args.window)
     else:
         first = rank == layout.ranks(Role.TRAINER)[0]
-        report = sim_trainer(world, first, cfg.rollout.max_staleness, args.train_s)
+        replica = layout.split_replica(role_comm)
+        report = sim_trainer(world, replica, first, cfg.rollout.max_staleness, args.train_s)
     if rank != 0:  # after this rank's sends are done (rank 0 reads until every rank is here)
         _wait(side.Ibarrier())  # nonblocking, as rank 0's: a blocking barrier would not match it
     reports = world.gather((int(role), report), root=0)
@@ -446,10 +457,12 @@ def summarise(args, s: dict, cfg, layout, reports) -> dict:
     cpu = measured[-1][3] - start[3]
     cpu_steps = [b[3] - a[3] for a, b in zip(marks[args.warmup :], measured)]
 
-    received = Counter()
+    received, relayed = Counter(), Counter()
     for _, rep in reports[1:]:
         for kind, what, n in rep["received"]:
             received[kind, what] += n
+        for kind, what, n in rep.get("relayed", []):
+            relayed[kind, what] += n
     steps = args.warmup + args.steps
     per_step = {
         kind: received[kind, "bytes"] / received[kind, "n"] * per
@@ -461,8 +474,8 @@ def summarise(args, s: dict, cfg, layout, reports) -> dict:
         if received[kind, "n"]
     }
 
-    copies = s["train_tp"] * s["train_pp"] / args.tp_pp  # each TP x PP rank of a replica gets the whole batch
-    cluster_bytes = sum(per_step.values()) + per_step.get("TrainBatch", 0) * (copies - 1)
+    # What the replicas' first ranks pass on to their other TP x PP ranks (--tp-pp ranks a replica here)
+    relayed_per_step = relayed["TrainBatch", "bytes"] / steps
 
     generated = {}
     trained = []
@@ -478,6 +491,7 @@ def summarise(args, s: dict, cfg, layout, reports) -> dict:
     return {
         "setting": s,
         "world": layout.world_size,
+        "tp_pp": args.tp_pp,
         "steps": args.steps,
         "answers_s_cpu": answers / cpu,
         "tokens_s_cpu": tokens / cpu,
@@ -487,7 +501,8 @@ def summarise(args, s: dict, cfg, layout, reports) -> dict:
         "cpu_s_per_step_max": max(cpu_steps),
         "tokens_per_step": tokens / args.steps,
         "bytes_per_step": per_step,
-        "bytes_per_step_cluster": cluster_bytes,
+        "trainbatch_sends_per_step": received["TrainBatch", "n"] / steps,
+        "relayed_bytes_per_step": relayed_per_step,
         "state_bytes": ctl["state_bytes"],
         "state_s": ctl["state_s"],
         "buffered_groups": ctl["buffered"],
@@ -585,11 +600,12 @@ def report(r: dict) -> None:
     total = sum(r["bytes_per_step"].values())
     parts = ", ".join(f"{k} {v / 2**20:,.1f}" for k, v in r["bytes_per_step"].items())
     print(f"rank 0 sends per training step: {total / 2**20:,.1f} MiB ({parts})")
-    if r["bytes_per_step_cluster"] != total:
-        print(
-            f"  on the cluster, where each of a replica's TP {s['train_tp']} x PP {s['train_pp']} ranks gets the "
-            f"whole batch: {r['bytes_per_step_cluster'] / 2**30:,.1f} GiB (not simulated: --tp-pp sets the ranks)"
-        )
+    print(
+        f"  one TrainBatch per data-parallel replica ({r['trainbatch_sends_per_step']:.0f} a step); their first "
+        f"ranks pass on {r['relayed_bytes_per_step'] / 2**20:,.1f} MiB to the replicas' other ranks "
+        f"({r['tp_pp']} ranks a replica here, TP {s['train_tp']} x PP {s['train_pp']} = "
+        f"{s['train_tp'] * s['train_pp']} on the cluster)"
+    )
     print(
         f"checkpoint state: {r['state_bytes'] / 2**20:,.1f} MiB pickled in {r['state_s']:.2f} s CPU "
         f"({r['buffered_groups']} groups buffered at the end)"

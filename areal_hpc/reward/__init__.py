@@ -10,8 +10,8 @@ from __future__ import annotations
 
 
 def response_text(tokenizer, output_ids) -> str:
-    """The text a reward scores: an answer's tokens decoded, special tokens (EOS) left out. Every
-    path that scores answers (the reward worker, `areal-hpc eval`) decodes through this."""
+    """The text a reward scores: a trajectory's tokens decoded, special tokens (EOS) left out. Every
+    path that scores trajectories (the reward worker, `areal-hpc eval`) decodes through this."""
     return tokenizer.decode(output_ids, skip_special_tokens=True)
 
 

@@ -1,5 +1,8 @@
 """The trainer rank: Megatron state up, then the controller's messages in order until Stop.
 
+The controller sends each message for a data-parallel replica to the replica's first rank, which
+passes it on to the replica's other TP x PP ranks (`protocol.ReplicaRelay`).
+
     TrainBatch(v)   -> one PPO step (every rank); trainer-local rank 0 replies TrainResult(v + 1, stats)
     WeightSync(v)   -> each stage's (dp 0, tp 0) rank sends the stage's HF-named weights through the
                        weight-sync handle; its TP peers take part in the gather; other ranks skip
@@ -7,7 +10,8 @@
     Stop            -> flush and exit
 
 Every trainer rank receives the same messages in the same order from the controller (MPI keeps the
-order between two ranks), so the collectives inside each handler line up across ranks. Any error is
+order between two ranks, and the relay keeps it), so the collectives inside each handler line up
+across ranks. Any error is
 reported to the controller as Failure before it propagates.
 """
 
@@ -21,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from areal_hpc.protocol import Failure, Mailbox, Save, Saved, Stop, TrainBatch, TrainResult, WeightSync
+from areal_hpc.protocol import Failure, Mailbox, ReplicaRelay, Save, Saved, Stop, TrainBatch, TrainResult, WeightSync
 from areal_hpc.runtime import CONTROLLER_RANK
 from areal_hpc.trainer import checkpoint
 from areal_hpc.trainer.engine import Engine, init_parallel, shutdown_parallel
@@ -84,10 +88,12 @@ def serve(ctx, sync) -> None:
     box = Mailbox(ctx.world)
     try:
         engine = build_engine(ctx)
+        replica = ctx.layout.split_replica(ctx.role_comm)
+        inbox = ReplicaRelay(box, replica, CONTROLLER_RANK, ctx.cfg.train.collective_timeout_s)
         step_cfg = StepConfig.from_config(ctx.cfg)
         bucket_bytes = ctx.cfg.train.weight_sync_bucket_mb << 20
         while True:
-            envelopes = box.poll(source=CONTROLLER_RANK)
+            envelopes = inbox.poll()
             if not envelopes:
                 time.sleep(0.001)
                 continue

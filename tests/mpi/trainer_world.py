@@ -1,5 +1,6 @@
 """A real MPI world for tests/test_trainer_worker.py: the trainer ranks run `areal_hpc.trainer.worker.serve`,
-rank 0 drives them as the controller would, the generator ranks receive the weight broadcast.
+rank 0 drives them as the controller would (through the replica's first rank, which relays to the other),
+the generator ranks receive the weight broadcast.
 
     mpirun -n 6 python tests/mpi/trainer_world.py OUT_DIR
 
@@ -48,6 +49,8 @@ def main(out: Path) -> None:
     sync = setup_weight_sync(ctx)
     box = Mailbox(world)
     trainers, generators = list(layout.ranks(Role.TRAINER)), list(layout.ranks(Role.GENERATOR))
+    first = layout.replica_ranks(0)[0]  # the one replica (TP 1 x PP 2) gets every message through it
+    assert layout.train_dp == 1 and layout.replica_ranks(0) == trainers
 
     def wait(kind, source=None):
         env = box.recv(source=source, timeout_s=120)
@@ -68,16 +71,15 @@ def main(out: Path) -> None:
     else:
         batch = random_batch(model_arch(cfg.model).vocab_size)
         batch.version = 0
-        for t in trainers:
-            box.send(t, batch)
+        box.send(first, batch)
         result = wait(TrainResult, trainers[0])
-        for r in trainers + generators:
+        for r in [first, *generators]:
             box.send(r, WeightSync(result.version))
-        for t in trainers:
-            box.send(t, Save(result.version, str(out / "step_1")))
-        saved = {box.recv(timeout_s=120).source for _ in trainers}
+        box.send(first, Save(result.version, str(out / "step_1")))
+        saved = {box.recv(timeout_s=120).source for _ in trainers}  # every rank saves and answers
         for r in range(1, world.Get_size()):
-            box.send(r, Stop("done"))
+            if r not in trainers or r == first:
+                box.send(r, Stop("done"))
         box.flush()
         (out / "controller.json").write_text(
             json.dumps({"version": result.version, "stats": result.stats, "saved": sorted(saved)})
