@@ -47,7 +47,8 @@ def build_train_batches(
     min_mbs: int = 1,
     mask_truncated: bool = False,
 ) -> tuple[list[TrainBatch], BatchInfo]:
-    """`batches[r]` is data-parallel rank r's TrainBatch for training step `version`. With
+    """`batches[r]` is data-parallel rank r's TrainBatch for the step from policy version `version`
+    (step `version + 1`). With
     `mask_truncated`, a trajectory cut at the token limit has loss mask 0 on every token (`ppo.mask_truncated`)."""
     trajs = [t for g in groups for t in g.trajectories]
     rewards = np.array([r for g in groups for r in g.rewards], np.float64)

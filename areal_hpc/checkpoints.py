@@ -117,7 +117,7 @@ def drop_rows_after(path: Path, version: int) -> None:
         return
     offset = 0  # the end of the last row kept: a torn last line goes too
     for _, end, row in read_jsonl(path, torn_ok=True):
-        if row["step"] > version:
-            break
+        if not isinstance(row, dict) or row.get("step", version + 1) > version:
+            break  # a later step, or a row that is not one: cut here
         offset = end
     os.truncate(path, offset)

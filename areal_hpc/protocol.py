@@ -52,11 +52,11 @@ class Trajectory:
 
 @dataclass
 class RewardRequest:
-    """Score one answer: the reward worker decodes `output_ids` (`reward.response_text`)."""
+    """Score one trajectory: the reward worker decodes `output_ids` (`reward.response_text`)."""
 
     traj_id: int
     kind: str  # "math" or "code"
-    output_ids: np.ndarray  # [T] int32, the answer's tokens as the generator sent them
+    output_ids: np.ndarray  # [T] int32, the trajectory's tokens as the generator sent them
     target: str | list  # an areal_hpc.data.Example's target: the answer (math), the tests (code)
 
 

@@ -48,6 +48,15 @@ def test_resume_with_another_config_names_each_change(tmp_path):
     assert (tmp_path / "tiny-cpu/trial0/config.yaml").read_text().count("total_steps: 900") == 1
 
 
+def test_resume_compares_the_models_shape_not_how_it_was_written(tmp_path):
+    """A config that wrote out the tiny model's unset shape fields (as run directories did before they
+    defaulted to null) resumes; a shape that differs is a change."""
+    prepare_run_dir(tiny(tmp_path, "model.rope_theta=10000.0", "model.rms_norm_eps=1e-6", "model.head_dim=32"))
+    prepare_run_dir(tiny(tmp_path))
+    with pytest.raises(ConfigError, match="model.num_layers: 2 -> 4"):
+        prepare_run_dir(tiny(tmp_path, "model.num_layers=4"))
+
+
 def test_a_second_run_is_refused_naming_the_holder_and_a_dead_holders_lock_is_stale(tmp_path, capsys):
     run_dir = tmp_path / "tiny-cpu" / "trial0"
     env = {**os.environ, "PYTHONPATH": str(REPO)}

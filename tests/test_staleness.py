@@ -51,7 +51,7 @@ def test_worked_example():
     for _ in range(4):
         gate.finish(accepted=True)
     step = gate.consume(step.buffered + [Rollout(1) for _ in range(4)])
-    # still fresh at v = 1 (0 >= 1 - 1): the 3 from v = 0 and one of the new groups make step 1
+    # still fresh at v = 1 (0 >= 1 - 1): the 3 from v = 0 and one of the new groups make step 2
     assert [g.oldest_version for g in step.consumed] == [0, 0, 0, 1] and not step.dropped
     assert gate.take_metrics() == {"staleness/max": 1, "staleness/dropped": 0}
     version.v = 2

@@ -35,7 +35,7 @@ is consumed by step eta + v0 at the latest, and v - v0 <= eta. Groups finish out
 trajectory, a slow reward), so the consumption check turns that into a guarantee by dropping the rare
 group that waited too long: max over consumed tokens of (v - token version) <= eta, always.
 
-Worked example: B = 4, eta = 1, v = 0: up to (1 + 0 + 1) * 4 = 8 groups are admitted. After step 0
+Worked example: B = 4, eta = 1, v = 0: up to (1 + 0 + 1) * 4 = 8 groups are admitted. After step 1
 consumes 4 of them (v = 1), the room is (1 + 1 + 1) * 4 - 8 = 4 more. A group admitted at v = 0
 and still buffered at v = 2 is dropped (0 < 2 - 1); its slot goes to a new group.
 

@@ -1,9 +1,9 @@
 """Rewards: math answer equivalence (`math.math_reward`) and tests run in a sandbox (`code.code_reward`).
 
-The reward worker rank (`worker.serve`) decodes each answer's tokens (`response_text`) and scores it
+The reward worker rank (`worker.serve`) decodes each trajectory's tokens (`response_text`) and scores it
 in a pool of processes (`pool.ScorerPool`), each call through `score` below, under the time limit
 `reward.timeout_s`. Decoding is here, not on the controller: rank 0 has one core for the whole
-cluster's answers, the reward workers have many.
+cluster's trajectories, the reward workers have many.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def score(kind: str, response: str, target, timeout_s: float | None) -> tuple[fl
 
 
 def overlong_penalty(length: int, max_new_tokens: int, buffer: int, penalty: float) -> float:
-    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), added to an answer's reward: nothing
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), added to a trajectory's reward: nothing
     up to `max_new_tokens - buffer` tokens, then falling linearly to `-penalty` at `max_new_tokens`:
 
         0                                                   if L <= max_new_tokens - buffer
