@@ -14,40 +14,7 @@ def test_messages_cross_ranks_intact(run_mpi):
     assert "OK 50" in r.stdout
 
 
-RELAY = r"""
-import time
-import numpy as np
-from mpi4py import MPI
-from areal_hpc.protocol import Mailbox, ReplicaRelay, Stop, Trajectory
-
-world = MPI.COMM_WORLD
-box = Mailbox(world)
-replica = world.Split(color=0 if world.rank else MPI.UNDEFINED, key=world.rank)  # ranks 1..3
-n = 1 << 20  # 4 MiB arrays: past any eager limit, they move only while the sender is inside MPI
-if world.rank == 0:  # the controller: rank 1 is the replica's first rank
-    for i in range(3):
-        box.send(1, Trajectory(i, 0, np.arange(5, dtype=np.int32), np.full(n, i, np.int32),
-                               np.zeros(n, np.float32), np.full(n, i, np.int32), "stop"))
-    box.send(1, Stop("done"))
-    box.flush()
-else:
-    inbox = ReplicaRelay(box, replica, source=0, timeout_s=30)
-    got, deadline = [], time.monotonic() + 60
-    while not got or not isinstance(got[-1], Stop):
-        envs = inbox.poll()
-        assert all(env.source == 0 for env in envs)
-        got += [env.msg for env in envs]
-        if inbox.first and envs:
-            time.sleep(1)  # a collective outside MPI: the peers must already have what came
-        assert time.monotonic() < deadline, got
-        time.sleep(0.001)
-    assert [m.group_id for m in got[:-1]] == [0, 1, 2], "in order"
-    assert all((m.output_ids == m.group_id).all() and m.output_ids.size == n for m in got[:-1])
-    print("OK", "first" if inbox.first else "peer", replica.Get_rank())
-"""
-
-
 def test_replica_relay_passes_on_in_order(run_mpi):
-    r = run_mpi(RELAY, n=4)
+    r = run_mpi(MPI_PROGRAMS / "relay_world.py", n=4)
     assert r.returncode == 0, r.stderr
     assert sorted(r.stdout.split("\n")[:3]) == ["OK first 0", "OK peer 1", "OK peer 2"], r.stdout
