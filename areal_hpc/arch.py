@@ -12,7 +12,8 @@ model's build all take it from here.
 ```
 
 A shape field the config sets and config.json contradicts is a ConfigError naming both values: neither
-is silently preferred. A leaf module (json and the errors only), so config, planner and trainer import it.
+is silently preferred. One exception: `model.max_position_embeddings` may be lower than config.json's,
+a cap on the context the run serves (the generators' max_model_len, the default prompt limit). A leaf module (json and the errors only), so config, planner and trainer import it.
 """
 
 from __future__ import annotations
@@ -135,13 +136,18 @@ def model_arch(m: ModelConfig) -> QwenArch:
             given["head_dim"] = given.get("hidden_size", arch.hidden_size) // given.get(
                 "num_attention_heads", arch.num_attention_heads
             )
-        wrong = [f"model.{k} is {v!r} but {config_json} has {have[k]!r}" for k, v in given.items() if v != have[k]]
+        context = given.pop("max_position_embeddings", have["max_position_embeddings"])
+        wrong = [k for k, v in given.items() if v != have[k]]
+        if context > have["max_position_embeddings"]:
+            wrong.append("max_position_embeddings")
+            given["max_position_embeddings"] = context
         if wrong:
             raise ConfigError(
-                "; ".join(wrong) + " (the architecture of a Hugging Face model comes from its config.json: "
-                "remove those fields from the config, or correct them)"
+                "; ".join(f"model.{k} is {given[k]!r} but {config_json} has {have[k]!r}" for k in wrong)
+                + " (the architecture of a Hugging Face model comes from its config.json: remove those fields "
+                "from the config or correct them, e.g. " + " ".join(f"model.{k}=null" for k in wrong) + ")"
             )
-        return arch
+        return dataclasses.replace(arch, max_position_embeddings=context)
     if m.path != "tiny":
         missing = [f"model.{k}" for k in SHAPE_FIELDS if k not in given and k not in ("head_dim", "architecture")]
         if missing:

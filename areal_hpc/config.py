@@ -74,7 +74,9 @@ class ModelConfig:
     vocab_size: int | None = None
     """Vocabulary size (for `tiny`, at least the 99 tokens of the project's tokenizer; tiny: 128)."""
     max_position_embeddings: int | None = None
-    """Longest sequence (prompt + response) the model handles (tiny: 512)."""
+    """Longest sequence (prompt + response) the model handles (tiny: 512). For a Hugging Face model it
+    comes from config.json and may be set lower: a cap on the context the run serves (the generators'
+    max_model_len, the default data.max_prompt_tokens)."""
     rope_theta: float | None = None
     """RoPE base (tiny: 10000)."""
     rms_norm_eps: float | None = None

@@ -154,6 +154,12 @@ def test_a_model_directory_gives_the_shape_and_the_config_must_agree(tmp_path):
         load_config(QWEN15B, [f"model.path={model}", "model.hidden_size=1024", "model.num_layers=28"])
     assert f"model.hidden_size is 1024 but {model / 'config.json'} has 1536" in str(e.value)
     assert "num_layers" not in str(e.value)  # agrees
+    assert "e.g. model.hidden_size=null)" in str(e.value)
+
+    capped = load_config(QWEN15B, [f"model.path={model}", "model.max_position_embeddings=32768"])
+    assert model_arch(capped.model).max_position_embeddings == 32768  # a cap on the context served
+    with pytest.raises(ConfigError, match="model.max_position_embeddings is 262144 but"):
+        load_config(QWEN15B, [f"model.path={model}", "model.max_position_embeddings=262144"])
 
     qwen3 = _hf_dir(tmp_path / "qwen3", model_type="qwen3", head_dim=256, max_position_embeddings=4096)
     only_path = tmp_path / "only-path.yaml"  # no shape field: all of it from config.json
