@@ -185,7 +185,9 @@ class _TokenLogprobs(torch.autograd.Function):
 
         H = -sum_v p_v log p_v = log S - sum_v e_v s_v / S,   s = z - max z, e = exp(s), S = sum_v e_v
 
-    (S and sum_v e_v s_v summed over the TP ranks, with the target's logit, in one all-reduce per chunk).
+    (S and sum_v e_v s_v summed over the TP ranks, with the target's logit, in one all-reduce per chunk;
+    with `with_entropy` false, as in the no-grad prox and reference passes, sum_v e_v s_v is skipped and
+    exp is taken in place, and the entropy output is None).
 
     Written by hand: megatron-core 0.16.1 has no fused output layer + cross entropy, and the fused ones
     elsewhere need TransformerEngine or Liger's Triton kernels (neither runs on the CPU). What it keeps for
@@ -197,14 +199,14 @@ class _TokenLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, temperature: float, chunk: int):
+    def forward(ctx, hidden, weight, target, temperature: float, chunk: int, with_entropy: bool):
         from megatron.core import parallel_state as ps
 
         group, tp = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
         first = ps.get_tensor_model_parallel_rank() * weight.shape[0]  # this rank's first vocabulary id
         n = hidden.shape[0]
         out = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        lse, entropy = torch.empty_like(out), torch.empty_like(out)
+        lse, entropy = torch.empty_like(out), (torch.empty_like(out) if with_entropy else None)
         for a in range(0, n, chunk):
             logits = (hidden[a : a + chunk].to(weight.dtype) @ weight.t()).float().div_(temperature)  # [c, V/TP]
             local, inside = _local_target(target[a : a + chunk], first, weight.shape[0])
@@ -212,21 +214,23 @@ class _TokenLogprobs(torch.autograd.Function):
             if tp > 1:
                 torch.distributed.all_reduce(top, torch.distributed.ReduceOp.MAX, group=group)
             shifted = logits.sub_(top[:, None])  # s, in place
-            e = shifted.exp()
-            # [3, c]: S, sum e s (a batched dot: no [c, V/TP] product), the target's s (0 off this rank)
-            sums = torch.stack(
-                [e.sum(1), torch.einsum("cv,cv->c", e, shifted), shifted.gather(1, local[:, None]).squeeze(1) * inside]
-            )
+            picked = shifted.gather(1, local[:, None]).squeeze(1) * inside  # the target's s (0 off this rank)
+            e = shifted.exp() if with_entropy else shifted.exp_()
+            # [3, c]: S, sum e s (a batched dot: no [c, V/TP] product), the target's s
+            e_dot_s = torch.einsum("cv,cv->c", e, shifted) if with_entropy else torch.zeros_like(picked)
+            sums = torch.stack([e.sum(1), e_dot_s, picked])
             if tp > 1:
                 torch.distributed.all_reduce(sums, group=group)
             total, e_dot_s, picked = sums
             log_total = total.log()
             lse[a : a + chunk] = top + log_total
             out[a : a + chunk] = picked - log_total
-            entropy[a : a + chunk] = log_total - e_dot_s / total
+            if with_entropy:
+                entropy[a : a + chunk] = log_total - e_dot_s / total
         ctx.save_for_backward(hidden, weight, target, lse)
         ctx.temperature, ctx.chunk, ctx.first = temperature, chunk, first
-        ctx.mark_non_differentiable(entropy)
+        if with_entropy:
+            ctx.mark_non_differentiable(entropy)
         return out, entropy
 
     @staticmethod
@@ -248,7 +252,7 @@ class _TokenLogprobs(torch.autograd.Function):
             grad_hidden[a : a + chunk] = (dlogits @ weight).to(hidden.dtype)
             for v in range(0, weight.shape[0], block):
                 grad_weight[v : v + block] += dlogits[:, v : v + block].t() @ h
-        return grad_hidden, (None if main_grad is not None else grad_weight.to(weight.dtype)), None, None, None
+        return grad_hidden, (None if main_grad is not None else grad_weight.to(weight.dtype)), None, None, None, None
 
 
 def _local_target(target: torch.Tensor, first: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,16 +269,17 @@ def token_logprobs(
     target: torch.Tensor,
     temperature: float,
     sequence_parallel: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """([n] log_softmax(h W^T / T)[target], [n] entropy of softmax(h W^T / T), no gradient) at the
-    positions `where` ((row, column) pairs) of `hidden`.
+    positions `where` ((row, column) pairs) of `hidden`; the entropy is None without `with_entropy`.
 
     The softmax is over the whole (vocabulary-parallel) vocabulary, exact; only a chunk's logits exist
     at a time, forward or backward (`_TokenLogprobs`).
     """
     h = _output_input(hidden, sequence_parallel)[where[1], where[0]]  # [s, b, h] -> [n, h]
     chunk = max(1, LOGPROB_CHUNK_BYTES // (4 * weight.shape[0]))
-    return _TokenLogprobs.apply(h, weight, target, temperature, chunk)
+    return _TokenLogprobs.apply(h, weight, target, temperature, chunk, with_entropy)
 
 
 def full_logits(hidden: torch.Tensor, weight: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:

@@ -157,14 +157,14 @@ def _forward_step(loss_of):
     return forward_step
 
 
-def _logprobs(mb: MicroBatch, weight, sequence_parallel: bool, hidden: torch.Tensor, temperature: float):
+def _logprobs(mb: MicroBatch, weight, sequence_parallel: bool, hidden: torch.Tensor, temperature: float, entropy=True):
     """([n] log_softmax(logits / T) of each token of `mb` given the tokens before it in its own sequence,
-    [n] the entropy of that next-token distribution, without a gradient)."""
-    return token_logprobs(hidden, weight, mb.where, mb.targets, temperature, sequence_parallel)
+    [n] the entropy of that next-token distribution without a gradient, or None without `entropy`)."""
+    return token_logprobs(hidden, weight, mb.where, mb.targets, temperature, sequence_parallel, entropy)
 
 
 def _logprob_loss(temperature: float, mb: MicroBatch, weight, sequence_parallel: bool, output: torch.Tensor):
-    logp, _ = _logprobs(mb, weight, sequence_parallel, output, temperature)
+    logp, _ = _logprobs(mb, weight, sequence_parallel, output, temperature, entropy=False)  # no metric here
     return output.sum() * 0.0, torch.zeros((), dtype=torch.int, device=output.device), {"logprobs": logp}
 
 
