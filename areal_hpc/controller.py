@@ -137,12 +137,13 @@ class Controller:
         self.next_group_id = 0
         self.rng = random.Random(cfg.experiment.seed)
 
-        self.generators = list(layout.ranks(Role.GENERATOR))
-        self.reward_workers = list(layout.ranks(Role.REWARD))
-        self.trainers = list(layout.ranks(Role.TRAINER))
-        self.replicas = [layout.replica_ranks(d)[0] for d in range(layout.train_dp)]  # where a replica's messages go
-        self.gen_load = dict.fromkeys(self.generators, 0)  # groups in flight per generator
-        self.reward_load = dict.fromkeys(self.reward_workers, 0)
+        self.generator_ranks = list(layout.ranks(Role.GENERATOR))
+        self.reward_worker_ranks = list(layout.ranks(Role.REWARD))
+        self.trainer_ranks = list(layout.ranks(Role.TRAINER))
+        # where a replica's messages go (its first rank relays them to the others)
+        self.replica_first_ranks = [layout.replica_ranks(d)[0] for d in range(layout.train_dp)]
+        self.gen_load = dict.fromkeys(self.generator_ranks, 0)  # groups in flight per generator
+        self.reward_load = dict.fromkeys(self.reward_worker_ranks, 0)
         self.reward_pending: dict[int, tuple[int, int, int]] = {}  # traj_id -> (group, sample, rank)
         self.liveness = Liveness(layout, cfg.train.rank_timeout_s, cfg.train.startup_timeout_s)
 
@@ -168,7 +169,7 @@ class Controller:
             drop_rows_after(Path(ctx.run_dir) / "metrics.jsonl", checkpoint_version(ctx.resume_from))
         self.metrics = MetricsWriter(ctx.run_dir, cfg.logging.tensorboard)
         self.timeline = Timeline(ctx.run_dir)  # phases of every role, for tools/plot_run.py
-        self.gen_idle = IdleClock(len(self.generators))
+        self.gen_idle = IdleClock(len(self.generator_ranks))
         self.train_idle = IdleClock(1)
         self.last_step_end = time.monotonic()
         self.generating_since_start = False
@@ -249,11 +250,11 @@ class Controller:
 
     def send_generate(self, group_id: int, prompt_ids: np.ndarray, n: int) -> int:
         """n trajectories to one prompt from the least-loaded generator; returns its rank."""
-        gen = min(self.generators, key=lambda g: (self.gen_load[g], g))
+        gen = min(self.generator_ranks, key=lambda g: (self.gen_load[g], g))
         self.box.send(gen, GenerateRequest(group_id, prompt_ids, n))
         self.timeline.mark("gen_start", rank=gen, group=group_id)
         self.gen_load[gen] += 1
-        self.gen_idle.busy(self.generators.index(gen), True)
+        self.gen_idle.busy(self.generator_ranks.index(gen), True)
         self.liveness.expect(gen, time.monotonic(), "a generation")
         return gen
 
@@ -263,11 +264,11 @@ class Controller:
         self.gen_load[src] -= 1
         self.liveness.done(src)
         if self.gen_load[src] == 0:
-            self.gen_idle.busy(self.generators.index(src), False)
+            self.gen_idle.busy(self.generator_ranks.index(src), False)
 
     def send_reward(self, traj_id: int, group_id: int, sample_idx: int, output_ids, target) -> None:
         """Score one trajectory on the least-loaded reward worker."""
-        rank = min(self.reward_workers, key=lambda r: (self.reward_load[r], r))
+        rank = min(self.reward_worker_ranks, key=lambda r: (self.reward_load[r], r))
         self.reward_pending[traj_id] = (group_id, sample_idx, rank)
         self.box.send(rank, RewardRequest(traj_id, self.cfg.reward.kind, output_ids, target))
         self.reward_load[rank] += 1
@@ -345,12 +346,12 @@ class Controller:
             a.train_pp,
             mask_truncated=p.mask_truncated,
         )
-        for rank, batch in zip(self.replicas, batches):
+        for rank, batch in zip(self.replica_first_ranks, batches):
             self.box.send(rank, batch)
         self.train_idle.busy(0, True)
         self.train_started = time.monotonic()
         self.timeline.mark("train_start", version=self.version)
-        self.liveness.expect(self.trainers[0], time.monotonic(), f"training step {self.version + 1}")
+        self.liveness.expect(self.trainer_ranks[0], time.monotonic(), f"training step {self.version + 1}")
         return True
 
     def on_train_result(self, res: TrainResult) -> None:
@@ -358,7 +359,7 @@ class Controller:
         self.last_train_s = time.monotonic() - self.train_started
         self.train_idle.busy(0, False)
         self.timeline.mark("train_end", version=res.version)
-        self.liveness.done(self.trainers[0])
+        self.liveness.done(self.trainer_ranks[0])
         self.version = res.version
         if self.version < self.cfg.train.total_steps and not self.stop_reason:
             self.sync_weights()
@@ -372,11 +373,11 @@ class Controller:
     def sync_weights(self) -> None:
         """Weights of the current version to every generator. Sent before any request that should
         run on them: generators handle messages in order."""
-        for rank in self.replicas + self.generators:
+        for rank in self.replica_first_ranks + self.generator_ranks:
             self.box.send(rank, WeightSync(self.version))
-        self.syncing[self.version] = set(self.generators)
+        self.syncing[self.version] = set(self.generator_ranks)
         self.timeline.mark("sync_start", version=self.version)
-        for g in self.generators:
+        for g in self.generator_ranks:
             self.liveness.expect(g, time.monotonic(), f"{SYNC} of version {self.version}")
 
     def on_sync_done(self, src: int, msg: SyncDone) -> None:
@@ -413,10 +414,10 @@ class Controller:
     def save(self) -> None:
         """Ask every trainer rank to save version v, and snapshot the controller's state now (the
         trainers save exactly this version: a later TrainBatch queues behind the Save)."""
-        path = self.ckpt.begin(self.version, self.state(), self.trainers)
-        for rank in self.replicas:
+        path = self.ckpt.begin(self.version, self.state(), self.trainer_ranks)
+        for rank in self.replica_first_ranks:
             self.box.send(rank, Save(self.version, str(path)))
-        for rank in self.trainers:  # each answers Saved
+        for rank in self.trainer_ranks:  # each answers Saved
             self.liveness.expect(rank, time.monotonic(), f"the checkpoint of version {self.version}")
 
     def on_saved(self, src: int, msg: Saved) -> None:
@@ -503,7 +504,7 @@ class Controller:
         if self.stopped_at_once:
             return
         reason = self.stop_reason or "done"
-        relayed = set(self.trainers) - set(self.replicas)
+        relayed = set(self.trainer_ranks) - set(self.replica_first_ranks)
         for rank in range(1, self.layout.world_size):
             if rank not in relayed:
                 self.box.send(rank, Stop(reason))

@@ -176,12 +176,16 @@ class Layout:
     def engines_per_node(self) -> int:
         return self.gpus_per_node // self.gen_tp
 
+    # Counts, as allocation.reward_workers is one: `generators`, `trainers`, `reward_workers`. Their world
+    # ranks are `ranks(role)`; a list of ranks is named *_ranks (Controller.generator_ranks, ...).
     @property
     def generators(self) -> int:
+        """vLLM engines (generator ranks), each on gen_tp GPUs."""
         return self.gen_nodes * self.engines_per_node
 
     @property
     def trainers(self) -> int:
+        """Trainer ranks, one per GPU."""
         return self.train_nodes * self.gpus_per_node
 
     @property
