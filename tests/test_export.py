@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from areal_hpc.arch import model_arch
 from areal_hpc.config import ModelConfig, PPOConfig
 from areal_hpc.rundir import checkpoint_dir, mark_complete
 from areal_hpc.tiny import build_tiny_model
@@ -129,7 +130,7 @@ def vllm_logprobs(model_dir, vocab: int) -> list[torch.Tensor]:
 def test_vllm_logprobs_equal_the_trainers(runs, case):
     """Tolerance as in test_generator (vLLM's CPU kernels sum in another order; measured ~1e-6)."""
     want = [torch.log_softmax(x[:-1], -1) for x in runs.trained[case]["logits"]]
-    got = vllm_logprobs(runs.exported[case], MODELS[case[1]].vocab_size)
+    got = vllm_logprobs(runs.exported[case], model_arch(MODELS[case[1]]).vocab_size)
     assert max_diff(got, want) <= 1e-3
 
 

@@ -50,7 +50,7 @@ def test_generator_rank_serves_and_syncs(run_mpi, tmp_path):
         "rollout.group_size=4",
         "rollout.prompts_per_step=4",
         "ppo.minibatches=1",
-        *(f"model.{k}={v}" for k, v in vars(MODEL).items() if k != "path"),
+        *(f"model.{k}={v}" for k, v in vars(MODEL).items() if k != "path" and v is not None),
     ]
     env = {
         "OVERRIDES": " ".join(overrides),
