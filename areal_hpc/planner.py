@@ -237,6 +237,14 @@ class Plan:
     train_tp: int
     train_pp: int
 
+    def engines(self, gpus_per_node: int) -> int:
+        """vLLM engines on the generator nodes, gen_tp GPUs each."""
+        return self.gen_nodes * gpus_per_node // self.gen_tp
+
+    def train_gpus(self, nodes: int, gpus_per_node: int) -> int:
+        """GPUs (trainer ranks) on the other nodes; train_tp x train_pp of them make a replica."""
+        return (nodes - self.gen_nodes) * gpus_per_node
+
 
 @dataclass(frozen=True)
 class Prediction:
@@ -418,8 +426,7 @@ def predict(cfg: Config, plan: Plan | None = None, cost: CostModel = COST) -> Pr
     r = cfg.rollout
     answers = r.prompts_per_step * r.group_size
     g, n = hw.gpus_per_node, cfg.cluster.nodes
-    engines = plan.gen_nodes * g // plan.gen_tp
-    train_gpus = (n - plan.gen_nodes) * g
+    engines, train_gpus = plan.engines(g), plan.train_gpus(n, g)
     concurrent = r.max_concurrent * r.group_size
     t_gen_sync = sync_generation_s(m, hw, lengths, engines, plan.gen_tp, answers, cost)
     t_train = train_step_s(m, hw, lengths, train_gpus, plan.train_tp, plan.train_pp, answers, cfg, cost)
@@ -716,7 +723,7 @@ def host_memory_need(cfg: Config) -> dict[str, float]:
     transients (`train_memory_parts`), each generator's weights and KV cache (`cpu_kv_cache_bytes`, K and
     V in fp32 at most as the engine asks)."""
     plan, m, g = config_plan(cfg), ModelSize.from_config(cfg), cfg.cluster.gpus_per_node
-    trainers, generators = (cfg.cluster.nodes - plan.gen_nodes) * g, plan.gen_nodes * g // plan.gen_tp
+    trainers, generators = plan.train_gpus(cfg.cluster.nodes, g), plan.engines(g)
     parts = train_memory_parts(m, plan.train_tp, plan.train_pp, trainers // (plan.train_tp * plan.train_pp), cfg)
     per_token = m.kv_bytes_per_token * 4 / m.dtype_bytes / plan.gen_tp
     kv = cpu_kv_cache_bytes(per_token, cfg.rollout.engine_seqs * model_arch(cfg.model).max_position_embeddings)
