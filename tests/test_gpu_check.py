@@ -47,25 +47,19 @@ def test_trainer_checks_pass_and_are_summarised():
 def test_a_model_directory_replaces_the_smoke_configs_shape(tmp_path, monkeypatch):
     """`tools/gpu_check.sh model.path=DIR`: the shape is DIR's config.json, not gpu-smoke.yaml's tiny one
     (which, given as it is, contradicts DIR and is a config error)."""
-    from transformers import Qwen2Config
-
     from areal_hpc.arch import model_arch
     from areal_hpc.config import ConfigError, load_config
+    from areal_hpc.tiny import hf_config
+    from areal_hpc.trainer.checks import MODEL
 
     monkeypatch.syspath_prepend(str(REPO / "tools"))
     import gpu_check
 
-    Qwen2Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-    ).save_pretrained(tmp_path)
+    model = model_arch(MODEL)  # the trainer checks' model: another shape than gpu-smoke.yaml's
+    hf_config(MODEL).save_pretrained(tmp_path)
     smoke = REPO / "configs" / "gpu-smoke.yaml"
     with pytest.raises(ConfigError, match="hidden_size"):
         load_config(smoke, [f"model.path={tmp_path}"])
     arch = model_arch(load_config(smoke, gpu_check.smoke_overrides([f"model.path={tmp_path}"])).model)
-    assert (arch.hidden_size, arch.num_layers, arch.vocab_size) == (64, 2, 256)
+    assert arch == model
     assert gpu_check.smoke_overrides(["rollout.group_size=4"]) == ["rollout.group_size=4"]
