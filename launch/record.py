@@ -6,6 +6,7 @@
  RUN_DIR/slurm/attempts.jsonl   one line per event of the batch script: start / end (exit code) / requeue
  RUN_DIR/slurm/<id>_0_log.out   the batch script's output (submitit's log names); .err beside it
  RUN_DIR/logs/slurm-<id>/attempt-<n>/rank<r>.log   each rank's output, one directory per attempt
+ RUN_DIR/logs/slurm-<id>/attempt-<n>/rank<r>.exit  its exit code (when the rank's shell saw it end)
  RUN_DIR/metrics.jsonl          one line per training step (written by the controller)
 ```
 

@@ -68,5 +68,11 @@ ONE_REQUEUE = [(0, "start"), (0, "end"), (0, "requeue"), (1, "start"), (1, "end"
 
 
 def wait_done(run_dir: Path, timeout: float) -> str:
+    """The job's final state; on a timeout, the error shows its attempts and the batch script's output."""
     record = JobRecord.load(run_dir)
-    return wait_for(lambda: (s := record.state()) not in ACTIVE and s, timeout, f"job {record.job_id} to end")
+    try:
+        return wait_for(lambda: (s := record.state()) not in ACTIVE and s, timeout, f"job {record.job_id} to end")
+    except AssertionError as e:
+        shown = [run_dir / "slurm" / "attempts.jsonl", *sorted((run_dir / "slurm").glob("*_log.*"))]
+        tails = [f"--- {p.name}\n" + "\n".join(p.read_text().splitlines()[-15:]) for p in shown if p.exists()]
+        raise AssertionError("\n".join([str(e), *tails])) from None

@@ -72,9 +72,10 @@ def test_hetjob_is_one_mpi_world_across_nodes(submit, tmp_path):
     assert len({nodes[0], nodes[2], *nodes[4:]}) == 4  # trainers on two more nodes
     assert ranks[0]["CUDA_VISIBLE_DEVICES"] is None  # no GPU asked for the controller
     assert all(r["CUDA_VISIBLE_DEVICES"] == "0,1" for r in ranks[2:])
-    # each rank's output in the attempt's log directory
+    # each rank's output and exit code in the attempt's log directory
     logs = run_dir / "logs" / f"slurm-{job_id}" / "attempt-0"
-    assert sorted(p.name for p in logs.iterdir()) == [f"rank{r}.log" for r in range(8)]
+    assert sorted(p.name for p in logs.iterdir()) == sorted(f"rank{r}.{x}" for r in range(8) for x in ("log", "exit"))
+    assert all((logs / f"rank{r}.exit").read_text() == "0\n" for r in range(8))
     # submitit's Job sees the heterogeneous job through squeue (its sacct watcher would say UNKNOWN)
     job = HetSlurmJob(folder=run_dir / "slurm", job_id=job_id)
     assert job.state == "COMPLETED" and job.done()
