@@ -31,9 +31,9 @@ class Group:
     generator: int = -1
     """World rank of the generator it runs on (-1: restored from a checkpoint, finished)."""
     trajectories: list = field(default_factory=list)
-    """Trajectory per sample index (None until it arrives)."""
+    """Trajectory by index (None until it arrives)."""
     rewards: list = field(default_factory=list)
-    """Reward per sample index (None until scored)."""
+    """Reward by index (None until scored)."""
 
     def __post_init__(self):
         if not self.trajectories:
@@ -100,16 +100,16 @@ class Rollouts:
 
     def add_trajectory(self, traj: Trajectory) -> Group:
         group = self.running[traj.group_id]
-        if group.trajectories[traj.sample_idx] is not None:
-            raise RuntimeError(f"group {traj.group_id} trajectory {traj.sample_idx} arrived twice")
-        group.trajectories[traj.sample_idx] = traj
+        if group.trajectories[traj.index] is not None:
+            raise RuntimeError(f"group {traj.group_id} trajectory {traj.index} arrived twice")
+        group.trajectories[traj.index] = traj
         return group
 
-    def add_reward(self, group_id: int, sample_idx: int, reward: float) -> Group | None:
+    def add_reward(self, group_id: int, index: int, reward: float) -> Group | None:
         """Record a reward; returns the group if that completed it (no longer running: `accept` it
         into the buffer, or leave it out)."""
         group = self.running[group_id]
-        group.rewards[sample_idx] = float(reward)
+        group.rewards[index] = float(reward)
         if not group.complete:
             return None
         del self.running[group_id]

@@ -613,7 +613,7 @@ def validate(cfg: Config) -> None:
     )
     need(
         p.max_tokens_per_mb >= r.max_new_tokens,
-        f"ppo.max_tokens_per_mb ({p.max_tokens_per_mb}) must hold at least one response of rollout.max_new_tokens ({r.max_new_tokens})",
+        f"ppo.max_tokens_per_mb ({p.max_tokens_per_mb}) must hold at least one trajectory of rollout.max_new_tokens ({r.max_new_tokens})",
     )
     need(
         r.max_new_tokens < m.max_position_embeddings,

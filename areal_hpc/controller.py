@@ -90,8 +90,8 @@ log = logging.getLogger("areal_hpc.controller")
 IDLE_S = 0.002
 FILTERED_WARN_STEPS = 10
 """With rollout.filter_uniform_groups, the log warns each time this many steps' worth of groups
-(`prompts_per_step` each) has been left out at one policy version: when every prompt is answered all
-right or all wrong, no step comes, and the run must not look busy without a word."""
+(`prompts_per_step` each) has been left out at one policy version: when every prompt's trajectories
+are all right or all wrong, no step comes, and the run must not look busy without a word."""
 STOP_BUDGETS = {"SIGTERM": "grace_s", "SIGUSR2": "requeue_signal_s"}
 """The cluster setting that says how long Slurm leaves after each stop signal (preemption, time limit)."""
 
@@ -144,7 +144,7 @@ class Controller:
         self.replica_first_ranks = [layout.replica_ranks(d)[0] for d in range(layout.train_dp)]
         self.gen_load = dict.fromkeys(self.generator_ranks, 0)  # groups in flight per generator
         self.reward_load = dict.fromkeys(self.reward_worker_ranks, 0)
-        self.reward_pending: dict[int, tuple[int, int, int]] = {}  # traj_id -> (group, sample, rank)
+        self.reward_pending: dict[int, tuple[int, int, int]] = {}  # traj_id -> (group, index, rank)
         self.liveness = Liveness(layout, cfg.train.rank_timeout_s, cfg.train.startup_timeout_s)
 
         self.training: BatchInfo | None = None  # the step in flight on the trainers
@@ -266,10 +266,10 @@ class Controller:
         if self.gen_load[src] == 0:
             self.gen_idle.busy(self.generator_ranks.index(src), False)
 
-    def send_reward(self, traj_id: int, group_id: int, sample_idx: int, output_ids, target) -> None:
+    def send_reward(self, traj_id: int, group_id: int, index: int, output_ids, target) -> None:
         """Score one trajectory on the least-loaded reward worker."""
         rank = min(self.reward_worker_ranks, key=lambda r: (self.reward_load[r], r))
-        self.reward_pending[traj_id] = (group_id, sample_idx, rank)
+        self.reward_pending[traj_id] = (group_id, index, rank)
         self.box.send(rank, RewardRequest(traj_id, self.cfg.reward.kind, output_ids, target))
         self.reward_load[rank] += 1
         self.liveness.expect(rank, time.monotonic(), "a reward")
@@ -286,22 +286,22 @@ class Controller:
         group = self.rollouts.add_trajectory(traj)
         if group.generated:  # the generator is done with this group
             self.generator_done(src, group.group_id)
-        traj_id = group.group_id * group.n + traj.sample_idx
-        self.send_reward(traj_id, group.group_id, traj.sample_idx, traj.output_ids, group.example.target)
+        traj_id = group.group_id * group.n + traj.index
+        self.send_reward(traj_id, group.group_id, traj.index, traj.output_ids, group.example.target)
 
     def on_reward(self, src: int, res: RewardResult) -> None:
-        group_id, sample_idx, rank = self.reward_pending.pop(res.traj_id)
+        group_id, index, rank = self.reward_pending.pop(res.traj_id)
         self.reward_load[rank] -= 1
         self.liveness.done(rank)
         if group_id < 0:
-            self.evals.on_reward(group_id, sample_idx, res.reward, res.reason)
+            self.evals.on_reward(group_id, index, res.reward, res.reason)
             return
         if res.reason != "ok":
             self.reward_errors_since_step += 1
             log.warning("reward of trajectory %d: %s (scored %s)", res.traj_id, res.reason, res.reward)
         group = self.rollouts.running[group_id]
-        reward = res.reward + self.overlong_penalty(len(group.trajectories[sample_idx].output_ids))
-        if self.rollouts.add_reward(group_id, sample_idx, reward) is not None:
+        reward = res.reward + self.overlong_penalty(len(group.trajectories[index].output_ids))
+        if self.rollouts.add_reward(group_id, index, reward) is not None:
             self.on_group_complete(group)
 
     def on_group_complete(self, group: Group) -> None:
@@ -417,7 +417,7 @@ class Controller:
         path = self.ckpt.begin(self.version, self.state(), self.trainer_ranks)
         for rank in self.replica_first_ranks:
             self.box.send(rank, Save(self.version, str(path)))
-        for rank in self.trainer_ranks:  # each answers Saved
+        for rank in self.trainer_ranks:  # each replies Saved
             self.liveness.expect(rank, time.monotonic(), f"the checkpoint of version {self.version}")
 
     def on_saved(self, src: int, msg: Saved) -> None:

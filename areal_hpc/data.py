@@ -205,7 +205,7 @@ class PromptFormat:
 
 
 def max_prompt_tokens(cfg: Config) -> int:
-    """`data.max_prompt_tokens`, or by default the longest prompt whose full answer still fits."""
+    """`data.max_prompt_tokens`, or by default the longest prompt whose full trajectory still fits."""
     return cfg.data.max_prompt_tokens or model_arch(cfg.model).max_position_embeddings - cfg.rollout.max_new_tokens
 
 

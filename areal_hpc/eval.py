@@ -68,12 +68,12 @@ class EvalRound:
         self.rewards = [[None] * self.samples for _ in self.examples]
         self.lengths = [[None] * self.samples for _ in self.examples]
 
-    def answered(self, prompt: int, sample: int, length: int, truncated: bool) -> None:
-        self.lengths[prompt][sample] = length
+    def arrived(self, prompt: int, index: int, length: int, truncated: bool) -> None:
+        self.lengths[prompt][index] = length
         self.truncated += truncated
 
-    def scored(self, prompt: int, sample: int, reward: float, reason: str = "ok") -> None:
-        self.rewards[prompt][sample] = float(reward)
+    def scored(self, prompt: int, index: int, reward: float, reason: str = "ok") -> None:
+        self.rewards[prompt][index] = float(reward)
         self.errors += reason != "ok"
 
     def generated(self, prompt: int) -> bool:
@@ -147,14 +147,14 @@ class TrainingEval:
 
     def on_trajectory(self, src: int, traj) -> None:
         i = -1 - traj.group_id
-        self.round.answered(i, traj.sample_idx, len(traj.output_ids), traj.finish_reason == "length")
+        self.round.arrived(i, traj.index, len(traj.output_ids), traj.finish_reason == "length")
         if self.round.generated(i):
             self.ctl.generator_done(src, traj.group_id)
-        traj_id = -1 - (i * self.samples + traj.sample_idx)
-        self.ctl.send_reward(traj_id, traj.group_id, traj.sample_idx, traj.output_ids, self.examples[i].target)
+        traj_id = -1 - (i * self.samples + traj.index)
+        self.ctl.send_reward(traj_id, traj.group_id, traj.index, traj.output_ids, self.examples[i].target)
 
-    def on_reward(self, group_id: int, sample_idx: int, reward: float, reason: str) -> None:
-        self.round.scored(-1 - group_id, sample_idx, reward, reason)
+    def on_reward(self, group_id: int, index: int, reward: float, reason: str) -> None:
+        self.round.scored(-1 - group_id, index, reward, reason)
         if not self.round.done:
             return
         report = self.round.report()
@@ -267,21 +267,21 @@ def evaluate(cfg: Config, model_dir: Path, data: str | Path, samples: int, engin
     if own_engine:
         engine = GenerationEngine.from_config(cfg, model_dir, resolve_device(cfg.cluster.device))
     pool = ScorerPool(pool_size(cfg.reward.processes), timeout_s=cfg.reward.timeout_s)
-    total, answered, started, shown = len(examples) * samples, 0, time.monotonic(), time.monotonic()
+    total, generated, started, shown = len(examples) * samples, 0, time.monotonic(), time.monotonic()
     try:
         for i, e in enumerate(examples):
             engine.add(i, e.prompt_ids, samples)
         while engine.in_flight or pool.pending:
             for t in engine.step() if engine.in_flight else []:
-                round_.answered(t.group_id, t.sample_idx, len(t.output_ids), t.finish_reason == "length")
+                round_.arrived(t.group_id, t.index, len(t.output_ids), t.finish_reason == "length")
                 text = response_text(tokenizer, t.output_ids)
-                pool.submit((t.group_id, t.sample_idx), cfg.reward.kind, text, examples[t.group_id].target)
-                answered += 1
+                pool.submit((t.group_id, t.index), cfg.reward.kind, text, examples[t.group_id].target)
+                generated += 1
             for (i, j), reward, reason in pool.poll(0 if engine.in_flight else 0.01):
                 round_.scored(i, j, reward, reason)
             if time.monotonic() - shown > 10:
                 shown = time.monotonic()
-                progress(f"eval: {answered}/{total} trajectories ({shown - started:.0f} s)")
+                progress(f"eval: {generated}/{total} trajectories ({shown - started:.0f} s)")
     finally:
         pool.close()
         if own_engine:

@@ -1,18 +1,18 @@
 """The planner: a small cost model of one RL step, and the split of nodes it chooses with it.
 
 ```
- synchronous (max_staleness 0)        gen |====longest answer====|              train |==|  sync |.|
+ synchronous (max_staleness 0)        gen |==longest trajectory==|              train |==|  sync |.|
                                       T0 = T_gen_sync + T_train + T_ws
  asynchronous (max_staleness eta)     gen |=====|=====|=====|=====|   (never waits for the longest)
                                       train   |==|  |==|  |==|  |==|
                                       T(eta) = min(T0, max(T_cap, T0 / (eta + 1)))
 ```
 
-- Synchronous (eta = 0): the batch of N = prompts_per_step x group_size answers is decoded on the
-  generator nodes until the longest answer ends, then trained on the trainer nodes, then the weights
-  go to the generators. Decoding is memory-bandwidth bound: every decode step reads the weights and
-  the KV cache of the answers still running, so the long tail of answer lengths keeps the generators
-  busy at a small batch, which is the inefficiency asynchronous RL removes.
+- Synchronous (eta = 0): the batch of N = prompts_per_step x group_size trajectories is decoded on
+  the generator nodes until the longest trajectory ends, then trained on the trainer nodes, then the
+  weights go to the generators. Decoding is memory-bandwidth bound: every decode step reads the weights
+  and the KV cache of the trajectories still running, so the long tail of trajectory lengths keeps the
+  generators busy at a small batch, which is the inefficiency asynchronous RL removes.
 - Asynchronous: the staleness gate admits at most (eta + 1) batches beyond those trained. By Little's
   law, throughput = (work in flight) / (time in flight): (eta + 1) batches in flight for the time a
   batch takes from admission to the version bump (T0) gives a step every T0 / (eta + 1), until the
@@ -52,27 +52,29 @@ class CostModel:
 
     prompt_tokens: int = 200
     """Prompt length (tokens). Math prompts are a few hundred tokens; it matters only for KV size."""
-    response_median_tokens: float = 1257.0
-    """Median of the lognormal body of answer lengths (calibrated: gives a mean answer of 2,319 tokens
-    at a 27,648 cap, which the paper's 41.0 h x 128.7k tokens/s over 1000 steps x 8192 answers implies)."""
-    response_sigma: float = 1.0
+    trajectory_median_tokens: float = 1257.0
+    """Median of the lognormal body of trajectory lengths (calibrated: gives a mean trajectory of 2,319
+    tokens at a 27,648 cap, which the paper's 41.0 h x 128.7k tokens/s over 1000 steps x 8192
+    trajectories implies)."""
+    trajectory_sigma: float = 1.0
     """Log-space spread of the lognormal body (assumed: a long tail, mean/median = e^(sigma^2/2))."""
     truncated_fraction: float = 0.01
-    """Share of answers that run into max_new_tokens (assumed: reasoning models loop until the cap on
-    a few percent of hard prompts); with thousands of answers per step the longest one hits the cap."""
+    """Share of trajectories that run into max_new_tokens (assumed: reasoning models loop until the cap
+    on a few percent of hard prompts); with thousands of trajectories per step the longest one hits the
+    cap."""
     decode_bandwidth_efficiency: float = 0.6
     """Achieved share of memory bandwidth while decoding (assumed: decode kernels reach 60-80% of peak)."""
     decode_step_overhead_s: float = 0.00122
     """Fixed time per decode step: scheduling, sampling, kernel launches (calibrated to the paper's
     synchronous 128.7k tokens/s)."""
-    decode_answer_overhead_s: float = 10e-6
-    """Time per decode step and running answer outside the GPU kernels: scheduling, sampling, detokenising
-    (assumed; the engines' CPU work grows with the batch)."""
+    decode_trajectory_overhead_s: float = 10e-6
+    """Time per decode step and running trajectory outside the GPU kernels: scheduling, sampling,
+    detokenising (assumed; the engines' CPU work grows with the batch)."""
     decode_mfu: float = 0.5
     """Share of peak FLOP/s in the compute-bound part of a decode step (assumed)."""
     prefill_mfu: float = 0.4
     """Share of peak FLOP/s when an interrupted generator recomputes the KV cache of its running
-    answers after a weight update (assumed)."""
+    trajectories after a weight update (assumed)."""
     train_mfu: float = 0.237
     """Model FLOP utilisation of the trainer (calibrated to the paper's asynchronous plateau, ~370k
     tokens/s with 4 trainer nodes; Megatron reaches 0.3-0.5 on large dense models, less on a 1.5B
@@ -165,7 +167,7 @@ class Hardware:
 
 @dataclass(frozen=True)
 class Lengths:
-    """Answer lengths: a lognormal body, cut at `cap`, plus a share `p_cap` that runs to the cap.
+    """Trajectory lengths: a lognormal body, cut at `cap`, plus a share `p_cap` that runs to the cap.
     S(k) = P(L > k) = p_cap + (1 - p_cap) * P(X > k) for k < cap, X ~ lognormal(ln median, sigma)."""
 
     cap: int
@@ -176,7 +178,7 @@ class Lengths:
 
     @cached_property
     def survival(self) -> np.ndarray:
-        """S(k) for k = 0 .. cap - 1: the share of answers still decoding at step k."""
+        """S(k) for k = 0 .. cap - 1: the share of trajectories still decoding at step k."""
         k = np.arange(self.cap, dtype=float)
         z = (np.log(np.maximum(k, 1e-9)) - math.log(self.median)) / (self.sigma * math.sqrt(2))
         tail = 0.5 * (1 - _erf(z))
@@ -196,12 +198,13 @@ class Lengths:
 
     @property
     def resident_context(self) -> float:
-        """Mean context of a running answer under continuous batching: a decode step sees an answer of
-        length L at every context prompt .. prompt + L, so averaged over steps: prompt + E[L^2] / 2E[L]."""
+        """Mean context of a running trajectory under continuous batching: a decode step sees a trajectory
+        of length L at every context prompt .. prompt + L, so averaged over steps: prompt + E[L^2] / 2E[L]."""
         return self.prompt + self.second_moment / (2 * self.mean)
 
     def longest(self, n: int) -> int:
-        """Length of the longest of n answers: the cap when n * p_cap >= 1, else the 1 - 1/n quantile."""
+        """Length of the longest of n trajectories: the cap when n * p_cap >= 1, else the 1 - 1/n
+        quantile."""
         if n * self.p_cap >= 1:
             return self.cap
         return int(np.searchsorted(-self.survival, -1.0 / n)) or 1
@@ -209,7 +212,7 @@ class Lengths:
     @classmethod
     def from_config(cls, cfg: Config, cost: CostModel = COST) -> Lengths:
         return _lengths(
-            cfg.rollout.max_new_tokens, cost.response_median_tokens, cost.response_sigma,
+            cfg.rollout.max_new_tokens, cost.trajectory_median_tokens, cost.trajectory_sigma,
             cost.truncated_fraction, cost.prompt_tokens,
         )  # fmt: skip
 
@@ -250,14 +253,14 @@ class Plan:
 class Prediction:
     plan: Plan
     eta: int
-    answers: int  # N = prompts_per_step * group_size
+    trajectories: int  # N = prompts_per_step * group_size
     tokens: float  # effective (generated) tokens per step: N * E[L]
-    longest: int  # the longest of the N answers, in tokens
-    t_gen_sync: float  # decode of one batch until its longest answer ends
+    longest: int  # the longest of the N trajectories, in tokens
+    t_gen_sync: float  # decode of one batch until its longest trajectory ends
     t_train: float
     t_weight_sync: float
     t_gen_full: float  # per step, generators at full load, interruption included
-    gen_memory: float  # bytes per generator GPU (weights + KV room for the longest answer + reserve)
+    gen_memory: float  # bytes per generator GPU (weights + KV room for the longest trajectory + reserve)
     train_memory: float  # bytes per trainer GPU
     memory: float  # bytes per GPU
 
@@ -291,13 +294,13 @@ class Prediction:
 
 
 def decode_step_s(m: ModelSize, hw: Hardware, tp: int, batch, kv_bytes, cost: CostModel = COST):
-    """One decode step of an engine at tensor-parallel size tp, with `batch` answers whose KV cache
-    totals `kv_bytes`: t = t_step + t_answer * batch + TP latency + max(memory time, compute time), where
+    """One decode step of an engine at tensor-parallel size tp, with `batch` trajectories whose KV cache
+    totals `kv_bytes`: t = t_step + t_traj * batch + TP latency + max(memory time, compute time), where
     memory time = (W + KV) / (tp * bandwidth * efficiency) and compute time = 2 P batch / (tp * flops * mfu)."""
     memory_s = (m.weight_bytes + kv_bytes) / (tp * hw.bandwidth * cost.decode_bandwidth_efficiency)
     compute_s = 2 * m.params * batch / (tp * hw.flops * cost.decode_mfu)
     tp_s = 2 * m.layers * cost.tp_allreduce_latency_s if tp > 1 else 0.0
-    overhead = cost.decode_step_overhead_s + cost.decode_answer_overhead_s * batch
+    overhead = cost.decode_step_overhead_s + cost.decode_trajectory_overhead_s * batch
     return overhead + tp_s + np.maximum(memory_s, compute_s)
 
 
@@ -306,13 +309,13 @@ def kv_capacity(m: ModelSize, hw: Hardware, tp: int, cost: CostModel = COST) -> 
     return tp * (cost.gen_memory_fraction * hw.memory - cost.gen_reserve_gb * GB) - m.weight_bytes
 
 
-def sync_generation_s(m, hw, lengths: Lengths, engines: int, tp: int, answers: int, cost=COST) -> float:
-    """Decode a whole batch until its longest answer ends: sum over steps k < L_max of
-    t(b_k, KV_k), with b_k = n_e S(k) answers still running on an engine (n_e = answers / engines) and
-    KV_k = b_k (prompt + k) kv_bytes. When the batch's KV does not fit the engine, answers wait for
-    room: the time grows by peak KV demand / KV capacity."""
-    n_e = answers / engines
-    steps = lengths.longest(answers)
+def sync_generation_s(m, hw, lengths: Lengths, engines: int, tp: int, trajectories: int, cost=COST) -> float:
+    """Decode a whole batch until its longest trajectory ends: sum over steps k < L_max of
+    t(b_k, KV_k), with b_k = n_e S(k) trajectories still running on an engine (n_e = trajectories /
+    engines) and KV_k = b_k (prompt + k) kv_bytes. When the batch's KV does not fit the engine,
+    trajectories wait for room: the time grows by peak KV demand / KV capacity."""
+    n_e = trajectories / engines
+    steps = lengths.longest(trajectories)
     s = lengths.survival[:steps]
     running = n_e * s
     kv = running * (lengths.prompt + np.arange(steps)) * m.kv_bytes_per_token
@@ -320,31 +323,33 @@ def sync_generation_s(m, hw, lengths: Lengths, engines: int, tp: int, answers: i
     return t * max(1.0, float(kv.max()) / max(kv_capacity(m, hw, tp, cost), 1.0))
 
 
-def running_answers(m, hw, lengths: Lengths, engines: int, tp: int, concurrent: float, cost=COST) -> float:
-    """Answers one engine runs at full load: c = min(concurrent / engines, KV capacity / (resident
+def running_trajectories(m, hw, lengths: Lengths, engines: int, tp: int, concurrent: float, cost=COST) -> float:
+    """Trajectories one engine runs at full load: c = min(concurrent / engines, KV capacity / (resident
     context * kv_bytes)), at least 1."""
-    per_answer = lengths.resident_context * m.kv_bytes_per_token
-    return max(1.0, min(concurrent / engines, kv_capacity(m, hw, tp, cost) / per_answer))
+    per_trajectory = lengths.resident_context * m.kv_bytes_per_token
+    return max(1.0, min(concurrent / engines, kv_capacity(m, hw, tp, cost) / per_trajectory))
 
 
 def full_generation_rate(m, hw, lengths: Lengths, engines: int, tp: int, concurrent: float, cost=COST) -> float:
     """Tokens/s of all engines under continuous batching at full load: engines * c / t(c, c * resident
-    context * kv_bytes), one token per running answer and decode step."""
-    c = running_answers(m, hw, lengths, engines, tp, concurrent, cost)
+    context * kv_bytes), one token per running trajectory and decode step."""
+    c = running_trajectories(m, hw, lengths, engines, tp, concurrent, cost)
     kv = c * lengths.resident_context * m.kv_bytes_per_token
     return engines * c / float(decode_step_s(m, hw, tp, c, kv, cost))
 
 
 def interruption_s(m, hw, lengths: Lengths, engines: int, tp: int, concurrent: float, cost=COST) -> float:
-    """After a weight update an interrupted engine recomputes the KV of its running answers:
+    """After a weight update an interrupted engine recomputes the KV of its running trajectories:
     c * resident context tokens of prefill at 2 P FLOPs each."""
-    c = running_answers(m, hw, lengths, engines, tp, concurrent, cost)
+    c = running_trajectories(m, hw, lengths, engines, tp, concurrent, cost)
     return 2 * m.params * c * lengths.resident_context / (tp * hw.flops * cost.prefill_mfu)
 
 
-def train_step_s(m, hw, lengths: Lengths, gpus: int, tp: int, pp: int, answers: int, cfg: Config, cost=COST) -> float:
-    """One PPO step on `gpus` trainer GPUs (TP tp, PP pp, DP d = gpus / (tp pp)) over answers of length
-    s = prompt + L:
+def train_step_s(
+    m, hw, lengths: Lengths, gpus: int, tp: int, pp: int, trajectories: int, cfg: Config, cost=COST
+) -> float:
+    """One PPO step on `gpus` trainer GPUs (TP tp, PP pp, DP d = gpus / (tp pp)) over trajectories of
+    length s = prompt + L:
       FLOPs = 8 P N E[s] + 8 layers h N E[s^2]   (forward + backward = 6 P per token, plus the forward
               that recomputes prox_logprobs = 2 P; causal attention 2 h s^2 per layer and pass;
               x (8 + 2 + 2) / 8 with ppo.recompute full (the forward again in the backward) and
@@ -357,8 +362,8 @@ def train_step_s(m, hw, lengths: Lengths, gpus: int, tp: int, pp: int, answers: 
     p = lengths.prompt
     mean_s = p + lengths.mean
     second_s = p * p + 2 * p * lengths.mean + lengths.second_moment
-    tokens = answers * mean_s
-    flops = 8 * m.params * tokens + 8 * m.layers * m.hidden * answers * second_s
+    tokens = trajectories * mean_s
+    flops = 8 * m.params * tokens + 8 * m.layers * m.hidden * trajectories * second_s
     # in forwards' worth of 2 P: 4 (forward, backward, prox forward), + recompute full, + reference forward
     passes = 4 + (cfg.ppo.recompute == "full") + (cfg.ppo.kl_coef > 0)
     flops *= passes / 4
@@ -383,8 +388,8 @@ def weight_sync_s(m: ModelSize, hw: Hardware, pp: int, cost: CostModel = COST) -
 
 
 def gen_memory(m: ModelSize, hw: Hardware, tp: int, lengths: Lengths, cost: CostModel = COST) -> float:
-    """Bytes per generator GPU: (W + KV of one longest answer) / tp + reserve, over the engine's share
-    of memory (so it compares with the GPU's memory)."""
+    """Bytes per generator GPU: (W + KV of one longest trajectory) / tp + reserve, over the engine's
+    share of memory (so it compares with the GPU's memory)."""
     need = (m.weight_bytes + (lengths.prompt + lengths.cap) * m.kv_bytes_per_token) / tp + cost.gen_reserve_gb * GB
     return need / cost.gen_memory_fraction
 
@@ -424,18 +429,19 @@ def predict(cfg: Config, plan: Plan | None = None, cost: CostModel = COST) -> Pr
         plan = config_plan(cfg)
     m, hw, lengths = ModelSize.from_config(cfg), Hardware.from_config(cfg), Lengths.from_config(cfg, cost)
     r = cfg.rollout
-    answers = r.prompts_per_step * r.group_size
+    trajectories = r.prompts_per_step * r.group_size
     g, n = hw.gpus_per_node, cfg.cluster.nodes
     engines, train_gpus = plan.engines(g), plan.train_gpus(n, g)
     concurrent = r.max_concurrent * r.group_size
-    t_gen_sync = sync_generation_s(m, hw, lengths, engines, plan.gen_tp, answers, cost)
-    t_train = train_step_s(m, hw, lengths, train_gpus, plan.train_tp, plan.train_pp, answers, cfg, cost)
+    t_gen_sync = sync_generation_s(m, hw, lengths, engines, plan.gen_tp, trajectories, cost)
+    t_train = train_step_s(m, hw, lengths, train_gpus, plan.train_tp, plan.train_pp, trajectories, cfg, cost)
     t_ws = weight_sync_s(m, hw, plan.train_pp, cost)
     rate = full_generation_rate(m, hw, lengths, engines, plan.gen_tp, concurrent, cost)
-    tokens = answers * lengths.mean
+    tokens = trajectories * lengths.mean
     t_gen_full = tokens / rate + t_ws + interruption_s(m, hw, lengths, engines, plan.gen_tp, concurrent, cost)
     return Prediction(
-        plan, r.max_staleness, answers, tokens, lengths.longest(answers), t_gen_sync, t_train, t_ws, t_gen_full,
+        plan, r.max_staleness, trajectories, tokens, lengths.longest(trajectories), t_gen_sync, t_train, t_ws,
+        t_gen_full,
         gen_memory(m, hw, plan.gen_tp, lengths, cost),
         train_memory(m, plan.train_tp, plan.train_pp, max(1, train_gpus // (plan.train_tp * plan.train_pp)), cfg, cost),
         hw.memory,
@@ -448,10 +454,10 @@ def colocated_step_s(cfg: Config, plan: Plan, cost: CostModel = COST) -> float:
     load the new weights)."""
     m, hw, lengths = ModelSize.from_config(cfg), Hardware.from_config(cfg), Lengths.from_config(cfg, cost)
     r, n, g = cfg.rollout, cfg.cluster.nodes, cfg.cluster.gpus_per_node
-    answers = r.prompts_per_step * r.group_size
+    trajectories = r.prompts_per_step * r.group_size
     return (
-        sync_generation_s(m, hw, lengths, n * g // plan.gen_tp, plan.gen_tp, answers, cost)
-        + train_step_s(m, hw, lengths, n * g, plan.train_tp, plan.train_pp, answers, cfg, cost)
+        sync_generation_s(m, hw, lengths, n * g // plan.gen_tp, plan.gen_tp, trajectories, cost)
+        + train_step_s(m, hw, lengths, n * g, plan.train_tp, plan.train_pp, trajectories, cfg, cost)
         + weight_sync_s(m, hw, plan.train_pp, cost)
     )
 
@@ -614,7 +620,8 @@ def report(cfg: Config, p: Prediction) -> str:
     lines += [
         f"speed-up asynchronous / synchronous: {p.t_sync / p.t_async():.2f}x; "
         f"effective tokens/s by max_staleness: {sweep}",
-        f"per step: {p.answers} answers x {p.tokens / p.answers:,.0f} tokens on average (longest {p.longest:,}); "
+        f"per step: {p.trajectories} trajectories x {p.tokens / p.trajectories:,.0f} tokens on average "
+        f"(longest {p.longest:,}); "
         f"synchronous: decode until the longest ends {p.t_gen_sync:,.1f} s + train {p.t_train:,.1f} s + "
         f"weight sync {p.t_weight_sync:,.1f} s",
         f"asynchronous: generation at full load {p.t_gen_full:,.1f} s/step, training {p.t_train + p.t_weight_sync:,.1f} "
@@ -644,7 +651,7 @@ def memory_advice(cfg: Config, p: Prediction, cost: CostModel = COST) -> str:
         fixes.append(
             f"the generator needs {p.gen_memory / GB:,.1f} GB of {p.memory / GB:g} GB: "
             + (f"raise allocation.gen_tp (to {more[0]}) or " if more else "")
-            + "lower rollout.max_new_tokens (its KV cache is kept for the longest answer)"
+            + "lower rollout.max_new_tokens (its KV cache is kept for the longest trajectory)"
         )
     if p.train_memory > p.memory:
         options = []
@@ -652,7 +659,7 @@ def memory_advice(cfg: Config, p: Prediction, cost: CostModel = COST) -> str:
             full = predict(_with_ppo(cfg, recompute="full"), p.plan, cost)
             options.append(f"set ppo.recompute=full ({full.train_memory / GB:,.1f} GB)")
         mb = cfg.ppo.max_tokens_per_mb
-        while mb > cfg.rollout.max_new_tokens:  # halving, down to one answer's worth: the largest that fits
+        while mb > cfg.rollout.max_new_tokens:  # halving, down to one trajectory's worth: the largest that fits
             mb = max(mb // 2, cfg.rollout.max_new_tokens)
             if predict(_with_ppo(cfg, max_tokens_per_mb=mb), p.plan, cost).train_memory <= p.memory:
                 options.append(f"lower ppo.max_tokens_per_mb to {mb:,}")
@@ -681,8 +688,9 @@ def check_fits(cfg: Config) -> None:
 
 
 CPU_KV_CACHE_BYTES = (64 << 20, 4 << 30)
-"""The KV cache a CPU generator asks vLLM for: every answer at full length, within these bounds (vLLM's
-CPU default reserves 92% of the node's memory, which fails on a machine shared with the other roles)."""
+"""The KV cache a CPU generator asks vLLM for: every trajectory at full length, within these bounds
+(vLLM's CPU default reserves 92% of the node's memory, which fails on a machine shared with the other
+roles)."""
 
 
 def cpu_kv_cache_bytes(per_token: float, tokens: int) -> int:

@@ -39,7 +39,7 @@ class Trajectory:
     """One finished trajectory, sent as soon as it finishes."""
 
     group_id: int
-    sample_idx: int
+    index: int  # its place in the group, 0 .. n-1
     prompt_ids: np.ndarray  # [P] int32
     output_ids: np.ndarray  # [T] int32
     behav_logprobs: np.ndarray  # [T] float32, logprob of each sampled token under the weights that sampled it

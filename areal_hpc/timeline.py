@@ -4,7 +4,7 @@ for `tools/plot_run.py`'s timeline of generate / train / sync / idle.
 The controller marks the moments it already knows (no message is added for this):
 
     {"t": 1763782998.12, "event": "gen_start", "rank": 2, "group": 17}    GenerateRequest sent
-    {"t": ..., "event": "gen_done", "rank": 2, "group": 17}               the group's last answer came
+    {"t": ..., "event": "gen_done", "rank": 2, "group": 17}               the group's last trajectory came
     {"t": ..., "event": "train_start", "version": 4}                      TrainBatch sent (step at v=4)
     {"t": ..., "event": "train_end", "version": 5}                        TrainResult received
     {"t": ..., "event": "sync_start", "version": 5}                       WeightSync sent

@@ -1,5 +1,5 @@
 """The controller's world simulated without MPI, for tests of the controller's loop (tests/test_controller.py,
-tests/test_filtering.py, tests/test_eval.py): generators whose answers take random times and carry the
+tests/test_filtering.py, tests/test_eval.py): generators whose trajectories take random times and carry the
 version of the weights they were sampled with, reward workers, a trainer that checks what it is given.
 The real controller runs against it; only the other ranks are simulated.
 """
@@ -62,7 +62,7 @@ class World:
         self.max_ticks, self.hang = max_ticks, hang
         self.out: deque = deque()  # envelopes for the controller
         self.gen_version = dict.fromkeys(layout.ranks(Role.GENERATOR), 0)
-        self.generating: list = []  # [generator, request, sample, tokens left, ids, versions]
+        self.generating: list = []  # [generator, request, index, tokens left, ids, versions]
         self.later: list = []  # (ticks left, envelope)
         self.trained_prompts: list[str] = []
         self.trainer_version = 0
@@ -129,7 +129,7 @@ class World:
         self.later = waiting
         going = []
         for item in self.generating:
-            gen, req, sample, left, ids, versions = item
+            gen, req, index, left, ids, versions = item
             if gen in self.stopped:
                 continue
             # one token per tick, sampled by the weights the generator has now
@@ -146,7 +146,7 @@ class World:
                 Envelope(
                     gen,
                     Trajectory(
-                        req.group_id, sample, req.prompt_ids, out, np.full(len(out), -1.0, np.float32), vers, "stop"
+                        req.group_id, index, req.prompt_ids, out, np.full(len(out), -1.0, np.float32), vers, "stop"
                     ),
                 )
             )

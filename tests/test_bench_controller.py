@@ -1,7 +1,7 @@
 """tools/bench_controller.py in CI size: the real Controller on rank 0 of a small MPI world of simulated
 generator, reward and trainer ranks, and the checks the benchmark makes on what the trainers got.
 
-What must hold: every answer the generator sent for a trained prompt is trained exactly once, in one
+What must hold: every trajectory the generator sent for a trained prompt is trained exactly once, in one
 step with the rest of its group, `prompts_per_step` prompts a step; no trained token is more than
 `max_staleness` versions old (set to 1 here, so the gate and the drop of stale groups are what keep
 it); rank 0's bytes per step are counted, a replica's batch sent once and relayed by its first rank; the last line is `controller headroom: X.Xx`.
@@ -42,7 +42,7 @@ bench = _load()
 # --- the checks themselves can fail ------------------------------------------------------------------
 
 
-def test_check_trained_accepts_each_answer_once_per_step():
+def test_check_trained_accepts_each_trajectory_once_per_step():
     generated = {0: [5, 7], 1: [3, 3], 2: [9, 1]}  # prompt 2 generated, never trained: fine
     trained = [(0, 0, 7), (0, 0, 5), (1, 1, 3), (1, 1, 3)]
     assert bench.check_trained(generated, trained, steps=2, prompts_per_step=1, group=2) == []
@@ -52,9 +52,9 @@ def test_check_trained_accepts_each_answer_once_per_step():
     "trained",
     [
         [(0, 0, 7), (0, 0, 5), (1, 0, 7), (1, 0, 5)],  # prompt 0 trained twice
-        [(0, 0, 7), (0, 0, 5), (1, 1, 3)],  # an answer of prompt 1 lost
+        [(0, 0, 7), (0, 0, 5), (1, 1, 3)],  # a trajectory of prompt 1 lost
         [(0, 0, 7), (0, 0, 5), (1, 1, 3), (2, 1, 3)],  # a group split over two steps
-        [(0, 0, 7), (0, 0, 7), (1, 1, 3), (1, 1, 3)],  # one answer of prompt 0 twice, the other never
+        [(0, 0, 7), (0, 0, 7), (1, 1, 3), (1, 1, 3)],  # one trajectory of prompt 0 twice, the other never
     ],
 )
 def test_check_trained_finds_a_wrong_batch(trained):
@@ -108,7 +108,7 @@ def test_bench_controller_small_world(tmp_path):
     r = json.loads(out.read_text())
     assert r["errors"] == []
     assert r["setting"]["max_staleness"] == 1
-    assert r["trained_answers"] == (WARMUP + STEPS) * PROMPTS * GROUP
+    assert r["trained_trajectories"] == (WARMUP + STEPS) * PROMPTS * GROUP
     for kind in ("GenerateRequest", "RewardRequest", "TrainBatch"):
         assert r["bytes_per_step"][kind] > 0, kind
     # A step's batches carry at least every trained response token as int32 ids.

@@ -1,7 +1,7 @@
-"""The controller's loop against a simulated world (no MPI, tests/sim_world.py): generators whose answers
-take random times and carry the version of the weights they were sampled with, reward workers, a trainer
-that checks what it is given. The real staleness gate, buffer, advantages, packer, metrics and checkpoint
-code run; only the other ranks are simulated.
+"""The controller's loop against a simulated world (no MPI, tests/sim_world.py): generators whose
+trajectories take random times and carry the version of the weights they were sampled with, reward
+workers, a trainer that checks what it is given. The real staleness gate, buffer, advantages, packer,
+metrics and checkpoint code run; only the other ranks are simulated.
 
 What must hold: the staleness bound on every step (also synchronous at max_staleness = 0), every
 prompt trained on at most once, a stop checkpoints and a resumed controller continues the step count

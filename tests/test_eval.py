@@ -19,13 +19,13 @@ from tests.sim_world import Prompts, World, make, metrics, run
 
 
 def test_pass_at_k_by_hand():
-    # n = 5 answers, c = 2 correct: pass@1 = 2/5; pass@2 = 1 - C(3,2)/C(5,2) = 1 - 3/10.
+    # n = 5 trajectories, c = 2 correct: pass@1 = 2/5; pass@2 = 1 - C(3,2)/C(5,2) = 1 - 3/10.
     assert pass_at_k(5, 2, 1) == pytest.approx(0.4)
     assert pass_at_k(5, 2, 2) == pytest.approx(0.7)
     # n = 10, c = 3, k = 4: 1 - C(7,4)/C(10,4) = 1 - 35/210.
     assert pass_at_k(10, 3, 4) == pytest.approx(1 - 35 / 210)
     assert pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 4, 1) == 1.0
-    assert pass_at_k(5, 3, 3) == 1.0  # fewer than k wrong answers: every k of them hold a right one
+    assert pass_at_k(5, 3, 3) == 1.0  # fewer than k wrong trajectories: every k of them hold a right one
     with pytest.raises(ValueError):
         pass_at_k(4, 5, 1)
     assert ks(16) == [1, 2, 4, 8, 16] and ks(6) == [1, 2, 4, 6] and ks(1) == [1]
@@ -43,7 +43,7 @@ def test_round_report():
     rewards = [[1, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]]
     for i, rs in enumerate(rewards):
         for j, x in enumerate(rs):
-            r.answered(i, j, length=2 + j, truncated=j == 3)
+            r.arrived(i, j, length=2 + j, truncated=j == 3)
             assert not r.done
             r.scored(i, j, x, "ok" if i or j else "timeout")
     assert r.done and r.generated(2)
@@ -56,8 +56,8 @@ def test_round_report():
     assert [p["correct"] for p in rep["per_prompt"]] == [1, 4, 0]
     empty = EvalRound(examples[:1], samples=1)
     assert not empty.generated(0)
-    empty.answered(0, 0, length=0, truncated=False)
-    assert empty.generated(0), "an answer without a token has come back too"
+    empty.arrived(0, 0, length=0, truncated=False)
+    assert empty.generated(0), "a trajectory without a token has come back too"
 
 
 def test_what_a_target_names(tmp_path):
@@ -95,7 +95,7 @@ def test_eval_between_training_steps(tmp_path):
     from areal_hpc.protocol import Envelope, RewardRequest, RewardResult
 
     class EvalWorld(World):
-        """Scores an eval answer (trajectory id < 0) right when its id is divisible by 3."""
+        """Scores an eval trajectory (id < 0) right when its id is divisible by 3."""
 
         def send(self, dest, msg):
             if isinstance(msg, RewardRequest) and msg.traj_id < 0:
@@ -112,7 +112,7 @@ def test_eval_between_training_steps(tmp_path):
     world = EvalWorld(layout, tok, seed=5)
     c, code = run(cfg, layout, run_dir, tok_dir, world, Prompts())
     assert code == EXIT_DONE
-    # answer s of prompt i has trajectory id -1 - (i * samples + s): right for ids divisible by 3
+    # trajectory s of prompt i has id -1 - (i * samples + s): right for ids divisible by 3
     correct = [sum((-1 - (i * samples + s)) % 3 == 0 for s in range(samples)) for i in range(len(rows))]
     assert correct == [1, 1, 2, 1, 1]
     want = np.mean([pass_at_k(samples, c_, 2) for c_ in correct])

@@ -1,7 +1,7 @@
-"""Dynamic filtering and overlong answers: `rollout.filter_uniform_groups` against the simulated world
+"""Dynamic filtering and overlong trajectories: `rollout.filter_uniform_groups` against the simulated world
 of tests/sim_world.py (the real gate, buffer, batches and metrics), the gate's invariant with filtered
 groups (a property test over the controller's loop), the gate's slot accounting for a filtered group,
-DAPO's soft length penalty, and masking truncated answers out of the loss."""
+DAPO's soft length penalty, and masking truncated trajectories out of the loss."""
 
 import logging
 from types import SimpleNamespace
@@ -25,14 +25,14 @@ from tests.sim_world import Prompts, World, make, metrics, run
 
 class CoinWorld(World):
     """Rewards are coin flips (`p_right`): some groups all right or all wrong, most mixed. Every
-    trained answer's advantage is recorded."""
+    trained trajectory's advantage is recorded."""
 
     p_right = 0.5
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.trained_advantages: list[float] = []
-        self.response_tokens: list[list[int]] = []  # per step: response length of each trained answer
+        self.response_tokens: list[list[int]] = []  # per step: response length of each trained trajectory
 
     def send(self, dest, msg):
         if isinstance(msg, RewardRequest):
@@ -64,7 +64,7 @@ def test_uniform_groups_are_left_out_and_their_slots_refilled(tmp_path, filterin
     assert [r["step"] for r in rows] == list(range(1, 13))
     filtered = sum(r["rollout/filtered"] for r in rows)
     zero_advantage = sum(a == 0.0 for a in world.trained_advantages)
-    if not filtering:  # without the filter, groups whose answers all agree are trained on, and teach nothing
+    if not filtering:  # without the filter, groups whose trajectories all agree are trained on, and teach nothing
         assert filtered == 0 and zero_advantage > 0
         return
     assert filtered > 0 and zero_advantage == 0, "a uniform group reached the trainer"
@@ -139,12 +139,12 @@ def test_the_gate_invariant_holds_with_filtered_groups(tmp_path_factory, B, eta,
 
 
 def test_a_run_that_filters_everything_says_so(tmp_path, caplog):
-    """Every answer wrong for a while: no step can come, and the log says why and what to change."""
+    """Every trajectory wrong for a while: no step can come, and the log says why and what to change."""
     cfg, layout, run_dir, tok_dir = make(tmp_path, "rollout.filter_uniform_groups=true", "train.total_steps=2")
     groups = FILTERED_WARN_STEPS * cfg.rollout.prompts_per_step
 
     class LateLearner(CoinWorld):
-        """Every answer to the first 2 * `groups` prompts is wrong, then they are coin flips."""
+        """Every trajectory to the first 2 * `groups` prompts is wrong, then they are coin flips."""
 
         def send(self, dest, msg):
             if isinstance(msg, RewardRequest):
@@ -204,7 +204,7 @@ def test_overlong_penalty_by_hand():
     assert overlong_penalty(20, 20, 0, 1.0) == overlong_penalty(20, 20, 5, 0.0) == 0.0
 
 
-def test_controller_adds_the_penalty_to_each_answers_reward(tmp_path):
+def test_controller_adds_the_penalty_to_the_reward_of_each_trajectory(tmp_path):
     cfg, layout, run_dir, tok_dir = make(tmp_path, "reward.overlong_penalty=0.5", "reward.overlong_buffer=12")
     world = CoinWorld(layout, build_tokenizer(), seed=1)
     world.p_right = 0.0  # every raw reward 0: the step's mean reward is the mean penalty
@@ -216,10 +216,10 @@ def test_controller_adds_the_penalty_to_each_answers_reward(tmp_path):
         assert row["reward/mean"] == pytest.approx(want) and want < 0
 
 
-def group(answers: list[tuple[int, str]], rewards: list[float]) -> Group:
-    """A finished group: (response length, finish reason) per answer."""
-    g = Group(0, Example(0, "p", "1", "math"), np.array([5, 6], np.int32), len(answers))
-    for i, (n, reason) in enumerate(answers):
+def group(trajectories: list[tuple[int, str]], rewards: list[float]) -> Group:
+    """A finished group: (response length, finish reason) per trajectory."""
+    g = Group(0, Example(0, "p", "1", "math"), np.array([5, 6], np.int32), len(trajectories))
+    for i, (n, reason) in enumerate(trajectories):
         zeros = np.zeros(n, np.int32)
         g.trajectories[i] = Trajectory(0, i, g.prompt_ids, zeros + 7, zeros.astype(np.float32), zeros, reason)
     g.rewards = rewards
@@ -227,7 +227,7 @@ def group(answers: list[tuple[int, str]], rewards: list[float]) -> Group:
 
 
 @pytest.mark.parametrize("mask", [False, True])
-def test_mask_truncated_answers(mask):
+def test_mask_truncated_trajectories(mask):
     g = group([(3, "stop"), (4, "length"), (2, "stop")], [1.0, 0.0, 0.0])
     (batch,), info = build_train_batches([g], 0, 1, 1, 64, mask_truncated=mask)
     bounds = zip(batch.cu_seqlens[:-1], batch.cu_seqlens[1:])
@@ -235,4 +235,4 @@ def test_mask_truncated_answers(mask):
     assert trained == ({3: 3, 4: 0, 2: 2} if mask else {3: 3, 4: 4, 2: 2})
     assert info.truncated == 1
     truncated = next(a for a, b in zip(batch.cu_seqlens[:-1], batch.cu_seqlens[1:]) if b - a == 6)
-    assert batch.advantages[truncated + 2] != 0, "the truncated answer still counts in its group"
+    assert batch.advantages[truncated + 2] != 0, "the truncated trajectory still counts in its group"

@@ -89,7 +89,7 @@ def drain(engine, steps=None) -> list:
 
 def check_shape(trajs, n_expected):
     assert len(trajs) == n_expected
-    assert len({(t.group_id, t.sample_idx) for t in trajs}) == n_expected  # each answer exactly once
+    assert len({(t.group_id, t.index) for t in trajs}) == n_expected  # each trajectory exactly once
     for t in trajs:
         assert len(t.output_ids) == len(t.behav_logprobs) == len(t.versions) >= 1
         if t.finish_reason == "stop":
@@ -119,7 +119,7 @@ def test_behav_logprobs_match_transformers(setup):
     assert np.abs(raw - t.behav_logprobs).max() > 10 * TOL
 
 
-def test_answers_return_as_they_finish(setup):
+def test_trajectories_return_as_they_finish(setup):
     engine, _, _ = setup
     engine.add(100, [9, 10, 11], n=2)
     drain(engine, steps=MAX_NEW // 2)  # the first group is half way
@@ -151,9 +151,9 @@ def test_interrupt_switches_versions_and_weights(setup):
     check_shape(done + trajs, 16)
     switched = 0
     for t in trajs:
-        k1, k2 = len(first[(t.group_id, t.sample_idx)]), len(second[(t.group_id, t.sample_idx)])
-        assert list(t.output_ids[:k2]) == second[(t.group_id, t.sample_idx)]  # nothing lost or duplicated
-        assert list(t.output_ids[:k1]) == first[(t.group_id, t.sample_idx)]
+        k1, k2 = len(first[(t.group_id, t.index)]), len(second[(t.group_id, t.index)])
+        assert list(t.output_ids[:k2]) == second[(t.group_id, t.index)]  # nothing lost or duplicated
+        assert list(t.output_ids[:k1]) == first[(t.group_id, t.index)]
         n = len(t.output_ids)
         assert list(t.versions) == [v0] * k1 + [v0 + 1] * (k2 - k1) + [v0 + 2] * (n - k2)  # switch exactly there
         ref_a = hf_logprobs(model_a, t.prompt_ids, t.output_ids)

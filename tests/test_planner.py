@@ -37,7 +37,7 @@ def paper():
 def test_paper_plan_is_the_papers_split(paper):
     _, p = paper
     assert p.plan == planner.Plan(gen_nodes=12, gen_tp=1, train_tp=2, train_pp=1)
-    assert p.answers == 512 * 16 and p.fits
+    assert p.trajectories == 512 * 16 and p.fits
 
 
 @pytest.mark.parametrize("eta", sorted(PAPER_TOKENS_PER_S))

@@ -90,13 +90,13 @@ def test_ideal_ratio_and_speedup():
 
 def test_trl_bench_rates():
     rows = [_row(1, 0, 10.0, 0, 0), _row(2, 0, 2.0, 0, 0), _row(3, 0, 2.0, 0, 0)]
-    assert bench_trl.samples_per_s_from_metrics(rows, warmup=1, samples_per_step=64) == pytest.approx(128 / 4)
-    # step ends at 10 (warm-up), 14, 18: two steps of 64 samples in 8 s
-    assert bench_trl.samples_per_s_from_step_ends([10.0, 14.0, 18.0], warmup=1, samples_per_step=64) == 16.0
+    assert bench_trl.trajectories_per_s_from_metrics(rows, warmup=1, trajectories_per_step=64) == pytest.approx(128 / 4)
+    # step ends at 10 (warm-up), 14, 18: two steps of 64 trajectories in 8 s
+    assert bench_trl.trajectories_per_s_from_step_ends([10.0, 14.0, 18.0], warmup=1, trajectories_per_step=64) == 16.0
     with pytest.raises(ValueError):
-        bench_trl.samples_per_s_from_step_ends([10.0], warmup=1, samples_per_step=64)
+        bench_trl.trajectories_per_s_from_step_ends([10.0], warmup=1, trajectories_per_step=64)
     assert bench_trl.ratio(32.0, 16.0) == 2.0
-    assert bench_trl.SAMPLES_PER_STEP == 64
+    assert bench_trl.TRAJECTORIES_PER_STEP == 64
 
 
 # --- timeline and plot_run -----------------------------------------------------------------------

@@ -2,25 +2,25 @@
 """Controller benchmark: does rank 0 keep up with a cluster? The real `Controller` on rank 0 of a real
 MPI world, driven by light simulated ranks that send what the real ones send.
 
-    python tools/bench_controller.py                        # qwen32b on 48 nodes: 512 prompts x 16 answers
-    python tools/bench_controller.py --mean-tokens 0        # the planner's own answer lengths (mean 2,319)
+    python tools/bench_controller.py                        # qwen32b on 48 nodes: 512 prompts x 16 trajectories
+    python tools/bench_controller.py --mean-tokens 0        # the planner's own trajectory lengths (mean 2,319)
     python tools/bench_controller.py --prompts 8 --group 4 --steps 4 --mean-tokens 300    # CI-sized
 
-The setting comes from the planner (`areal-hpc plan CONFIG --nodes N`): the answers of a step
+The setting comes from the planner (`areal-hpc plan CONFIG --nodes N`): the trajectories of a step
 (prompts_per_step x group_size), their lengths (the planner's long-tailed distribution, up to
 rollout.max_new_tokens; `--mean-tokens` rescales its median to that mean, 0 keeps the planner's),
-and the token rate the cluster produces: its generators at full load, the fastest answers can arrive.
+and the token rate the cluster produces: its generators at full load, the fastest trajectories can arrive.
 
 ```
  rank 0      the real Controller (Mailbox over MPI, gate, buffer, advantages, packer, metrics, checkpoints)
- reward      simulated: RewardResult for each RewardRequest (the answer's token ids, as the generator sent
+ reward      simulated: RewardResult for each RewardRequest (the trajectory's token ids, as the generator sent
              them: the real reward worker decodes them, rank 0 no longer does) at once; tells the
              generator what rank 0 took
  generator   simulated: for each GenerateRequest its n Trajectory messages (precomputed token ids,
-             behaviour logprobs, per-token versions), at most --window answers ahead of rank 0; SyncDone
+             behaviour logprobs, per-token versions), at most --window trajectories ahead of rank 0; SyncDone
  trainers    simulated: each data-parallel replica (--tp-pp ranks) gets the controller's messages as a
              real one does (protocol.ReplicaRelay: rank 0 sends its first rank, which passes them on);
-             checks each TrainBatch (the step's version, the staleness bound), answers TrainResult, Saved
+             checks each TrainBatch (the step's version, the staleness bound), replies TrainResult, Saved
 ```
 
 The simulated ranks are few and stand for many (one generator for every engine, `--reward-workers`
@@ -57,7 +57,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 DIGITS, BASE, FIRST_ID = 4, 80, 10  # prompt index -> the first prompt tokens (ids 10..89 of the tiny vocabulary)
-ACK_TAG = 7  # simulated reward worker -> simulated generator: answers rank 0 has taken in (side communicator)
+ACK_TAG = 7  # simulated reward worker -> simulated generator: trajectories rank 0 has taken in (side communicator)
 
 
 # --- the setting, from the planner ----------------------------------------------------------------
@@ -75,7 +75,7 @@ def cluster_config(args):
 
 
 def cost_model(cfg, mean_tokens: float):
-    """The planner's cost model; with `mean_tokens`, its answer-length median set so the mean is that."""
+    """The planner's cost model; with `mean_tokens`, its trajectory-length median set so the mean is that."""
     from areal_hpc.planner import COST, Lengths
 
     if not mean_tokens:
@@ -83,9 +83,9 @@ def cost_model(cfg, mean_tokens: float):
     lo, hi = 1.0, float(cfg.rollout.max_new_tokens)
     for _ in range(60):  # the mean grows with the median: bisect
         mid = (lo + hi) / 2
-        lengths = Lengths.from_config(cfg, dataclasses.replace(COST, response_median_tokens=mid))
+        lengths = Lengths.from_config(cfg, dataclasses.replace(COST, trajectory_median_tokens=mid))
         lo, hi = (mid, hi) if lengths.mean < mean_tokens else (lo, mid)
-    return dataclasses.replace(COST, response_median_tokens=lo)
+    return dataclasses.replace(COST, trajectory_median_tokens=lo)
 
 
 def setting(args) -> dict:
@@ -105,7 +105,7 @@ def setting(args) -> dict:
         "nodes": cfg.cluster.nodes,
         "prompts": r.prompts_per_step,
         "group": r.group_size,
-        "answers": r.prompts_per_step * r.group_size,
+        "trajectories": r.prompts_per_step * r.group_size,
         "cap": r.max_new_tokens,
         "prompt_tokens": lengths.prompt,
         "median": lengths.median,
@@ -159,8 +159,9 @@ def bench_config(args, s: dict, root: Path):
 
 
 class Payloads:
-    """Everything the simulated ranks send, made once: answer lengths drawn from the planner's
-    distribution, one array of token ids and one of logprobs of the longest answer (answers are views)."""
+    """Everything the simulated ranks send, made once: trajectory lengths drawn from the planner's
+    distribution, one array of token ids and one of logprobs of the longest trajectory (the others are
+    views)."""
 
     def __init__(self, s: dict, seed: int = 0):
         from areal_hpc.planner import Lengths
@@ -174,8 +175,8 @@ class Payloads:
         self.behav_logprobs = -rng.random(self.cap).astype(np.float32)
         self.prompt = rng.integers(FIRST_ID, FIRST_ID + BASE, s["prompt_tokens"]).astype(np.int32)
 
-    def length(self, prompt_index: int, sample: int) -> int:
-        return int(self.lengths[(prompt_index * self.group + sample) % len(self.lengths)])
+    def length(self, prompt_index: int, traj_index: int) -> int:
+        return int(self.lengths[(prompt_index * self.group + traj_index) % len(self.lengths)])
 
     def prompt_ids(self, index: int) -> np.ndarray:
         ids = self.prompt.copy()
@@ -255,10 +256,10 @@ def sim_generator(world, side, payloads: Payloads, window: int) -> dict:
     from areal_hpc.protocol import GenerateRequest, Mailbox, Stop, SyncDone, Trajectory, WeightSync
 
     box, received = Mailbox(world), Counter()
-    queue: deque = deque()  # (group_id, prompt_ids, prompt index, sample)
+    queue: deque = deque()  # (group_id, prompt_ids, prompt index, trajectory index)
     versions = np.zeros(payloads.cap, np.int32)
     sent = taken = 0
-    generated = []  # (prompt index, sample, length)
+    generated = []  # (prompt index, trajectory index, length)
     while True:
         busy = False
         for env in box.poll(source=0):
@@ -296,7 +297,7 @@ def sim_trainer(world, replica_comm, first_trainer: bool, eta: int, train_s: flo
 
     box, received = Mailbox(world), Counter()
     inbox = ReplicaRelay(box, replica_comm, CONTROLLER_RANK, timeout_s=600.0)
-    trained = []  # (version, prompt index, response length)
+    trained = []  # (version, prompt index, trajectory length)
     errors = []
     version = None
     while True:
@@ -339,9 +340,10 @@ def _check_batch(b, eta: int, errors: list) -> list:
 
 
 def check_trained(generated: dict, trained: list, steps: int, prompts_per_step: int, group: int) -> list[str]:
-    """What is wrong with what the trainers got: each prompt's answers trained together in one step,
-    each answer the generator sent exactly once (matched by length), `prompts_per_step` prompts a step.
-    `generated`: prompt index -> the lengths of its answers; `trained`: (version, prompt index, length)."""
+    """What is wrong with what the trainers got: each prompt's trajectories trained together in one
+    step, each trajectory the generator sent exactly once (matched by length), `prompts_per_step`
+    prompts a step. `generated`: prompt index -> the lengths of its trajectories; `trained`: (version,
+    prompt index, length)."""
     errors = []
     by_prompt = {}
     for version, p, n in trained:
@@ -350,7 +352,7 @@ def check_trained(generated: dict, trained: list, steps: int, prompts_per_step: 
         if len({v for v, _ in seqs}) != 1 or sorted(n for _, n in seqs) != sorted(generated.get(p, [])):
             errors.append(f"prompt {p}: trained {seqs}, generated {sorted(generated.get(p, []))}")
     if len(by_prompt) != steps * prompts_per_step or len(trained) != len(by_prompt) * group:
-        errors.append(f"{len(trained)} answers of {len(by_prompt)} prompts trained in {steps} steps")
+        errors.append(f"{len(trained)} trajectories of {len(by_prompt)} prompts trained in {steps} steps")
     return errors
 
 
@@ -370,7 +372,7 @@ def run_controller(ctx, side, payloads: Payloads, profile: bool) -> dict:
     from areal_hpc.controller import Controller
     from areal_hpc.protocol import Mailbox
 
-    marks = []  # per step: (tokens, answers, wall s, cpu s)
+    marks = []  # per step: (tokens, trajectories, wall s, cpu s)
 
     class Timed(Controller):
         def on_train_result(self, res):
@@ -389,7 +391,7 @@ def run_controller(ctx, side, payloads: Payloads, profile: bool) -> dict:
         pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(30)
     else:
         ctl.run()
-    done = side.Ibarrier()  # the simulated generator's last answers are unread: take them in
+    done = side.Ibarrier()  # the simulated generator's last trajectories are unread: take them in
     while not done.Test():
         ctl.box.poll()
         time.sleep(0.001)
@@ -452,7 +454,7 @@ def summarise(args, s: dict, cfg, layout, reports) -> dict:
     measured = marks[1 + args.warmup :]
     start = marks[args.warmup]
     tokens = sum(m[0] for m in measured)
-    answers = sum(m[1] for m in measured)
+    trajectories = sum(m[1] for m in measured)
     wall = measured[-1][2] - start[2]
     cpu = measured[-1][3] - start[3]
     cpu_steps = [b[3] - a[3] for a, b in zip(marks[args.warmup :], measured)]
@@ -468,7 +470,7 @@ def summarise(args, s: dict, cfg, layout, reports) -> dict:
         kind: received[kind, "bytes"] / received[kind, "n"] * per
         for kind, per in (
             ("GenerateRequest", s["prompts"]),
-            ("RewardRequest", s["answers"]),
+            ("RewardRequest", s["trajectories"]),
             ("TrainBatch", received["TrainBatch", "n"] / steps),
         )
         if received[kind, "n"]
@@ -482,7 +484,7 @@ def summarise(args, s: dict, cfg, layout, reports) -> dict:
     errors = []
     for role, rep in reports[1:]:
         if role == Role.GENERATOR:
-            for p, _sample, n in rep["generated"]:
+            for p, _, n in rep["generated"]:
                 generated.setdefault(p, []).append(n)
         elif role == Role.TRAINER:
             trained += rep["trained"]
@@ -493,9 +495,9 @@ def summarise(args, s: dict, cfg, layout, reports) -> dict:
         "world": layout.world_size,
         "tp_pp": args.tp_pp,
         "steps": args.steps,
-        "answers_s_cpu": answers / cpu,
+        "trajectories_s_cpu": trajectories / cpu,
         "tokens_s_cpu": tokens / cpu,
-        "answers_s_wall": answers / wall,
+        "trajectories_s_wall": trajectories / wall,
         "tokens_s_wall": tokens / wall,
         "cpu_s_per_step": cpu / args.steps,
         "cpu_s_per_step_max": max(cpu_steps),
@@ -506,7 +508,7 @@ def summarise(args, s: dict, cfg, layout, reports) -> dict:
         "state_bytes": ctl["state_bytes"],
         "state_s": ctl["state_s"],
         "buffered_groups": ctl["buffered"],
-        "trained_answers": len(trained),
+        "trained_trajectories": len(trained),
         "errors": errors[:20],
         "headroom": tokens / cpu / s["cluster_tokens_s"],
     }
@@ -520,14 +522,14 @@ def main() -> None:
     ap.add_argument("--config", default=str(REPO / "configs" / "qwen32b.yaml"))
     ap.add_argument("--nodes", type=int, default=48, help="the cluster's accelerator nodes (the planner's --nodes)")
     ap.add_argument("--prompts", type=int, default=0, help="prompts per step (default: the config's)")
-    ap.add_argument("--group", type=int, default=0, help="answers per prompt (default: the config's)")
-    ap.add_argument("--mean-tokens", type=float, default=10000, help="mean answer length; 0: the planner's")
+    ap.add_argument("--group", type=int, default=0, help="trajectories per prompt (default: the config's)")
+    ap.add_argument("--mean-tokens", type=float, default=10000, help="mean trajectory length; 0: the planner's")
     ap.add_argument("--steps", type=int, default=6, help="training steps measured")
     ap.add_argument("--warmup", type=int, default=2, help="training steps before the measured ones")
     ap.add_argument("--save-every", type=int, default=4, help="train.save_every of the run")
     ap.add_argument("--reward-workers", type=int, default=1, help="simulated reward workers")
     ap.add_argument("--tp-pp", type=int, default=1, help="simulated trainer ranks per data-parallel replica")
-    ap.add_argument("--window", type=int, default=1024, help="answers the generator sends ahead of rank 0")
+    ap.add_argument("--window", type=int, default=1024, help="trajectories the generator sends ahead of rank 0")
     ap.add_argument("--train-s", type=float, default=0.0, help="seconds the simulated trainer takes per step")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true", help="cProfile rank 0 (top functions to stderr)")
@@ -553,12 +555,12 @@ def main() -> None:
     print(
         f"cluster: {s['config']} on {s['nodes']} nodes: {s['generators']} generators, {s['reward_workers']} reward "
         f"workers, trainer TP {s['train_tp']} x PP {s['train_pp']} x DP {s['train_dp']}; {s['prompts']} prompts x "
-        f"{s['group']} answers per step, answers up to {s['cap']:,} tokens, mean {s['mean_tokens']:,.0f}; "
+        f"{s['group']} trajectories per step, each up to {s['cap']:,} tokens, mean {s['mean_tokens']:,.0f}; "
         f"max_staleness {s['max_staleness']}"
     )
     print(
         f"cluster rate (planner): {s['cluster_tokens_s'] / 1e3:,.1f}k tokens/s = "
-        f"{s['cluster_tokens_s'] / s['mean_tokens']:,.1f} answers/s (generators at full load); "
+        f"{s['cluster_tokens_s'] / s['mean_tokens']:,.1f} trajectories/s (generators at full load); "
         f"a step every {s['cluster_step_s']:,.0f} s"
     )
     with tempfile.TemporaryDirectory(prefix="bench-controller-") as work:
@@ -590,8 +592,9 @@ def report(r: dict) -> None:
     s = r["setting"]
     print(
         f"rank 0 over {r['steps']} steps ({r['tokens_per_step'] / 1e6:,.2f}M generated tokens each): "
-        f"{r['answers_s_cpu']:,.0f} answers/s and {r['tokens_s_cpu'] / 1e6:,.2f}M tokens/s per CPU second, "
-        f"{r['answers_s_wall']:,.0f} answers/s and {r['tokens_s_wall'] / 1e6:,.2f}M tokens/s per wall second"
+        f"{r['trajectories_s_cpu']:,.0f} trajectories/s and {r['tokens_s_cpu'] / 1e6:,.2f}M tokens/s per CPU "
+        f"second, {r['trajectories_s_wall']:,.0f} trajectories/s and {r['tokens_s_wall'] / 1e6:,.2f}M tokens/s "
+        "per wall second"
     )
     print(
         f"rank 0 CPU per training step: {r['cpu_s_per_step']:.2f} s (slowest step {r['cpu_s_per_step_max']:.2f} s); "
@@ -610,7 +613,11 @@ def report(r: dict) -> None:
         f"checkpoint state: {r['state_bytes'] / 2**20:,.1f} MiB pickled in {r['state_s']:.2f} s CPU "
         f"({r['buffered_groups']} groups buffered at the end)"
     )
-    print(f"checks: {r['trained_answers']} answers trained, each once; staleness bound held" if not r["errors"] else "")
+    print(
+        f"checks: {r['trained_trajectories']} trajectories trained, each once; staleness bound held"
+        if not r["errors"]
+        else ""
+    )
     print(f"controller headroom: {r['headroom']:.1f}x")
 
 

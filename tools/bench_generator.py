@@ -4,12 +4,12 @@
     python tools/bench_generator.py                    # sizes S,M (throughput) and S,M,L (pause)
     python tools/bench_generator.py --sizes S --groups 16
 
-1. Throughput: the same prompts (G groups x n answers, up to --max-new tokens each, temperature 1)
+1. Throughput: the same prompts (G groups x n trajectories, up to --max-new tokens each, temperature 1)
    through `GenerationEngine` (per-step DELTA outputs, behaviour logprobs, versions) and through
    plain `LLM.generate` on the same engine, with and without logprobs; best of --repeats interleaved
    runs each (the best run is the one least disturbed by other work on a shared machine).
    Target: the wrapper within 10% of plain vLLM with logprobs.
-2. Pause per weight update: with every sequence mid-generation, the time from the interruption to
+2. Pause per weight update: with every trajectory mid-generation, the time from the interruption to
    the first token sampled under the new weights, the weights arriving through a real weight-sync
    group (gloo; the sender is a thread of this process). Median of --repeats updates per size.
 
@@ -139,8 +139,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="S,M,L", help="model sizes for the pause (S, M, L)")
     ap.add_argument("--throughput-sizes", default="S,M", help="model sizes for the throughput comparison")
     ap.add_argument("--groups", type=int, default=32, help="prompt groups")
-    ap.add_argument("--n", type=int, default=8, help="answers per prompt")
-    ap.add_argument("--max-new", type=int, default=64, help="tokens per answer in the throughput runs")
+    ap.add_argument("--n", type=int, default=8, help="trajectories per prompt")
+    ap.add_argument("--max-new", type=int, default=64, help="tokens per trajectory in the throughput runs")
     ap.add_argument("--repeats", type=int, default=5, help="runs per figure (best throughput, median pause)")
     ap.add_argument("--root", default="runs", help="where the models are built (cached)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -158,10 +158,8 @@ def main() -> None:
             sys.exit(f"size {size} failed:\n{proc.stderr[-4000:]}")
         results.append(json.loads(line[0][7:]))
         print(f"size {size}: done", file=sys.stderr, flush=True)
-    seqs = args.groups * args.n
-    print(
-        f"\nthroughput: {args.groups} prompts x {args.n} answers = {seqs} sequences, up to {args.max_new} tokens each"
-    )
+    trajs = args.groups * args.n
+    print(f"\nthroughput: {args.groups} prompts x {args.n} trajectories = {trajs}, up to {args.max_new} tokens each")
     print(f"{'size':<5}{'params':>9}{'plain':>12}{'plain+lp':>12}{'wrapper':>12}{'overhead vs plain+lp':>23}")
     for r in results:
         if "tok_s_wrapper" in r:
@@ -170,7 +168,7 @@ def main() -> None:
                 f"{r['size']:<5}{r['params_M']:>8.2f}M{r['tok_s_plain']:>10.0f}/s{r['tok_s_plain_logprobs']:>10.0f}/s"
                 f"{r['tok_s_wrapper']:>10.0f}/s{over:>22.1%}"
             )
-    print(f"\nweight update with {seqs} sequences mid-generation (median of {args.repeats}):")
+    print(f"\nweight update with {trajs} trajectories mid-generation (median of {args.repeats}):")
     print(f"{'size':<5}{'params':>9}{'weights':>10}{'update':>10}{'pause':>10}{'engine start':>14}")
     for r in results:
         print(

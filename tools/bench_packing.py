@@ -5,7 +5,7 @@
     python tools/bench_packing.py --n 8192 --budget 32768 --limit 16384 --dp 8
 
 Lengths are prompt + response. Responses are long-tailed like a reasoning model's: log-normal
-around a fraction of the generation limit, plus a share cut off at the limit (answers that ran
+around a fraction of the generation limit, plus a share cut off at the limit (trajectories that ran
 out of tokens). For each case it prints the micro-batches used against the lower bound
 ceil(sum / budget), what best-fit decreasing alone would use, the data-parallel split, what a
 fixed-size batch would need (as many sequences per micro-batch as fit when every one may reach

@@ -3,7 +3,7 @@
 Both train the same initial weights (a Qwen2 of ~21M parameters: hidden 512, 8 layers, GQA 8/2 heads,
 the tiny tokenizer's vocabulary; built by areal_hpc.tiny, no warm start) in float32 on the synthetic
 `a+b=` task with boxed answers (areal_hpc.tiny.arithmetic_rows, the same math reward), 8 prompts x 8
-answers per step, up to 128 new tokens, one optimizer step per batch, no KL term:
+trajectories per step, up to 128 new tokens, one optimizer step per batch, no KL term:
 
   areal-hpc   `areal-hpc run` (asynchronous, max_staleness 2) with cluster.nodes=3: a vLLM generator
               and two Megatron trainer ranks (data parallel), one thread each, sharing both cores with
@@ -16,10 +16,10 @@ answers per step, up to 128 new tokens, one optimizer step per batch, no KL term
 
 The two alternate for `--rounds` rounds (TRL, areal-hpc, TRL, areal-hpc, ...), so that a change in
 the machine's load over the invocation falls on both (TRL's figure alone moved between 3.1 and 4.6
-samples/s from one invocation to another here). Prints each run's trained samples per second over the
-steps after `--warmup` (areal-hpc: from metrics.jsonl, samples / summed timing/step_s; TRL: from the
-step-end times of a trainer callback), each round's ratio, each system's median over the rounds, and
-the ratio of the medians last. Needs the `bench` extra (pip install -e .[bench]).
+trajectories/s from one invocation to another here). Prints each run's trained trajectories per
+second over the steps after `--warmup` (areal-hpc: from metrics.jsonl, trajectories / summed
+timing/step_s; TRL: from the step-end times of a trainer callback), each round's ratio, each system's
+median over the rounds, and the ratio of the medians last. Needs the `bench` extra (pip install -e .[bench]).
 
     python tools/bench_vs_trl.py                          # 2 rounds, 2 warm-up + 8 measured steps each run
     python tools/bench_vs_trl.py --rounds 3 --steps 6 --warmup 2
@@ -41,14 +41,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 CONFIG = REPO / "configs" / "tiny-cpu.yaml"
 PROMPTS, GROUP, MAX_NEW = 8, 8, 128
-SAMPLES_PER_STEP = PROMPTS * GROUP
+TRAJECTORIES_PER_STEP = PROMPTS * GROUP
 OVERRIDES = [
     "model.hidden_size=512",
     "model.intermediate_size=1280",
     "model.num_layers=8",
     "model.num_attention_heads=8",
     "model.num_key_value_heads=2",
-    "sft.examples=0",  # both start from the same random weights: every answer runs to the token limit
+    "sft.examples=0",  # both start from the same random weights: every trajectory runs to the token limit
     f"rollout.prompts_per_step={PROMPTS}",
     f"rollout.group_size={GROUP}",
     f"rollout.max_new_tokens={MAX_NEW}",
@@ -63,20 +63,21 @@ OVERRIDES = [
 ]
 
 
-def samples_per_s_from_metrics(rows: list[dict], warmup: int, samples_per_step: int) -> float:
-    """Trained samples per second after the first `warmup` steps: samples / summed timing/step_s."""
+def trajectories_per_s_from_metrics(rows: list[dict], warmup: int, trajectories_per_step: int) -> float:
+    """Trained trajectories per second after the first `warmup` steps: trajectories / summed
+    timing/step_s."""
     steady = [r for r in rows if r["step"] > warmup]
     if not steady:
         raise ValueError(f"no steps after the {warmup} warm-up steps")
-    return samples_per_step * len(steady) / sum(r["timing/step_s"] for r in steady)
+    return trajectories_per_step * len(steady) / sum(r["timing/step_s"] for r in steady)
 
 
-def samples_per_s_from_step_ends(ends: list[float], warmup: int, samples_per_step: int) -> float:
-    """Trained samples per second from the end times of steps 1..n, counting the steps after `warmup`
-    (timed from the end of the last warm-up step)."""
+def trajectories_per_s_from_step_ends(ends: list[float], warmup: int, trajectories_per_step: int) -> float:
+    """Trained trajectories per second from the end times of steps 1..n, counting the steps after
+    `warmup` (timed from the end of the last warm-up step)."""
     if len(ends) <= warmup or warmup < 1:
         raise ValueError(f"need more than {warmup} (>= 1) step end times, got {len(ends)}")
-    return samples_per_step * (len(ends) - warmup) / (ends[-1] - ends[warmup - 1])
+    return trajectories_per_step * (len(ends) - warmup) / (ends[-1] - ends[warmup - 1])
 
 
 def ratio(areal: float, trl: float) -> float:
@@ -104,7 +105,7 @@ def bench_areal(root: Path, trial: str, steps: int, warmup: int, extra: list[str
             f"  step {r['step']}: {r['timing/step_s']:.2f} s, idle gen {r['timing/gen_idle_frac']:.0%} "
             f"train {r['timing/train_idle_frac']:.0%}, staleness {r['staleness/max']}"
         )
-    return samples_per_s_from_metrics(rows, warmup, SAMPLES_PER_STEP)
+    return trajectories_per_s_from_metrics(rows, warmup, TRAJECTORIES_PER_STEP)
 
 
 # --- TRL ---------------------------------------------------------------------------------------
@@ -147,7 +148,7 @@ def bench_trl(cfg, model_dir: Path, out_dir: Path, steps: int, warmup: int) -> f
 
     args = GRPOConfig(
         output_dir=str(out_dir),
-        per_device_train_batch_size=SAMPLES_PER_STEP,  # one generation batch = one optimizer step
+        per_device_train_batch_size=TRAJECTORIES_PER_STEP,  # one generation batch = one optimizer step
         gradient_accumulation_steps=1,
         num_generations=GROUP,
         max_completion_length=MAX_NEW,
@@ -185,7 +186,7 @@ def bench_trl(cfg, model_dir: Path, out_dir: Path, steps: int, warmup: int) -> f
         print(f"  step {i + 1}: {step:.2f} s, of which generation {gen_s[i]:.2f} s")
     steady = ends[-1] - ends[warmup - 1]
     print(f"TRL: generation {sum(gen_s[warmup:]) / steady:.0%} of the measured steps' time, training the rest")
-    return samples_per_s_from_step_ends(ends, warmup, SAMPLES_PER_STEP)
+    return trajectories_per_s_from_step_ends(ends, warmup, TRAJECTORIES_PER_STEP)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
 
     n_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())
     print(
-        f"model {model_dir} ({n_params / 1e6:.1f}M parameters, float32); {PROMPTS} prompts x {GROUP} answers "
-        f"per step, up to {MAX_NEW} new tokens; torch {torch.__version__}"
+        f"model {model_dir} ({n_params / 1e6:.1f}M parameters, float32); {PROMPTS} prompts x {GROUP} "
+        f"trajectories per step, up to {MAX_NEW} new tokens; torch {torch.__version__}"
     )
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} cores)", flush=True)
     trl, areal = [], []
@@ -221,17 +222,20 @@ def main(argv: list[str] | None = None) -> int:
         trl.append(bench_trl(cfg, model_dir, root / f"trl{k}", args.steps, args.warmup))
         areal.append(bench_areal(root, f"areal{k}", args.steps, args.warmup, args.overrides))
         print(
-            f"round {k}: TRL {trl[-1]:.2f}, areal-hpc {areal[-1]:.2f} trained samples/s: {ratio(areal[-1], trl[-1]):.2f}x"
+            f"round {k}: TRL {trl[-1]:.2f}, areal-hpc {areal[-1]:.2f} trained trajectories/s: "
+            f"{ratio(areal[-1], trl[-1]):.2f}x"
         )
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     areal_s, trl_s = statistics.median(areal), statistics.median(trl)
     print(
-        f"areal-hpc: {areal_s:.2f} trained samples/s (median of {args.rounds}: {', '.join(f'{x:.2f}' for x in areal)})"
+        f"areal-hpc: {areal_s:.2f} trained trajectories/s "
+        f"(median of {args.rounds}: {', '.join(f'{x:.2f}' for x in areal)})"
     )
     print(
-        f"TRL GRPOTrainer: {trl_s:.2f} trained samples/s (median of {args.rounds}: {', '.join(f'{x:.2f}' for x in trl)})"
+        f"TRL GRPOTrainer: {trl_s:.2f} trained trajectories/s "
+        f"(median of {args.rounds}: {', '.join(f'{x:.2f}' for x in trl)})"
     )
-    print(f"areal-hpc/TRL trained samples per second: {ratio(areal_s, trl_s):.2f}x")
+    print(f"areal-hpc/TRL trained trajectories per second: {ratio(areal_s, trl_s):.2f}x")
     return 0
 
 

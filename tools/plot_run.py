@@ -111,7 +111,9 @@ def plot(run_dir: Path, out: Path, timeline_steps: int = 6) -> Path:
 
     ax = fig.add_subplot(grid[0, 1])
     ax.step(steps, [r["staleness/max"] for r in rows], where="mid", label="staleness/max (versions)")
-    ax.bar(steps, [r["staleness/dropped"] for r in rows], color="#c33", alpha=0.6, label="staleness/dropped (samples)")
+    ax.bar(
+        steps, [r["staleness/dropped"] for r in rows], color="#c33", alpha=0.6, label="staleness/dropped (trajectories)"
+    )
     top = max([1] + [r["staleness/max"] for r in rows] + [r["staleness/dropped"] for r in rows])
     ax.set(title="staleness", xlabel="step", ylim=(-0.05 * top, 1.25 * top))
     ax.legend(fontsize=8, loc="upper left")

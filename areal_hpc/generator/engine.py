@@ -190,7 +190,7 @@ class _InFlight:
     """One trajectory of a group, across interruptions."""
 
     group_id: int
-    sample_idx: int
+    index: int  # its place in the group, 0 .. n-1
     prompt_ids: list[int]
     output_ids: list[int] = field(default_factory=list)
     behav_logprobs: list[float] = field(default_factory=list)
@@ -199,7 +199,7 @@ class _InFlight:
 
     @property
     def request_id(self) -> str:
-        return f"{self.group_id}.{self.sample_idx}.{self.attempt}"
+        return f"{self.group_id}.{self.index}.{self.attempt}"
 
 
 class GenerationEngine:
@@ -304,7 +304,7 @@ class GenerationEngine:
         return len(self._running)
 
     def partial(self) -> dict[tuple[int, int], _InFlight]:
-        """(group_id, sample_idx) -> a copy of each in-flight trajectory with everything it produced so far."""
+        """(group_id, index) -> a copy of each in-flight trajectory with everything it produced so far."""
         out = {}
         for request_id, traj in self._running.items():
             copy = dataclasses.replace(
@@ -314,7 +314,7 @@ class GenerationEngine:
                 versions=list(traj.versions),
             )
             _extend(copy, *self._attempt_output(request_id), self.version)
-            out[(traj.group_id, traj.sample_idx)] = copy
+            out[(traj.group_id, traj.index)] = copy
         return out
 
     def interrupt(self) -> list[_InFlight]:
@@ -393,7 +393,7 @@ def _extend(traj: _InFlight, token_ids, logprobs, version: int) -> None:
 def _trajectory(traj: _InFlight, finish_reason: str | None) -> Trajectory:
     return Trajectory(
         group_id=traj.group_id,
-        sample_idx=traj.sample_idx,
+        index=traj.index,
         prompt_ids=np.asarray(traj.prompt_ids, dtype=np.int32),
         output_ids=np.asarray(traj.output_ids, dtype=np.int32),
         behav_logprobs=np.asarray(traj.behav_logprobs, dtype=np.float32),
@@ -403,7 +403,7 @@ def _trajectory(traj: _InFlight, finish_reason: str | None) -> Trajectory:
 
 
 def _cpu_setup(model_path, tp: int, max_num_seqs: int, max_model_len: int | None) -> int:
-    """On CPU, the KV cache this engine can use at most (`planner.cpu_kv_cache_bytes`: every sequence at
+    """On CPU, the KV cache this engine can use at most (`planner.cpu_kv_cache_bytes`: every trajectory at
     full length, within bounds). (On GPU vLLM sizes it from gpu_memory_utilization.)
 
     Also fails at start, with the fix, on a head size vLLM's CPU attention does not support, rather

@@ -103,7 +103,7 @@ def _quiet_math_verify():
 
 @lru_cache(maxsize=4096)
 def _parse_gold(answer: str):
-    """The parsed answer; a group of responses to one prompt shares one parse."""
+    """The parsed answer; a group of trajectories to one prompt shares one parse."""
     from math_verify import parse
 
     text = answer.strip().strip("$").strip()

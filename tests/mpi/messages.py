@@ -17,7 +17,7 @@ if comm.rank == 1:
             0,
             Trajectory(
                 group_id=i,
-                sample_idx=i % 3,
+                index=i % 3,
                 prompt_ids=np.arange(i + 1, dtype=np.int32),
                 output_ids=np.full(2 * i, 7, np.int32),
                 behav_logprobs=np.linspace(-1, 0, 2 * i, dtype=np.float32),
@@ -39,5 +39,5 @@ else:
         assert t.prompt_ids.dtype == np.int32 and (t.prompt_ids == np.arange(i + 1)).all()
         assert t.output_ids.shape == (2 * i,) and (t.versions == i).all()
         assert np.allclose(t.behav_logprobs, np.linspace(-1, 0, 2 * i))
-        assert t.finish_reason == "stop" and t.sample_idx == i % 3
+        assert t.finish_reason == "stop" and t.index == i % 3
     print("OK", len(got))
