@@ -20,6 +20,9 @@ from areal_hpc.algo.staleness import oldest_version
 from areal_hpc.data import Example
 from areal_hpc.protocol import Trajectory
 
+RENAMED = {"sample_idx": "index"}
+"""Trajectory fields under the names older controller checkpoints saved them with -> their names now."""
+
 
 @dataclass
 class Group:
@@ -83,7 +86,7 @@ class Group:
             example=s["example"],
             prompt_ids=np.asarray(s["prompt_ids"], np.int32),
             n=s["n"],
-            trajectories=[Trajectory(**t) for t in s["trajectories"]],
+            trajectories=[Trajectory(**{RENAMED.get(k, k): v for k, v in t.items()}) for t in s["trajectories"]],
             rewards=list(s["rewards"]),
         )
 

@@ -11,14 +11,18 @@ without training on the same prompts again, and a rank that stops answering ends
 import json
 from collections import Counter
 
+import numpy as np
 import pytest
 
+from areal_hpc.buffer import Group
 from areal_hpc.config import load_config
 from areal_hpc.controller import Controller
+from areal_hpc.data import Example
 from areal_hpc.exit_codes import EXIT_DONE, EXIT_STOPPED, STOP_REASON_ENV
 from areal_hpc.layout import Layout, Role
 from areal_hpc.liveness import RankFailure
 from areal_hpc.metrics import REQUIRED
+from areal_hpc.protocol import Trajectory
 from areal_hpc.rundir import latest_checkpoint
 from areal_hpc.runtime import RankContext
 from areal_hpc.tiny import build_tokenizer
@@ -101,6 +105,16 @@ def test_stop_checkpoints_and_resume_continues_without_reusing_data(tmp_path):
     # The gate did not admit more after the resume than the uninterrupted run could have.
     g = c2.gate.state
     assert g.accepted + g.running <= (cfg.rollout.max_staleness + 12 + 1) * 4
+
+
+def test_a_checkpoint_from_before_the_rename_of_sample_idx_restores():
+    """Controller checkpoints written before `Trajectory.index` saved it as sample_idx."""
+    ids = np.array([7, 8], np.int32)
+    trajs = [Trajectory(3, i, ids, ids, np.zeros(2, np.float32), ids, "stop") for i in range(2)]
+    state = Group(3, Example(0, "p", "1", "math"), ids, 2, trajectories=trajs, rewards=[0.0, 1.0]).to_state()
+    for t in state["trajectories"]:
+        t["sample_idx"] = t.pop("index")
+    assert [t.index for t in Group.from_state(state).trajectories] == [0, 1]
 
 
 @pytest.mark.parametrize("grace_s", [60, 0])
