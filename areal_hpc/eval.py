@@ -94,7 +94,7 @@ class EvalRound:
             "samples": n,
             "pass@k": {str(k): float(np.mean([pass_at_k(n, c, k) for c in correct])) for k in ks(n)},
             "reward_mean": float(np.mean([r for rs in self.rewards for r in rs])),
-            "answer_tokens": {
+            "trajectory_tokens": {
                 "mean": float(lengths.mean()),
                 "median": float(np.median(lengths)),
                 "p90": float(np.percentile(lengths, 90)),
@@ -117,7 +117,7 @@ class TrainingEval:
     They are not training data: their group ids are negative (-1 - prompt index), so their trajectories
     and rewards come back here, never to the buffer; the staleness gate never counts them. A round
     still running when the next one is due is left to finish (the next one is skipped). Its figures
-    (`eval/pass@1`, `eval/pass@k`, `eval/reward_mean`, `eval/answer_tokens`, and `eval/version`, the
+    (`eval/pass@1`, `eval/pass@k`, `eval/reward_mean`, `eval/trajectory_tokens`, and `eval/version`, the
     version it started on: trajectories in flight across a weight update finish on the newer weights) go
     into the metrics row of the next step that ends.
     """
@@ -163,7 +163,7 @@ class TrainingEval:
         self.metrics.update(
             {
                 "eval/reward_mean": report["reward_mean"],
-                "eval/answer_tokens": report["answer_tokens"]["mean"],
+                "eval/trajectory_tokens": report["trajectory_tokens"]["mean"],
                 "eval/version": self.version,
             }
         )
@@ -184,7 +184,7 @@ def table(report: dict) -> str:
     lines.append("")
     lines.append("  ".join(f"{'pass@' + k:>8}" for k in report["pass@k"]) + f"  {'reward':>8}")
     lines.append("  ".join(f"{v:8.3f}" for v in report["pass@k"].values()) + f"  {report['reward_mean']:8.3f}")
-    t = report["answer_tokens"]
+    t = report["trajectory_tokens"]
     lines.append("")
     lines.append(
         f"trajectory tokens: mean {t['mean']:.1f}, median {t['median']:.0f}, p90 {t['p90']:.0f}, max {t['max']}; "

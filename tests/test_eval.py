@@ -51,7 +51,7 @@ def test_round_report():
     assert rep["pass@k"]["1"] == pytest.approx((0.25 + 1 + 0) / 3)
     assert rep["pass@k"]["2"] == pytest.approx((0.5 + 1 + 0) / 3)  # one right of 4: 1 - C(3,2)/C(4,2)
     assert rep["pass@k"]["4"] == pytest.approx(2 / 3)
-    assert rep["answer_tokens"] == {"mean": 3.5, "median": 3.5, "p90": pytest.approx(5.0), "max": 5}
+    assert rep["trajectory_tokens"] == {"mean": 3.5, "median": 3.5, "p90": pytest.approx(5.0), "max": 5}
     assert rep["truncated_frac"] == 0.25 and rep["reward_errors"] == 1
     assert [p["correct"] for p in rep["per_prompt"]] == [1, 4, 0]
     empty = EvalRound(examples[:1], samples=1)
@@ -120,7 +120,7 @@ def test_eval_between_training_steps(tmp_path):
     evals = [r for r in rows_out if "eval/pass@1" in r]
     assert [r["eval/version"] for r in evals] == [0, 4, 8]
     assert all(r["eval/pass@1"] == pytest.approx(6 / 20) and r["eval/pass@2"] == pytest.approx(want) for r in evals)
-    assert all(set(r) >= {"eval/pass@2", "eval/reward_mean", "eval/answer_tokens"} for r in evals)
+    assert all(set(r) >= {"eval/pass@2", "eval/reward_mean", "eval/trajectory_tokens"} for r in evals)
     assert not {r["prompt"] for r in rows} & set(world.trained_prompts), "an eval prompt was trained on"
     assert c.gate.state.consumed == 12 * 4 and c.gate.state.rejected == 0
 
@@ -148,7 +148,7 @@ def test_evaluate_with_the_generator_engine_and_scorer_pool(tmp_path):
     assert report["pass@k"]["1"] == pytest.approx(report["reward_mean"])  # math rewards are 0 or 1
     assert report["pass@k"]["1"] <= report["pass@k"]["2"] <= report["pass@k"]["4"]
     tokens = [t for p in report["per_prompt"] for t in p["tokens"]]
-    assert min(tokens) >= 1 and max(tokens) <= 8 and report["answer_tokens"]["max"] == max(tokens)
+    assert min(tokens) >= 1 and max(tokens) <= 8 and report["trajectory_tokens"]["max"] == max(tokens)
     assert report["truncated_frac"] <= np.mean([t == 8 for t in tokens])
     assert report["pass@k"]["4"] > 0, "the warm start answers some held-out problems right"
     assert "pass@1" in table({**report, "step": 0})
