@@ -374,6 +374,10 @@ class SFTConfig:
     """Examples per warm-start optimizer step."""
     lr: float = 3e-3
     """AdamW learning rate of the warm start."""
+    unboxed: float = 0.0
+    """Share of the warm-start examples whose response is the bare answer, without `\\boxed{}` (which the
+    math reward scores 0): the warm-started model then boxes only part of its answers, as a base model
+    follows an answer format only part of the time, and RL teaches it to box every one."""
 
 
 @dataclass
@@ -649,6 +653,7 @@ def validate(cfg: Config) -> None:
         "sft.examples > 0 needs math rows (the warm start learns 'prompt -> \\boxed{answer}'); "
         f"reward.kind is {cfg.reward.kind}: set sft.examples=0",
     )
+    need(0 <= cfg.sft.unboxed < 1, f"sft.unboxed must be in [0, 1) (got {cfg.sft.unboxed})")
     need(
         a.gen_share == "auto" or (not isinstance(a.gen_share, str) and 0 < a.gen_share < 1),
         f"allocation.gen_share must be auto or strictly between 0 and 1 (got {a.gen_share!r})",

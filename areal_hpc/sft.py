@@ -45,7 +45,8 @@ def initial_model(cfg: Config) -> Path:
 
 
 def sft_examples(cfg: Config, tokenizer) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, response ids) of the warm start: `\\boxed{answer}` and EOS after the prompt, formatted
+    """(prompt ids, response ids) of the warm start: `\\boxed{answer}` (a share `sft.unboxed` of them the bare
+    answer) and EOS after the prompt, formatted
     as the RL run formats it (`data.PromptFormat`). The rows: fresh synthetic ones (a seed the RL prompts
     do not use; every problem, the test split's too: the warm start stands in for the pretraining of a
     real base model, and the test split measures what RL adds on problems it never trained on), or the
@@ -62,9 +63,11 @@ def sft_examples(cfg: Config, tokenizer) -> list[tuple[list[int], list[int]]]:
         )
         ids = PromptFormat.from_config(cfg).encode(tokenizer, [r["prompt"] for r in synthetic])
         rows = [(p, r["answer"]) for p, r in zip(ids, synthetic)]
+    bare = random.Random(f"sft-unboxed:{cfg.experiment.seed}")
     out = []
     for prompt_ids, answer in rows[: cfg.sft.examples]:
-        response = tokenizer(f"{BOXED}{answer}}}", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        text = str(answer) if bare.random() < cfg.sft.unboxed else f"{BOXED}{answer}}}"
+        response = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         out.append(([int(t) for t in prompt_ids], response))
     return out
 
@@ -74,7 +77,7 @@ def warm_start(cfg: Config, base: Path) -> Path:
 
         loss = - mean over response tokens of log p(token | prompt, earlier response tokens)
 
-    with the response `\\boxed{answer}` followed by EOS, AdamW, `sft.epochs` passes of shuffled
+    with the response `\\boxed{answer}` (or the bare answer) followed by EOS, AdamW, `sft.epochs` passes of shuffled
     batches of `sft.batch_size`.
     """
     s, d = cfg.sft, cfg.data

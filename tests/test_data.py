@@ -263,6 +263,26 @@ def test_warm_start_reads_through_the_loader(tmp_path, caplog):
         config_with(tmp_path, good, "sft.examples=4", "reward.kind=code")
 
 
+def test_warm_start_leaves_the_unboxed_share_bare(tmp_path):
+    """`sft.unboxed`: that share of the warm-start responses is the bare answer (the math reward scores it
+    0), the rest boxed; the same examples every time; out of [0, 1) it is a config error."""
+    from areal_hpc.reward.math import math_reward
+    from areal_hpc.sft import sft_examples
+
+    tok = build_tokenizer()
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(400)]
+    cfg, _ = config_with(tmp_path, rows, "sft.examples=400", "sft.unboxed=0.5")
+    responses = [tok.decode(r, skip_special_tokens=True) for _, r in sft_examples(cfg, tok)]
+    bare = [text for text, row in zip(responses, rows) if text == row["answer"]]
+    boxed = [text for text, row in zip(responses, rows) if text == f"\\boxed{{{row['answer']}}}"]
+    assert len(bare) + len(boxed) == 400 and 160 < len(bare) < 240
+    assert math_reward(bare[0], bare[0]) == 0.0 and math_reward(boxed[0], boxed[0][7:-1]) == 1.0
+    assert [tok.decode(r) for _, r in sft_examples(cfg, tok)] == [tok.decode(r) for _, r in sft_examples(cfg, tok)]
+    for bad in ("1", "-0.1"):
+        with pytest.raises(ConfigError, match=f"sft.unboxed must be in \\[0, 1\\) \\(got {bad}"):
+            config_with(tmp_path, rows, f"sft.unboxed={bad}")
+
+
 def test_run_reports_bad_data_in_one_line(tmp_path):
     """`areal-hpc run` with a malformed data file: exit 2 and the loader's message, no traceback, before any rank."""
     import subprocess
