@@ -5,7 +5,9 @@ Why a warm start: RL only sharpens what the policy already does sometimes. A fre
 model never writes `\\boxed{...}`, so every reward is 0, every GRPO advantage is 0, and nothing is
 learned. A few epochs of plain supervised fine-tuning on `prompt -> \\boxed{answer}<eos>` examples
 (seconds on one CPU core) bring the sampled accuracy to a few tenths; from there the asynchronous RL
-run raises it.
+run raises it. With `sft.unboxed` a share of the examples is the bare answer (`prompt -> answer<eos>`,
+reward 0), so the model starts boxing only part of its answers and RL has the format to teach too
+(the embedded default's choice: see its config).
 
 Both steps are pure functions of their settings and cached like `areal_hpc.tiny`'s assets: the
 directory name is a hash of (base model, settings, data), written atomically.
