@@ -57,9 +57,12 @@ class Prompts:
 class World:
     """The ranks other than the controller, one tick per controller poll."""
 
-    def __init__(self, layout: Layout, tok, seed=0, max_ticks=12, hang: int | None = None):
+    def __init__(self, layout: Layout, tok, seed=0, max_ticks=12, hang: int | None = None, hold=None):
+        """`hold(controller, version)`: while true, the trainer's answer that makes `version` waits (a test
+        waits for the state it means, not for a race with the checkpoint thread)."""
         self.layout, self.tok, self.rng = layout, tok, random.Random(seed)
-        self.max_ticks, self.hang = max_ticks, hang
+        self.max_ticks, self.hang, self.hold = max_ticks, hang, hold
+        self.controller = None  # set by `run`
         self.out: deque = deque()  # envelopes for the controller
         self.gen_version = dict.fromkeys(layout.ranks(Role.GENERATOR), 0)
         self.generating: list = []  # [generator, request, index, tokens left, ids, versions]
@@ -122,10 +125,16 @@ class World:
     def flush(self, timeout_s=60.0):
         pass
 
+    def held(self, msg) -> bool:
+        return isinstance(msg, TrainResult) and self.hold is not None and self.hold(self.controller, msg.version)
+
     def tick(self) -> None:
         waiting = []
         for ticks, env in self.later:
-            (self.out.append(env) if ticks <= 0 else waiting.append((ticks - 1, env)))
+            if self.held(env.msg):
+                waiting.append((ticks, env))
+            else:
+                (self.out.append(env) if ticks <= 0 else waiting.append((ticks - 1, env)))
         self.later = waiting
         going = []
         for item in self.generating:
@@ -186,7 +195,7 @@ def run(cfg, layout, run_dir, tok_dir, world, prompts, stop_at=None, signal="SIG
     def stop_signal():
         return signal if stop_when is not None and stop_when(holder["c"]) else None
 
-    c = holder["c"] = Controller(ctx, stop_signal=stop_signal, mailbox=world, prompts=prompts)
+    c = holder["c"] = world.controller = Controller(ctx, stop_signal=stop_signal, mailbox=world, prompts=prompts)
     code = c.run()
     return c, code
 

@@ -119,17 +119,19 @@ def test_a_checkpoint_from_before_the_rename_of_sample_idx_restores():
 
 @pytest.mark.parametrize("grace_s", [60, 0])
 def test_preemption_checkpoints_if_there_is_time_else_stops_at_once(tmp_path, monkeypatch, grace_s):
-    """SIGTERM (Slurm's preemption) with cluster.grace_s left, at version 7 or so: the running step and a
-    save fit in 60 s, so the run checkpoints there; in 0 s nothing fits, so it stops at once and the
-    resumed run goes on from step_5, training the steps after it again (their old metrics lines go)."""
+    """SIGTERM (Slurm's preemption) with cluster.grace_s left, at version 7 with step_5 complete: the
+    running step and a save fit in 60 s, so the run checkpoints there; in 0 s nothing fits, so it stops at
+    once and the resumed run goes on from step_5, training the steps after it again (their old metrics
+    lines go). Step 7's result waits until step_5 is complete (its files are recorded on the checkpoint
+    thread, which may lag any number of steps), so the stop always comes at version 7, before step 8."""
     cfg, layout, run_dir, tok_dir = make(tmp_path, f"cluster.grace_s={grace_s}")
     monkeypatch.setenv(STOP_REASON_ENV, str(tmp_path / "stop_reason"))  # what the batch script reads
     tok = build_tokenizer()
-    at_7 = lambda c: c.version >= 7 and c.ckpt.saved_version == 5  # noqa: E731 - step_5 complete by then
-    c, code = run(
-        cfg, layout, run_dir, tok_dir, World(layout, tok, seed=1), Prompts(), signal="SIGTERM", stop_when=at_7
-    )
+    world = World(layout, tok, seed=1, hold=lambda c, version: version >= 7 and c.ckpt.saved_version < 5)
+    at_7 = lambda c: c.version >= 7 and c.ckpt.saved_version >= 5  # noqa: E731
+    c, code = run(cfg, layout, run_dir, tok_dir, world, Prompts(), signal="SIGTERM", stop_when=at_7)
     assert code == EXIT_STOPPED and c.stopped_at_once == (grace_s == 0)
+    assert c.version == 7
     assert (tmp_path / "stop_reason").read_text() == "SIGTERM\n"
     resumed_from = c.version if grace_s else 5
     assert latest_checkpoint(run_dir).name == f"step_{resumed_from}"
