@@ -24,9 +24,12 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from areal_hpc.algo.advantages import ADV_NORMS
 from areal_hpc.arch import model_arch
 from areal_hpc.device import CHOICES as DEVICES
 from areal_hpc.errors import ConfigError
+from areal_hpc.reward import REWARD_KINDS
+from areal_hpc.trainer.choices import LR_DECAYS, PROX_LOGPS, RECOMPUTES
 
 
 @dataclass
@@ -205,16 +208,6 @@ class RolloutConfig:
         return min(1024, self.max_concurrent * self.group_size)
 
 
-ADV_NORMS = ("group", "mean", "batch")
-"""The values of `ppo.adv_norm` (algo/advantages.py gives each one's formula)."""
-PROX_LOGPS = ("recompute", "loglinear")
-"""The values of `ppo.prox_logp` (trainer/step.py)."""
-RECOMPUTES = ("none", "selective", "full")
-"""The values of `ppo.recompute` (trainer/model.py maps each to Megatron's settings)."""
-LR_DECAYS = ("constant", "linear", "cosine")
-"""The values of `ppo.lr_decay` (Megatron's OptimizerParamScheduler styles of those names)."""
-
-
 @dataclass
 class PPOConfig:
     eps_clip: float = 0.2
@@ -299,10 +292,6 @@ class TrainConfig:
     startup_timeout_s: float = 600.0
     """How long a rank may take to start (loading the model, compiling the engine) before its first
     answer to the controller; past it the rank is taken as hung."""
-
-
-REWARD_KINDS = ("math", "code")
-"""The values of `reward.kind` (areal_hpc.reward.score dispatches on them)."""
 
 
 @dataclass
@@ -704,12 +693,7 @@ def describe_config() -> str:
 
 
 __all__ = [
-    "ADV_NORMS",
     "CHOICES",
-    "LR_DECAYS",
-    "PROX_LOGPS",
-    "RECOMPUTES",
-    "REWARD_KINDS",
     "Config",
     "ConfigError",
     "describe_config",

@@ -34,8 +34,9 @@ from pathlib import Path
 import numpy as np
 
 from areal_hpc.arch import model_arch
-from areal_hpc.config import REWARD_KINDS, Config, ConfigError
+from areal_hpc.config import Config, ConfigError
 from areal_hpc.jsonl import JSONLError, read_jsonl
+from areal_hpc.reward import REWARD_KINDS
 from areal_hpc.reward.code import parse_tests
 
 log = logging.getLogger(__name__)

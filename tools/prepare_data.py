@@ -27,8 +27,9 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from areal_hpc.config import REWARD_KINDS, ConfigError
+from areal_hpc.config import ConfigError
 from areal_hpc.data import load_dataset, read_rows
+from areal_hpc.reward import REWARD_KINDS
 from areal_hpc.reward.math import last_boxed
 
 PROMPT_FIELDS = ("prompt", "problem", "question", "input", "instruction", "description")

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from areal_hpc.config import ADV_NORMS
+ADV_NORMS = ("group", "mean", "batch")
+"""The values of `ppo.adv_norm`: the three formulas above (the config imports this list)."""
 
 
 def group_advantages(rewards, group_size: int, adv_norm: str = "group", eps: float = 1e-6) -> np.ndarray:

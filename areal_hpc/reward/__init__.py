@@ -8,6 +8,9 @@ cluster's trajectories, the reward workers have many.
 
 from __future__ import annotations
 
+REWARD_KINDS = ("math", "code")
+"""The values of `reward.kind`: what `score` dispatches on (the config imports this list)."""
+
 
 def response_text(tokenizer, output_ids) -> str:
     """The text a reward scores: a trajectory's tokens decoded, special tokens (EOS) left out. Every
@@ -28,8 +31,6 @@ def score(kind: str, response: str, target, timeout_s: float | None) -> tuple[fl
         from areal_hpc.reward.code import code_score
 
         return code_score(response, target, timeout_s)
-    from areal_hpc.config import REWARD_KINDS  # here only: the scorer processes start without the config
-
     return 0.0, f"error: unknown reward kind {kind!r} (expected one of {', '.join(REWARD_KINDS)})"
 
 

@@ -33,17 +33,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 
 from areal_hpc.arch import QwenArch
-from areal_hpc.config import RECOMPUTES
-
-RECOMPUTE = {
-    "none": {},
-    "selective": {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]},
-    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
-}
-"""`ppo.recompute` as Megatron's TransformerConfig fields: full keeps each layer's input and recomputes
-the layer in the backward pass; selective recomputes the core attention only."""
-if tuple(RECOMPUTE) != RECOMPUTES:  # the values are listed once, in areal_hpc.config
-    raise ImportError(f"trainer.model.RECOMPUTE {tuple(RECOMPUTE)} does not match config.RECOMPUTES {RECOMPUTES}")
+from areal_hpc.trainer.choices import RECOMPUTE
 
 
 def transformer_config(

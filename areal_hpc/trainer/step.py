@@ -46,7 +46,7 @@ import torch.distributed as dist
 from megatron.core.utils import unwrap_model
 
 from areal_hpc.algo.ppo import decoupled_ppo_loss, kl_penalty
-from areal_hpc.config import PROX_LOGPS
+from areal_hpc.trainer.choices import PROX_LOGPS
 from areal_hpc.trainer.model import PackedRows, pack_rows, token_logprobs
 
 
