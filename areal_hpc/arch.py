@@ -1,6 +1,6 @@
 """The architecture of the config's model, read in one place (`model_arch`); the trainer's model build,
-the conversion, the planner's sizes, the config's checks, the generator's context length and the tiny
-model's build all take it from here.
+the conversion, the planner's sizes, the config's checks, the generator's context length and KV cache,
+and the tiny model's build all take it from here, the parameter count and the KV bytes per token too.
 
 ```
  model.path                       the architecture                     the config's model.* shape fields
@@ -13,7 +13,9 @@ model's build all take it from here.
 
 A shape field the config sets and config.json contradicts is a ConfigError naming both values: neither
 is silently preferred. One exception: `model.max_position_embeddings` may be lower than config.json's,
-a cap on the context the run serves (the generators' max_model_len, the default prompt limit). A leaf module (json and the errors only), so config, planner and trainer import it.
+a cap on the context the run serves (the generators' max_model_len, the default prompt limit).
+
+A leaf module (json and the errors only), so config, planner and trainer import it.
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ from typing import TYPE_CHECKING
 from areal_hpc.errors import ConfigError
 
 if TYPE_CHECKING:
-    from areal_hpc.config import ModelConfig
+    from areal_hpc.config.schema import ModelConfig
 
 ARCHITECTURES = ("qwen2", "qwen3")
 """The Hugging Face `model_type`s the trainer builds."""
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""The values of `model.dtype`, and the bytes of one value of each."""
 
 
 @dataclass(frozen=True)
@@ -86,20 +90,20 @@ class QwenArch:
             qk_norm=model_type == "qwen3",
         )
 
-    def check_parallel(self, tp: int, pp: int) -> None:
-        """Raise ValueError naming the field when the model cannot be split `tp` x `pp` ways."""
-        for name, n in (
-            ("num_attention_heads", self.num_attention_heads),
-            ("num_key_value_heads", self.num_key_value_heads),
-            ("intermediate_size", self.intermediate_size),
-            ("vocab_size", self.vocab_size),
-        ):
-            if n % tp:
-                raise ValueError(f"allocation.train_tp ({tp}) must divide the model's {name} ({n})")
-        if self.num_layers % pp:
-            raise ValueError(
-                f"allocation.train_pp ({pp}) must divide the model's num_hidden_layers ({self.num_layers})"
-            )
+    @property
+    def params(self) -> int:
+        """Parameters of the decoder (d: the head size): per layer q, o: h * heads * d each; k, v:
+        h * kv_heads * d each; MLP: 3 h f; plus the embedding v h, and the output projection v h unless
+        tied (biases and norms left out: under 0.1%)."""
+        h, d = self.hidden_size, self.head_dim
+        per_layer = 2 * h * self.num_attention_heads * d + 2 * h * self.num_key_value_heads * d
+        per_layer += 3 * h * self.intermediate_size
+        return self.num_layers * per_layer + self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+
+    def kv_bytes_per_token(self, dtype_bytes: int, tp: int = 1) -> int:
+        """KV cache of one token on one of `tp` tensor-parallel workers: K and V of every layer,
+        2 * layers * kv_heads / tp * head_dim * dtype_bytes (a worker holds at least one KV head)."""
+        return 2 * self.num_layers * max(1, self.num_key_value_heads // tp) * self.head_dim * dtype_bytes
 
 
 TINY = {
@@ -128,7 +132,7 @@ def model_arch(m: ModelConfig) -> QwenArch:
     config_json = Path(m.path) / "config.json"
     if m.path != "tiny" and config_json.is_file():
         try:
-            arch = _read_hf(str(config_json.parent), config_json.stat().st_mtime_ns)
+            arch = hf_arch(m.path)
         except (ValueError, KeyError) as e:
             raise ConfigError(f"model.path {m.path}: {e}") from None
         have = _shape(arch)
@@ -163,6 +167,11 @@ def model_arch(m: ModelConfig) -> QwenArch:
     for k in ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"):
         if s[k] < 1:
             raise ConfigError(f"model.{k} must be at least 1 (got {s[k]})")
+    if s["num_attention_heads"] % s["num_key_value_heads"]:
+        raise ConfigError(
+            f"model.num_key_value_heads ({s['num_key_value_heads']}) must divide model.num_attention_heads "
+            f"({s['num_attention_heads']})"
+        )
     if not s["head_dim"] and s["hidden_size"] % s["num_attention_heads"]:
         raise ConfigError(
             f"model.num_attention_heads ({s['num_attention_heads']}) must divide model.hidden_size "
@@ -179,7 +188,13 @@ def _shape(arch: QwenArch) -> dict:
     return shape | {"architecture": arch.model_type}
 
 
+def hf_arch(model_dir: str | Path) -> QwenArch:
+    """The architecture in a Hugging Face directory's config.json (`QwenArch.from_hf`), read once per version
+    of the file (the planner asks for the shape of every plan it considers)."""
+    config_json = Path(model_dir) / "config.json"
+    return _read_hf(str(config_json.parent), config_json.stat().st_mtime_ns)
+
+
 @cache
 def _read_hf(model_dir: str, mtime_ns: int) -> QwenArch:
-    """config.json read once per version of the file (the planner asks for the shape of every plan)."""
     return QwenArch.from_hf(model_dir)

@@ -46,8 +46,6 @@ def cmd_run(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    import dataclasses
-
     from areal_hpc import planner
     from areal_hpc.layout import Layout
 
@@ -61,13 +59,14 @@ def cmd_plan(args) -> int:
         }
         prediction, why = planner.choose(cfg, fixed)
         cfg = planner.with_plan(cfg, prediction.plan)
-        layout = dataclasses.replace(Layout.from_config(cfg), why=why)
     else:
-        layout, prediction = Layout.from_config(cfg), planner.predict(cfg)
+        cfg, why = planner.resolve_split(cfg)
+        prediction = planner.predict(cfg)
+    layout = Layout.from_config(cfg)
     if args.ranks:
         print(layout.rank_table())
         return 0
-    print(layout.table())
+    print(layout.table(why))
     print()
     print(planner.report(cfg, prediction))
     if not args.search:
@@ -83,11 +82,12 @@ def cmd_submit(args) -> int:
 
 
 def cmd_render(args) -> int:
+    from areal_hpc.planner import resolve_split
     from areal_hpc.rundir import Holder, lock_run_dir, prepare_run_dir, unlock_run_dir
     from launch.record import job_active
     from launch.slurm import SlurmLauncher
 
-    cfg = _config(args)
+    cfg, _ = resolve_split(_config(args))  # the run directory's config.yaml records the split
     script = SlurmLauncher().script(cfg)
     holder = Holder.this_process()
     lock_run_dir(cfg.run_dir, holder, job_active)  # not while a run or job uses the directory

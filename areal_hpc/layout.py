@@ -5,11 +5,13 @@
  role:        controller   reward workers  generators (1 vLLM engine each)   trainers (TP x PP x DP)
 ```
 
-Nodes: `cluster.nodes` accelerator nodes are split between generation and training (by
-`allocation.gen_share`, or exactly `allocation.gen_nodes`, or the planner's fastest split with
-`gen_share: auto`); the controller and the reward workers share `allocation.reward_nodes` more nodes,
-CPU nodes. On Slurm these are the three components of the heterogeneous job; locally every "node" is
-a set of cores of this machine.
+Nodes: `cluster.nodes` accelerator nodes are split between generation and training, `allocation.gen_nodes`
+of them generating (a number: a launcher resolves `allocation.gen_share` into it once, with the planner,
+and the run's config.yaml records it); the controller and the reward workers share
+`allocation.reward_nodes` more nodes, CPU nodes. On Slurm these are the three components of the
+heterogeneous job; locally every "node" is a set of cores of this machine. The layout reads these numbers
+and nothing else: it neither chooses the split nor checks the parallel sizes (areal_hpc.parallel does,
+when the config is loaded).
 
 Each rank asks `Layout.role_of(rank)`; `Layout.split(comm)` gives the role communicators. Nothing
 else computes ranks: a trainer's (tp, pp, dp) coordinates (`TrainerGrid`, `Layout.trainer_coords`), the
@@ -41,10 +43,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from areal_hpc.errors import ConfigError
-from areal_hpc.planner import split_nodes
 
 if TYPE_CHECKING:
-    from areal_hpc.config import Config
+    from areal_hpc.config.schema import Config
 
 
 class Role(enum.IntEnum):
@@ -159,8 +160,6 @@ class Layout:
     gen_tp: int
     train_tp: int
     train_pp: int
-    why: str
-    """One sentence on how the split was chosen (shown in the table)."""
     uses_gpus: bool
     """Whether generator and trainer ranks hold GPUs: cluster.device is auto or cuda (in a cpu run
     `gpus_per_node` counts process slots and nothing asks Slurm for GPUs)."""
@@ -353,23 +352,21 @@ class Layout:
     # --- construction ---
     @classmethod
     def from_config(cls, cfg: Config) -> Layout:
-        """The rank map on the split that `planner.split_nodes` chooses; raises ConfigError when the config
-        cannot fit."""
+        """The rank map of a config whose split is resolved (`allocation.gen_nodes` a number)."""
         c, a = cfg.cluster, cfg.allocation
-        n, g = c.nodes, c.gpus_per_node
-        if n < 2:
-            raise ConfigError(f"cluster.nodes ({n}) must be at least 2: one for generation and one for training")
-        if g % a.gen_tp:
+        if a.gen_nodes is None:
             raise ConfigError(
-                f"allocation.gen_tp ({a.gen_tp}) must divide cluster.gpus_per_node ({g}): "
-                "one vLLM engine never spans nodes"
+                "allocation.gen_nodes is not set: the node split (allocation.gen_share) is resolved when a run is "
+                "launched and recorded in the run's config.yaml (areal_hpc.planner.resolve_split)"
             )
-        gen_nodes, why = split_nodes(cfg)
-        uses_gpus = c.device != "cpu"
-        return cls(n, g, a.reward_workers, gen_nodes, a.gen_tp, a.train_tp, a.train_pp, why, uses_gpus, a.reward_nodes)
+        return cls(
+            c.nodes, c.gpus_per_node, a.reward_workers, a.gen_nodes, a.gen_tp, a.train_tp, a.train_pp,
+            uses_gpus=c.device != "cpu", reward_nodes=a.reward_nodes,
+        )  # fmt: skip
 
-    def table(self) -> str:
-        """The split as a table that adds up, with the reason for it."""
+    def table(self, why: str = "") -> str:
+        """The split as a table that adds up, and `why` it is this split (from the planner's
+        `resolve_split`)."""
         g = self.gpus_per_node
         rows = [
             ("component", "nodes", "GPUs", "ranks", "world ranks", "what"),
@@ -400,8 +397,8 @@ class Layout:
             ("total", f"{self.nodes} + {self.reward_nodes} CPU", str(self.nodes * g), str(self.world_size), "", ""),
         ]
         gen_share = self.gen_nodes * g / (self.nodes * g)
-        why = f"generation gets {self.gen_nodes}/{self.nodes} nodes ({gen_share:.0%} of the GPUs): {self.why}"
-        return _columns(rows) + "\n" + why
+        split = f"generation gets {self.gen_nodes}/{self.nodes} nodes ({gen_share:.0%} of the GPUs)"
+        return _columns(rows) + "\n" + split + (f": {why}" if why else "")
 
 
 def _columns(rows: list[tuple[str, ...]]) -> str:

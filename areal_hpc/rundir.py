@@ -94,11 +94,15 @@ def prepare_run_dir(cfg: Config, fresh: bool = False) -> Path:
 def config_changes(previous: Config, cfg: Config) -> list[str]:
     """'ppo.lr: 0.0003 -> 0.1' for every field that differs, but the RESUMABLE ones. The `model.*` shape
     fields count through the architecture they give (`arch.model_arch`): a run directory whose config
-    wrote them out (or left them to config.json) resumes while the model is the same."""
+    wrote them out (or left them to config.json) resumes while the model is the same. A run directory
+    from before launchers recorded the node split (`allocation.gen_nodes` null there) took its split from
+    the same `allocation.gen_share`, which is compared."""
     from areal_hpc.arch import SHAPE_FIELDS, model_arch
 
     old = _flat(OmegaConf.to_container(OmegaConf.structured(previous)))
     new = _flat(OmegaConf.to_container(OmegaConf.structured(cfg)))
+    if old.get("allocation.gen_nodes") is None:
+        old["allocation.gen_nodes"] = new.get("allocation.gen_nodes")
     if model_arch(previous.model) == model_arch(cfg.model):
         for key in (f"model.{f}" for f in SHAPE_FIELDS):
             old.pop(key, None), new.pop(key, None)

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from areal_hpc.config import Config
 from areal_hpc.layout import Layout
+from areal_hpc.planner import resolve_split
 from launch import LaunchError
 from launch.record import ACTIVE, query_states
 from launch.sbatch import render_sbatch
@@ -57,7 +58,8 @@ class Check:
 
 
 def doctor(cfg: Config, python: str | None = None, wait_s: float = 600, say=print) -> list[Check]:
-    """Every check, printed as it is known; returns them."""
+    """Every check, printed as it is known; returns them (on the node split a run would be launched on)."""
+    cfg, _ = resolve_split(cfg)
     checks = []
 
     def add(check: Check) -> None:

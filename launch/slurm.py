@@ -25,6 +25,7 @@ from pathlib import Path
 from submitit.core import utils
 from submitit.slurm.slurm import SlurmExecutor, SlurmInfoWatcher, SlurmJob
 
+from areal_hpc import planner
 from areal_hpc.config import Config
 from areal_hpc.layout import Layout
 from areal_hpc.rundir import Holder, lock_run_dir, prepare_run_dir, relock_run_dir, unlock_run_dir
@@ -174,15 +175,16 @@ class SlurmLauncher:
         """What every rank runs (default: `python -m areal_hpc.main RUN_DIR`)."""
 
     def script(self, cfg: Config) -> str:
-        """The job's sbatch script; a config whose generator or trainer does not fit its GPUs is refused
-        first (`planner.check_fits`: what to change, by name). A cpu config's nodes are not known here."""
-        from areal_hpc import planner
-
+        """The job's sbatch script, on the config's node split (`planner.resolve_split`); a config whose
+        generator or trainer does not fit its GPUs is refused first (`planner.check_fits`: what to change,
+        by name). A cpu config's nodes are not known here."""
+        cfg, _ = planner.resolve_split(cfg)
         if cfg.cluster.device != "cpu":
             planner.check_fits(cfg)
         return render_sbatch(cfg, workdir=Path.cwd(), python=self.python or _default_python(cfg), command=self.command)
 
     def launch(self, cfg: Config, fresh: bool = False) -> int:
+        cfg, _ = planner.resolve_split(cfg)
         job_id = self.submit(cfg, fresh=fresh)
         run_dir = Path.cwd() / cfg.run_dir
         print(f"submitted job {job_id}: {describe_request(cfg)}")
@@ -192,7 +194,9 @@ class SlurmLauncher:
 
     def submit(self, cfg: Config, fresh: bool = False) -> str:
         """Prepare the run directory, submit the job, write RUN_DIR/job.json; returns the job id. The
-        job holds the run directory's lock from then on (stale once Slurm no longer runs it)."""
+        job holds the run directory's lock from then on (stale once Slurm no longer runs it). The node
+        split is resolved here, once, and the run directory's config.yaml records it."""
+        cfg, _ = planner.resolve_split(cfg)
         check_cluster(cfg, partitions())
         script = self.script(cfg)  # before touching the run directory: a config error changes nothing
         executor = HetSlurmExecutor(cfg.run_dir.resolve() / "slurm", script)

@@ -8,6 +8,7 @@ import pytest
 
 from areal_hpc.config import Config, ConfigError, describe_config, field_docs, load_config, save_config
 from areal_hpc.layout import Layout
+from areal_hpc.planner import resolve_split
 from tests.helpers import REPO, TINY
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -69,6 +70,27 @@ def test_wrong_type_in_yaml_file(tmp_path):
         load_config(bad)
 
 
+def test_loading_a_config_runs_no_planner_and_builds_no_layout(monkeypatch):
+    """gen_share auto is resolved when a run is launched (planner.resolve_split), not when a config loads:
+    loading reads numbers and checks rules, and a layout needs the split as a number."""
+    import areal_hpc.layout
+    import areal_hpc.planner.search
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("loading a config ran the planner or built a layout")
+
+    monkeypatch.setattr(areal_hpc.planner.search, "choose", refuse)
+    monkeypatch.setattr(areal_hpc.layout.Layout, "from_config", refuse)
+    cfg = load_config(REPO / "configs" / "qwen32b.yaml", ["cluster.nodes=16"])
+    assert cfg.allocation.gen_share == "auto" and cfg.allocation.gen_nodes is None
+    monkeypatch.undo()
+    with pytest.raises(ConfigError, match="allocation.gen_nodes is not set"):
+        Layout.from_config(cfg)
+    resolved, why = resolve_split(cfg)
+    assert resolved.allocation.gen_nodes == 5 and "the planner's fastest split" in why
+    assert resolve_split(resolved) == (resolved, "allocation.gen_nodes = 5 (set in the config)")
+
+
 def test_allocation_that_cannot_fit():
     # 3 nodes of 1 device, trainer needs TP 2 x PP 1: no split leaves an even trainer count... except 1 gen node.
     with pytest.raises(ConfigError, match="train_tp x train_pp"):
@@ -98,7 +120,7 @@ def test_every_field_is_documented():
 
 
 def test_qwen32b_plan_adds_up_to_16_nodes_of_8_gpus():
-    cfg = load_config(REPO / "configs" / "qwen32b.yaml", ["cluster.nodes=16"])
+    cfg, _ = resolve_split(load_config(REPO / "configs" / "qwen32b.yaml", ["cluster.nodes=16"]))
     layout = Layout.from_config(cfg)
     assert layout.gen_nodes + layout.train_nodes == 16
     assert layout.generators * layout.gen_tp + layout.trainers == 16 * 8

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from areal_hpc.config import ConfigError, load_config
 from areal_hpc.layout import Layout, Role, TrainerCoords, TrainerGrid
+from areal_hpc.planner import resolve_split
 from tests.helpers import TINY
 
 
@@ -32,17 +33,18 @@ def test_layout_partitions_the_world(nodes, gpus, rewards, gen_tp, train_tp, tra
         f"allocation.train_tp={train_tp}",
         f"allocation.train_pp={train_pp}",
         f"allocation.gen_share={share}",
+        "allocation.gen_nodes=null",
         "model.num_attention_heads=8",
         "model.num_key_value_heads=4",
         "model.hidden_size=64",
     ]
     try:
-        layout = Layout.from_config(load_config(TINY, overrides))
+        layout = Layout.from_config(resolve_split(load_config(TINY, overrides))[0])
     except ConfigError:
         return  # a config that cannot fit is refused; the fitting ones must partition exactly
     roles = [layout.role_of(r) for r in range(layout.world_size)]
     assert roles[0] == Role.CONTROLLER
-    assert roles == sorted(roles), "roles occupy contiguous rank ranges in the order of DESIGN.md"
+    assert roles == sorted(roles), "roles occupy contiguous rank ranges in the order of docs/design.md"
     assert sum(len(layout.ranks(role)) for role in Role) == layout.world_size
     comps = layout.components
     assert [c.first_rank for c in comps] == [0, comps[0].ntasks, comps[0].ntasks + comps[1].ntasks]
@@ -80,8 +82,9 @@ def test_rank_outside_world():
 
 
 def test_table_explains_the_choice():
-    layout = Layout.from_config(load_config(TINY, ["cluster.nodes=8", "allocation.gen_nodes=null"]))
-    table = layout.table()
+    cfg, why = resolve_split(load_config(TINY, ["cluster.nodes=8", "allocation.gen_nodes=null"]))
+    layout = Layout.from_config(cfg)
+    table = layout.table(why)
     assert "gen_share 0.75 of 8 nodes = 6" in table
     assert layout.gen_nodes == 6
 
@@ -121,8 +124,8 @@ def check_placement(layout: Layout) -> None:
     "config,nodes", [("qwen1.5b", 4), ("qwen7b", 8), ("qwen32b", 16), ("qwen32b", 32), ("tiny-cpu", 3)]
 )
 def test_shipped_configs_place_disjoint_gpus(config, nodes):
-    layout = Layout.from_config(load_config(f"configs/{config}.yaml", [f"cluster.nodes={nodes}"]))
-    check_placement(layout)
+    cfg, _ = resolve_split(load_config(f"configs/{config}.yaml", [f"cluster.nodes={nodes}"]))
+    check_placement(Layout.from_config(cfg))
 
 
 def test_placement_of_a_small_job():

@@ -23,7 +23,8 @@ PAPER_HOURS = {"synchronous": 41.0, "asynchronous": 14.8}
 
 
 def cfg_of(name, nodes=16, *overrides):
-    return load_config(CONFIGS / f"{name}.yaml", [f"cluster.nodes={nodes}", *overrides])
+    """A shipped config on `nodes` nodes, its split resolved as a launcher resolves it."""
+    return planner.resolve_split(load_config(CONFIGS / f"{name}.yaml", [f"cluster.nodes={nodes}", *overrides]))[0]
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +174,7 @@ def test_cli_plan_prints_split_and_both_predictions():
 
 @pytest.mark.parametrize("name", ["qwen1.5b", "qwen7b", "qwen32b"])
 def test_shipped_configs_are_the_split_their_planner_prefers(name):
-    cfg = load_config(CONFIGS / f"{name}.yaml")
+    cfg, _ = planner.resolve_split(load_config(CONFIGS / f"{name}.yaml"))
     assert cfg.allocation.gen_share == "auto"
     best, _ = planner.choose(cfg)  # the full search: gen_nodes, gen_tp, train_tp, train_pp
     shipped = planner.predict(cfg)
@@ -183,12 +184,12 @@ def test_shipped_configs_are_the_split_their_planner_prefers(name):
 
 def test_gen_share_auto_is_the_planners_split_on_any_node_count():
     for nodes in (8, 24):
-        cfg = cfg_of("qwen7b", nodes)
+        cfg, why = planner.resolve_split(load_config(CONFIGS / "qwen7b.yaml", [f"cluster.nodes={nodes}"]))
         a = cfg.allocation
         best, _ = planner.choose(cfg, {"gen_tp": a.gen_tp, "train_tp": a.train_tp, "train_pp": a.train_pp})
         layout = Layout.from_config(cfg)
         assert layout.gen_nodes == best.plan.gen_nodes
-        assert "allocation.gen_share auto: the planner's fastest split" in layout.table()
+        assert "allocation.gen_share auto: the planner's fastest split" in layout.table(why)
     with pytest.raises(ConfigError, match="gen_share must be auto or strictly between 0 and 1"):
         cfg_of("qwen7b", 16, "allocation.gen_share=half")
 
@@ -251,10 +252,10 @@ def test_each_memory_setting_moves_the_trainer_figure_the_right_way():
 
 
 def test_a_cpu_run_is_checked_against_the_hosts_memory():
-    cfg = load_config(None, ["cluster.device=cpu"])
+    cfg, _ = planner.resolve_split(load_config(None, ["cluster.device=cpu"]))
     need = sum(planner.host_memory_need(cfg).values())
     assert "memory on this host" in planner.check_host_fits(cfg, available=need * 1.01)
     with pytest.raises(ConfigError, match="ppo.max_tokens_per_mb"):
         planner.check_host_fits(cfg, available=need * 0.99)
-    bigger = load_config(None, ["cluster.device=cpu", "ppo.max_tokens_per_mb=65536"])
+    bigger, _ = planner.resolve_split(load_config(None, ["cluster.device=cpu", "ppo.max_tokens_per_mb=65536"]))
     assert planner.host_memory_need(bigger)["trainer"] > planner.host_memory_need(cfg)["trainer"]

@@ -19,6 +19,7 @@ from areal_hpc.cli import main as cli_main
 from areal_hpc.config import ConfigError, load_config
 from areal_hpc.exit_codes import EXIT_STOPPED
 from areal_hpc.layout import Layout
+from areal_hpc.planner import resolve_split
 from launch import LaunchError, get_launcher
 from launch.record import JobRecord, parse_squeue, status
 from launch.sbatch import fill, render_sbatch
@@ -33,8 +34,12 @@ PYTHON = "/work/areal-hpc/.venv/bin/python"
 
 
 def render(overrides=(), config="tiny-cpu", **kw):
-    cfg = load_config(REPO / "configs" / f"{config}.yaml", list(overrides))
-    return render_sbatch(cfg, workdir=WORKDIR, python=PYTHON, **kw)
+    return render_sbatch(launched(REPO / "configs" / f"{config}.yaml", overrides), workdir=WORKDIR, python=PYTHON, **kw)
+
+
+def launched(path, overrides=()):
+    """A config as a launcher renders it: its node split resolved (planner.resolve_split)."""
+    return resolve_split(load_config(path, list(overrides)))[0]
 
 
 def srun_step(script: str) -> str:
@@ -58,7 +63,7 @@ def directives(script: str) -> list[list[str]]:
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_snapshot(path):
-    text = render_sbatch(load_config(path), workdir=WORKDIR, python=PYTHON)
+    text = render_sbatch(launched(path), workdir=WORKDIR, python=PYTHON)
     snap = SNAPSHOTS / f"{path.stem}.sbatch"
     if os.environ.get("UPDATE_SNAPSHOTS") == "1":
         SNAPSHOTS.mkdir(exist_ok=True)
@@ -72,7 +77,7 @@ def test_snapshot(path):
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_script_is_valid_bash(path):
-    text = render_sbatch(load_config(path), workdir=WORKDIR, python=PYTHON)
+    text = render_sbatch(launched(path), workdir=WORKDIR, python=PYTHON)
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
 
 
@@ -282,6 +287,20 @@ def test_render_writes_the_script_and_the_config(tmp_path):
     assert code == 0
     assert "--het-group=2" in srun_step(out.read_text())
     assert (root / "tiny-cpu/trial0/config.yaml").is_file()
+
+
+def test_render_records_the_resolved_split_in_the_run_config(tmp_path):
+    """gen_share auto is resolved once, when the run is launched, and the run's config.yaml holds the split as
+    a number: every rank reads it from there, none runs the planner."""
+    root = tmp_path / "runs"
+    out = tmp_path / "job.sbatch"
+    code = cli_main(
+        ["render", str(REPO / "configs/qwen1.5b.yaml"), "--nodes", "16", "-o", str(out), f"experiment.root={root}"]
+    )
+    assert code == 0
+    saved = load_config(root / "qwen1.5b-math/trial0/config.yaml")
+    assert saved.allocation.gen_share == "auto" and saved.allocation.gen_nodes == 9
+    assert "#   1 generator  9 node(s) x 8 task(s)" in out.read_text()
 
 
 def test_status_and_cancel_without_a_job_say_so(tmp_path, capsys):

@@ -57,6 +57,18 @@ def test_resume_compares_the_models_shape_not_how_it_was_written(tmp_path):
         prepare_run_dir(tiny(tmp_path, "model.num_layers=4"))
 
 
+def test_a_run_directory_from_before_the_recorded_split_resumes(tmp_path):
+    """Launchers record the node split as allocation.gen_nodes; an older run directory left it null (the
+    split came from allocation.gen_share, which is still compared)."""
+    prepare_run_dir(tiny(tmp_path, "cluster.nodes=4", "allocation.gen_nodes=null"))
+    prepare_run_dir(tiny(tmp_path, "cluster.nodes=4", "allocation.gen_nodes=3"))
+    assert load_config(tmp_path / "tiny-cpu/trial0/config.yaml").allocation.gen_nodes == 3
+    with pytest.raises(ConfigError, match="allocation.gen_nodes: 3 -> 2"):
+        prepare_run_dir(tiny(tmp_path, "cluster.nodes=4", "allocation.gen_nodes=2"))
+    with pytest.raises(ConfigError, match="allocation.gen_share: 0.75 -> 0.5"):
+        prepare_run_dir(tiny(tmp_path, "cluster.nodes=4", "allocation.gen_nodes=3", "allocation.gen_share=0.5"))
+
+
 def test_a_second_run_is_refused_naming_the_holder_and_a_dead_holders_lock_is_stale(tmp_path, capsys):
     run_dir = tmp_path / "tiny-cpu" / "trial0"
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -403,8 +403,8 @@ def _trajectory(traj: _InFlight, finish_reason: str | None) -> Trajectory:
 
 
 def _cpu_setup(model_path, tp: int, max_num_seqs: int, max_model_len: int | None) -> int:
-    """On CPU, the KV cache this engine can use at most (`planner.cpu_kv_cache_bytes`: every trajectory at
-    full length, within bounds). (On GPU vLLM sizes it from gpu_memory_utilization.)
+    """On CPU, the KV cache this engine can use at most (`generator.kv_cache.cpu_kv_cache_bytes`: every
+    trajectory at full length, within bounds). (On GPU vLLM sizes it from gpu_memory_utilization.)
 
     Also fails at start, with the fix, on a head size vLLM's CPU attention does not support, rather
     than at the first step; and lets the workers' threads float (no auto-binding) with tp > 1 (vLLM's
@@ -412,27 +412,21 @@ def _cpu_setup(model_path, tp: int, max_num_seqs: int, max_model_len: int | None
     OMP_NUM_THREADS asks for fewer threads than the cores this process may use (auto-binding would put
     a thread on each of them: areal_hpc.layout.Layout.core_plan's ranks that share the cores).
     """
-    import json
-    from pathlib import Path
-
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    from areal_hpc.planner import cpu_kv_cache_bytes
+    from areal_hpc.arch import hf_arch
+    from areal_hpc.generator.kv_cache import cpu_kv_cache_bytes
 
     threads = os.environ.get("OMP_NUM_THREADS")
     if tp > 1 or (threads and int(threads) < len(os.sched_getaffinity(0))):
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
-    hf = json.loads((Path(model_path) / "config.json").read_text())
-
+    arch = hf_arch(model_path)
     supported = CPUAttentionBackend.get_supported_head_sizes()
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-    if head_dim not in supported:
+    if arch.head_dim not in supported:
         raise ValueError(
-            f"head size {head_dim} (model.hidden_size {hf['hidden_size']} / model.num_attention_heads "
-            f"{hf['num_attention_heads']}) is not supported by vLLM's CPU attention; supported: "
+            f"head size {arch.head_dim} (model.hidden_size {arch.hidden_size} / model.num_attention_heads "
+            f"{arch.num_attention_heads}) is not supported by vLLM's CPU attention; supported: "
             f"{', '.join(map(str, supported))} (e.g. fewer attention heads)"
         )
-    kv_heads = max(1, hf.get("num_key_value_heads", hf["num_attention_heads"]) // tp)
-    per_token = 2 * hf["num_hidden_layers"] * kv_heads * head_dim * 4  # K and V, fp32 at most
-    return cpu_kv_cache_bytes(per_token, max_num_seqs * (max_model_len or hf.get("max_position_embeddings", 4096)))
+    return cpu_kv_cache_bytes(arch, tp, max_num_seqs, max_model_len or arch.max_position_embeddings)

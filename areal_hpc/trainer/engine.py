@@ -31,6 +31,7 @@ from areal_hpc.arch import QwenArch
 from areal_hpc.config import PPOConfig
 from areal_hpc.device import backend
 from areal_hpc.layout import TrainerGrid
+from areal_hpc.parallel import check_trainer
 from areal_hpc.trainer import cpu_compat
 from areal_hpc.trainer.convert import export_stage, load_hf_into
 from areal_hpc.trainer.model import build_stage, transformer_config
@@ -144,7 +145,7 @@ class Engine:
         self.par = par
         self.model_dir = Path(model_dir)
         self.arch = QwenArch.from_hf(model_dir)
-        self.arch.check_parallel(par.tp, par.pp)
+        check_trainer(self.arch, par.tp, par.pp)
         self.device = par.device
         self.resumed_from: Path | None = None
         """The checkpoint this engine's state was loaded from (named in a non-finite step's error)."""

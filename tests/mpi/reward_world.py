@@ -40,6 +40,7 @@ def main():
     world = MPI.COMM_WORLD
     tok = build_tokenizer()  # the worker decodes the trajectories' tokens with the run's tokenizer
     cfg = Config()
+    cfg.allocation.gen_nodes = 1  # the split of the default 2 nodes
     cfg.reward.timeout_s = 1.5
     cfg.reward.processes = 2
     layout = Layout.from_config(cfg)

@@ -1,35 +1,15 @@
-"""The run configuration: OmegaConf over dataclasses, one small dataclass per section.
+"""The run configuration's schema: one small dataclass per section, every field documented once by the
+string literal directly under it (what `--config-help` and the docs show).
 
-Each field is documented once, by the string literal directly under it; `field_docs` reads those
-strings, and `areal-hpc --config-help` shows them (with the values of the fields in `CHOICES`). Any
-field can be overridden on the command line as `section.field=value`.
-
-Errors a user can make (unknown keys, wrong types, rules across fields) raise `ConfigError` with a
-message that names the key and says what to do; the CLI prints it and exits with code 2.
+The sections are the YAML file's top-level keys (`Config`'s fields). Loading and overriding is
+`areal_hpc.config.load`; the rules across fields are `areal_hpc.config.validate`.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import difflib
-import inspect
-import textwrap
 from dataclasses import dataclass, field
-from functools import cache
 from pathlib import Path
-from typing import Any
-
-import yaml
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
-from areal_hpc.algo.advantages import ADV_NORMS
-from areal_hpc.arch import model_arch
-from areal_hpc.device import CHOICES as DEVICES
-from areal_hpc.errors import ConfigError
-from areal_hpc.reward import REWARD_KINDS
-from areal_hpc.trainer.choices import LR_DECAYS, PROX_LOGPS, RECOMPUTES
 
 
 @dataclass
@@ -161,11 +141,12 @@ class ClusterConfig:
 @dataclass
 class AllocationConfig:
     gen_share: float | str = 0.75
-    """Share of the nodes given to generation (the AReaL paper uses 3/4), or `auto`: the split that the
-    planner predicts fastest (`areal-hpc plan`), with gen_tp, train_tp and train_pp as set here. The
-    rest of the nodes train."""
+    """Share of the nodes given to generation (the AReaL paper uses 3/4; the nearest split whose trainer GPUs
+    hold whole TP x PP replicas), or `auto`: the split that the planner predicts fastest (`areal-hpc
+    plan`), with gen_tp, train_tp and train_pp as set here. The rest of the nodes train."""
     gen_nodes: int | None = None
-    """Generator nodes, overriding `gen_share` (null: from the share)."""
+    """Generator nodes, overriding `gen_share` (null: from the share). A run resolves the share into this
+    number once, when it is launched (run, submit, render), and its config.yaml records it."""
     gen_tp: int = 1
     """Tensor-parallel size of each vLLM engine (GPUs per engine)."""
     train_tp: int = 1
@@ -398,307 +379,7 @@ class Config:
         return Path(self.experiment.root) / self.experiment.name / self.experiment.trial
 
 
-# --- loading -----------------------------------------------------------------------------------
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Read a YAML config, apply `section.field=value` overrides, validate, and return it."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    _check_keys(data, Config, where=str(path) if path else "config")
-    dotlist = []
-    for item in overrides:
-        key, sep, _ = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"override '{item}' is not of the form section.field=value")
-        _check_key_path(key.strip().split("."), Config, where="override")
-        dotlist.append(item)
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(Config), data, OmegaConf.from_dotlist(dotlist))
-        cfg: Config = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as e:
-        raise ConfigError(_omegaconf_message(e)) from None
-    validate(cfg)
-    return cfg
-
-
-def save_config(cfg: Config, path: str | Path) -> None:
-    """Write the resolved config as YAML (what `load_config` reads back unchanged)."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-
-
-def to_yaml(cfg: Config) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
-
-
-def _fields(cls) -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in dataclasses.fields(cls)}
-
-
-def _section_class(f: dataclasses.Field):
-    """The dataclass of a section field, or None for a leaf."""
-    t = f.type if not isinstance(f.type, str) else _resolve_type(f.type)
+def section_class(f: dataclasses.Field):
+    """The dataclass of a `Config` (or section) field, or None for a leaf."""
+    t = f.type if not isinstance(f.type, str) else globals().get(f.type)
     return t if dataclasses.is_dataclass(t) else None
-
-
-def _resolve_type(name: str):
-    return globals().get(name)
-
-
-def _unknown(key: str, known: list[str], where: str, prefix: str) -> ConfigError:
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
-    hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(known)}"
-    return ConfigError(f"{where}: unknown key '{prefix}{key}'{hint}")
-
-
-def _check_keys(data: dict, cls, where: str, prefix: str = "") -> None:
-    fields = _fields(cls)
-    for key, value in data.items():
-        if key not in fields:
-            raise _unknown(str(key), list(fields), where, prefix)
-        sub = _section_class(fields[key])
-        if sub is not None:
-            if not isinstance(value, dict):
-                raise ConfigError(f"{where}: '{prefix}{key}' must be a section (a mapping), got {value!r}")
-            _check_keys(value, sub, where, prefix=f"{prefix}{key}.")
-
-
-def _check_key_path(parts: list[str], cls, where: str) -> None:
-    prefix = ""
-    for i, part in enumerate(parts):
-        fields = _fields(cls)
-        if part not in fields:
-            raise _unknown(part, list(fields), where, prefix)
-        sub = _section_class(fields[part])
-        if sub is None:
-            if i != len(parts) - 1:
-                raise ConfigError(f"{where}: '{prefix}{part}' is a value, not a section")
-            return
-        cls, prefix = sub, f"{prefix}{part}."
-    raise ConfigError(f"{where}: '{'.'.join(parts)}' is a section; override one of its fields")
-
-
-def _one_of(options: tuple[str, ...]) -> str:
-    """("a", "b", "c") -> "a, b or c", for error messages."""
-    return f"{', '.join(options[:-1])} or {options[-1]}" if len(options) > 1 else options[0]
-
-
-def _omegaconf_message(e: OmegaConfBaseException) -> str:
-    key = getattr(e, "full_key", None) or ""
-    msg = str(e).splitlines()[0]
-    if "Value" in msg and "could not be converted" in msg or "Invalid type" in msg or "is not a" in msg:
-        return f"{key}: wrong type: {msg}"
-    return f"{key}: {msg}" if key else msg
-
-
-# --- validation --------------------------------------------------------------------------------
-
-
-CHOICES = {
-    "cluster.device": DEVICES,
-    "reward.kind": REWARD_KINDS,
-    "ppo.adv_norm": ADV_NORMS,
-    "ppo.prox_logp": PROX_LOGPS,
-    "ppo.recompute": RECOMPUTES,
-    "ppo.lr_decay": LR_DECAYS,
-}
-"""Fields with a fixed set of values: `validate` refuses any other, `describe_config` lists them."""
-
-
-def validate(cfg: Config) -> None:
-    """Rules across fields; raises ConfigError naming the fields and the fix."""
-    a, r, p, c = cfg.allocation, cfg.rollout, cfg.ppo, cfg.cluster
-
-    def need(ok: bool, msg: str) -> None:
-        if not ok:
-            raise ConfigError(msg)
-
-    m = model_arch(cfg.model)  # the shape fields' own rules, and their agreement with config.json
-
-    need(
-        cfg.model.dtype in ("float32", "bfloat16", "float16"),
-        f"model.dtype must be float32, bfloat16 or float16 (got '{cfg.model.dtype}')",
-    )
-    for key, options in CHOICES.items():
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        need(value in options, f"{key} must be {_one_of(options)} (got '{value}')")
-    need(cfg.reward.timeout_s > 0, f"reward.timeout_s must be > 0 (got {cfg.reward.timeout_s})")
-    need(cfg.reward.processes >= 0, f"reward.processes must be >= 0 (got {cfg.reward.processes}); 0 is one per core")
-    need(
-        0 <= p.lr_warmup_steps < cfg.train.total_steps,
-        f"ppo.lr_warmup_steps ({p.lr_warmup_steps}) must be at least 0 and below train.total_steps "
-        f"({cfg.train.total_steps})",
-    )
-    need(0 <= p.min_lr <= p.lr, f"ppo.min_lr ({p.min_lr}) must be between 0 and ppo.lr ({p.lr})")
-    for name, value in [
-        ("cluster.nodes", c.nodes),
-        ("cluster.gpus_per_node", c.gpus_per_node),
-        ("allocation.gen_tp", a.gen_tp),
-        ("allocation.train_tp", a.train_tp),
-        ("allocation.train_pp", a.train_pp),
-        ("allocation.reward_workers", a.reward_workers),
-        ("allocation.reward_nodes", a.reward_nodes),
-        ("rollout.max_concurrent", r.max_concurrent),
-        ("rollout.group_size", r.group_size),
-        ("rollout.prompts_per_step", r.prompts_per_step),
-        ("rollout.max_new_tokens", r.max_new_tokens),
-        ("ppo.max_tokens_per_mb", p.max_tokens_per_mb),
-        ("ppo.minibatches", p.minibatches),
-        ("train.total_steps", cfg.train.total_steps),
-        ("train.save_every", cfg.train.save_every),
-        ("train.weight_sync_bucket_mb", cfg.train.weight_sync_bucket_mb),
-    ]:
-        need(value >= 1, f"{name} must be at least 1 (got {value})")
-    for name, value in [
-        ("cluster.grace_s", c.grace_s),
-        ("cluster.controller_cpus", c.controller_cpus),
-        ("train.save_interval_min", cfg.train.save_interval_min),
-        ("train.keep_checkpoints", cfg.train.keep_checkpoints),
-    ]:
-        need(value >= 0, f"{name} must be >= 0 (got {value})")
-    need(
-        a.reward_nodes <= 1 + a.reward_workers,
-        f"allocation.reward_nodes ({a.reward_nodes}) must not exceed the controller and reward worker ranks "
-        f"(1 + allocation.reward_workers = {1 + a.reward_workers}): every node gets one",
-    )
-    need(r.max_staleness >= 0, f"rollout.max_staleness must be >= 0 (got {r.max_staleness}); 0 is synchronous RL")
-    need(r.temperature > 0, f"rollout.temperature must be > 0 (got {r.temperature})")
-    need(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1] (got {r.top_p})")
-    need(p.eps_clip > 0, f"ppo.eps_clip must be > 0 (got {p.eps_clip})")
-    need(p.eps_clip_high is None or p.eps_clip_high > 0, f"ppo.eps_clip_high must be > 0 (got {p.eps_clip_high})")
-    need(
-        p.behav_weight_cap is None or p.behav_weight_cap > 1,
-        f"ppo.behav_weight_cap must be > 1 (got {p.behav_weight_cap}); null disables the cap",
-    )
-    need(p.lr > 0, f"ppo.lr must be > 0 (got {p.lr})")
-    need(p.kl_coef >= 0, f"ppo.kl_coef must be >= 0 (got {p.kl_coef}); 0 is off")
-    need(
-        p.minibatches <= r.prompts_per_step,
-        f"ppo.minibatches ({p.minibatches}) must not exceed rollout.prompts_per_step ({r.prompts_per_step})",
-    )
-    need(
-        m.num_attention_heads % m.num_key_value_heads == 0,
-        f"model.num_key_value_heads ({m.num_key_value_heads}) must divide model.num_attention_heads ({m.num_attention_heads})",
-    )
-    for name, tp in (("allocation.train_tp", a.train_tp), ("allocation.gen_tp", a.gen_tp)):
-        need(
-            m.num_attention_heads % tp == 0,
-            f"{name} ({tp}) must divide model.num_attention_heads ({m.num_attention_heads})",
-        )
-        need(
-            m.num_key_value_heads % tp == 0,
-            f"{name} ({tp}) must divide model.num_key_value_heads ({m.num_key_value_heads})",
-        )
-    need(
-        m.num_layers % a.train_pp == 0,
-        f"allocation.train_pp ({a.train_pp}) must divide model.num_layers ({m.num_layers})",
-    )
-    need(
-        p.max_tokens_per_mb >= r.max_new_tokens,
-        f"ppo.max_tokens_per_mb ({p.max_tokens_per_mb}) must hold at least one trajectory of rollout.max_new_tokens ({r.max_new_tokens})",
-    )
-    need(
-        r.max_new_tokens < m.max_position_embeddings,
-        f"rollout.max_new_tokens ({r.max_new_tokens}) must be below model.max_position_embeddings ({m.max_position_embeddings})",
-    )
-    need(
-        not r.filter_uniform_groups or r.group_size >= 2,
-        "rollout.filter_uniform_groups needs rollout.group_size >= 2 (one trajectory is always a uniform group: "
-        "every group would be left out)",
-    )
-    d = cfg.data
-    need(
-        not d.system_prompt or d.chat_template,
-        "data.system_prompt needs data.chat_template: true (a system turn exists only in a chat template)",
-    )
-    need(d.max_prompt_tokens >= 0, f"data.max_prompt_tokens must be >= 0 (got {d.max_prompt_tokens}); 0 is the default")
-    need(
-        d.max_prompt_tokens + r.max_new_tokens <= m.max_position_embeddings,
-        f"data.max_prompt_tokens ({d.max_prompt_tokens}) + rollout.max_new_tokens ({r.max_new_tokens}) must fit "
-        f"model.max_position_embeddings ({m.max_position_embeddings})",
-    )
-    rw = cfg.reward
-    need(rw.overlong_penalty >= 0, f"reward.overlong_penalty must be >= 0 (got {rw.overlong_penalty}); 0 is off")
-    need(
-        rw.overlong_penalty == 0 or 0 < rw.overlong_buffer <= r.max_new_tokens,
-        f"reward.overlong_penalty needs reward.overlong_buffer in [1, rollout.max_new_tokens ({r.max_new_tokens})] "
-        f"(got {rw.overlong_buffer})",
-    )
-    need(cfg.eval.every_steps >= 0, f"eval.every_steps must be >= 0 (got {cfg.eval.every_steps}); 0 is off")
-    need(cfg.eval.samples >= 1, f"eval.samples must be at least 1 (got {cfg.eval.samples})")
-    need(
-        cfg.sft.examples <= 0 or cfg.reward.kind == "math",
-        "sft.examples > 0 needs math rows (the warm start learns 'prompt -> \\boxed{answer}'); "
-        f"reward.kind is {cfg.reward.kind}: set sft.examples=0",
-    )
-    need(0 <= cfg.sft.unboxed < 1, f"sft.unboxed must be in [0, 1) (got {cfg.sft.unboxed})")
-    need(
-        a.gen_share == "auto" or (not isinstance(a.gen_share, str) and 0 < a.gen_share < 1),
-        f"allocation.gen_share must be auto or strictly between 0 and 1 (got {a.gen_share!r})",
-    )
-    # The rank map is the last check: it knows how nodes, GPUs and parallel sizes fit together.
-    from areal_hpc.layout import Layout
-
-    Layout.from_config(cfg)
-
-
-# --- documentation -----------------------------------------------------------------------------
-
-
-@cache
-def field_docs(cls) -> dict[str, str]:
-    """The docstring under each field of a dataclass, read from its source."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-            and isinstance(nxt.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
-
-
-def describe_config() -> str:
-    """Every section and field with its default and documentation (`areal-hpc --config-help`)."""
-    lines = []
-    defaults = Config()
-    for section in dataclasses.fields(Config):
-        cls = _section_class(section)
-        lines.append(f"{section.name}:")
-        docs = field_docs(cls)
-        for f in dataclasses.fields(cls):
-            value = getattr(getattr(defaults, section.name), f.name)
-            lines.append(f"  {f.name} = {value!r}")
-            doc = docs.get(f.name, "")
-            if f"{section.name}.{f.name}" in CHOICES:
-                doc += f" One of: {', '.join(CHOICES[f'{section.name}.{f.name}'])}."
-            lines.append(textwrap.fill(doc, width=96, initial_indent="      ", subsequent_indent="      "))
-    return "\n".join(lines)
-
-
-__all__ = [
-    "CHOICES",
-    "Config",
-    "ConfigError",
-    "describe_config",
-    "field_docs",
-    "load_config",
-    "save_config",
-    "validate",
-]

@@ -1,0 +1,57 @@
+"""The run configuration: OmegaConf over dataclasses, one small dataclass per section.
+
+```
+ schema.py    the sections and their fields, each documented once by the string under it
+ load.py      YAML file + `section.field=value` overrides -> a validated Config; writing one back
+ validate.py  the rules across fields (the parallel sizes: areal_hpc.parallel; the model's shape:
+              areal_hpc.arch), and the fields with a fixed set of values (CHOICES)
+ help.py      the field docs read from the source: `areal-hpc --config-help`
+```
+
+Errors a user can make (unknown keys, wrong types, rules across fields) raise `ConfigError` with a
+message that names the key and says what to do; the CLI prints it and exits with code 2. This package
+is what the rest of the project imports the configuration from.
+"""
+
+from areal_hpc.config.help import describe_config, field_docs
+from areal_hpc.config.load import load_config, save_config
+from areal_hpc.config.schema import (
+    AllocationConfig,
+    ClusterConfig,
+    Config,
+    DataConfig,
+    EvalConfig,
+    ExperimentConfig,
+    LoggingConfig,
+    ModelConfig,
+    PPOConfig,
+    RewardConfig,
+    RolloutConfig,
+    SFTConfig,
+    TrainConfig,
+)
+from areal_hpc.config.validate import CHOICES, validate
+from areal_hpc.errors import ConfigError
+
+__all__ = [
+    "CHOICES",
+    "AllocationConfig",
+    "ClusterConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "EvalConfig",
+    "ExperimentConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "PPOConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "SFTConfig",
+    "TrainConfig",
+    "describe_config",
+    "field_docs",
+    "load_config",
+    "save_config",
+    "validate",
+]

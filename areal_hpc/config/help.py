@@ -1,0 +1,52 @@
+"""The config's documentation, read from its source: the docstring under each field (`field_docs`), and
+every section and field with its default (`describe_config`, what `areal-hpc --config-help` prints).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+from functools import cache
+
+from areal_hpc.config.schema import Config, section_class
+from areal_hpc.config.validate import CHOICES
+
+# --- documentation -----------------------------------------------------------------------------
+
+
+@cache
+def field_docs(cls) -> dict[str, str]:
+    """The docstring under each field of a dataclass, read from its source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def describe_config() -> str:
+    """Every section and field with its default and documentation (`areal-hpc --config-help`)."""
+    lines = []
+    defaults = Config()
+    for section in dataclasses.fields(Config):
+        cls = section_class(section)
+        lines.append(f"{section.name}:")
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            value = getattr(getattr(defaults, section.name), f.name)
+            lines.append(f"  {f.name} = {value!r}")
+            doc = docs.get(f.name, "")
+            if f"{section.name}.{f.name}" in CHOICES:
+                doc += f" One of: {', '.join(CHOICES[f'{section.name}.{f.name}'])}."
+            lines.append(textwrap.fill(doc, width=96, initial_indent="      ", subsequent_indent="      "))
+    return "\n".join(lines)

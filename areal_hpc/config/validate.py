@@ -1,0 +1,151 @@
+"""The rules across a config's fields: `validate(cfg)` raises `ConfigError` naming the fields and the fix.
+
+Which parallel sizes the model and the cluster allow is `areal_hpc.parallel`'s to say; the model's
+shape rules are `areal_hpc.arch.model_arch`'s. Validation reads numbers only: it never builds the rank
+map or runs the planner (the node split of `allocation.gen_share` is resolved when a run is launched).
+"""
+
+from __future__ import annotations
+
+from areal_hpc import parallel
+from areal_hpc.algo.advantages import ADV_NORMS
+from areal_hpc.arch import DTYPE_BYTES, model_arch
+from areal_hpc.config.schema import Config
+from areal_hpc.device import CHOICES as DEVICES
+from areal_hpc.errors import ConfigError
+from areal_hpc.reward import REWARD_KINDS
+from areal_hpc.trainer.choices import LR_DECAYS, PROX_LOGPS, RECOMPUTES
+
+CHOICES = {
+    "cluster.device": DEVICES,
+    "reward.kind": REWARD_KINDS,
+    "ppo.adv_norm": ADV_NORMS,
+    "ppo.prox_logp": PROX_LOGPS,
+    "ppo.recompute": RECOMPUTES,
+    "ppo.lr_decay": LR_DECAYS,
+}
+"""Fields with a fixed set of values: `validate` refuses any other, `describe_config` lists them."""
+
+
+def validate(cfg: Config) -> None:
+    """Rules across fields; raises ConfigError naming the fields and the fix."""
+    a, r, p, c = cfg.allocation, cfg.rollout, cfg.ppo, cfg.cluster
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(msg)
+
+    m = model_arch(cfg.model)  # the shape fields' own rules, and their agreement with config.json
+
+    need(
+        cfg.model.dtype in DTYPE_BYTES,
+        f"model.dtype must be {_one_of(tuple(DTYPE_BYTES))} (got '{cfg.model.dtype}')",
+    )
+    for key, options in CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        need(value in options, f"{key} must be {_one_of(options)} (got '{value}')")
+    need(cfg.reward.timeout_s > 0, f"reward.timeout_s must be > 0 (got {cfg.reward.timeout_s})")
+    need(cfg.reward.processes >= 0, f"reward.processes must be >= 0 (got {cfg.reward.processes}); 0 is one per core")
+    need(
+        0 <= p.lr_warmup_steps < cfg.train.total_steps,
+        f"ppo.lr_warmup_steps ({p.lr_warmup_steps}) must be at least 0 and below train.total_steps "
+        f"({cfg.train.total_steps})",
+    )
+    need(0 <= p.min_lr <= p.lr, f"ppo.min_lr ({p.min_lr}) must be between 0 and ppo.lr ({p.lr})")
+    for name, value in [
+        ("cluster.nodes", c.nodes),
+        ("cluster.gpus_per_node", c.gpus_per_node),
+        ("allocation.gen_tp", a.gen_tp),
+        ("allocation.train_tp", a.train_tp),
+        ("allocation.train_pp", a.train_pp),
+        ("allocation.reward_workers", a.reward_workers),
+        ("allocation.reward_nodes", a.reward_nodes),
+        ("rollout.max_concurrent", r.max_concurrent),
+        ("rollout.group_size", r.group_size),
+        ("rollout.prompts_per_step", r.prompts_per_step),
+        ("rollout.max_new_tokens", r.max_new_tokens),
+        ("ppo.max_tokens_per_mb", p.max_tokens_per_mb),
+        ("ppo.minibatches", p.minibatches),
+        ("train.total_steps", cfg.train.total_steps),
+        ("train.save_every", cfg.train.save_every),
+        ("train.weight_sync_bucket_mb", cfg.train.weight_sync_bucket_mb),
+    ]:
+        need(value >= 1, f"{name} must be at least 1 (got {value})")
+    for name, value in [
+        ("cluster.grace_s", c.grace_s),
+        ("cluster.controller_cpus", c.controller_cpus),
+        ("train.save_interval_min", cfg.train.save_interval_min),
+        ("train.keep_checkpoints", cfg.train.keep_checkpoints),
+    ]:
+        need(value >= 0, f"{name} must be >= 0 (got {value})")
+    need(
+        a.reward_nodes <= 1 + a.reward_workers,
+        f"allocation.reward_nodes ({a.reward_nodes}) must not exceed the controller and reward worker ranks "
+        f"(1 + allocation.reward_workers = {1 + a.reward_workers}): every node gets one",
+    )
+    need(r.max_staleness >= 0, f"rollout.max_staleness must be >= 0 (got {r.max_staleness}); 0 is synchronous RL")
+    need(r.temperature > 0, f"rollout.temperature must be > 0 (got {r.temperature})")
+    need(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1] (got {r.top_p})")
+    need(p.eps_clip > 0, f"ppo.eps_clip must be > 0 (got {p.eps_clip})")
+    need(p.eps_clip_high is None or p.eps_clip_high > 0, f"ppo.eps_clip_high must be > 0 (got {p.eps_clip_high})")
+    need(
+        p.behav_weight_cap is None or p.behav_weight_cap > 1,
+        f"ppo.behav_weight_cap must be > 1 (got {p.behav_weight_cap}); null disables the cap",
+    )
+    need(p.lr > 0, f"ppo.lr must be > 0 (got {p.lr})")
+    need(p.kl_coef >= 0, f"ppo.kl_coef must be >= 0 (got {p.kl_coef}); 0 is off")
+    need(
+        p.minibatches <= r.prompts_per_step,
+        f"ppo.minibatches ({p.minibatches}) must not exceed rollout.prompts_per_step ({r.prompts_per_step})",
+    )
+    need(
+        p.max_tokens_per_mb >= r.max_new_tokens,
+        f"ppo.max_tokens_per_mb ({p.max_tokens_per_mb}) must hold at least one trajectory of rollout.max_new_tokens ({r.max_new_tokens})",
+    )
+    need(
+        r.max_new_tokens < m.max_position_embeddings,
+        f"rollout.max_new_tokens ({r.max_new_tokens}) must be below model.max_position_embeddings ({m.max_position_embeddings})",
+    )
+    need(
+        not r.filter_uniform_groups or r.group_size >= 2,
+        "rollout.filter_uniform_groups needs rollout.group_size >= 2 (one trajectory is always a uniform group: "
+        "every group would be left out)",
+    )
+    d = cfg.data
+    need(
+        not d.system_prompt or d.chat_template,
+        "data.system_prompt needs data.chat_template: true (a system turn exists only in a chat template)",
+    )
+    need(d.max_prompt_tokens >= 0, f"data.max_prompt_tokens must be >= 0 (got {d.max_prompt_tokens}); 0 is the default")
+    need(
+        d.max_prompt_tokens + r.max_new_tokens <= m.max_position_embeddings,
+        f"data.max_prompt_tokens ({d.max_prompt_tokens}) + rollout.max_new_tokens ({r.max_new_tokens}) must fit "
+        f"model.max_position_embeddings ({m.max_position_embeddings})",
+    )
+    rw = cfg.reward
+    need(rw.overlong_penalty >= 0, f"reward.overlong_penalty must be >= 0 (got {rw.overlong_penalty}); 0 is off")
+    need(
+        rw.overlong_penalty == 0 or 0 < rw.overlong_buffer <= r.max_new_tokens,
+        f"reward.overlong_penalty needs reward.overlong_buffer in [1, rollout.max_new_tokens ({r.max_new_tokens})] "
+        f"(got {rw.overlong_buffer})",
+    )
+    need(cfg.eval.every_steps >= 0, f"eval.every_steps must be >= 0 (got {cfg.eval.every_steps}); 0 is off")
+    need(cfg.eval.samples >= 1, f"eval.samples must be at least 1 (got {cfg.eval.samples})")
+    need(
+        cfg.sft.examples <= 0 or cfg.reward.kind == "math",
+        "sft.examples > 0 needs math rows (the warm start learns 'prompt -> \\boxed{answer}'); "
+        f"reward.kind is {cfg.reward.kind}: set sft.examples=0",
+    )
+    need(0 <= cfg.sft.unboxed < 1, f"sft.unboxed must be in [0, 1) (got {cfg.sft.unboxed})")
+    need(
+        a.gen_share == "auto" or (not isinstance(a.gen_share, str) and 0 < a.gen_share < 1),
+        f"allocation.gen_share must be auto or strictly between 0 and 1 (got {a.gen_share!r})",
+    )
+    # How nodes, GPUs and parallel sizes fit together (the split too, when allocation.gen_nodes is set).
+    parallel.check(m, c.nodes, c.gpus_per_node, a.gen_tp, a.train_tp, a.train_pp, a.gen_nodes)
+
+
+def _one_of(options: tuple[str, ...]) -> str:
+    """("a", "b", "c") -> "a, b or c", for error messages."""
+    return f"{', '.join(options[:-1])} or {options[-1]}" if len(options) > 1 else options[0]

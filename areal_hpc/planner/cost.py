@@ -1,0 +1,226 @@
+"""The cost model's inputs: its constants (`CostModel`, each a documented field; docs/planner.md says where
+each comes from), the model's size, the cluster's hardware, the distribution of trajectory lengths, and
+a `Plan`, the allocation whose cost is predicted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from functools import cache, cached_property
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from areal_hpc.arch import DTYPE_BYTES, model_arch
+from areal_hpc.layout import Layout
+
+if TYPE_CHECKING:
+    from areal_hpc.config.schema import Config
+
+GB = 1e9
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Constants of the model that are not properties of the cluster (those are `cluster.*` fields).
+    'calibrated' marks the three constants fitted to the AReaL paper's 1.5B run (docs/planner.md)."""
+
+    prompt_tokens: int = 200
+    """Prompt length (tokens). Math prompts are a few hundred tokens; it matters only for KV size."""
+    trajectory_median_tokens: float = 1257.0
+    """Median of the lognormal body of trajectory lengths (calibrated: gives a mean trajectory of 2,319
+    tokens at a 27,648 cap, which the paper's 41.0 h x 128.7k tokens/s over 1000 steps x 8192
+    trajectories implies)."""
+    trajectory_sigma: float = 1.0
+    """Log-space spread of the lognormal body (assumed: a long tail, mean/median = e^(sigma^2/2))."""
+    truncated_fraction: float = 0.01
+    """Share of trajectories that run into max_new_tokens (assumed: reasoning models loop until the cap
+    on a few percent of hard prompts); with thousands of trajectories per step the longest one hits the
+    cap."""
+    decode_bandwidth_efficiency: float = 0.6
+    """Achieved share of memory bandwidth while decoding (assumed: decode kernels reach 60-80% of peak)."""
+    decode_step_overhead_s: float = 0.00122
+    """Fixed time per decode step: scheduling, sampling, kernel launches (calibrated to the paper's
+    synchronous 128.7k tokens/s)."""
+    decode_trajectory_overhead_s: float = 10e-6
+    """Time per decode step and running trajectory outside the GPU kernels: scheduling, sampling,
+    detokenising (assumed; the engines' CPU work grows with the batch)."""
+    decode_mfu: float = 0.5
+    """Share of peak FLOP/s in the compute-bound part of a decode step (assumed)."""
+    prefill_mfu: float = 0.4
+    """Share of peak FLOP/s when an interrupted generator recomputes the KV cache of its running
+    trajectories after a weight update (assumed)."""
+    train_mfu: float = 0.237
+    """Model FLOP utilisation of the trainer (calibrated to the paper's asynchronous plateau, ~370k
+    tokens/s with 4 trainer nodes; Megatron reaches 0.3-0.5 on large dense models, less on a 1.5B
+    model with 2,500-token sequences)."""
+    tp_allreduce_latency_s: float = 10e-6
+    """Latency of one small all-reduce inside a node (decode steps do two per layer at TP > 1; assumed)."""
+    nvlink_gbs: float = 200.0
+    """Achieved all-reduce bandwidth inside a node, GB/s (assumed; H800 NVLink is 400 GB/s)."""
+    gen_memory_fraction: float = 0.9
+    """Share of GPU memory a vLLM engine uses (its gpu_memory_utilization)."""
+    gen_reserve_gb: float = 4.0
+    """Engine memory outside weights and KV cache: activations, CUDA graphs (assumed)."""
+    train_memory_fraction: float = 0.9
+    """Share of GPU memory the trainer may fill (the rest is fragmentation and NCCL buffers)."""
+    activation_factor: float = 1.31
+    """Activation memory of one layer per token, with `ppo.recompute` none or selective: this factor x
+    (8 h + 4 f) values of the dtype (what a pre-norm SwiGLU layer keeps for its backward pass: about 8 h
+    in the attention block (norm input and output, q, k, v, the attention output, the projection's input,
+    the residual) and 4 f in the MLP (gate, up, the activation and the product). Measured by
+    tools/bench_trainer.py on its CPU model (h 512, f 1,408, 8 layers, fp32): 1.64 GiB for a 4,096-token
+    micro-batch less its 84 MiB of logprob chunks. Selective recomputes the core attention, which keeps no
+    attention matrix here (SDPA): it saves nothing, on the CPU and on an H100 alike. With full recompute a
+    layer keeps its input (h values) and one layer at a time holds the above during its backward pass."""
+    logprob_transient_bytes: float = 128 * 2**20
+    """The token logprobs' temporaries beside the embedding's gradient: chunks of fp32 logits and their
+    gradient (areal_hpc.trainer.model.LOGPROB_CHUNK_BYTES, 64 MiB each); 84 MiB measured on the CPU."""
+    weight_sync_fixed_s: float = 1.0
+    """Fixed cost of a weight update on a generator: pause, load, clear prefix cache, resume (assumed)."""
+
+
+COST = CostModel()
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """The model as the cost model sees it: its architecture (`areal_hpc.arch.model_arch`, which counts the
+    parameters and the KV bytes per token) in the config's dtype."""
+
+    params: float
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    dtype_bytes: int
+    intermediate: int
+    head_dim: int
+    kv_bytes_per_token: float
+    """K and V of every layer, one token, in the dtype (`QwenArch.kv_bytes_per_token`)."""
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> ModelSize:
+        m, dtype_bytes = model_arch(cfg.model), DTYPE_BYTES[cfg.model.dtype]
+        return cls(
+            m.params, m.num_layers, m.hidden_size, m.num_attention_heads, m.num_key_value_heads, m.vocab_size,
+            dtype_bytes, m.intermediate_size, m.head_dim, m.kv_bytes_per_token(dtype_bytes),
+        )  # fmt: skip
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpus_per_node: int
+    memory: float  # bytes per GPU
+    flops: float  # peak FLOP/s per GPU
+    bandwidth: float  # memory bytes/s per GPU
+    network: float  # inter-node bytes/s per GPU
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> Hardware:
+        c = cfg.cluster
+        return cls(
+            c.gpus_per_node, c.gpu_memory_gb * GB, c.gpu_tflops * 1e12, c.gpu_memory_bandwidth_gbs * GB,
+            c.interconnect_gbps / 8 * GB,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Trajectory lengths: a lognormal body, cut at `cap`, plus a share `p_cap` that runs to the cap.
+    S(k) = P(L > k) = p_cap + (1 - p_cap) * P(X > k) for k < cap, X ~ lognormal(ln median, sigma)."""
+
+    cap: int
+    median: float
+    sigma: float
+    p_cap: float
+    prompt: int
+
+    @cached_property
+    def survival(self) -> np.ndarray:
+        """S(k) for k = 0 .. cap - 1: the share of trajectories still decoding at step k."""
+        k = np.arange(self.cap, dtype=float)
+        z = (np.log(np.maximum(k, 1e-9)) - math.log(self.median)) / (self.sigma * math.sqrt(2))
+        tail = 0.5 * (1 - _erf(z))
+        tail[0] = 1.0
+        return self.p_cap + (1 - self.p_cap) * tail
+
+    @cached_property
+    def mean(self) -> float:
+        """E[L] = sum_k S(k)."""
+        return float(self.survival.sum())
+
+    @cached_property
+    def second_moment(self) -> float:
+        """E[L^2] = sum_k (2k + 1) S(k)."""
+        k = np.arange(self.cap, dtype=float)
+        return float(((2 * k + 1) * self.survival).sum())
+
+    @property
+    def resident_context(self) -> float:
+        """Mean context of a running trajectory under continuous batching: a decode step sees a trajectory
+        of length L at every context prompt .. prompt + L, so averaged over steps: prompt + E[L^2] / 2E[L]."""
+        return self.prompt + self.second_moment / (2 * self.mean)
+
+    def longest(self, n: int) -> int:
+        """Length of the longest of n trajectories: the cap when n * p_cap >= 1, else the 1 - 1/n
+        quantile."""
+        if n * self.p_cap >= 1:
+            return self.cap
+        return int(np.searchsorted(-self.survival, -1.0 / n)) or 1
+
+    @classmethod
+    def from_config(cls, cfg: Config, cost: CostModel = COST) -> Lengths:
+        return _lengths(
+            cfg.rollout.max_new_tokens, cost.trajectory_median_tokens, cost.trajectory_sigma,
+            cost.truncated_fraction, cost.prompt_tokens,
+        )  # fmt: skip
+
+
+@cache
+def _lengths(*args) -> Lengths:
+    return Lengths(*args)  # one instance per distribution: its survival curve is computed once
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    """Abramowitz-Stegun 7.1.26 (|error| < 1.5e-7): numpy has no erf and scipy is not a dependency."""
+    s, x = np.sign(x), np.abs(x)
+    t = 1 / (1 + 0.3275911 * x)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    return s * (1 - poly * np.exp(-x * x))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """An allocation whose cost the planner predicts: what `plan --search` chooses."""
+
+    gen_nodes: int
+    gen_tp: int
+    train_tp: int
+    train_pp: int
+
+    @classmethod
+    def of(cls, cfg: Config) -> Plan:
+        """The allocation of a config whose split is resolved (`resolve_split`)."""
+        a = cfg.allocation
+        return cls(Layout.from_config(cfg).gen_nodes, a.gen_tp, a.train_tp, a.train_pp)
+
+    def layout(self, cfg: Config) -> Layout:
+        """The rank map of this plan on the config's cluster: its generators (engines) and trainers."""
+        return Layout.from_config(with_plan(cfg, self))
+
+
+def with_plan(cfg: Config, plan: Plan) -> Config:
+    """A copy of cfg whose allocation is `plan`."""
+    a = dataclasses.replace(
+        cfg.allocation, gen_nodes=plan.gen_nodes, gen_tp=plan.gen_tp, train_tp=plan.train_tp, train_pp=plan.train_pp
+    )
+    return dataclasses.replace(cfg, allocation=a)

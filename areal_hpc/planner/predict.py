@@ -1,0 +1,235 @@
+"""The cost of one RL step for a plan (`predict`): decoding, training, the weight sync, the generators at
+full load, and the memory per generator and trainer GPU; what the module docstring of areal_hpc.planner
+draws. Pure functions: no MPI, no GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from areal_hpc.planner.cost import COST, GB, CostModel, Hardware, Lengths, ModelSize, Plan
+
+if TYPE_CHECKING:
+    from areal_hpc.config.schema import Config
+
+
+@dataclass(frozen=True)
+class Prediction:
+    plan: Plan
+    eta: int
+    trajectories: int  # N = prompts_per_step * group_size
+    tokens: float  # effective (generated) tokens per step: N * E[L]
+    longest: int  # the longest of the N trajectories, in tokens
+    t_gen_sync: float  # decode of one batch until its longest trajectory ends
+    t_train: float
+    t_weight_sync: float
+    t_gen_full: float  # per step, generators at full load, interruption included
+    gen_memory: float  # bytes per generator GPU (weights + KV room for the longest trajectory + reserve)
+    train_memory: float  # bytes per trainer GPU
+    memory: float  # bytes per GPU
+
+    @property
+    def t_sync(self) -> float:
+        """T0 = T_gen_sync + T_train + T_ws."""
+        return self.t_gen_sync + self.t_train + self.t_weight_sync
+
+    @property
+    def t_cap(self) -> float:
+        """The pipelined limit: the slower side's time per step."""
+        return max(self.t_gen_full, self.t_train + self.t_weight_sync)
+
+    def t_async(self, eta: int | None = None) -> float:
+        """T(eta) = T0 at eta = 0, else min(T0, max(T_cap, T0 / (eta + 1))) (Little's law, capped)."""
+        eta = self.eta if eta is None else eta
+        if eta == 0:
+            return self.t_sync
+        return min(self.t_sync, max(self.t_cap, self.t_sync / (eta + 1)))
+
+    def tokens_per_s(self, eta: int | None = None) -> float:
+        return self.tokens / self.t_async(eta)
+
+    @property
+    def fits(self) -> bool:
+        return max(self.gen_memory, self.train_memory) <= self.memory
+
+    @property
+    def bottleneck(self) -> str:
+        return "generation" if self.t_gen_full >= self.t_train + self.t_weight_sync else "training"
+
+
+def decode_step_s(m: ModelSize, hw: Hardware, tp: int, batch, kv_bytes, cost: CostModel = COST):
+    """One decode step of an engine at tensor-parallel size tp, with `batch` trajectories whose KV cache
+    totals `kv_bytes`: t = t_step + t_traj * batch + TP latency + max(memory time, compute time), where
+    memory time = (W + KV) / (tp * bandwidth * efficiency) and compute time = 2 P batch / (tp * flops * mfu)."""
+    memory_s = (m.weight_bytes + kv_bytes) / (tp * hw.bandwidth * cost.decode_bandwidth_efficiency)
+    compute_s = 2 * m.params * batch / (tp * hw.flops * cost.decode_mfu)
+    tp_s = 2 * m.layers * cost.tp_allreduce_latency_s if tp > 1 else 0.0
+    overhead = cost.decode_step_overhead_s + cost.decode_trajectory_overhead_s * batch
+    return overhead + tp_s + np.maximum(memory_s, compute_s)
+
+
+def kv_capacity(m: ModelSize, hw: Hardware, tp: int, cost: CostModel = COST) -> float:
+    """KV-cache bytes of one engine (tp GPUs): tp * (fraction * memory - reserve) - W."""
+    return tp * (cost.gen_memory_fraction * hw.memory - cost.gen_reserve_gb * GB) - m.weight_bytes
+
+
+def sync_generation_s(m, hw, lengths: Lengths, engines: int, tp: int, trajectories: int, cost=COST) -> float:
+    """Decode a whole batch until its longest trajectory ends: sum over steps k < L_max of
+    t(b_k, KV_k), with b_k = n_e S(k) trajectories still running on an engine (n_e = trajectories /
+    engines) and KV_k = b_k (prompt + k) kv_bytes. When the batch's KV does not fit the engine,
+    trajectories wait for room: the time grows by peak KV demand / KV capacity."""
+    n_e = trajectories / engines
+    steps = lengths.longest(trajectories)
+    s = lengths.survival[:steps]
+    running = n_e * s
+    kv = running * (lengths.prompt + np.arange(steps)) * m.kv_bytes_per_token
+    t = float(decode_step_s(m, hw, tp, running, kv, cost).sum())
+    return t * max(1.0, float(kv.max()) / max(kv_capacity(m, hw, tp, cost), 1.0))
+
+
+def running_trajectories(m, hw, lengths: Lengths, engines: int, tp: int, concurrent: float, cost=COST) -> float:
+    """Trajectories one engine runs at full load: c = min(concurrent / engines, KV capacity / (resident
+    context * kv_bytes)), at least 1."""
+    per_trajectory = lengths.resident_context * m.kv_bytes_per_token
+    return max(1.0, min(concurrent / engines, kv_capacity(m, hw, tp, cost) / per_trajectory))
+
+
+def full_generation_rate(m, hw, lengths: Lengths, engines: int, tp: int, concurrent: float, cost=COST) -> float:
+    """Tokens/s of all engines under continuous batching at full load: engines * c / t(c, c * resident
+    context * kv_bytes), one token per running trajectory and decode step."""
+    c = running_trajectories(m, hw, lengths, engines, tp, concurrent, cost)
+    kv = c * lengths.resident_context * m.kv_bytes_per_token
+    return engines * c / float(decode_step_s(m, hw, tp, c, kv, cost))
+
+
+def interruption_s(m, hw, lengths: Lengths, engines: int, tp: int, concurrent: float, cost=COST) -> float:
+    """After a weight update an interrupted engine recomputes the KV of its running trajectories:
+    c * resident context tokens of prefill at 2 P FLOPs each."""
+    c = running_trajectories(m, hw, lengths, engines, tp, concurrent, cost)
+    return 2 * m.params * c * lengths.resident_context / (tp * hw.flops * cost.prefill_mfu)
+
+
+def train_step_s(
+    m, hw, lengths: Lengths, gpus: int, tp: int, pp: int, trajectories: int, cfg: Config, cost=COST
+) -> float:
+    """One PPO step on `gpus` trainer GPUs (TP tp, PP pp, DP d = gpus / (tp pp)) over trajectories of
+    length s = prompt + L:
+      FLOPs = 8 P N E[s] + 8 layers h N E[s^2]   (forward + backward = 6 P per token, plus the forward
+              that recomputes prox_logprobs = 2 P; causal attention 2 h s^2 per layer and pass;
+              x (8 + 2 + 2) / 8 with ppo.recompute full (the forward again in the backward) and
+              ppo.kl_coef > 0 (the reference policy's forward), each counted when on)
+      compute = FLOPs / (gpus * flops * mfu) * (m + pp - 1) / m   (1F1B bubble, m micro-batches per
+              DP rank and minibatch, each ppo.max_tokens_per_mb tokens)
+      + TP all-reduces (6 per layer and token, h * dtype bytes each) over NVLink
+      + DP gradient all-reduce (fp32, 2 (d-1)/d of P / (tp pp) * 4 bytes) per minibatch over the network."""
+    d = gpus // (tp * pp)
+    p = lengths.prompt
+    mean_s = p + lengths.mean
+    second_s = p * p + 2 * p * lengths.mean + lengths.second_moment
+    tokens = trajectories * mean_s
+    flops = 8 * m.params * tokens + 8 * m.layers * m.hidden * trajectories * second_s
+    # in forwards' worth of 2 P: 4 (forward, backward, prox forward), + recompute full, + reference forward
+    passes = 4 + (cfg.ppo.recompute == "full") + (cfg.ppo.kl_coef > 0)
+    flops *= passes / 4
+    minibatches = cfg.ppo.minibatches
+    micro = max(1.0, math.ceil(tokens / (d * minibatches * cfg.ppo.max_tokens_per_mb)))
+    bubble = (micro + pp - 1) / micro
+    compute = flops / (gpus * hw.flops * cost.train_mfu) * bubble
+    tp_comm = 0.0
+    if tp > 1:
+        volume = (tokens / d) * (m.layers / pp) * 6 * m.hidden * m.dtype_bytes * 2 * (tp - 1) / tp
+        tp_comm = volume / (cost.nvlink_gbs * GB) * bubble
+    dp_comm = 0.0
+    if d > 1:
+        dp_comm = minibatches * 2 * (d - 1) / d * 4 * m.params / (tp * pp) / hw.network
+    return compute + tp_comm + dp_comm
+
+
+def weight_sync_s(m: ModelSize, hw: Hardware, pp: int, cost: CostModel = COST) -> float:
+    """Each pipeline stage broadcasts its W / pp bytes over the network (pipelined broadcast: about one
+    link's time), plus the fixed pause/load/resume cost."""
+    return m.weight_bytes / pp / hw.network + cost.weight_sync_fixed_s
+
+
+def gen_memory(m: ModelSize, hw: Hardware, tp: int, lengths: Lengths, cost: CostModel = COST) -> float:
+    """Bytes per generator GPU: (W + KV of one longest trajectory) / tp + reserve, over the engine's
+    share of memory (so it compares with the GPU's memory)."""
+    need = (m.weight_bytes + (lengths.prompt + lengths.cap) * m.kv_bytes_per_token) / tp + cost.gen_reserve_gb * GB
+    return need / cost.gen_memory_fraction
+
+
+def train_memory_parts(m: ModelSize, tp: int, pp: int, dp: int, cfg: Config, cost: CostModel = COST) -> dict:
+    """Bytes per trainer GPU (or CPU rank), by part:
+    states:      P / (tp pp) x (dtype weights + 4 fp32 gradient buffer
+                                + (4 fp32 master weights unless fp32 + 8 Adam moments) / dp)
+                 (Megatron's distributed optimizer shards the master weights and moments over dp)
+    activations: tokens / tp x dtype bytes x (layers x a (8 h + 4 f)), or with full recompute
+                 (layers x h + a (8 h + 4 f)) (a: activation_factor)
+                 (1F1B keeps pp micro-batches of layers / pp layers on the first stage: one micro-batch of
+                 every layer; sequence parallelism splits what TP does not; tokens: ppo.max_tokens_per_mb)
+    transients:  the dense gradient of the input embedding (vocab / tp x h x dtype bytes, made in its
+                 backward) + the token logprobs' chunk temporaries. No micro-batch's whole logits: the
+                 token logprobs come chunk by chunk.
+    reference:   with ppo.kl_coef > 0, the frozen initial policy: P / (tp pp) x dtype bytes (else 0)."""
+    master = 0 if m.dtype_bytes == 4 else 4
+    states = m.params / (tp * pp) * (m.dtype_bytes + 4 + (master + 8) / dp)
+    layer = cost.activation_factor * (8 * m.hidden + 4 * m.intermediate)  # values per token, one layer
+    kept = m.hidden * m.layers + layer if cfg.ppo.recompute == "full" else layer * m.layers
+    activations = cfg.ppo.max_tokens_per_mb / tp * kept * m.dtype_bytes
+    chunks = min(cost.logprob_transient_bytes, 2 * cfg.ppo.max_tokens_per_mb * m.vocab / tp * 4)  # short batches
+    transients = m.vocab / tp * m.hidden * m.dtype_bytes + chunks
+    reference = m.params / (tp * pp) * m.dtype_bytes if cfg.ppo.kl_coef > 0 else 0.0
+    return {"states": states, "activations": activations, "transients": transients, "reference": reference}
+
+
+def train_memory(m: ModelSize, tp: int, pp: int, dp: int, cfg: Config, cost: CostModel = COST) -> float:
+    """Bytes per trainer GPU (`train_memory_parts`), over the usable share of memory."""
+    return sum(train_memory_parts(m, tp, pp, dp, cfg, cost).values()) / cost.train_memory_fraction
+
+
+def predict(cfg: Config, plan: Plan | None = None, cost: CostModel = COST) -> Prediction:
+    """The cost of one step for `plan` (default: the config's own allocation)."""
+    if plan is None:
+        plan = Plan.of(cfg)
+    m, hw, lengths = ModelSize.from_config(cfg), Hardware.from_config(cfg), Lengths.from_config(cfg, cost)
+    r = cfg.rollout
+    trajectories = r.prompts_per_step * r.group_size
+    layout = plan.layout(cfg)
+    engines, train_gpus = layout.generators, layout.trainers
+    concurrent = r.max_concurrent * r.group_size
+    t_gen_sync = sync_generation_s(m, hw, lengths, engines, plan.gen_tp, trajectories, cost)
+    t_train = train_step_s(m, hw, lengths, train_gpus, plan.train_tp, plan.train_pp, trajectories, cfg, cost)
+    t_ws = weight_sync_s(m, hw, plan.train_pp, cost)
+    rate = full_generation_rate(m, hw, lengths, engines, plan.gen_tp, concurrent, cost)
+    tokens = trajectories * lengths.mean
+    t_gen_full = tokens / rate + t_ws + interruption_s(m, hw, lengths, engines, plan.gen_tp, concurrent, cost)
+    return Prediction(
+        plan, r.max_staleness, trajectories, tokens, lengths.longest(trajectories), t_gen_sync, t_train, t_ws,
+        t_gen_full,
+        gen_memory(m, hw, plan.gen_tp, lengths, cost),
+        train_memory(m, plan.train_tp, plan.train_pp, max(1, layout.train_dp), cfg, cost),
+        hw.memory,
+    )  # fmt: skip
+
+
+def colocated_step_s(cfg: Config, plan: Plan, cost: CostModel = COST) -> float:
+    """A synchronous system on all GPUs, each phase in turn (what the paper compares against; areal-hpc
+    always splits the nodes): T_gen_sync(all engines) + T_train(all GPUs) + T_ws (the engines still
+    load the new weights)."""
+    m, hw, lengths = ModelSize.from_config(cfg), Hardware.from_config(cfg), Lengths.from_config(cfg, cost)
+    r, n, g = cfg.rollout, cfg.cluster.nodes, cfg.cluster.gpus_per_node
+    trajectories = r.prompts_per_step * r.group_size
+    return (
+        sync_generation_s(m, hw, lengths, n * g // plan.gen_tp, plan.gen_tp, trajectories, cost)
+        + train_step_s(m, hw, lengths, n * g, plan.train_tp, plan.train_pp, trajectories, cfg, cost)
+        + weight_sync_s(m, hw, plan.train_pp, cost)
+    )
+
+
+def tok_rate(x: float) -> str:
+    """Tokens per second as the tables show them: 128.6k, 1.25M."""
+    return f"{x / 1e3:,.1f}k" if x < 1e6 else f"{x / 1e6:,.2f}M"

@@ -1,0 +1,76 @@
+"""What `areal-hpc plan` prints below the layout's table: the predictions, synchronous and asynchronous,
+why, the memory per GPU, and what `--search` would choose instead.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from areal_hpc.errors import ConfigError
+from areal_hpc.planner.cost import GB
+from areal_hpc.planner.memory import check_host_fits, memory_advice
+from areal_hpc.planner.predict import Prediction, colocated_step_s, tok_rate
+from areal_hpc.planner.search import choose
+
+if TYPE_CHECKING:
+    from areal_hpc.config.schema import Config
+
+
+def report(cfg: Config, p: Prediction) -> str:
+    """The prediction table (synchronous and asynchronous) and why, below the Layout table."""
+
+    steps = cfg.train.total_steps
+    rows = [("prediction", "steps/hour", "effective tokens/s", "step time", f"{steps} steps")]
+
+    def row(name: str, t: float) -> tuple[str, ...]:
+        return (name, f"{3600 / t:,.1f}", tok_rate(p.tokens / t), f"{t:,.1f} s", f"{steps * t / 3600:,.1f} h")
+
+    rows.append(row("synchronous (max_staleness 0)", p.t_sync))
+    rows.append(row(f"asynchronous (max_staleness {p.eta})", p.t_async()))
+    rows.append(row("synchronous, colocated (all GPUs per phase)", colocated_step_s(cfg, p.plan)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    sweep = ", ".join(f"{e}: {tok_rate(p.tokens_per_s(e))}" for e in (0, 1, 2, 4, 8, 16))
+    lines += [
+        f"speed-up asynchronous / synchronous: {p.t_sync / p.t_async():.2f}x; "
+        f"effective tokens/s by max_staleness: {sweep}",
+        f"per step: {p.trajectories} trajectories x {p.tokens / p.trajectories:,.0f} tokens on average "
+        f"(longest {p.longest:,}); "
+        f"synchronous: decode until the longest ends {p.t_gen_sync:,.1f} s + train {p.t_train:,.1f} s + "
+        f"weight sync {p.t_weight_sync:,.1f} s",
+        f"asynchronous: generation at full load {p.t_gen_full:,.1f} s/step, training {p.t_train + p.t_weight_sync:,.1f} "
+        f"s/step: {p.bottleneck} is the bottleneck",
+        f"memory per GPU (of {p.memory / GB:g} GB): generator {p.gen_memory / GB:,.1f} GB, trainer "
+        f"{p.train_memory / GB:,.1f} GB" + ("" if p.fits else f"  -- DOES NOT FIT: {memory_advice(cfg, p)}"),
+        "model and constants: docs/planner.md (GPU figures from cluster.gpu_tflops, gpu_memory_bandwidth_gbs, "
+        "interconnect_gbps)",
+    ]
+    if cfg.cluster.device == "cpu":
+        lines.append(
+            "cluster.device is cpu: these figures are for GPUs with the cluster.gpu_* numbers, not this machine"
+        )
+        try:
+            lines.append(check_host_fits(cfg))
+        except ConfigError as e:
+            lines.append(f"DOES NOT FIT {e}")
+    return "\n".join(lines)
+
+
+def search_hint(cfg: Config, p: Prediction) -> str:
+    """One line on what `--search` would choose, when it predicts more than the config's plan."""
+
+    try:
+        best, _ = choose(cfg)
+    except ConfigError as e:
+        return f"--search: {e}"
+    gain = best.tokens_per_s() / p.tokens_per_s() if p.fits else float("inf")
+    if best.plan == p.plan or gain < 1.005:
+        return "--search would keep this plan: no other plan that fits is predicted faster"
+    b = best.plan
+    return (
+        f"--search would choose {b.gen_nodes} generator nodes (TP {b.gen_tp}) and trainer TP {b.train_tp} x PP "
+        f"{b.train_pp}: {tok_rate(best.tokens_per_s())} effective tokens/s asynchronous"
+        + (f" ({gain:.2f}x this plan)" if p.fits else "")
+        + f", {best.bottleneck}-bound"
+    )

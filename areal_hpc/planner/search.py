@@ -1,0 +1,120 @@
+"""Choosing a plan: every allocation the system can run (`candidates`), the one predicted fastest that
+fits memory (`choose`), and the node split a run is launched on (`resolve_split`: `allocation.gen_nodes`
+as set, the split nearest `allocation.gen_share`, or with `gen_share: auto` the fastest).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from areal_hpc.arch import model_arch
+from areal_hpc.errors import ConfigError
+from areal_hpc.parallel import gen_tp_problem, split_problem, train_pp_problem, train_tp_problem
+from areal_hpc.planner.cost import COST, CostModel, Plan, with_plan
+from areal_hpc.planner.predict import Prediction, predict, tok_rate
+
+if TYPE_CHECKING:
+    from areal_hpc.config.schema import Config
+
+ALLOCATION_FIELDS = ("gen_nodes", "gen_tp", "train_tp", "train_pp")
+"""The allocation fields the planner chooses with `--search` (unless fixed on the command line)."""
+
+
+def candidates(cfg: Config, fixed: dict[str, int] | None = None):
+    """Every plan the system can run (`areal_hpc.parallel`'s rules: generator TP within a node, both TPs
+    splitting the model evenly, PP dividing the layers, trainer GPUs in whole TP x PP replicas), as the
+    search narrows them: a trainer's TP group inside a node (NVLink; a config may set a larger one) and
+    PP at most 16. Fields in `fixed` keep their value."""
+    fixed = fixed or {}
+    m, n, g = model_arch(cfg.model), cfg.cluster.nodes, cfg.cluster.gpus_per_node
+    gen_nodes = [fixed["gen_nodes"]] if "gen_nodes" in fixed else range(1, n)
+    gen_tps = [fixed["gen_tp"]] if "gen_tp" in fixed else [t for t in range(1, g + 1) if not gen_tp_problem(m, g, t)]
+    train_tps = (
+        [fixed["train_tp"]]
+        if "train_tp" in fixed
+        else [t for t in range(1, g + 1) if g % t == 0 and not train_tp_problem(m, t)]
+    )
+    pps = [fixed["train_pp"]] if "train_pp" in fixed else [p for p in range(1, 17) if not train_pp_problem(m, p)]
+    for k in gen_nodes:
+        for gtp in gen_tps:
+            for ttp in train_tps:
+                for pp in pps:
+                    if not split_problem(n, g, k, ttp, pp):
+                        yield Plan(k, gtp, ttp, pp)
+
+
+def choose(
+    cfg: Config, fixed: dict[str, int] | None = None, cost: CostModel = COST, fit: bool = True
+) -> tuple[Prediction, str]:
+    """The plan with the highest predicted asynchronous throughput at cfg.rollout.max_staleness among
+    those that fit memory (among all when not `fit`); ties go to fewer GPUs per model copy (less
+    communication)."""
+
+    best, tried, fitting = None, 0, 0
+    for plan in candidates(cfg, fixed):
+        tried += 1
+        p = predict(cfg, plan, cost)
+        if fit and not p.fits:
+            continue
+        fitting += 1
+        key = (round(p.tokens_per_s(), -2), -plan.gen_tp - plan.train_tp * plan.train_pp, plan.gen_nodes)
+        if best is None or key > best[0]:
+            best = (key, p)
+    if best is None:
+        raise ConfigError(
+            f"no split of {cfg.cluster.nodes} nodes x {cfg.cluster.gpus_per_node} GPUs of {cfg.cluster.gpu_memory_gb:g} GB "
+            f"fits the model (tried {tried} plans{' with ' + str(fixed) if fixed else ''}); use more nodes, "
+            "larger GPUs, ppo.recompute=full or a smaller ppo.max_tokens_per_mb"
+        )
+    p = best[1]
+    why = (
+        f"planner: best of {fitting} plans that fit memory (of {tried}) by predicted asynchronous throughput at "
+        f"max_staleness {p.eta}" + (f", with {', '.join(f'{k}={v}' for k, v in fixed.items())} fixed" if fixed else "")
+    )
+    return p, why
+
+
+def auto_split(cfg: Config, cost: CostModel = COST) -> tuple[int, str]:
+    """`allocation.gen_share: auto`: the generator nodes of the fastest plan (`choose`) with the config's
+    gen_tp, train_tp and train_pp; returns (gen_nodes, why). Deterministic: every rank finds the same."""
+
+    a = cfg.allocation
+    fixed = {"gen_tp": a.gen_tp, "train_tp": a.train_tp, "train_pp": a.train_pp}
+    try:
+        p, _ = choose(cfg, fixed, cost)
+        fits = ""
+    except ConfigError:  # `plan` shows it DOES NOT FIT and `plan --search` finds what does
+        p, _ = choose(cfg, fixed, cost, fit=False)
+        fits = "; no split fits GPU memory with these parallel sizes"
+    why = (
+        f"allocation.gen_share auto: the planner's fastest split at max_staleness {p.eta} "
+        f"({tok_rate(p.tokens_per_s())} effective tokens/s predicted, {p.bottleneck}-bound{fits})"
+    )
+    return p.plan.gen_nodes, why
+
+
+def resolve_split(cfg: Config) -> tuple[Config, str]:
+    """The config a run is launched with, its node split a number (`allocation.gen_nodes`), and why:
+    `allocation.gen_nodes` when set; with `gen_share: auto` the fastest split (`auto_split`); else the
+    split nearest `gen_share` whose trainer GPUs hold whole TP x PP replicas. Launchers call this once and
+    write the result into the run's config.yaml, which every rank then reads (the Layout reads numbers)."""
+    a, n, g = cfg.allocation, cfg.cluster.nodes, cfg.cluster.gpus_per_node
+    if a.gen_nodes is not None:
+        return cfg, f"allocation.gen_nodes = {a.gen_nodes} (set in the config)"
+    if a.gen_share == "auto":
+        gen_nodes, why = auto_split(cfg)
+    else:
+        target = a.gen_share * n
+        fits = [k for k in range(1, n) if not split_problem(n, g, k, a.train_tp, a.train_pp)]
+        if not fits:
+            raise ConfigError(
+                f"no split of {n} nodes x {g} GPUs leaves the trainer a multiple of train_tp x train_pp "
+                f"({a.train_tp} x {a.train_pp} = {a.train_tp * a.train_pp}) GPUs; change cluster.nodes or the "
+                "parallel sizes"
+            )
+        gen_nodes = min(fits, key=lambda k: (abs(k - target), -k))
+        why = (
+            f"allocation.gen_share {a.gen_share:g} of {n} nodes = {target:g}; nearest split whose trainer "
+            f"GPUs divide by train_tp x train_pp ({a.train_tp * a.train_pp}): {gen_nodes} generator nodes"
+        )
+    return with_plan(cfg, Plan(gen_nodes, a.gen_tp, a.train_tp, a.train_pp)), why

@@ -1,0 +1,38 @@
+"""Which parallel sizes a model and a cluster allow (areal_hpc.parallel): one set of rules that config
+validation, the planner's search and the trainer's engine share."""
+
+import pytest
+
+from areal_hpc import parallel
+from areal_hpc.arch import model_arch
+from areal_hpc.config import ConfigError, load_config, validate
+from areal_hpc.planner import candidates, resolve_split, with_plan
+from tests.helpers import REPO, TINY
+
+
+@pytest.mark.parametrize("name, nodes", [("qwen1.5b", 4), ("qwen32b", 6)])
+def test_every_plan_the_search_considers_is_a_config_that_validates(name, nodes):
+    cfg, _ = resolve_split(load_config(REPO / "configs" / f"{name}.yaml", [f"cluster.nodes={nodes}"]))
+    plans = list(candidates(cfg))
+    assert len(plans) > 10
+    for plan in plans:
+        validate(with_plan(cfg, plan))  # the search's plans break no rule of the config's
+
+
+def test_a_size_that_splits_the_heads_but_not_the_mlp_is_refused_everywhere():
+    shape = ["model.num_attention_heads=8", "model.num_key_value_heads=4", "model.intermediate_size=510"]
+    four = ["cluster.gpus_per_node=4", *shape]
+    with pytest.raises(ConfigError, match=r"allocation.train_tp \(4\) must divide model.intermediate_size \(510\)"):
+        load_config(TINY, [*four, "allocation.train_tp=4"])
+    cfg = load_config(TINY, four)
+    assert {p.train_tp for p in candidates(cfg)} == {1, 2}, "the search never considers train_tp 4"
+    with pytest.raises(ConfigError, match="intermediate_size"):
+        parallel.check_trainer(model_arch(cfg.model), 4, 1)
+    assert parallel.gen_tp_problem(model_arch(cfg.model), 4, 4) is None  # vLLM splits heads, not the MLP
+
+
+def test_the_split_rules():
+    assert parallel.nodes_problem(1).startswith("cluster.nodes (1) must be at least 2")
+    assert parallel.split_problem(4, 8, 4, 1, 1).startswith("allocation.gen_nodes (4) must be between 1 and")
+    assert "(3 x 1 = 3) must divide the trainer GPUs (2 nodes x 8 = 16)" in parallel.split_problem(4, 8, 2, 3, 1)
+    assert parallel.split_problem(4, 8, 2, 4, 2) is None
