@@ -185,7 +185,7 @@ def _entropy_rank(par, model_dir, temperature):
     forward pass; and ppo/entropy of a step over the same sequences (one minibatch: its forward passes
     run on these weights)."""
     from areal_hpc.trainer.engine import Engine
-    from areal_hpc.trainer.model import full_logits
+    from areal_hpc.trainer.logprobs import full_logits
     from areal_hpc.trainer.step import StepConfig, _logprobs, make_microbatch, ppo_step
 
     engine = Engine(model_dir, par, _optim())

@@ -162,7 +162,8 @@ def resume_problems(results: dict, tol: float) -> list[str]:
 
 def logits(engine, seqs: list[torch.Tensor]) -> list[torch.Tensor] | None:
     """Full-vocabulary logits of each sequence, packed in one row (last stage's TP rank 0; else None)."""
-    from areal_hpc.trainer.model import full_logits, pack_rows
+    from areal_hpc.trainer.logprobs import full_logits
+    from areal_hpc.trainer.packed import pack_rows
 
     sp = engine.config.sequence_parallel
     rows = pack_rows(seqs, multiple=engine.par.tp if sp else 1).to(engine.device)

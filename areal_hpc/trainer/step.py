@@ -13,7 +13,7 @@ minibatch, each over its packed micro-batches with the decoupled loss.
         clip grad norm, Adam step
 
 Memory: the prox pass keeps no autograd graph, and token logprobs come from the last stage's hidden
-states h and the output weight W a chunk of positions at a time (`model.token_logprobs`): a
+states h and the output weight W a chunk of positions at a time (`logprobs.token_logprobs`): a
 micro-batch's logits never exist whole. `ppo.recompute` (Megatron's) trades compute for the layers'
 activations.
 
@@ -47,7 +47,8 @@ from megatron.core.utils import unwrap_model
 
 from areal_hpc.algo.ppo import decoupled_ppo_loss, kl_penalty
 from areal_hpc.trainer.choices import PROX_LOGPS
-from areal_hpc.trainer.model import PackedRows, pack_rows, token_logprobs
+from areal_hpc.trainer.logprobs import token_logprobs
+from areal_hpc.trainer.packed import PackedRows, pack_rows
 
 
 @dataclass
