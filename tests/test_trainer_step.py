@@ -36,7 +36,7 @@ def _train(par, model_dir, variants, logprobs=False):
     out = {}
     for name, (batches, step_cfg, *ppo) in variants.items():
         engine = Engine(model_dir, par, _optim(**(ppo[0] if ppo else {})))
-        batch = batches[par.dp_rank]
+        batch = batches[par.coords.dp]
         stats = ppo_step(engine, batch, StepConfig(**step_cfg))
         weights = engine.export_full()
         out[name] = {"stats": stats, "weights": weights and {k: v.cpu() for k, v in weights.items()}}
@@ -191,7 +191,7 @@ def _entropy_rank(par, model_dir, temperature):
     engine = Engine(model_dir, par, _optim())
     sp = engine.config.sequence_parallel
     batch = random_batch(VOCAB, microbatches=[[[0, 1, 2], [3, 4, 5]]])
-    mb = make_microbatch(batch, list(range(6)), device=par.device, multiple=par.tp if sp else 1)
+    mb = make_microbatch(batch, list(range(6)), device=par.device, multiple=par.grid.tp if sp else 1)
     got = {}
 
     def forward_step(it, model):

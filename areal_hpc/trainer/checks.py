@@ -166,7 +166,7 @@ def logits(engine, seqs: list[torch.Tensor]) -> list[torch.Tensor] | None:
     from areal_hpc.trainer.packed import pack_rows
 
     sp = engine.config.sequence_parallel
-    rows = pack_rows(seqs, multiple=engine.par.tp if sp else 1).to(engine.device)
+    rows = pack_rows(seqs, multiple=engine.par.grid.tp if sp else 1).to(engine.device)
     out = []
 
     def forward_step(it, model):
@@ -179,7 +179,7 @@ def logits(engine, seqs: list[torch.Tensor]) -> list[torch.Tensor] | None:
         return r.forward(model), keep
 
     engine.forward_backward([rows], forward_step, forward_only=True, seq_length=rows.tokens.shape[1])
-    if not (engine.is_last_stage and engine.par.tp_rank == 0):
+    if not (engine.is_last_stage and engine.par.coords.tp == 0):
         return None
     full = out[0][0].float().cpu()  # [s, V]
     return [full[a : a + n] for _, a, n in rows.seq_slices]
@@ -225,7 +225,7 @@ def _steps(engine, seeds: list[int], step_cfg) -> list[dict]:
 
     vocab = engine.arch.vocab_size
     # every data-parallel rank its own sequences
-    return [ppo_step(engine, random_batch(vocab, seed=100 * s + engine.par.dp_rank), step_cfg) for s in seeds]
+    return [ppo_step(engine, random_batch(vocab, seed=100 * s + engine.par.coords.dp), step_cfg) for s in seeds]
 
 
 def resume_rank(par, model_dir, ckpt_dir, before: list[int], after: list[int], optim, dtype=torch.float32) -> dict:

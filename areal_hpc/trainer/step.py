@@ -243,7 +243,7 @@ def ppo_step(engine, batch, cfg: StepConfig) -> dict[str, float]:
     """
     version = int(batch.version)
     lr = engine.set_step(version)
-    multiple = engine.par.tp if engine.config.sequence_parallel else 1
+    multiple = engine.par.grid.tp if engine.config.sequence_parallel else 1
     minibatches = [
         [make_microbatch(batch, ids, cfg.padded, engine.device, multiple) for ids in mb] for mb in batch.microbatches
     ]
@@ -274,7 +274,7 @@ def ppo_step(engine, batch, cfg: StepConfig) -> dict[str, float]:
         )
         # Only the last stage's TP rank 0 of each replica holds the token stats: sum them everywhere.
         part = torch.zeros_like(totals)
-        if engine.is_last_stage and engine.par.tp_rank == 0:
+        if engine.is_last_stage and engine.par.coords.tp == 0:
             for o in out:
                 part += torch.stack([o[key] for key in _STAT_KEYS])
         dist.all_reduce(part)
