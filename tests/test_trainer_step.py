@@ -10,8 +10,8 @@ import torch
 from areal_hpc.arch import model_arch
 from areal_hpc.config import PPOConfig
 from areal_hpc.protocol import TrainBatch
+from areal_hpc.testing.inputs import MODEL, random_batch, shard
 from areal_hpc.tiny import build_tiny_model
-from areal_hpc.trainer.checks import MODEL, random_batch, shard
 from areal_hpc.trainer.spawn import run_ranks
 
 VOCAB = model_arch(MODEL).vocab_size
@@ -184,8 +184,8 @@ def _entropy_rank(par, model_dir, temperature):
     """Each token's entropy from the chunked logprob function and from the full logits of the same
     forward pass; and ppo/entropy of a step over the same sequences (one minibatch: its forward passes
     run on these weights)."""
+    from areal_hpc.testing.trainer_runs import full_logits
     from areal_hpc.trainer.engine import Engine
-    from areal_hpc.trainer.logprobs import full_logits
     from areal_hpc.trainer.step import StepConfig, _logprobs, make_microbatch, ppo_step
 
     engine = Engine(model_dir, par, _optim())

@@ -12,5 +12,6 @@ checkpoint   Megatron dist_checkpointing of model + optimizer (any TP/PP/DP), wi
 export       a checkpoint -> a Hugging Face directory (sharded safetensors), on one CPU process
 worker       `serve(ctx, sync)`: the rank's message loop
 spawn        N local ranks in spawned processes (tests, benchmarks, export)
-checks       the checks the CPU tests assert and tools/gpu_check.py reports
+
+The checks that the CPU tests assert and tools/gpu_check.py reports are in `areal_hpc.testing`.
 """

@@ -38,23 +38,15 @@ def token_logprobs(
     The softmax is over the whole (vocabulary-parallel) vocabulary, exact; only a chunk's logits exist
     at a time, forward or backward (`_TokenLogprobs`).
     """
-    h = _output_input(hidden, sequence_parallel)[where[1], where[0]]  # [s, b, h] -> [n, h]
+    h = output_input(hidden, sequence_parallel)[where[1], where[0]]  # [s, b, h] -> [n, h]
     chunk = max(1, LOGPROB_CHUNK_BYTES // (4 * weight.shape[0]))
     return _TokenLogprobs.apply(h, weight, target, temperature, chunk, with_entropy)
 
 
-def full_logits(hidden: torch.Tensor, weight: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
-    """[b, s, V] logits of the whole vocabulary (gathered over TP): for checks on short sequences."""
-    from megatron.core import tensor_parallel
-
-    # the last stage's hidden states are fp32 under Float16Module: the product in the weight's dtype, as in training
-    logits = (_output_input(hidden, sequence_parallel).to(weight.dtype) @ weight.t()).float()  # [s, b, V / TP]
-    return tensor_parallel.gather_from_tensor_model_parallel_region(logits).transpose(0, 1)
-
-
-def _output_input(hidden: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+def output_input(hidden: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
     """The hidden states as the output layer sees them on every TP rank: the whole sequence, and in the
-    backward pass the TP ranks' gradients summed (what Megatron's ColumnParallelLinear does)."""
+    backward pass the TP ranks' gradients summed (what Megatron's ColumnParallelLinear does). The checks'
+    dense reference (`areal_hpc.testing.trainer_runs.full_logits`) starts from it too."""
     from megatron.core import tensor_parallel
 
     if sequence_parallel:
