@@ -19,17 +19,10 @@ import torch
 from areal_hpc.arch import model_arch
 from areal_hpc.config import ModelConfig, PPOConfig
 from areal_hpc.rundir import checkpoint_dir, mark_complete
+from areal_hpc.testing.compare import export_problems, logits_problems, max_diff, pick
+from areal_hpc.testing.inputs import QWEN3, probe_sequences
+from areal_hpc.testing.trainer_runs import hf_logits, train_and_save_rank
 from areal_hpc.tiny import build_tiny_model
-from areal_hpc.trainer.checks import (
-    QWEN3,
-    export_problems,
-    hf_logits,
-    logits_problems,
-    max_diff,
-    pick,
-    probe_sequences,
-    train_and_save_rank,
-)
 from areal_hpc.trainer.convert import read_hf
 from areal_hpc.trainer.export import ExportError, export_checkpoint
 from areal_hpc.trainer.spawn import run_ranks

@@ -221,7 +221,7 @@ def test_qwen3_loads_the_trainers_weights(tmp_path):
     included, and samples from them."""
     from transformers import AutoModelForCausalLM
 
-    from areal_hpc.trainer.checks import QWEN3
+    from areal_hpc.testing.inputs import QWEN3
 
     path = build_tiny_model(QWEN3, tmp_path, seed=2)
     engine = create_engine(path)

@@ -49,8 +49,8 @@ def test_a_model_directory_replaces_the_smoke_configs_shape(tmp_path, monkeypatc
     (which, given as it is, contradicts DIR and is a config error)."""
     from areal_hpc.arch import model_arch
     from areal_hpc.config import ConfigError, load_config
+    from areal_hpc.testing.inputs import MODEL
     from areal_hpc.tiny import hf_config
-    from areal_hpc.trainer.checks import MODEL
 
     monkeypatch.syspath_prepend(str(REPO / "tools"))
     import gpu_check

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from areal_hpc.config import ModelConfig, PPOConfig
+from areal_hpc.testing.compare import export_problems, logits_problems, pick
+from areal_hpc.testing.inputs import QWEN3
+from areal_hpc.testing.trainer_runs import hf_logits, logits_and_export_rank
 from areal_hpc.tiny import build_tiny_model
-from areal_hpc.trainer.checks import QWEN3, export_problems, hf_logits, logits_and_export_rank, logits_problems, pick
 from areal_hpc.trainer.spawn import run_ranks
 
 pytestmark = pytest.mark.megatron

@@ -21,7 +21,7 @@ def _dense(q, k, v, seg):
 def test_matches_block_diagonal_causal_attention_with_buckets_and_gqa():
     from types import SimpleNamespace
 
-    from areal_hpc.trainer.model import SegmentAttention, segments
+    from areal_hpc.trainer.packed import SegmentAttention, segments
 
     torch.manual_seed(0)
     # two rows: lengths 9, 1, 3, 12, 5 (several buckets) and a padding tail of 6 in row 1
@@ -41,7 +41,7 @@ def test_matches_block_diagonal_causal_attention_with_buckets_and_gqa():
 def test_needs_segments():
     from types import SimpleNamespace
 
-    from areal_hpc.trainer.model import SegmentAttention
+    from areal_hpc.trainer.packed import SegmentAttention
 
     attn = SegmentAttention(SimpleNamespace(attention_dropout=0.0), 1, None, "self")
     x = torch.randn(4, 1, 2, 8)

@@ -10,18 +10,11 @@ import pytest
 import torch
 
 from areal_hpc.config import PPOConfig
+from areal_hpc.testing.compare import max_diff, pick, resume_problems
+from areal_hpc.testing.inputs import MODEL
+from areal_hpc.testing.trainer_runs import load_rank, nonfinite_rank, resume_rank, save_rank
 from areal_hpc.tiny import build_tiny_model
 from areal_hpc.trainer import checkpoint
-from areal_hpc.trainer.checks import (
-    MODEL,
-    load_rank,
-    max_diff,
-    nonfinite_rank,
-    pick,
-    resume_problems,
-    resume_rank,
-    save_rank,
-)
 from areal_hpc.trainer.spawn import run_ranks
 
 pytestmark = pytest.mark.megatron

@@ -10,8 +10,8 @@ import torch
 from areal_hpc.arch import model_arch
 from areal_hpc.config import PPOConfig
 from areal_hpc.protocol import TrainBatch
+from areal_hpc.testing.inputs import MODEL, random_batch, shard
 from areal_hpc.tiny import build_tiny_model
-from areal_hpc.trainer.checks import MODEL, random_batch, shard
 from areal_hpc.trainer.spawn import run_ranks
 
 VOCAB = model_arch(MODEL).vocab_size
@@ -36,7 +36,7 @@ def _train(par, model_dir, variants, logprobs=False):
     out = {}
     for name, (batches, step_cfg, *ppo) in variants.items():
         engine = Engine(model_dir, par, _optim(**(ppo[0] if ppo else {})))
-        batch = batches[par.dp_rank]
+        batch = batches[par.coords.dp]
         stats = ppo_step(engine, batch, StepConfig(**step_cfg))
         weights = engine.export_full()
         out[name] = {"stats": stats, "weights": weights and {k: v.cpu() for k, v in weights.items()}}
@@ -184,14 +184,14 @@ def _entropy_rank(par, model_dir, temperature):
     """Each token's entropy from the chunked logprob function and from the full logits of the same
     forward pass; and ppo/entropy of a step over the same sequences (one minibatch: its forward passes
     run on these weights)."""
+    from areal_hpc.testing.trainer_runs import full_logits
     from areal_hpc.trainer.engine import Engine
-    from areal_hpc.trainer.model import full_logits
     from areal_hpc.trainer.step import StepConfig, _logprobs, make_microbatch, ppo_step
 
     engine = Engine(model_dir, par, _optim())
     sp = engine.config.sequence_parallel
     batch = random_batch(VOCAB, microbatches=[[[0, 1, 2], [3, 4, 5]]])
-    mb = make_microbatch(batch, list(range(6)), device=par.device, multiple=par.tp if sp else 1)
+    mb = make_microbatch(batch, list(range(6)), device=par.device, multiple=par.grid.tp if sp else 1)
     got = {}
 
     def forward_step(it, model):

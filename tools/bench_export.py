@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 from areal_hpc.config import ModelConfig, PPOConfig
+from areal_hpc.testing.trainer_runs import train_and_save_rank
 from areal_hpc.tiny import build_tiny_model
-from areal_hpc.trainer.checks import train_and_save_rank
 from areal_hpc.trainer.spawn import run_ranks
 
 

@@ -5,7 +5,7 @@ attach to a bug report. Run it through `tools/gpu_check.sh` (which finds the Pyt
     tools/gpu_check.sh --trainer-only   # no vLLM needed: also from a checkout on PYTHONPATH with the
                                         # machine's own PyTorch (2.11 or newer) and megatron-core
 
-Trainer checks (the functions of areal_hpc/trainer/checks.py, the ones the CPU tests call, on this
+Trainer checks (the functions of areal_hpc/testing/, the ones the CPU tests call, on this
 machine's device: AREAL_DEVICE=auto|cpu|cuda, auto by default):
   - logits against transformers on a small Qwen2 built here, and the export round trip, at TP 1;
   - one PPO step, save, resume, and the steps after it equal to an uninterrupted run, in fp32 and bf16;
@@ -68,16 +68,10 @@ def _verdict(problems: list[str], ok: str) -> tuple[str, str]:
 
 def check_logits(work: Path, tp: int, device: str):
     from areal_hpc.config import PPOConfig
+    from areal_hpc.testing.compare import export_problems, logits_problems, max_diff, pick
+    from areal_hpc.testing.inputs import MODEL
+    from areal_hpc.testing.trainer_runs import hf_logits, logits_and_export_rank
     from areal_hpc.tiny import build_tiny_model
-    from areal_hpc.trainer.checks import (
-        MODEL,
-        export_problems,
-        hf_logits,
-        logits_and_export_rank,
-        logits_problems,
-        max_diff,
-        pick,
-    )
     from areal_hpc.trainer.convert import read_hf
     from areal_hpc.trainer.spawn import run_ranks
 
@@ -92,8 +86,10 @@ def check_resume(work: Path, tp: int, dtype: str, device: str):
     import torch
 
     from areal_hpc.config import PPOConfig
+    from areal_hpc.testing.compare import max_diff, pick, resume_problems
+    from areal_hpc.testing.inputs import MODEL
+    from areal_hpc.testing.trainer_runs import resume_rank
     from areal_hpc.tiny import build_tiny_model
-    from areal_hpc.trainer.checks import MODEL, max_diff, pick, resume_problems, resume_rank
     from areal_hpc.trainer.spawn import run_ranks
 
     model_dir = str(build_tiny_model(MODEL, work / f"resume-tp{tp}-{dtype}", seed=5))

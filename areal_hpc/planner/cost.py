@@ -78,7 +78,7 @@ class CostModel:
     layer keeps its input (h values) and one layer at a time holds the above during its backward pass."""
     logprob_transient_bytes: float = 128 * 2**20
     """The token logprobs' temporaries beside the embedding's gradient: chunks of fp32 logits and their
-    gradient (areal_hpc.trainer.model.LOGPROB_CHUNK_BYTES, 64 MiB each); 84 MiB measured on the CPU."""
+    gradient (areal_hpc.trainer.logprobs.LOGPROB_CHUNK_BYTES, 64 MiB each); 84 MiB measured on the CPU."""
     weight_sync_fixed_s: float = 1.0
     """Fixed cost of a weight update on a generator: pause, load, clear prefix cache, resume (assumed)."""
 

@@ -1,7 +1,10 @@
 """The trainer ranks (Megatron-core): Qwen2/Qwen3 from Hugging Face, TP x PP x DP, the decoupled PPO step.
 
+choices      the trainer settings a config names (recompute, prox_logp, lr_decay); no torch
 cpu_compat   megatron-core's CUDA-only calls routed to the CPU (only when CUDA is absent)
-model        Qwen2/Qwen3 architecture -> Megatron GPTModel stage; packed rows (block-diagonal mask, positions)
+model        Qwen2/Qwen3 architecture -> Megatron TransformerConfig and this rank's GPTModel stage
+packed       packed rows: sequences sharing a row, attention within each, per-sequence positions
+logprobs     token logprobs and entropy from the last stage's hidden states, a chunk of logits at a time
 convert      Hugging Face tensors <-> a rank's Megatron shard; per-stage export stream
 engine       torch.distributed + parallel state, DDP model, optimizer, forward/backward schedule
 step         the PPO step over a TrainBatch (prox recompute, minibatches, stats)
@@ -9,4 +12,6 @@ checkpoint   Megatron dist_checkpointing of model + optimizer (any TP/PP/DP), wi
 export       a checkpoint -> a Hugging Face directory (sharded safetensors), on one CPU process
 worker       `serve(ctx, sync)`: the rank's message loop
 spawn        N local ranks in spawned processes (tests, benchmarks, export)
+
+The checks that the CPU tests assert and tools/gpu_check.py reports are in `areal_hpc.testing`.
 """

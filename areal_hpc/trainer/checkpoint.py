@@ -77,10 +77,10 @@ def save(engine, step_dir: str | Path) -> Path:
         _keep_hf_files(engine.model_dir, partial / HF_FILES)
         dtype = str(engine.config.params_dtype).removeprefix("torch.")
         manifest = {
-            "tp": par.tp,
-            "pp": par.pp,
-            "dp": par.dp,
-            "world": par.world,
+            "tp": par.grid.tp,
+            "pp": par.grid.pp,
+            "dp": par.grid.dp,
+            "world": par.grid.size,
             "dtype": dtype,
             "arch": asdict(engine.arch),
         }

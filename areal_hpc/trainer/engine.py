@@ -30,7 +30,7 @@ import torch.distributed as dist
 from areal_hpc.arch import QwenArch
 from areal_hpc.config import PPOConfig
 from areal_hpc.device import backend
-from areal_hpc.layout import TrainerGrid
+from areal_hpc.layout import TrainerCoords, TrainerGrid
 from areal_hpc.parallel import check_trainer
 from areal_hpc.trainer import cpu_compat
 from areal_hpc.trainer.convert import export_stage, load_hf_into
@@ -39,26 +39,22 @@ from areal_hpc.trainer.model import build_stage, transformer_config
 
 @dataclass(frozen=True)
 class Parallel:
-    """This rank's place in the TP x DP x PP grid (Megatron's default order)."""
+    """This trainer rank: its trainer-local rank, the TP x PP x DP grid it is a place of (sizes and rank
+    order are the grid's), and the device it computes on."""
 
     rank: int
-    world: int
-    tp: int
-    pp: int
-    dp: int
-    tp_rank: int
-    pp_rank: int
-    dp_rank: int
+    grid: TrainerGrid
     device: torch.device
 
     @property
-    def grid(self) -> TrainerGrid:
-        return TrainerGrid(self.tp, self.pp, self.dp)
+    def coords(self) -> TrainerCoords:
+        """This rank's (tp, pp, dp) place in the grid."""
+        return self.grid.coords(self.rank)
 
     @property
     def stage_source(self) -> bool:
         """Whether this rank sends its pipeline stage's weights (`TrainerGrid.stage_source`)."""
-        return self.rank == self.grid.stage_source(self.pp_rank)
+        return self.rank == self.grid.stage_source(self.coords.pp)
 
 
 def init_parallel(
@@ -85,24 +81,14 @@ def init_parallel(
     )
     ps.initialize_model_parallel(tp, pp, distributed_timeout_minutes=max(1, int(timeout_s // 60)))
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    got = Parallel(
-        rank,
-        world,
-        tp,
-        pp,
-        grid.dp,
-        ps.get_tensor_model_parallel_rank(),
-        ps.get_pipeline_model_parallel_rank(),
-        ps.get_data_parallel_rank(),
-        dev,
-    )
-    expected = grid.coords(rank)
-    if (got.tp_rank, got.pp_rank, got.dp_rank) != expected:
+    par = Parallel(rank, grid, dev)
+    megatron = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank())
+    if megatron != par.coords:
         raise RuntimeError(
-            f"Megatron placed trainer rank {rank} at (tp, pp, dp) = {(got.tp_rank, got.pp_rank, got.dp_rank)}, "
-            f"the layout expects {tuple(expected)} (rank = tp + TP * (dp + DP * pp))"
+            f"Megatron placed trainer rank {rank} at (tp, pp, dp) = {megatron}, "
+            f"the layout expects {tuple(par.coords)} (rank = tp + TP * (dp + DP * pp))"
         )
-    return got
+    return par
 
 
 def shutdown_parallel() -> None:
@@ -145,12 +131,13 @@ class Engine:
         self.par = par
         self.model_dir = Path(model_dir)
         self.arch = QwenArch.from_hf(model_dir)
-        check_trainer(self.arch, par.tp, par.pp)
+        check_trainer(self.arch, par.grid.tp, par.grid.pp)
         self.device = par.device
         self.resumed_from: Path | None = None
         """The checkpoint this engine's state was loaded from (named in a non-finite step's error)."""
+        grid = par.grid
         self.config = transformer_config(
-            self.arch, par.tp, par.pp, self.device, dtype, ppo.recompute, ppo.sequence_parallel and par.tp > 1
+            self.arch, grid.tp, grid.pp, self.device, dtype, ppo.recompute, ppo.sequence_parallel and grid.tp > 1
         )
         # Micro-batches differ in length: the pipeline sends each activation's shape before it.
         self.config.variable_seq_lengths = True
@@ -210,9 +197,9 @@ class Engine:
         """This rank's stage with the weights of `model_dir` (wrapped in Float16Module in bf16/fp16)."""
         from megatron.core.transformer.module import Float16Module
 
-        par = self.par
+        grid, coords = self.par.grid, self.par.coords
         stage = build_stage(self.arch, self.config, self.device)
-        load_hf_into(stage, self.model_dir, self.arch, par.tp_rank, par.tp, par.pp_rank, par.pp)
+        load_hf_into(stage, self.model_dir, self.arch, coords.tp, grid.tp, coords.pp, grid.pp)
         if dtype != torch.float32:
             # As Megatron's own training does: every parameter in the 16-bit dtype (the local layer
             # spec makes its norms fp32; the distributed optimizer needs one dtype per gradient buffer).
@@ -237,7 +224,7 @@ class Engine:
 
     @property
     def is_last_stage(self) -> bool:
-        return self.par.pp_rank == self.par.pp - 1
+        return self.par.coords.pp == self.par.grid.pp - 1
 
     def forward_backward(
         self, microbatches: list, forward_step: Callable, forward_only: bool, seq_length: int, model=None
@@ -305,8 +292,8 @@ class Engine:
         return export_stage(
             self.model,
             self.arch,
-            self.par.pp_rank,
-            self.par.pp,
+            self.par.coords.pp,
+            self.par.grid.pp,
             ps.get_tensor_model_parallel_group(),
             dst=ps.get_tensor_model_parallel_src_rank(),
         )
@@ -315,11 +302,11 @@ class Engine:
         """The whole model under Hugging Face names on trainer rank 0 (None elsewhere); collective."""
         from megatron.core import parallel_state as ps
 
-        stage = dict(self.export()) if self.par.dp_rank == 0 else {}
+        stage = dict(self.export()) if self.par.coords.dp == 0 else {}
         stage = {k: v.cpu() for k, v in stage.items()}
-        if self.par.pp == 1:
+        if self.par.grid.pp == 1:
             return stage if self.par.rank == 0 else None
-        parts = [None] * self.par.pp if self.par.rank == 0 else None
+        parts = [None] * self.par.grid.pp if self.par.rank == 0 else None
         # gather over the pipeline group of the stage sources (tp 0, dp 0): rank 0's group
         group = ps.get_pipeline_model_parallel_group()
         if self.par.stage_source:

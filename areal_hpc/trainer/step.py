@@ -13,7 +13,7 @@ minibatch, each over its packed micro-batches with the decoupled loss.
         clip grad norm, Adam step
 
 Memory: the prox pass keeps no autograd graph, and token logprobs come from the last stage's hidden
-states h and the output weight W a chunk of positions at a time (`model.token_logprobs`): a
+states h and the output weight W a chunk of positions at a time (`logprobs.token_logprobs`): a
 micro-batch's logits never exist whole. `ppo.recompute` (Megatron's) trades compute for the layers'
 activations.
 
@@ -47,7 +47,8 @@ from megatron.core.utils import unwrap_model
 
 from areal_hpc.algo.ppo import decoupled_ppo_loss, kl_penalty
 from areal_hpc.trainer.choices import PROX_LOGPS
-from areal_hpc.trainer.model import PackedRows, pack_rows, token_logprobs
+from areal_hpc.trainer.logprobs import token_logprobs
+from areal_hpc.trainer.packed import PackedRows, pack_rows
 
 
 @dataclass
@@ -242,7 +243,7 @@ def ppo_step(engine, batch, cfg: StepConfig) -> dict[str, float]:
     """
     version = int(batch.version)
     lr = engine.set_step(version)
-    multiple = engine.par.tp if engine.config.sequence_parallel else 1
+    multiple = engine.par.grid.tp if engine.config.sequence_parallel else 1
     minibatches = [
         [make_microbatch(batch, ids, cfg.padded, engine.device, multiple) for ids in mb] for mb in batch.microbatches
     ]
@@ -273,7 +274,7 @@ def ppo_step(engine, batch, cfg: StepConfig) -> dict[str, float]:
         )
         # Only the last stage's TP rank 0 of each replica holds the token stats: sum them everywhere.
         part = torch.zeros_like(totals)
-        if engine.is_last_stage and engine.par.tp_rank == 0:
+        if engine.is_last_stage and engine.par.coords.tp == 0:
             for o in out:
                 part += torch.stack([o[key] for key in _STAT_KEYS])
         dist.all_reduce(part)

@@ -73,7 +73,7 @@ def build_engine(ctx) -> Engine:
 
 def send_weights(engine: Engine, sync, bucket_bytes: int) -> dict | None:
     """Stream this stage's weights (HF names, TP-gathered) to the generators; collective in TP."""
-    if engine.par.dp_rank != 0:
+    if engine.par.coords.dp != 0:
         return None
     stream = engine.export()
     if engine.par.stage_source and sync is not None:

@@ -22,8 +22,8 @@ def main(out: Path) -> None:
     from areal_hpc.layout import Layout, Role
     from areal_hpc.protocol import Mailbox, Save, Stop, TrainResult, WeightSync
     from areal_hpc.runtime import RankContext
+    from areal_hpc.testing.inputs import random_batch
     from areal_hpc.tiny import build_tiny_model
-    from areal_hpc.trainer.checks import random_batch
     from areal_hpc.weight_sync import setup_weight_sync
 
     cfg = load_config(

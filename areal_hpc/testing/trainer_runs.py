@@ -1,171 +1,42 @@
-"""The trainer's checks: what the CPU tests assert and what `tools/gpu_check.sh` reports on a GPU.
+"""What the trainer checks run: each `*_rank` function runs on every trainer rank through
+`spawn.run_ranks(fn, world, tp, pp, ...)` and returns a dict of CPU tensors and numbers (a key only on
+the rank that holds it: `compare.pick` finds it).
 
-Each `*_rank` function runs on every trainer rank through `spawn.run_ranks(fn, world, tp, pp, ...)`
-and returns a dict of CPU tensors and numbers (a key only on the rank that holds it: `pick` finds
-it). The pure functions beside them build inputs and compare. The tests and the GPU check call the
-same functions on the device of `spawn.default_device()`, so a GPU check that passes ran the code
-that the CPU tests prove.
+The references they are held to: `full_logits`, the whole vocabulary's logits at once (what the chunked
+`trainer.logprobs.token_logprobs` must equal), and `hf_logits`, transformers' logits of the same probe
+sequences.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from areal_hpc.config import ModelConfig
 from areal_hpc.protocol import TrainBatch
-
-MODEL = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_attention_heads=4, num_key_value_heads=2)
-"""The checks' model: tied embeddings, grouped-query attention (4 query heads share 2 key/value heads)."""
-QWEN3 = ModelConfig(
-    architecture="qwen3",
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-)
-"""A tiny Qwen3: q/k norms, no QKV bias, heads of size 32 (not 64 / 4), grouped-query, tied embeddings."""
-VERSION = 3
-MICROBATCHES = [[[0, 1], [2]], [[3], [4, 5]]]
-"""Two PPO minibatches of two micro-batches each, over six sequences."""
-PROBE_LENGTHS = (7, 13, 4)
+from areal_hpc.testing.compare import max_diff
+from areal_hpc.testing.inputs import probe_sequences, random_batch
 
 
-def random_batch(vocab: int, n_seqs: int = 6, seed: int = 0, microbatches=MICROBATCHES) -> TrainBatch:
-    """Random sequences: prompt tokens (version -1), response tokens of versions VERSION-1 and VERSION,
-    random behaviour logprobs and advantages."""
-    rng = np.random.default_rng(seed)
-    lens = rng.integers(6, 20, n_seqs)
-    parts = {k: [] for k in ("tokens", "mask", "behav", "adv", "versions")}
-    for n in lens:
-        prompt = int(rng.integers(2, 5))
-        mask = np.zeros(n, np.uint8)
-        mask[prompt:] = 1
-        parts["tokens"].append(rng.integers(0, vocab, n))
-        parts["mask"].append(mask)
-        parts["behav"].append(np.where(mask, -rng.random(n) * 3 - 3, 0))
-        parts["adv"].append(np.where(mask, rng.normal(size=n), 0))
-        parts["versions"].append(np.where(mask, rng.integers(VERSION - 1, VERSION + 1, n), -1))
-    cat = {k: np.concatenate(v) for k, v in parts.items()}
-    return TrainBatch(
-        VERSION,
-        cat["tokens"].astype(np.int32),
-        np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
-        cat["mask"],
-        cat["behav"].astype(np.float32),
-        cat["adv"].astype(np.float32),
-        cat["versions"].astype(np.int32),
-        microbatches=microbatches,
-    )
+def full_logits(hidden: torch.Tensor, weight: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+    """[b, s, V] logits of the whole vocabulary (gathered over TP) from the last stage's hidden states,
+    all at once: for checks on short sequences."""
+    from megatron.core import tensor_parallel
 
+    from areal_hpc.trainer.logprobs import output_input
 
-def shard(batch: TrainBatch, seqs: list[int], microbatches: list) -> TrainBatch:
-    """The TrainBatch of sequences `seqs` (renumbered 0..): what one data-parallel rank receives."""
-    cu = batch.cu_seqlens
-    take = np.concatenate([np.arange(cu[i], cu[i + 1]) for i in seqs])
-    lens = [cu[i + 1] - cu[i] for i in seqs]
-    new = {old: j for j, old in enumerate(seqs)}
-    return TrainBatch(
-        batch.version,
-        batch.tokens[take],
-        np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
-        batch.loss_mask[take],
-        batch.behav_logprobs[take],
-        batch.advantages[take],
-        batch.versions[take],
-        microbatches=[[[new[i] for i in mb] for mb in k] for k in microbatches],
-    )
-
-
-def probe_sequences(vocab: int) -> list[torch.Tensor]:
-    """Three token sequences of different lengths, the same on every rank."""
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(0, vocab, (n,), generator=g) for n in PROBE_LENGTHS]
-
-
-def pick(results: dict, key: str):
-    """The value of `key` from the one rank of `run_ranks` results that returned it."""
-    found = [r[key] for r in results.values() if key in r]
-    if len(found) != 1:
-        raise KeyError(f"{key!r} returned by {len(found)} ranks, expected one")
-    return found[0]
-
-
-def max_diff(a, b) -> float:
-    """Largest |a - b| over two equal structures (dicts by key, lists in order) of tensors."""
-    if isinstance(a, dict):
-        if sorted(a) != sorted(b):
-            raise KeyError(f"different keys: {sorted(set(a) ^ set(b))}")
-        return max((max_diff(a[k], b[k]) for k in a), default=0.0)
-    if isinstance(a, list | tuple):
-        if len(a) != len(b):
-            raise ValueError(f"{len(a)} != {len(b)} entries")
-        return max((max_diff(x, y) for x, y in zip(a, b)), default=0.0)
-    if a.shape != b.shape:
-        raise ValueError(f"shapes {tuple(a.shape)} != {tuple(b.shape)}")
-    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
-
-
-# --- judgements: what is wrong, as sentences (empty: nothing) -------------------------------------
-
-
-def logits_problems(got: list[torch.Tensor], want: list[torch.Tensor], tol: float) -> list[str]:
-    """The probe sequences whose logits differ from `want` (transformers') by more than `tol`."""
-    out = []
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        if g.shape != w.shape:
-            out.append(f"sequence {i}: logits of shape {tuple(g.shape)}, transformers {tuple(w.shape)}")
-        elif (d := max_diff(g, w)) > tol:
-            out.append(f"sequence {i}: logits differ from transformers' by {d:.2e} > {tol:.0e}")
-    return out
-
-
-def export_problems(exported: dict, original: dict) -> list[str]:
-    """Where the exported Hugging Face weights are not the checkpoint's, name for name and bit for bit."""
-    if sorted(exported) != sorted(original):
-        return [f"exported names differ from the checkpoint's: {sorted(set(exported) ^ set(original))}"]
-    return [
-        f"{k}: exported tensor differs from the checkpoint's"
-        for k, v in original.items()
-        if not torch.equal(exported[k], v)
-    ]
-
-
-def resume_problems(results: dict, tol: float) -> list[str]:
-    """What a resumed run (`resume_rank`) got wrong against the uninterrupted one."""
-    out = []
-    for rank, r in sorted(results.items()):
-        if r["load_diff"] != 0.0:
-            out.append(f"rank {rank}: the loaded optimizer state differs from the saved one by {r['load_diff']:.2e}")
-        if r["optimizer_diff"] > tol:
-            out.append(
-                f"rank {rank}: optimizer state after the resumed steps off by {r['optimizer_diff']:.2e} > {tol:.0e}"
-            )
-    for k, (a, b) in enumerate(zip(pick(results, "stats"), pick(results, "resumed_stats"), strict=True)):
-        for key in a:
-            if not all(map(math.isfinite, (a[key], b[key]))):
-                out.append(f"step {k + 1} after the save: {key} is {a[key]} uninterrupted, {b[key]} resumed")
-            elif abs(a[key] - b[key]) > tol * max(1.0, abs(a[key])):
-                out.append(f"step {k + 1} after the save: {key} {a[key]:.9g} uninterrupted, {b[key]:.9g} resumed")
-    if (d := max_diff(pick(results, "weights"), pick(results, "resumed_weights"))) > tol:
-        out.append(f"weights after the resumed steps off by {d:.2e} > {tol:.0e}")
-    return out
-
-
-# --- rank functions (run under spawn.run_ranks) ----------------------------------------------------
+    # the last stage's hidden states are fp32 under Float16Module: the product in the weight's dtype, as in training
+    logits = (output_input(hidden, sequence_parallel).to(weight.dtype) @ weight.t()).float()  # [s, b, V / TP]
+    return tensor_parallel.gather_from_tensor_model_parallel_region(logits).transpose(0, 1)
 
 
 def logits(engine, seqs: list[torch.Tensor]) -> list[torch.Tensor] | None:
     """Full-vocabulary logits of each sequence, packed in one row (last stage's TP rank 0; else None)."""
-    from areal_hpc.trainer.model import full_logits, pack_rows
+    from areal_hpc.trainer.packed import pack_rows
 
     sp = engine.config.sequence_parallel
-    rows = pack_rows(seqs, multiple=engine.par.tp if sp else 1).to(engine.device)
+    rows = pack_rows(seqs, multiple=engine.par.grid.tp if sp else 1).to(engine.device)
     out = []
 
     def forward_step(it, model):
@@ -178,7 +49,7 @@ def logits(engine, seqs: list[torch.Tensor]) -> list[torch.Tensor] | None:
         return r.forward(model), keep
 
     engine.forward_backward([rows], forward_step, forward_only=True, seq_length=rows.tokens.shape[1])
-    if not (engine.is_last_stage and engine.par.tp_rank == 0):
+    if not (engine.is_last_stage and engine.par.coords.tp == 0):
         return None
     full = out[0][0].float().cpu()  # [s, V]
     return [full[a : a + n] for _, a, n in rows.seq_slices]
@@ -224,7 +95,7 @@ def _steps(engine, seeds: list[int], step_cfg) -> list[dict]:
 
     vocab = engine.arch.vocab_size
     # every data-parallel rank its own sequences
-    return [ppo_step(engine, random_batch(vocab, seed=100 * s + engine.par.dp_rank), step_cfg) for s in seeds]
+    return [ppo_step(engine, random_batch(vocab, seed=100 * s + engine.par.coords.dp), step_cfg) for s in seeds]
 
 
 def resume_rank(par, model_dir, ckpt_dir, before: list[int], after: list[int], optim, dtype=torch.float32) -> dict:

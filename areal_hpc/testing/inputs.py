@@ -1,0 +1,81 @@
+"""The trainer checks' inputs: two tiny models (a Qwen2 and a Qwen3), random TrainBatches with the
+fields a PPO step reads, one data-parallel rank's shard of a batch, and the probe sequences whose logits
+the checks compare.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from areal_hpc.config import ModelConfig
+from areal_hpc.protocol import TrainBatch
+
+MODEL = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_attention_heads=4, num_key_value_heads=2)
+"""The checks' model: tied embeddings, grouped-query attention (4 query heads share 2 key/value heads)."""
+QWEN3 = ModelConfig(
+    architecture="qwen3",
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+)
+"""A tiny Qwen3: q/k norms, no QKV bias, heads of size 32 (not 64 / 4), grouped-query, tied embeddings."""
+VERSION = 3
+MICROBATCHES = [[[0, 1], [2]], [[3], [4, 5]]]
+"""Two PPO minibatches of two micro-batches each, over six sequences."""
+PROBE_LENGTHS = (7, 13, 4)
+
+
+def random_batch(vocab: int, n_seqs: int = 6, seed: int = 0, microbatches=MICROBATCHES) -> TrainBatch:
+    """Random sequences: prompt tokens (version -1), response tokens of versions VERSION-1 and VERSION,
+    random behaviour logprobs and advantages."""
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(6, 20, n_seqs)
+    parts = {k: [] for k in ("tokens", "mask", "behav", "adv", "versions")}
+    for n in lens:
+        prompt = int(rng.integers(2, 5))
+        mask = np.zeros(n, np.uint8)
+        mask[prompt:] = 1
+        parts["tokens"].append(rng.integers(0, vocab, n))
+        parts["mask"].append(mask)
+        parts["behav"].append(np.where(mask, -rng.random(n) * 3 - 3, 0))
+        parts["adv"].append(np.where(mask, rng.normal(size=n), 0))
+        parts["versions"].append(np.where(mask, rng.integers(VERSION - 1, VERSION + 1, n), -1))
+    cat = {k: np.concatenate(v) for k, v in parts.items()}
+    return TrainBatch(
+        VERSION,
+        cat["tokens"].astype(np.int32),
+        np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
+        cat["mask"],
+        cat["behav"].astype(np.float32),
+        cat["adv"].astype(np.float32),
+        cat["versions"].astype(np.int32),
+        microbatches=microbatches,
+    )
+
+
+def shard(batch: TrainBatch, seqs: list[int], microbatches: list) -> TrainBatch:
+    """The TrainBatch of sequences `seqs` (renumbered 0..): what one data-parallel rank receives."""
+    cu = batch.cu_seqlens
+    take = np.concatenate([np.arange(cu[i], cu[i + 1]) for i in seqs])
+    lens = [cu[i + 1] - cu[i] for i in seqs]
+    new = {old: j for j, old in enumerate(seqs)}
+    return TrainBatch(
+        batch.version,
+        batch.tokens[take],
+        np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
+        batch.loss_mask[take],
+        batch.behav_logprobs[take],
+        batch.advantages[take],
+        batch.versions[take],
+        microbatches=[[[new[i] for i in mb] for mb in k] for k in microbatches],
+    )
+
+
+def probe_sequences(vocab: int) -> list[torch.Tensor]:
+    """Three token sequences of different lengths, the same on every rank."""
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (n,), generator=g) for n in PROBE_LENGTHS]

@@ -1,0 +1,136 @@
+"""Token logprobs from the last stage's hidden states, a chunk of positions at a time: the policy's
+log_softmax(h W^T / T)[next token] and its entropy, without a micro-batch's logits ever existing whole.
+
+    hidden [s, b, h] --(gather over TP)--> h [n, h] at the positions that predict a token
+    for each chunk of c positions:   logits [c, V / TP] = h W^T / T  (fp32, about LOGPROB_CHUNK_BYTES)
+        max, sum exp, target's logit: all-reduced over the TP ranks (the vocabulary is split over them)
+
+Why written by hand: a micro-batch's logits are [tokens, vocabulary] (a row of 4096 tokens over Qwen's
+151936-token vocabulary: 2.3 GiB in fp32); megatron-core 0.16.1 has no fused output layer + cross entropy,
+and the fused ones elsewhere need TransformerEngine or Liger's Triton kernels (neither runs on the CPU).
+The output weight stays Megatron's (`model.HiddenGPTModel.output_weight`): checkpoints, tied embeddings
+and their gradient sync are unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LOGPROB_CHUNK_BYTES = 64 << 20
+"""Size of one chunk's fp32 logits ([positions, V / TP] x 4 bytes): the positions per chunk follow from
+the vocabulary. A chunk's forward or backward holds about two such tensors at once."""
+WGRAD_BLOCK_BYTES = 64 << 20
+"""Largest temporary of the output weight's gradient ([vocabulary rows, h] in the weight's dtype)."""
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    where: tuple[torch.Tensor, torch.Tensor],
+    target: torch.Tensor,
+    temperature: float,
+    sequence_parallel: bool,
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """([n] log_softmax(h W^T / T)[target], [n] entropy of softmax(h W^T / T), no gradient) at the
+    positions `where` ((row, column) pairs) of `hidden`; the entropy is None without `with_entropy`.
+
+    The softmax is over the whole (vocabulary-parallel) vocabulary, exact; only a chunk's logits exist
+    at a time, forward or backward (`_TokenLogprobs`).
+    """
+    h = output_input(hidden, sequence_parallel)[where[1], where[0]]  # [s, b, h] -> [n, h]
+    chunk = max(1, LOGPROB_CHUNK_BYTES // (4 * weight.shape[0]))
+    return _TokenLogprobs.apply(h, weight, target, temperature, chunk, with_entropy)
+
+
+def output_input(hidden: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+    """The hidden states as the output layer sees them on every TP rank: the whole sequence, and in the
+    backward pass the TP ranks' gradients summed (what Megatron's ColumnParallelLinear does). The checks'
+    dense reference (`areal_hpc.testing.trainer_runs.full_logits`) starts from it too."""
+    from megatron.core import tensor_parallel
+
+    if sequence_parallel:
+        return tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
+    return tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """log_softmax(h W^T / T)[target] for [n, h] hidden states, a chunk of positions at a time, over the
+    vocabulary-parallel W ([V / TP, h], this TP rank's rows of the vocabulary); and, as a second output
+    without a gradient, the entropy of each position's next-token distribution p = softmax(z), z = h W^T / T:
+
+        H = -sum_v p_v log p_v = log S - sum_v e_v s_v / S,   s = z - max z, e = exp(s), S = sum_v e_v
+
+    (S and sum_v e_v s_v summed over the TP ranks, with the target's logit, in one all-reduce per chunk;
+    with `with_entropy` false, as in the no-grad prox and reference passes, sum_v e_v s_v is skipped and
+    exp is taken in place, and the entropy output is None).
+
+    What it keeps for the backward pass is h and one log-sum-exp per position; the backward recomputes
+    each chunk's logits once. The output weight's gradient goes straight into Megatron's `main_grad` (in
+    vocabulary blocks of at most WGRAD_BLOCK_BYTES), as Megatron's own gradient-accumulation fusion does,
+    instead of a whole [V / TP, h] gradient per chunk; the engine's DDP does not overlap the gradient
+    reduce, so no hook needs a gradient for the weight (without `main_grad`, the gradient is returned as usual).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, temperature: float, chunk: int, with_entropy: bool):
+        from megatron.core import parallel_state as ps
+
+        group, tp = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
+        first = ps.get_tensor_model_parallel_rank() * weight.shape[0]  # this rank's first vocabulary id
+        n = hidden.shape[0]
+        out = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        lse, entropy = torch.empty_like(out), (torch.empty_like(out) if with_entropy else None)
+        for a in range(0, n, chunk):
+            logits = (hidden[a : a + chunk].to(weight.dtype) @ weight.t()).float().div_(temperature)  # [c, V/TP]
+            local, inside = _local_target(target[a : a + chunk], first, weight.shape[0])
+            top = logits.max(1).values
+            if tp > 1:
+                torch.distributed.all_reduce(top, torch.distributed.ReduceOp.MAX, group=group)
+            shifted = logits.sub_(top[:, None])  # s, in place
+            picked = shifted.gather(1, local[:, None]).squeeze(1) * inside  # the target's s (0 off this rank)
+            e = shifted.exp() if with_entropy else shifted.exp_()
+            # [3, c]: S, sum e s (a batched dot: no [c, V/TP] product), the target's s
+            e_dot_s = torch.einsum("cv,cv->c", e, shifted) if with_entropy else torch.zeros_like(picked)
+            sums = torch.stack([e.sum(1), e_dot_s, picked])
+            if tp > 1:
+                torch.distributed.all_reduce(sums, group=group)
+            total, e_dot_s, picked = sums
+            log_total = total.log()
+            lse[a : a + chunk] = top + log_total
+            out[a : a + chunk] = picked - log_total
+            if with_entropy:
+                entropy[a : a + chunk] = log_total - e_dot_s / total
+        ctx.save_for_backward(hidden, weight, target, lse)
+        ctx.temperature, ctx.chunk, ctx.first = temperature, chunk, first
+        if with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return out, entropy
+
+    @staticmethod
+    def backward(ctx, grad, _grad_entropy):
+        hidden, weight, target, lse = ctx.saved_tensors
+        t, chunk, first = ctx.temperature, ctx.chunk, ctx.first
+        grad_hidden = torch.empty_like(hidden)
+        main_grad = getattr(weight, "main_grad", None)
+        grad_weight = main_grad if main_grad is not None else torch.zeros_like(weight, dtype=torch.float32)
+        block = max(1, WGRAD_BLOCK_BYTES // (weight.shape[1] * weight.element_size()))
+        for a in range(0, hidden.shape[0], chunk):
+            h = hidden[a : a + chunk].to(weight.dtype)
+            probs = (h @ weight.t()).float().div_(t).sub_(lse[a : a + chunk, None]).exp_()  # softmax [c, V/TP]
+            local, inside = _local_target(target[a : a + chunk], first, weight.shape[0])
+            rows = inside.nonzero().squeeze(1)
+            probs[rows, local[rows]] -= 1.0
+            # d logp / d logits = onehot - softmax; times the upstream gradient, over T
+            dlogits = probs.mul_((-grad[a : a + chunk] / t)[:, None]).to(weight.dtype)
+            grad_hidden[a : a + chunk] = (dlogits @ weight).to(hidden.dtype)
+            for v in range(0, weight.shape[0], block):
+                grad_weight[v : v + block] += dlogits[:, v : v + block].t() @ h
+        return grad_hidden, (None if main_grad is not None else grad_weight.to(weight.dtype)), None, None, None, None
+
+
+def _local_target(target: torch.Tensor, first: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Targets as rows of this rank's vocabulary slice (0 outside it), and whether each is inside."""
+    local = target - first
+    inside = (local >= 0) & (local < rows)
+    return local.where(inside, 0), inside
