@@ -1,4 +1,4 @@
-"""The compute device, decided once per rank and handed down (DESIGN.md, "Devices").
+"""The compute device, decided once per rank and handed down (docs/design.md, Devices and placement).
 
 `cluster.device` is auto, cpu or cuda. Each rank resolves it once at start, after its
 `CUDA_VISIBLE_DEVICES` is set, and passes the result to whatever it builds; this is the one module

@@ -1,5 +1,6 @@
-"""Per-step metrics: one line of `metrics.jsonl` and TensorBoard scalars, with the DESIGN.md names, and
-the idle-time clocks behind `timing/gen_idle_frac` and `timing/train_idle_frac`.
+"""Per-step metrics: one line of `metrics.jsonl` and TensorBoard scalars, with the names of docs/design.md
+(The run directory and metrics), and the idle-time clocks behind `timing/gen_idle_frac` and
+`timing/train_idle_frac`.
 
 Names (one per concept): reward/mean, staleness/max, staleness/dropped (trajectories dropped as too
 stale since the previous step), throughput/effective_tokens_per_s, timing/step_s,

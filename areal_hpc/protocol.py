@@ -92,7 +92,7 @@ class TrainBatch:
 @dataclass
 class TrainResult:
     version: int  # the policy version after the step
-    stats: dict  # metric name (DESIGN.md names) -> float
+    stats: dict  # metric name (docs/design.md, The run directory and metrics) -> float
 
 
 # Orchestration

@@ -1,5 +1,6 @@
-"""The run directory of DESIGN.md: `runs/<experiment>/<trial>/` with the resolved `config.yaml`,
-`tensorboard/`, `checkpoints/`, `logs/` (one file per rank), `metrics.jsonl` and the job record.
+"""The run directory `runs/<experiment>/<trial>/` (docs/design.md, The run directory and metrics), with
+the resolved `config.yaml`, `tensorboard/`, `checkpoints/`, `logs/` (one file per rank), `metrics.jsonl`
+and the job record.
 
 ```
  RUN_DIR/LOCK                       who uses the directory now: a local run (host, pid) or a Slurm job

@@ -1,4 +1,5 @@
-"""Turning a config into processes. Three launchers, one interface (STYLE.md #9):
+"""Turning a config into processes. Three launchers, one interface, so that one config runs alike on
+this machine, on Slurm, or only as far as its script:
 
 ```
  LocalLauncher    areal-hpc run            one mpirun on this machine (launch/local.py: run_local)

@@ -4,7 +4,7 @@ controller, a reward worker, a vLLM generator and a Megatron trainer, on the tin
 - the embedded default, all its 600 steps, learns: the mean reward of the last fifth of the steps is
   above the first fifth's, every step keeps the staleness bound, and generator and trainer agree on
   the logprobs of the tokens of the current version (the README's claims);
-- a few steps run, write the run directory (metrics with the DESIGN.md names every step, a log per
+- a few steps run, write the run directory (metrics with the docs/design.md names every step, a log per
   rank, TensorBoard events, checkpoints); Ctrl-C stops after a checkpoint, and the same command
   resumes: the step count continues and no prompt is trained on twice;
 - kill -9 of a rank ends the whole run in bounded time, the error names the rank by its role, and

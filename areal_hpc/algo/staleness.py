@@ -1,4 +1,4 @@
-"""Staleness control: the admission gate and the consumption check (DESIGN.md, "The algorithm").
+"""Staleness control: the admission gate and the consumption check (docs/design.md, The algorithm).
 
 B = `rollout.prompts_per_step` (prompt groups per training step), eta = `rollout.max_staleness`,
 v = the policy version (completed optimizer steps, i.e. the version the next step trains), read
