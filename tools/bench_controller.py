@@ -64,14 +64,16 @@ ACK_TAG = 7  # simulated reward worker -> simulated generator: trajectories rank
 
 
 def cluster_config(args):
+    """The simulated cluster's config, its node split resolved as a launcher resolves it."""
     from areal_hpc.config import load_config
+    from areal_hpc.planner import resolve_split
 
     over = [f"cluster.nodes={args.nodes}"]
     if args.prompts:
         over.append(f"rollout.prompts_per_step={args.prompts}")
     if args.group:
         over.append(f"rollout.group_size={args.group}")
-    return load_config(args.config, over + list(args.overrides))
+    return resolve_split(load_config(args.config, over + list(args.overrides)))[0]
 
 
 def cost_model(cfg, mean_tokens: float):
