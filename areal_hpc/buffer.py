@@ -14,25 +14,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
-import numpy as np
-
 from areal_hpc.algo.staleness import oldest_version
 from areal_hpc.data import Example
 from areal_hpc.protocol import Trajectory
 
 RENAMED = {"sample_idx": "index"}
 """Trajectory fields under the names older controller checkpoints saved them with -> their names now."""
+DROPPED = "prompt_ids"
+"""What older controller checkpoints saved in each group and each trajectory besides its Example's own copy
+(the prompt's token ids): read and left out."""
 
 
 @dataclass
 class Group:
     group_id: int
     example: Example
-    """The prompt of the data set with its target (the reward's); saved in checkpoints."""
-    prompt_ids: np.ndarray  # [P] int32
+    """The prompt of the data set, its token ids (`prompt_ids`, the one copy the controller holds) and its
+    target (the reward's); saved in checkpoints."""
     n: int
-    generator: int = -1
-    """World rank of the generator it runs on (-1: restored from a checkpoint, finished)."""
     trajectories: list = field(default_factory=list)
     """Trajectory by index (None until it arrives)."""
     rewards: list = field(default_factory=list)
@@ -73,7 +72,6 @@ class Group:
         return {
             "group_id": self.group_id,
             "example": self.example,
-            "prompt_ids": self.prompt_ids,
             "n": self.n,
             "rewards": list(self.rewards),
             "trajectories": [vars(t).copy() for t in self.trajectories],
@@ -84,9 +82,10 @@ class Group:
         return cls(
             group_id=s["group_id"],
             example=s["example"],
-            prompt_ids=np.asarray(s["prompt_ids"], np.int32),
             n=s["n"],
-            trajectories=[Trajectory(**{RENAMED.get(k, k): v for k, v in t.items()}) for t in s["trajectories"]],
+            trajectories=[
+                Trajectory(**{RENAMED.get(k, k): v for k, v in t.items() if k != DROPPED}) for t in s["trajectories"]
+            ],
             rewards=list(s["rewards"]),
         )
 

@@ -242,11 +242,11 @@ class Controller:
 
     def start_group(self, example: Example) -> None:
         n = self.cfg.rollout.group_size
-        prompt_ids = np.asarray(example.prompt_ids, np.int32)  # formatted and tokenized by areal_hpc.data
-        group = Group(self.next_group_id, example, prompt_ids, n)
+        group = Group(self.next_group_id, example, n)
         self.next_group_id += 1
         self.rollouts.start(group)
-        group.generator = self.send_generate(group.group_id, prompt_ids, n)
+        prompt_ids = np.asarray(example.prompt_ids, np.int32)  # formatted and tokenized by areal_hpc.data
+        self.send_generate(group.group_id, prompt_ids, n)
 
     def send_generate(self, group_id: int, prompt_ids: np.ndarray, n: int) -> int:
         """n trajectories to one prompt from the least-loaded generator; returns its rank."""

@@ -36,11 +36,10 @@ class GenerateRequest:
 
 @dataclass
 class Trajectory:
-    """One finished trajectory, sent as soon as it finishes."""
+    """One finished trajectory, sent as soon as it finishes (its prompt is the group's: the controller has it)."""
 
     group_id: int
     index: int  # its place in the group, 0 .. n-1
-    prompt_ids: np.ndarray  # [P] int32
     output_ids: np.ndarray  # [T] int32
     behav_logprobs: np.ndarray  # [T] float32, logprob of each sampled token under the weights that sampled it
     versions: np.ndarray  # [T] int32, policy version of each generated token

@@ -151,14 +151,8 @@ class World:
             answer = str(int(req.prompt_ids.size) % 10)  # right for some prompts, wrong for others
             out = np.array(self.tok(f"{BOXED}{answer}}}")["input_ids"] + ids, np.int32)[: max(len(ids), 3)]
             vers = np.array((versions + [versions[-1]] * len(out))[: len(out)], np.int32)
-            self.out.append(
-                Envelope(
-                    gen,
-                    Trajectory(
-                        req.group_id, index, req.prompt_ids, out, np.full(len(out), -1.0, np.float32), vers, "stop"
-                    ),
-                )
-            )
+            trajectory = Trajectory(req.group_id, index, out, np.full(len(out), -1.0, np.float32), vers, "stop")
+            self.out.append(Envelope(gen, trajectory))
         self.generating = going
 
 

@@ -218,10 +218,10 @@ def test_controller_adds_the_penalty_to_the_reward_of_each_trajectory(tmp_path):
 
 def group(trajectories: list[tuple[int, str]], rewards: list[float]) -> Group:
     """A finished group: (response length, finish reason) per trajectory."""
-    g = Group(0, Example(0, "p", "1", "math"), np.array([5, 6], np.int32), len(trajectories))
+    g = Group(0, Example(0, "p", "1", "math", prompt_ids=np.array([5, 6], np.int32)), len(trajectories))
     for i, (n, reason) in enumerate(trajectories):
         zeros = np.zeros(n, np.int32)
-        g.trajectories[i] = Trajectory(0, i, g.prompt_ids, zeros + 7, zeros.astype(np.float32), zeros, reason)
+        g.trajectories[i] = Trajectory(0, i, zeros + 7, zeros.astype(np.float32), zeros, reason)
     g.rewards = rewards
     return g
 

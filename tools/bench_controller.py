@@ -256,7 +256,7 @@ def sim_generator(world, side, payloads: Payloads, window: int) -> dict:
     from areal_hpc.protocol import GenerateRequest, Mailbox, Stop, SyncDone, Trajectory, WeightSync
 
     box, received = Mailbox(world), Counter()
-    queue: deque = deque()  # (group_id, prompt_ids, prompt index, trajectory index)
+    queue: deque = deque()  # (group_id, prompt index, trajectory index)
     versions = np.zeros(payloads.cap, np.int32)
     sent = taken = 0
     generated = []  # (prompt index, trajectory index, length)
@@ -268,7 +268,7 @@ def sim_generator(world, side, payloads: Payloads, window: int) -> dict:
             received[type(msg).__name__, "bytes"] += wire_bytes(msg)
             if isinstance(msg, GenerateRequest):
                 p = prompt_index(msg.prompt_ids)
-                queue.extend((msg.group_id, msg.prompt_ids, p, i) for i in range(msg.n))
+                queue.extend((msg.group_id, p, i) for i in range(msg.n))
             elif isinstance(msg, WeightSync):
                 versions = np.full(payloads.cap, msg.version, np.int32)
                 box.send(0, SyncDone(msg.version, 0.0))
@@ -278,11 +278,11 @@ def sim_generator(world, side, payloads: Payloads, window: int) -> dict:
         while side.iprobe(source=MPI.ANY_SOURCE, tag=ACK_TAG):
             taken += side.recv(source=MPI.ANY_SOURCE, tag=ACK_TAG)
         while queue and sent - taken < window:
-            group_id, prompt_ids, p, i = queue.popleft()
+            group_id, p, i = queue.popleft()
             n = payloads.length(p, i)
             reason = "length" if n == payloads.cap else "stop"
             out, logp, vers = payloads.output_ids[:n], payloads.behav_logprobs[:n], versions[:n]
-            box.send(0, Trajectory(group_id, i, prompt_ids, out, logp, vers, reason))
+            box.send(0, Trajectory(group_id, i, out, logp, vers, reason))
             generated.append((p, i, n))
             sent, busy = sent + 1, True
         if not busy:

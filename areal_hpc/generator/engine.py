@@ -394,7 +394,6 @@ def _trajectory(traj: _InFlight, finish_reason: str | None) -> Trajectory:
     return Trajectory(
         group_id=traj.group_id,
         index=traj.index,
-        prompt_ids=np.asarray(traj.prompt_ids, dtype=np.int32),
         output_ids=np.asarray(traj.output_ids, dtype=np.int32),
         behav_logprobs=np.asarray(traj.behav_logprobs, dtype=np.float32),
         versions=np.asarray(traj.versions, dtype=np.int32),

@@ -49,7 +49,7 @@ elif role == Role.TRAINER:
         assert isinstance(msg, WeightSync)
         sync.send(sorted(state.items()), bucket_bytes=32_000)
 elif role == Role.CONTROLLER:
-    mb.send(gen, GenerateRequest(0, np.array([5, 6, 7], np.int32), 4))
+    mb.send(gen, GenerateRequest(0, np.array([5, 6, 7], np.int32), 4))  # group g's prompt: [5 + g, 6, 7]
     first, _ = expect(4)  # the engine is up and serving
     for g in (1, 2):
         mb.send(gen, GenerateRequest(g, np.array([5 + g, 6, 7], np.int32), 4))
