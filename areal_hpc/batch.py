@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from areal_hpc.algo.advantages import group_advantages
-from areal_hpc.buffer import Group
 from areal_hpc.packing import split_for_dp
 from areal_hpc.protocol import TrainBatch
+from areal_hpc.rollouts import Group
 
 
 @dataclass

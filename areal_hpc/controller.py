@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import signal
 import time
 from functools import partial
@@ -57,11 +56,8 @@ from pathlib import Path
 
 import numpy as np
 
-from areal_hpc.algo.staleness import StalenessGate
 from areal_hpc.batch import BatchInfo, build_train_batches
-from areal_hpc.buffer import Group, Rollouts
 from areal_hpc.checkpoints import Checkpoints, drop_rows_after, read_state
-from areal_hpc.data import Example
 from areal_hpc.eval import TrainingEval
 from areal_hpc.exit_codes import EXIT_DONE, EXIT_STOPPED, STOP_REASON_ENV
 from areal_hpc.layout import Role
@@ -82,16 +78,13 @@ from areal_hpc.protocol import (
     WeightSync,
 )
 from areal_hpc.reward import overlong_penalty
+from areal_hpc.rollouts import Rollouts
 from areal_hpc.rundir import STOP_FILE, checkpoint_version
 from areal_hpc.timeline import Timeline
 
 log = logging.getLogger("areal_hpc.controller")
 
 IDLE_S = 0.002
-FILTERED_WARN_STEPS = 10
-"""With rollout.filter_uniform_groups, the log warns each time this many steps' worth of groups
-(`prompts_per_step` each) has been left out at one policy version: when every prompt's trajectories
-are all right or all wrong, no step comes, and the run must not look busy without a word."""
 STOP_BUDGETS = {"SIGTERM": "grace_s", "SIGUSR2": "requeue_signal_s"}
 """The cluster setting that says how long Slurm leaves after each stop signal (preemption, time limit)."""
 
@@ -129,13 +122,9 @@ class Controller:
         self.box = mailbox or Mailbox(ctx.world)
         self.stop_signal = stop_signal  # returns the name of a received stop signal, or None
         self.version = 0
-        self.gate = StalenessGate.from_config(cfg.rollout, version=lambda: self.version)
-        self.rollouts = Rollouts()
+        self.rollouts = Rollouts.from_config(cfg.rollout, version=lambda: self.version)  # groups, buffer, gate
         self.tokenizer = _tokenizer(ctx.model_path)
         self.prompts = prompts or _prompt_stream(cfg, self.tokenizer)
-        self.requeued: list[Example] = []  # prompts of groups running at the restored checkpoint
-        self.next_group_id = 0
-        self.rng = random.Random(cfg.experiment.seed)
 
         self.generator_ranks = list(layout.ranks(Role.GENERATOR))
         self.reward_worker_ranks = list(layout.ranks(Role.REWARD))
@@ -155,7 +144,6 @@ class Controller:
         self.stop_reason: str | None = None
         self.stopped_at_once = False  # no time to checkpoint before Slurm's kill
         self.reward_errors_since_step = 0  # rewards scored 0 for a timeout or an error
-        self.filtered_since_step = 0  # groups left out by rollout.filter_uniform_groups
         self.evals = TrainingEval.from_config(self)  # eval.every_steps: between steps, never trained on
         rw = cfg.reward
         self.overlong_penalty = partial(
@@ -229,24 +217,11 @@ class Controller:
         """Start prompt groups while the staleness gate has room (requeued ones are already counted)."""
         if self.stop_reason or self.version >= self.cfg.train.total_steps:
             return False
-        started = False
-        while self.requeued or self.gate.can_admit():
-            if self.requeued:
-                example = self.requeued.pop(0)
-            else:
-                example = self.prompts.next()
-                self.gate.admit()
-            self.start_group(example)
-            started = True
-        return started
-
-    def start_group(self, example: Example) -> None:
-        n = self.cfg.rollout.group_size
-        group = Group(self.next_group_id, example, n)
-        self.next_group_id += 1
-        self.rollouts.start(group)
-        prompt_ids = np.asarray(example.prompt_ids, np.int32)  # formatted and tokenized by areal_hpc.data
-        self.send_generate(group.group_id, prompt_ids, n)
+        groups = self.rollouts.admit(self.prompts)
+        for group in groups:
+            prompt_ids = np.asarray(group.example.prompt_ids, np.int32)  # formatted and tokenized by areal_hpc.data
+            self.send_generate(group.group_id, prompt_ids, group.n)
+        return bool(groups)
 
     def send_generate(self, group_id: int, prompt_ids: np.ndarray, n: int) -> int:
         """n trajectories to one prompt from the least-loaded generator; returns its rank."""
@@ -301,27 +276,7 @@ class Controller:
             log.warning("reward of trajectory %d: %s (scored %s)", res.traj_id, res.reason, res.reward)
         group = self.rollouts.running[group_id]
         reward = res.reward + self.overlong_penalty(len(group.trajectories[index].output_ids))
-        if self.rollouts.add_reward(group_id, index, reward) is not None:
-            self.on_group_complete(group)
-
-    def on_group_complete(self, group: Group) -> None:
-        """Into the buffer; or, with `rollout.filter_uniform_groups`, a group whose trajectories all got the
-        same reward is left out: it finishes unaccepted, which frees its admission slot (the gate's
-        `finish(accepted=False)`, as a stale drop does), so another prompt takes its place."""
-        if self.cfg.rollout.filter_uniform_groups and group.uniform:
-            self.gate.finish(accepted=False)
-            self.filtered_since_step += 1
-            if self.filtered_since_step % (FILTERED_WARN_STEPS * self.cfg.rollout.prompts_per_step) == 0:
-                log.warning(
-                    "%d prompt groups left out at policy version %d: each one's trajectories all got the same reward "
-                    "(rollout.filter_uniform_groups); if no step comes, the prompts are too easy or too hard "
-                    "for the model: change data.train_path or set rollout.filter_uniform_groups=false",
-                    self.filtered_since_step,
-                    self.version,
-                )
-            return
-        self.rollouts.accept(group)
-        self.gate.finish(accepted=True)
+        self.rollouts.add_reward(group_id, index, reward)  # the last one: into the buffer, or left out
 
     # --- training ---------------------------------------------------------------------------
 
@@ -329,9 +284,7 @@ class Controller:
         """Send the next step's TrainBatch when the trainers are free and B fresh groups are buffered."""
         if self.training is not None or self.stop_reason or self.version >= self.cfg.train.total_steps:
             return False
-        taken = self.gate.consume(self.rollouts.buffer)  # stale groups dropped (counted, slots freed)
-        self.rollouts.buffer = taken.buffered
-        groups = taken.consumed
+        groups = self.rollouts.take_batch()  # stale groups dropped first (counted, slots freed)
         if not groups:
             return False
         log.info("step %d trains prompts %s", self.version + 1, [g.example.index for g in groups])
@@ -393,9 +346,8 @@ class Controller:
         step_s, self.last_step_end = now - self.last_step_end, now
         row = {
             "reward/mean": info.reward_mean,
-            **self.gate.take_metrics(),  # staleness/max, staleness/dropped
+            **self.rollouts.take_metrics(),  # staleness/max, staleness/dropped, rollout/filtered
             "reward/errors": self.reward_errors_since_step,
-            "rollout/filtered": self.filtered_since_step,
             "rollout/truncated": info.truncated,
             "throughput/effective_tokens_per_s": info.response_tokens / max(step_s, 1e-9),
             "timing/step_s": step_s,
@@ -406,7 +358,7 @@ class Controller:
             **{k: float(v) for k, v in stats.items()},
             **self.evals.take_metrics(),
         }
-        self.reward_errors_since_step = self.filtered_since_step = 0
+        self.reward_errors_since_step = 0
         self.metrics.write(self.version, row)
 
     # --- checkpoints and stopping -----------------------------------------------------------
@@ -426,16 +378,7 @@ class Controller:
 
     def state(self) -> dict:
         """Everything a resumed controller needs to go on as if uninterrupted."""
-        running = sorted(self.rollouts.running.values(), key=lambda g: g.group_id)
-        return {
-            "version": self.version,
-            "gate": self.gate.state_dict(),
-            "prompts": self.prompts.state_dict(),
-            "requeued": [g.example for g in running] + list(self.requeued),
-            "buffer": [g.to_state() for g in self.rollouts.buffer],
-            "next_group_id": self.next_group_id,
-            "rng": self.rng.getstate(),
-        }
+        return {"version": self.version, "prompts": self.prompts.state_dict(), **self.rollouts.state_dict()}
 
     def restore(self) -> None:
         path = self.ctx.resume_from
@@ -445,12 +388,8 @@ class Controller:
         if state["version"] != checkpoint_version(path):
             raise RuntimeError(f"{path}: controller state is of version {state['version']}")
         self.version = self.ckpt.saved_version = state["version"]
-        self.gate.load_state_dict(state["gate"])
         self.prompts.load_state_dict(state["prompts"])
-        self.requeued = list(state["requeued"])
-        self.rollouts.buffer = [Group.from_state(g) for g in state["buffer"]]
-        self.next_group_id = state["next_group_id"]
-        self.rng.setstate(state["rng"])
+        self.rollouts.load_state_dict(state)
         if self.version < self.cfg.train.total_steps:
             self.sync_weights()  # the generators start from the initial weights
         log.info("resumed from %s at version %d", path, self.version)

@@ -15,7 +15,6 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from areal_hpc.buffer import Group
 from areal_hpc.config import load_config
 from areal_hpc.controller import Controller
 from areal_hpc.data import Example
@@ -24,6 +23,7 @@ from areal_hpc.layout import Layout, Role
 from areal_hpc.liveness import RankFailure
 from areal_hpc.metrics import REQUIRED
 from areal_hpc.protocol import Trajectory
+from areal_hpc.rollouts import Group
 from areal_hpc.rundir import latest_checkpoint, record_files
 from areal_hpc.runtime import RankContext
 from areal_hpc.tiny import build_tokenizer
@@ -109,7 +109,7 @@ def test_stop_checkpoints_and_resume_continues_without_reusing_data(tmp_path, ol
     assert len(trained) == 12 * 4
     assert set(trained.values()) == {n}, "a prompt was trained on before and after the resume"
     # The gate did not admit more after the resume than the uninterrupted run could have.
-    g = c2.gate.state
+    g = c2.rollouts.gate.state
     assert g.accepted + g.running <= (cfg.rollout.max_staleness + 12 + 1) * 4
 
 

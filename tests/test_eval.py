@@ -122,7 +122,7 @@ def test_eval_between_training_steps(tmp_path):
     assert all(r["eval/pass@1"] == pytest.approx(6 / 20) and r["eval/pass@2"] == pytest.approx(want) for r in evals)
     assert all(set(r) >= {"eval/pass@2", "eval/reward_mean", "eval/trajectory_tokens"} for r in evals)
     assert not {r["prompt"] for r in rows} & set(world.trained_prompts), "an eval prompt was trained on"
-    assert c.gate.state.consumed == 12 * 4 and c.gate.state.rejected == 0
+    assert c.rollouts.gate.state.consumed == 12 * 4 and c.rollouts.gate.state.rejected == 0
 
 
 @pytest.mark.vllm

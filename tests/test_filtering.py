@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 
 from areal_hpc.algo.staleness import StalenessGate
 from areal_hpc.batch import build_train_batches
-from areal_hpc.buffer import Group
 from areal_hpc.config import ConfigError, load_config
-from areal_hpc.controller import EXIT_DONE, FILTERED_WARN_STEPS
+from areal_hpc.controller import EXIT_DONE
 from areal_hpc.data import Example
 from areal_hpc.protocol import Envelope, RewardRequest, RewardResult, Trajectory
 from areal_hpc.reward import overlong_penalty
+from areal_hpc.rollouts import FILTERED_WARN_STEPS, Group
 from areal_hpc.tiny import build_tokenizer
 from tests.sim_world import Prompts, World, make, metrics, run
 
@@ -68,7 +68,7 @@ def test_uniform_groups_are_left_out_and_their_slots_refilled(tmp_path, filterin
         assert filtered == 0 and zero_advantage > 0
         return
     assert filtered > 0 and zero_advantage == 0, "a uniform group reached the trainer"
-    g = c.gate.state
+    g = c.rollouts.gate.state
     # A filtered group finished unaccepted: its slot went to another prompt, the bound still holds.
     assert g.rejected == filtered
     assert g.accepted + g.running <= (cfg.rollout.max_staleness + c.version + 1) * cfg.rollout.prompts_per_step
@@ -126,13 +126,13 @@ def test_the_gate_invariant_holds_with_filtered_groups(tmp_path_factory, B, eta,
     world = CoinWorld(layout, build_tokenizer(), seed=seed)
     world.p_right = p_right
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("areal_hpc.controller.StalenessGate", CheckedGate)
+        patch.setattr("areal_hpc.rollouts.StalenessGate", CheckedGate)
         c, code = run(cfg, layout, run_dir, tok_dir, world, Prompts())
-    assert isinstance(c.gate, CheckedGate) and code == EXIT_DONE
+    assert isinstance(c.rollouts.gate, CheckedGate) and code == EXIT_DONE
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    s = c.gate.state
-    filtered = sum(r["rollout/filtered"] for r in rows) + c.filtered_since_step  # and after the last step
+    s = c.rollouts.gate.state
+    filtered = sum(r["rollout/filtered"] for r in rows) + c.rollouts.filtered  # and after the last step
     assert s.consumed == steps * B and s.rejected == filtered
     assert c.prompts.position == s.running + s.accepted + s.rejected + s.dropped
     assert 0.0 not in world.trained_advantages, "a uniform group reached the trainer"
@@ -152,7 +152,7 @@ def test_a_run_that_filters_everything_says_so(tmp_path, caplog):
             super().send(dest, msg)
 
     world = LateLearner(layout, build_tokenizer(), seed=2)
-    with caplog.at_level(logging.WARNING, logger="areal_hpc.controller"):
+    with caplog.at_level(logging.WARNING, logger="areal_hpc.rollouts"):
         c, code = run(cfg, layout, run_dir, tok_dir, world, Prompts())
     assert code == EXIT_DONE
     warnings = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
