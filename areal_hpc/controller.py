@@ -10,7 +10,7 @@ syncs and checkpoints, writes the metrics. One thread, one event loop, no blocki
                       (gate.finish(accepted=False): its slot admits another prompt)
      TrainResult   -> version v+1: WeightSync(v+1) to trainers + generators, Save every save_every
                       steps or save_interval_min minutes, metrics line; every eval.every_steps: the
-                      eval prompts to the generators (areal_hpc.eval.TrainingEval: group ids < 0,
+                      eval prompts to the generators (areal_hpc.eval.TrainingEval: EvalRequests,
                       never buffered, not gated)
      SyncDone      -> generator g runs version v+1 (timing/weight_sync_s)
      Saved         -> all trainer ranks saved (timing/save_s): controller state, then the files'
@@ -64,6 +64,8 @@ from areal_hpc.layout import Role
 from areal_hpc.liveness import SYNC, Liveness, RankFailure
 from areal_hpc.metrics import IdleClock, MetricsWriter
 from areal_hpc.protocol import (
+    EvalRequest,
+    EvalTrajectory,
     Failure,
     GenerateRequest,
     Mailbox,
@@ -133,7 +135,8 @@ class Controller:
         self.replica_first_ranks = [layout.replica_ranks(d)[0] for d in range(layout.train_dp)]
         self.gen_load = dict.fromkeys(self.generator_ranks, 0)  # groups in flight per generator
         self.reward_load = dict.fromkeys(self.reward_worker_ranks, 0)
-        self.reward_pending: dict[int, tuple[int, int, int]] = {}  # traj_id -> (group, index, rank)
+        self.reward_pending: dict[int, tuple[Trajectory | EvalTrajectory, int]] = {}  # request id -> (whose, rank)
+        self.next_reward_id = 0
         self.liveness = Liveness(layout, cfg.train.rank_timeout_s, cfg.train.startup_timeout_s)
 
         self.training: BatchInfo | None = None  # the step in flight on the trainers
@@ -144,7 +147,7 @@ class Controller:
         self.stop_reason: str | None = None
         self.stopped_at_once = False  # no time to checkpoint before Slurm's kill
         self.reward_errors_since_step = 0  # rewards scored 0 for a timeout or an error
-        self.evals = TrainingEval.from_config(self)  # eval.every_steps: between steps, never trained on
+        self.evals = TrainingEval.from_config(cfg, self.tokenizer)  # eval.every_steps: never trained on
         rw = cfg.reward
         self.overlong_penalty = partial(
             overlong_penalty,
@@ -169,7 +172,7 @@ class Controller:
 
     def run(self) -> int:
         self.restore()
-        self.evals.maybe_start(self.version)
+        self.start_eval()
         while not self.finished():
             progressed = False
             for env in self.box.poll():
@@ -196,6 +199,8 @@ class Controller:
         self.liveness.heard(src, time.monotonic())
         if isinstance(msg, Trajectory):
             self.on_trajectory(src, msg)
+        elif isinstance(msg, EvalTrajectory):
+            self.on_eval_trajectory(src, msg)
         elif isinstance(msg, RewardResult):
             self.on_reward(src, msg)
         elif isinstance(msg, TrainResult):
@@ -220,39 +225,46 @@ class Controller:
         groups = self.rollouts.admit(self.prompts)
         for group in groups:
             prompt_ids = np.asarray(group.example.prompt_ids, np.int32)  # formatted and tokenized by areal_hpc.data
-            self.send_generate(group.group_id, prompt_ids, group.n)
+            self.send_generate(GenerateRequest(group.group_id, prompt_ids, group.n))
         return bool(groups)
 
-    def send_generate(self, group_id: int, prompt_ids: np.ndarray, n: int) -> int:
-        """n trajectories to one prompt from the least-loaded generator; returns its rank."""
+    def start_eval(self) -> None:
+        """The eval prompts of this version to the generators, when an evaluation is due (eval.every_steps)."""
+        for request in self.evals.start(self.version):
+            self.send_generate(request)
+
+    def send_generate(self, request: GenerateRequest | EvalRequest) -> None:
+        """n trajectories to one prompt from the least-loaded generator."""
         gen = min(self.generator_ranks, key=lambda g: (self.gen_load[g], g))
-        self.box.send(gen, GenerateRequest(group_id, prompt_ids, n))
-        self.timeline.mark("gen_start", rank=gen, group=group_id)
+        self.box.send(gen, request)
+        self.timeline.mark("gen_start", rank=gen, **_timeline_name(request))
         self.gen_load[gen] += 1
         self.gen_idle.busy(self.generator_ranks.index(gen), True)
         self.liveness.expect(gen, time.monotonic(), "a generation")
-        return gen
 
-    def generator_done(self, src: int, group_id: int) -> None:
-        """Generator `src` sent the last trajectory of a prompt."""
-        self.timeline.mark("gen_done", rank=src, group=group_id)
+    def generator_done(self, src: int, last: Trajectory | EvalTrajectory) -> None:
+        """Generator `src` sent `last`, the last trajectory of its request."""
+        self.timeline.mark("gen_done", rank=src, **_timeline_name(last))
         self.gen_load[src] -= 1
         self.liveness.done(src)
         if self.gen_load[src] == 0:
             self.gen_idle.busy(self.generator_ranks.index(src), False)
 
-    def send_reward(self, traj_id: int, group_id: int, index: int, output_ids, target) -> None:
-        """Score one trajectory on the least-loaded reward worker."""
+    def send_reward(self, traj: Trajectory | EvalTrajectory, target) -> None:
+        """Score one trajectory on the least-loaded reward worker; the result comes back to `traj`'s owner."""
         rank = min(self.reward_worker_ranks, key=lambda r: (self.reward_load[r], r))
-        self.reward_pending[traj_id] = (group_id, index, rank)
-        self.box.send(rank, RewardRequest(traj_id, self.cfg.reward.kind, output_ids, target))
+        request_id, self.next_reward_id = self.next_reward_id, self.next_reward_id + 1
+        self.reward_pending[request_id] = (traj, rank)
+        self.box.send(rank, RewardRequest(request_id, self.cfg.reward.kind, traj.output_ids, target))
         self.reward_load[rank] += 1
         self.liveness.expect(rank, time.monotonic(), "a reward")
 
+    def on_eval_trajectory(self, src: int, traj: EvalTrajectory) -> None:
+        if self.evals.arrived(traj):
+            self.generator_done(src, traj)
+        self.send_reward(traj, self.evals.target(traj))
+
     def on_trajectory(self, src: int, traj: Trajectory) -> None:
-        if traj.group_id < 0:
-            self.evals.on_trajectory(src, traj)
-            return
         if not self.generating_since_start:  # the first step is timed from the first trajectory, not the
             self.generating_since_start = True  # engines' start-up
             self.last_step_end = time.monotonic()
@@ -260,23 +272,23 @@ class Controller:
             self.train_idle.take_fraction()
         group = self.rollouts.add_trajectory(traj)
         if group.generated:  # the generator is done with this group
-            self.generator_done(src, group.group_id)
-        traj_id = group.group_id * group.n + traj.index
-        self.send_reward(traj_id, group.group_id, traj.index, traj.output_ids, group.example.target)
+            self.generator_done(src, traj)
+        self.send_reward(traj, group.example.target)
 
     def on_reward(self, src: int, res: RewardResult) -> None:
-        group_id, index, rank = self.reward_pending.pop(res.traj_id)
+        traj, rank = self.reward_pending.pop(res.request_id)
         self.reward_load[rank] -= 1
         self.liveness.done(rank)
-        if group_id < 0:
-            self.evals.on_reward(group_id, index, res.reward, res.reason)
+        if isinstance(traj, EvalTrajectory):
+            self.evals.scored(traj, res.reward, res.reason)
             return
         if res.reason != "ok":
             self.reward_errors_since_step += 1
-            log.warning("reward of trajectory %d: %s (scored %s)", res.traj_id, res.reason, res.reward)
-        group = self.rollouts.running[group_id]
-        reward = res.reward + self.overlong_penalty(len(group.trajectories[index].output_ids))
-        self.rollouts.add_reward(group_id, index, reward)  # the last one: into the buffer, or left out
+            log.warning(
+                "reward of trajectory %d of group %d: %s (scored %s)", traj.index, traj.group_id, res.reason, res.reward
+            )
+        reward = res.reward + self.overlong_penalty(len(traj.output_ids))
+        self.rollouts.add_reward(traj.group_id, traj.index, reward)  # the last one: into the buffer, or left out
 
     # --- training ---------------------------------------------------------------------------
 
@@ -316,7 +328,7 @@ class Controller:
         self.version = res.version
         if self.version < self.cfg.train.total_steps and not self.stop_reason:
             self.sync_weights()
-            self.evals.maybe_start(self.version)  # after the WeightSync: the generators load this version first
+            self.start_eval()  # after the WeightSync: the generators load this version first
         t = self.cfg.train
         on_time = t.save_interval_min and time.monotonic() - self.ckpt.last_start >= 60 * t.save_interval_min
         if self.version % t.save_every == 0 or self.version >= t.total_steps or on_time:
@@ -451,6 +463,13 @@ class Controller:
 
 
 # --- helpers -----------------------------------------------------------------------------------
+
+
+def _timeline_name(msg: GenerateRequest | EvalRequest | Trajectory | EvalTrajectory) -> dict:
+    """What a generation is called in the timeline: its group, or its eval prompt."""
+    if isinstance(msg, EvalRequest | EvalTrajectory):
+        return {"eval": msg.prompt_index}
+    return {"group": msg.group_id}
 
 
 def _prompt_stream(cfg, tokenizer):

@@ -11,8 +11,9 @@
 ```
 
 A trajectory is correct when its reward is 1 (math: the boxed answer equals the reference; code: every
-test passes). The same bookkeeping (`EvalRound`) serves the evaluation between training steps, where
-the controller sends the prompts to the generators and the trajectories to the reward workers.
+test passes). The same bookkeeping (`EvalRound`) and the same requests (`EvalRequest`) serve the
+evaluation between training steps (`TrainingEval`), where the controller sends the prompts to the
+generators and the trajectories to the reward workers.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import numpy as np
 
 from areal_hpc.config import Config, ConfigError, load_config
 from areal_hpc.data import Example, eval_path, load_prompts
+from areal_hpc.protocol import EvalRequest, EvalTrajectory
 
 log = logging.getLogger(__name__)
 
@@ -111,50 +113,53 @@ class EvalRound:
 
 class TrainingEval:
     """Evaluation between training steps (`eval.every_steps`), on the run's own generators and reward
-    workers: before the first step and after every `every_steps` steps, the eval prompts go to the
-    generators (right after the WeightSync of that version, which they handle first), K trajectories each.
+    workers: before the first step and after every `every_steps` steps, one EvalRequest per eval prompt
+    (K trajectories each) for the generators, which the controller sends right after the WeightSync of
+    that version (they handle it first).
 
-    They are not training data: their group ids are negative (-1 - prompt index), so their trajectories
-    and rewards come back here, never to the buffer; the staleness gate never counts them. A round
-    still running when the next one is due is left to finish (the next one is skipped). Its figures
-    (`eval/pass@1`, `eval/pass@k`, `eval/reward_mean`, `eval/trajectory_tokens`, and `eval/version`, the
-    version it started on: trajectories in flight across a weight update finish on the newer weights) go
-    into the metrics row of the next step that ends.
+    They are not training data: they are messages of their own (EvalRequest, EvalTrajectory), so their
+    trajectories and rewards come back here, never to the buffer; the staleness gate never counts them.
+    A round still running when the next one is due is left to finish (the next one is skipped). Its
+    figures (`eval/pass@1`, `eval/pass@k`, `eval/reward_mean`, `eval/trajectory_tokens`, and
+    `eval/version`, the version it started on: trajectories in flight across a weight update finish on the
+    newer weights) go into the metrics row of the next step that ends.
     """
 
-    def __init__(self, ctl, examples: list[Example], samples: int, every_steps: int):
-        self.ctl, self.examples, self.samples, self.every_steps = ctl, examples, samples, every_steps
+    def __init__(self, examples: list[Example], samples: int, every_steps: int):
+        self.examples, self.samples, self.every_steps = examples, samples, every_steps
         self.round: EvalRound | None = None
         self.version = 0
         self.metrics: dict = {}
 
     @classmethod
-    def from_config(cls, ctl) -> TrainingEval:
-        """`ctl` is the controller: its tokenizer, config, and `send_generate`, `generator_done`, `send_reward`."""
-        e = ctl.cfg.eval
-        examples = load_prompts(ctl.cfg, ctl.tokenizer, eval_path(ctl.cfg), "eval.data") if e.every_steps else []
-        return cls(ctl, examples, e.samples, e.every_steps)
+    def from_config(cls, cfg: Config, tokenizer) -> TrainingEval:
+        """The `eval` section's prompts (eval.data, read only when eval.every_steps is set)."""
+        e = cfg.eval
+        examples = load_prompts(cfg, tokenizer, eval_path(cfg), "eval.data") if e.every_steps else []
+        return cls(examples, e.samples, e.every_steps)
 
-    def maybe_start(self, version: int) -> None:
+    def start(self, version: int) -> list[EvalRequest]:
+        """The requests of a round of `version` when one is due; none when it is not, or while the last
+        round is still running."""
         if not self.every_steps or version % self.every_steps:
-            return
+            return []
         if self.round is not None:
             log.warning("evaluation of version %d still running: none of version %d", self.version, version)
-            return
+            return []
         self.round, self.version = EvalRound(self.examples, self.samples), version
-        for i, e in enumerate(self.examples):
-            self.ctl.send_generate(-1 - i, e.prompt_ids, self.samples)
+        return [EvalRequest(i, e.prompt_ids, self.samples) for i, e in enumerate(self.examples)]
 
-    def on_trajectory(self, src: int, traj) -> None:
-        i = -1 - traj.group_id
-        self.round.arrived(i, traj.index, len(traj.output_ids), traj.finish_reason == "length")
-        if self.round.generated(i):
-            self.ctl.generator_done(src, traj.group_id)
-        traj_id = -1 - (i * self.samples + traj.index)
-        self.ctl.send_reward(traj_id, traj.group_id, traj.index, traj.output_ids, self.examples[i].target)
+    def arrived(self, traj: EvalTrajectory) -> bool:
+        """Record a trajectory; True when it was the last of its prompt (its request is done)."""
+        self.round.arrived(traj.prompt_index, traj.index, len(traj.output_ids), traj.finish_reason == "length")
+        return self.round.generated(traj.prompt_index)
 
-    def on_reward(self, group_id: int, index: int, reward: float, reason: str) -> None:
-        self.round.scored(-1 - group_id, index, reward, reason)
+    def target(self, traj: EvalTrajectory) -> str | list:
+        """What the reward worker compares the trajectory against: its prompt's target."""
+        return self.examples[traj.prompt_index].target
+
+    def scored(self, traj: EvalTrajectory, reward: float, reason: str) -> None:
+        self.round.scored(traj.prompt_index, traj.index, reward, reason)
         if not self.round.done:
             return
         report = self.round.report()
@@ -270,12 +275,12 @@ def evaluate(cfg: Config, model_dir: Path, data: str | Path, samples: int, engin
     total, generated, started, shown = len(examples) * samples, 0, time.monotonic(), time.monotonic()
     try:
         for i, e in enumerate(examples):
-            engine.add(i, e.prompt_ids, samples)
+            engine.add(EvalRequest(i, e.prompt_ids, samples))
         while engine.in_flight or pool.pending:
             for t in engine.step() if engine.in_flight else []:
-                round_.arrived(t.group_id, t.index, len(t.output_ids), t.finish_reason == "length")
+                round_.arrived(t.prompt_index, t.index, len(t.output_ids), t.finish_reason == "length")
                 text = response_text(tokenizer, t.output_ids)
-                pool.submit((t.group_id, t.index), cfg.reward.kind, text, examples[t.group_id].target)
+                pool.submit((t.prompt_index, t.index), cfg.reward.kind, text, examples[t.prompt_index].target)
                 generated += 1
             for (i, j), reward, reason in pool.poll(0 if engine.in_flight else 0.01):
                 round_.scored(i, j, reward, reason)

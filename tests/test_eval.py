@@ -91,28 +91,41 @@ def test_what_a_target_names(tmp_path):
 def test_eval_between_training_steps(tmp_path):
     """Eval prompts go to the generators after every 4th step (and before the first), come back scored,
     are never trained on, never pass the staleness gate, and their pass@1 is the hand-counted one."""
+    from collections import Counter
+
     from areal_hpc.controller import EXIT_DONE
-    from areal_hpc.protocol import Envelope, RewardRequest, RewardResult
+    from areal_hpc.protocol import Envelope, EvalRequest, GenerateRequest, RewardRequest, RewardResult
+
+    samples = 4
 
     class EvalWorld(World):
-        """Scores an eval trajectory (id < 0) right when its id is divisible by 3."""
+        """Scores the s-th trajectory of eval prompt i (its target "eval i"; s counts the prompt's reward
+        requests of a round, in the order they come) right when -1 - (i * samples + s) is divisible by 3.
+        Records which requests ask for eval prompts and which for training groups."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.scored, self.requests = Counter(), Counter()
 
         def send(self, dest, msg):
-            if isinstance(msg, RewardRequest) and msg.traj_id < 0:
-                self.later.append((1, Envelope(dest, RewardResult(msg.traj_id, float(msg.traj_id % 3 == 0), "ok"))))
+            self.requests[type(msg).__name__] += isinstance(msg, EvalRequest | GenerateRequest)
+            if isinstance(msg, RewardRequest) and msg.target.startswith("eval "):
+                i = int(msg.target.split()[1])
+                s, self.scored[i] = self.scored[i] % samples, self.scored[i] + 1
+                right = (-1 - (i * samples + s)) % 3 == 0
+                self.later.append((1, Envelope(dest, RewardResult(msg.request_id, float(right), "ok"))))
                 return
             super().send(dest, msg)
 
     tok = build_tokenizer()
-    rows = [{"prompt": f"{7 * i}*{i}=", "answer": "1"} for i in range(5)]
+    rows = [{"prompt": f"{7 * i}*{i}=", "answer": f"eval {i}"} for i in range(5)]
     data = tmp_path / "eval.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    samples = 4
     cfg, layout, run_dir, tok_dir = make(tmp_path, "eval.every_steps=4", f"eval.data={data}", f"eval.samples={samples}")
     world = EvalWorld(layout, tok, seed=5)
     c, code = run(cfg, layout, run_dir, tok_dir, world, Prompts())
     assert code == EXIT_DONE
-    # trajectory s of prompt i has id -1 - (i * samples + s): right for ids divisible by 3
+    # trajectory s of prompt i is right when -1 - (i * samples + s) is divisible by 3
     correct = [sum((-1 - (i * samples + s)) % 3 == 0 for s in range(samples)) for i in range(len(rows))]
     assert correct == [1, 1, 2, 1, 1]
     want = np.mean([pass_at_k(samples, c_, 2) for c_ in correct])
@@ -123,6 +136,8 @@ def test_eval_between_training_steps(tmp_path):
     assert all(set(r) >= {"eval/pass@2", "eval/reward_mean", "eval/trajectory_tokens"} for r in evals)
     assert not {r["prompt"] for r in rows} & set(world.trained_prompts), "an eval prompt was trained on"
     assert c.rollouts.gate.state.consumed == 12 * 4 and c.rollouts.gate.state.rejected == 0
+    assert world.requests["EvalRequest"] == 3 * len(rows) and sum(world.scored.values()) == 3 * len(rows) * samples
+    assert world.requests["GenerateRequest"] == c.prompts.position, "every generation request is a prompt group's"
 
 
 @pytest.mark.vllm

@@ -3,6 +3,7 @@ of tests/sim_world.py (the real gate, buffer, batches and metrics), the gate's i
 groups (a property test over the controller's loop), the gate's slot accounting for a filtered group,
 DAPO's soft length penalty, and masking truncated trajectories out of the loss."""
 
+import dataclasses
 import logging
 from types import SimpleNamespace
 
@@ -37,7 +38,7 @@ class CoinWorld(World):
     def send(self, dest, msg):
         if isinstance(msg, RewardRequest):
             reward = float(self.rng.random() < self.p_right)
-            self.later.append((self.rng.randint(0, 2), Envelope(dest, RewardResult(msg.traj_id, reward, "ok"))))
+            self.later.append((self.rng.randint(0, 2), Envelope(dest, RewardResult(msg.request_id, reward, "ok"))))
             return
         super().send(dest, msg)
 
@@ -143,17 +144,24 @@ def test_a_run_that_filters_everything_says_so(tmp_path, caplog):
     cfg, layout, run_dir, tok_dir = make(tmp_path, "rollout.filter_uniform_groups=true", "train.total_steps=2")
     groups = FILTERED_WARN_STEPS * cfg.rollout.prompts_per_step
 
+    class Numbered(Prompts):
+        """Each prompt's target is its place in the stream (a CoinWorld's rewards ignore targets)."""
+
+        def next(self):
+            example = super().next()
+            return dataclasses.replace(example, target=str(example.index))
+
     class LateLearner(CoinWorld):
         """Every trajectory to the first 2 * `groups` prompts is wrong, then they are coin flips."""
 
         def send(self, dest, msg):
             if isinstance(msg, RewardRequest):
-                self.p_right = 0.5 if msg.traj_id >= 2 * groups * cfg.rollout.group_size else 0.0
+                self.p_right = 0.5 if int(msg.target) >= 2 * groups else 0.0
             super().send(dest, msg)
 
     world = LateLearner(layout, build_tokenizer(), seed=2)
     with caplog.at_level(logging.WARNING, logger="areal_hpc.rollouts"):
-        c, code = run(cfg, layout, run_dir, tok_dir, world, Prompts())
+        c, code = run(cfg, layout, run_dir, tok_dir, world, Numbered())
     assert code == EXIT_DONE
     warnings = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
     assert warnings and warnings[0].startswith(f"{groups} prompt groups left out at policy version 0")

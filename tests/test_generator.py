@@ -14,6 +14,7 @@ import torch
 from areal_hpc.arch import model_arch
 from areal_hpc.config import ModelConfig
 from areal_hpc.device import resolve_device
+from areal_hpc.protocol import EvalRequest, EvalTrajectory, GenerateRequest, Trajectory
 from areal_hpc.tiny import build_tiny_model
 
 pytestmark = pytest.mark.vllm
@@ -85,7 +86,7 @@ PROMPTS: dict[int, list[int]] = {}
 
 def add(engine, group: int, prompt: list[int], n: int) -> None:
     PROMPTS[group] = prompt
-    engine.add(group, prompt, n)
+    engine.add(GenerateRequest(group, np.asarray(prompt, np.int32), n))
 
 
 def prompt_of(t) -> list[int]:
@@ -145,6 +146,22 @@ def test_trajectories_return_as_they_finish(setup):
     drain(engine)
 
 
+def test_eval_prompts_and_groups_share_the_engine(setup):
+    """An eval prompt and a prompt group with the same number and prompt at once: each request gets its own n
+    trajectories back, as its own reply (an EvalTrajectory carries no logprobs or versions)."""
+    engine, _, _ = setup
+    engine.add(EvalRequest(400, np.array([9, 10, 11], np.int32), 3))
+    add(engine, 400, [9, 10, 11], n=2)
+    replies = drain(engine)
+    evals = [t for t in replies if isinstance(t, EvalTrajectory)]
+    trajs = [t for t in replies if isinstance(t, Trajectory)]
+    assert len(replies) == 5 and sorted((t.prompt_index, t.index) for t in evals) == [(400, i) for i in range(3)]
+    check_shape(trajs, 2)
+    for t in evals:
+        assert t.output_ids.dtype == np.int32 and 1 <= len(t.output_ids) <= MAX_NEW
+        assert t.finish_reason == "stop" or len(t.output_ids) == MAX_NEW
+
+
 def test_interrupt_switches_versions_and_weights(setup):
     """Two updates mid-generation (A -> B -> A): versions switch exactly at each interruption and
     every segment's logprobs match the weights of its version."""
@@ -154,11 +171,11 @@ def test_interrupt_switches_versions_and_weights(setup):
     for g in range(4):
         add(engine, 10 + g, [5 + g, 6, 7], n=4)
     done = drain(engine, steps=8)  # 8 tokens each, unless EOS came first
-    first = {key: a.output_ids for key, a in engine.partial().items()}
+    first = {(a.request.group_id, a.index): a.output_ids for a in engine.partial()}
     assert first and all(1 <= len(p) < MAX_NEW for p in first.values())
     assert load(engine, model_b, v0 + 1) > 0
     done += drain(engine, steps=5)
-    second = {key: a.output_ids for key, a in engine.partial().items()}
+    second = {(a.request.group_id, a.index): a.output_ids for a in engine.partial()}
     load(engine, model_a, v0 + 2)
     trajs = drain(engine)
     check_shape(done + trajs, 16)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from areal_hpc.config import ModelConfig
 from areal_hpc.device import resolve_device
+from areal_hpc.protocol import GenerateRequest
 from areal_hpc.tiny import build_tiny_model
 from areal_hpc.weight_sync import GroupSpec, WeightReceiver, WeightSender
 
@@ -56,7 +57,7 @@ def test_tp2_workers_receive_and_load_their_shards(tmp_path):
             engine.update_weights(receiver, version)
             th.join(60)
         prompt = [5, 6, 7]
-        engine.add(0, prompt, n=4)
+        engine.add(GenerateRequest(0, np.array(prompt, np.int32), 4))
         trajs = []
         while engine.in_flight:
             trajs += engine.step()

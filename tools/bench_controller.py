@@ -238,7 +238,7 @@ def sim_reward(world, side, generator: int) -> dict:
             received[type(msg).__name__, "bytes"] += wire_bytes(msg)
             if isinstance(msg, RewardRequest):
                 assert msg.output_ids.dtype == np.int32 and msg.output_ids.ndim == 1, "token ids, not text"
-                box.send(0, RewardResult(msg.traj_id, float(msg.traj_id * 2654435761 >> 9 & 1), "ok"))
+                box.send(0, RewardResult(msg.request_id, float(msg.request_id * 2654435761 >> 9 & 1), "ok"))
                 taken += 1
             elif isinstance(msg, Stop):
                 box.flush()
