@@ -10,7 +10,7 @@ syncs and checkpoints, writes the metrics. One thread, one event loop, no blocki
                       (gate.finish(accepted=False): its slot admits another prompt)
      TrainResult   -> version v+1: WeightSync(v+1) to trainers + generators, Save every save_every
                       steps or save_interval_min minutes, metrics line; every eval.every_steps: the
-                      eval prompts to the generators (areal_hpc.eval.TrainingEval: EvalRequests,
+                      eval prompts to the generators (areal_hpc.eval.training: EvalRequests,
                       never buffered, not gated)
      SyncDone      -> generator g runs version v+1 (timing/weight_sync_s)
      Saved         -> all trainer ranks saved (timing/save_s): controller state, then the files'
@@ -58,7 +58,7 @@ import numpy as np
 
 from areal_hpc.batch import BatchInfo, build_train_batches
 from areal_hpc.checkpoints import Checkpoints, drop_rows_after, read_state
-from areal_hpc.eval import TrainingEval
+from areal_hpc.eval.training import TrainingEval
 from areal_hpc.exit_codes import EXIT_DONE, EXIT_STOPPED, STOP_REASON_ENV
 from areal_hpc.layout import Role
 from areal_hpc.liveness import SYNC, Liveness, RankFailure

@@ -13,7 +13,10 @@ from hypothesis import strategies as st
 
 from areal_hpc.config import ConfigError, load_config
 from areal_hpc.data import Example
-from areal_hpc.eval import EvalRound, ks, pass_at_k, resolve
+from areal_hpc.eval import EvalRound, ks, pass_at_k
+from areal_hpc.eval.command import resolve
+from areal_hpc.eval.training import TrainingEval
+from areal_hpc.protocol import EvalTrajectory
 from areal_hpc.tiny import build_tokenizer
 from tests.sim_world import Prompts, World, make, metrics, run
 
@@ -140,11 +143,31 @@ def test_eval_between_training_steps(tmp_path):
     assert world.requests["GenerateRequest"] == c.prompts.position, "every generation request is a prompt group's"
 
 
+def test_training_eval_rounds_by_hand():
+    """Due every 2 versions; a round still running when the next is due skips that one; its figures come
+    once, with the version it started on."""
+    examples = [Example(i, f"p{i}", "1", "math", prompt_ids=np.array([5 + i, 6], np.int32)) for i in range(2)]
+    ev = TrainingEval(examples, samples=2, every_steps=2)
+    assert ev.start(1) == [], "not due"
+    requests = ev.start(0)
+    assert [(r.prompt_index, list(r.prompt_ids), r.n) for r in requests] == [(0, [5, 6], 2), (1, [6, 6], 2)]
+    assert ev.start(2) == [], "the round of version 0 still runs: none of version 2"
+    trajs = [EvalTrajectory(i, j, np.full(j + 1, 7, np.int32), "stop") for i in range(2) for j in range(2)]
+    assert [ev.arrived(t) for t in trajs] == [False, True, False, True], "a prompt's last trajectory ends its request"
+    for t in trajs:
+        assert ev.target(t) == "1" and ev.take_metrics() == {}
+        ev.scored(t, float(t.prompt_index == 0), "ok")
+    m = ev.take_metrics()
+    assert m["eval/version"] == 0 and m["eval/pass@1"] == m["eval/pass@2"] == m["eval/reward_mean"] == 0.5
+    assert m["eval/trajectory_tokens"] == 1.5 and ev.take_metrics() == {}
+    assert len(ev.start(4)) == 2 and ev.version == 4
+
+
 @pytest.mark.vllm
 def test_evaluate_with_the_generator_engine_and_scorer_pool(tmp_path):
     """One real evaluation: the tiny model's warm start (a few hundred examples) on held-out problems."""
     from areal_hpc.data import eval_path, load_prompts
-    from areal_hpc.eval import evaluate, table
+    from areal_hpc.eval.command import evaluate, table
     from areal_hpc.sft import initial_model
 
     overrides = [
