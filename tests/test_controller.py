@@ -170,7 +170,7 @@ def test_preemption_checkpoints_if_there_is_time_else_stops_at_once(tmp_path, mo
     world = World(layout, tok, seed=1, hold=lambda c, version: version >= 7 and c.ckpt.saved_version < 5)
     at_7 = lambda c: c.version >= 7 and c.ckpt.saved_version >= 5  # noqa: E731
     c, code = run(cfg, layout, run_dir, tok_dir, world, Prompts(), signal="SIGTERM", stop_when=at_7)
-    assert code == EXIT_STOPPED and c.stopped_at_once == (grace_s == 0)
+    assert code == EXIT_STOPPED and c.stop.at_once == (grace_s == 0)
     assert c.version == 7
     assert (tmp_path / "stop_reason").read_text() == "SIGTERM\n"
     resumed_from = c.version if grace_s else 5

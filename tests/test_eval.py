@@ -96,7 +96,7 @@ def test_eval_between_training_steps(tmp_path):
     are never trained on, never pass the staleness gate, and their pass@1 is the hand-counted one."""
     from collections import Counter
 
-    from areal_hpc.controller import EXIT_DONE
+    from areal_hpc.exit_codes import EXIT_DONE
     from areal_hpc.protocol import Envelope, EvalRequest, GenerateRequest, RewardRequest, RewardResult
 
     samples = 4

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from areal_hpc.algo.staleness import StalenessGate
 from areal_hpc.batch import build_train_batches
 from areal_hpc.config import ConfigError, load_config
-from areal_hpc.controller import EXIT_DONE
 from areal_hpc.data import Example
+from areal_hpc.exit_codes import EXIT_DONE
 from areal_hpc.protocol import Envelope, RewardRequest, RewardResult, Trajectory
 from areal_hpc.reward import overlong_penalty
 from areal_hpc.rollouts import FILTERED_WARN_STEPS, Group

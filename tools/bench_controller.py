@@ -376,7 +376,7 @@ def run_controller(ctx, side, payloads: Payloads, profile: bool) -> dict:
 
     class Timed(Controller):
         def on_train_result(self, res):
-            info = self.training
+            info = self.trainers.step
             super().on_train_result(res)
             marks.append((info.response_tokens, info.sequences, time.perf_counter(), time.process_time()))
 
