@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from areal_hpc.algo.advantages import group_advantages
-from areal_hpc.buffer import Group
 from areal_hpc.packing import split_for_dp
 from areal_hpc.protocol import TrainBatch
+from areal_hpc.rollouts import Group
 
 
 @dataclass
@@ -56,11 +56,12 @@ def build_train_batches(
     seqs = []
     owners = [g for g in groups for _ in range(g.n)]  # the group of each sequence
     for i, (g, t) in enumerate(zip(owners, trajs)):
-        p, r = len(g.prompt_ids), len(t.output_ids)
+        prompt_ids = g.example.prompt_ids
+        p, r = len(prompt_ids), len(t.output_ids)
         trained = not (mask_truncated and t.finish_reason == "length")
         seqs.append(
             {
-                "tokens": np.concatenate([g.prompt_ids, t.output_ids]).astype(np.int32),
+                "tokens": np.concatenate([prompt_ids, t.output_ids]).astype(np.int32),
                 "loss_mask": np.concatenate([np.zeros(p, np.uint8), np.full(r, trained, np.uint8)]),
                 "behav_logprobs": np.concatenate([np.zeros(p, np.float32), t.behav_logprobs.astype(np.float32)]),
                 "advantages": np.concatenate([np.zeros(p, np.float32), np.full(r, adv[i], np.float32)]),

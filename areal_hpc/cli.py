@@ -130,7 +130,7 @@ def cmd_cancel(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from areal_hpc.eval import run
+    from areal_hpc.eval.command import run
 
     if args.steps is not None and not args.submit:
         raise ConfigError("--steps names the checkpoints of a --submit array; evaluate one here with --step N")

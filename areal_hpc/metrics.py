@@ -11,7 +11,7 @@ policy's next-token distribution; ppo/kl with ppo.kl_coef > 0: the mean k3 estim
 initial policy), reward/errors (rewards scored 0 for a timeout or an error since the
 previous step), rollout/filtered (prompt groups left out by rollout.filter_uniform_groups since the
 previous step), rollout/truncated (trajectories of the step cut at rollout.max_new_tokens), and after an
-evaluation between steps eval/pass@1 ... (areal_hpc.eval). Each line also has `step`, the policy
+evaluation between steps eval/pass@1 ... (areal_hpc.eval.training). Each line also has `step`, the policy
 version after the step.
 """
 

@@ -36,14 +36,35 @@ class GenerateRequest:
 
 @dataclass
 class Trajectory:
-    """One finished trajectory, sent as soon as it finishes."""
+    """One finished trajectory, sent as soon as it finishes (its prompt is the group's: the controller has it)."""
 
     group_id: int
     index: int  # its place in the group, 0 .. n-1
-    prompt_ids: np.ndarray  # [P] int32
     output_ids: np.ndarray  # [T] int32
     behav_logprobs: np.ndarray  # [T] float32, logprob of each sampled token under the weights that sampled it
     versions: np.ndarray  # [T] int32, policy version of each generated token
+    finish_reason: str  # "stop" (EOS) or "length"
+
+
+# Controller -> generator -> controller, for the evaluation between training steps (areal_hpc.eval.training)
+
+
+@dataclass
+class EvalRequest:
+    """Generate `n` trajectories to one eval prompt: scored, never trained on, never counted by the gate."""
+
+    prompt_index: int  # its place among the eval prompts (eval.data)
+    prompt_ids: np.ndarray  # [P] int32
+    n: int
+
+
+@dataclass
+class EvalTrajectory:
+    """One finished trajectory to an eval prompt, sent as soon as it finishes: what an evaluation reads of it."""
+
+    prompt_index: int
+    index: int  # its place among the prompt's n, 0 .. n-1
+    output_ids: np.ndarray  # [T] int32
     finish_reason: str  # "stop" (EOS) or "length"
 
 
@@ -54,7 +75,7 @@ class Trajectory:
 class RewardRequest:
     """Score one trajectory: the reward worker decodes `output_ids` (`reward.response_text`)."""
 
-    traj_id: int
+    request_id: int  # the controller's, unique among its requests in flight; the result carries it back
     kind: str  # "math" or "code"
     output_ids: np.ndarray  # [T] int32, the trajectory's tokens as the generator sent them
     target: str | list  # an areal_hpc.data.Example's target: the answer (math), the tests (code)
@@ -62,7 +83,7 @@ class RewardRequest:
 
 @dataclass
 class RewardResult:
-    traj_id: int
+    request_id: int
     reward: float
     reason: str  # "ok", "timeout", "error: ..." (counted in the metrics)
 
@@ -142,6 +163,8 @@ MESSAGES = {
     for cls in (
         GenerateRequest,
         Trajectory,
+        EvalRequest,
+        EvalTrajectory,
         RewardRequest,
         RewardResult,
         TrainBatch,

@@ -5,6 +5,7 @@ The controller marks the moments it already knows (no message is added for this)
 
     {"t": 1763782998.12, "event": "gen_start", "rank": 2, "group": 17}    GenerateRequest sent
     {"t": ..., "event": "gen_done", "rank": 2, "group": 17}               the group's last trajectory came
+    {"t": ..., "event": "gen_start", "rank": 2, "eval": 3}                the same two for eval prompt 3
     {"t": ..., "event": "train_start", "version": 4}                      TrainBatch sent (step at v=4)
     {"t": ..., "event": "train_end", "version": 5}                        TrainResult received
     {"t": ..., "event": "sync_start", "version": 5}                       WeightSync sent

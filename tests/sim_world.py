@@ -16,6 +16,8 @@ from areal_hpc.data import Example
 from areal_hpc.layout import Layout, Role
 from areal_hpc.protocol import (
     Envelope,
+    EvalRequest,
+    EvalTrajectory,
     GenerateRequest,
     RewardRequest,
     RewardResult,
@@ -80,7 +82,7 @@ class World:
         if dest in self.layout.ranks(Role.TRAINER):
             replica = self.layout.replica_ranks(self.layout.replica_of(dest))
             assert dest == replica[0], f"{msg} sent to trainer {dest}, not its replica's first rank"
-        if isinstance(msg, GenerateRequest):
+        if isinstance(msg, GenerateRequest | EvalRequest):
             for i in range(msg.n):
                 self.generating.append([dest, msg, i, self.rng.randint(1, self.max_ticks), [], []])
         elif isinstance(msg, WeightSync):
@@ -90,9 +92,9 @@ class World:
         elif isinstance(msg, RewardRequest):
             response = response_text(self.tok, msg.output_ids)  # as the reward worker decodes
             a, b = msg.target, response.removeprefix(BOXED).removesuffix("}")
-            result = RewardResult(msg.traj_id, float(a == b), "ok")
-            if msg.traj_id % 17 == 0:  # now and then a reward call times out: scored 0, counted
-                result = RewardResult(msg.traj_id, 0.0, "timeout")
+            result = RewardResult(msg.request_id, float(a == b), "ok")
+            if msg.request_id % 17 == 0:  # now and then a reward call times out: scored 0, counted
+                result = RewardResult(msg.request_id, 0.0, "timeout")
             self.later.append((self.rng.randint(0, 2), Envelope(dest, result)))
         elif isinstance(msg, TrainBatch):
             self.batch_dests.append((msg.version, dest))
@@ -151,14 +153,11 @@ class World:
             answer = str(int(req.prompt_ids.size) % 10)  # right for some prompts, wrong for others
             out = np.array(self.tok(f"{BOXED}{answer}}}")["input_ids"] + ids, np.int32)[: max(len(ids), 3)]
             vers = np.array((versions + [versions[-1]] * len(out))[: len(out)], np.int32)
-            self.out.append(
-                Envelope(
-                    gen,
-                    Trajectory(
-                        req.group_id, index, req.prompt_ids, out, np.full(len(out), -1.0, np.float32), vers, "stop"
-                    ),
-                )
-            )
+            if isinstance(req, EvalRequest):
+                self.out.append(Envelope(gen, EvalTrajectory(req.prompt_index, index, out, "stop")))
+            else:
+                trajectory = Trajectory(req.group_id, index, out, np.full(len(out), -1.0, np.float32), vers, "stop")
+                self.out.append(Envelope(gen, trajectory))
         self.generating = going
 
 

@@ -9,12 +9,12 @@ without training on the same prompts again, and a rank that stops answering ends
 """
 
 import json
+import pickle
 from collections import Counter
 
 import numpy as np
 import pytest
 
-from areal_hpc.buffer import Group
 from areal_hpc.config import load_config
 from areal_hpc.controller import Controller
 from areal_hpc.data import Example
@@ -23,7 +23,8 @@ from areal_hpc.layout import Layout, Role
 from areal_hpc.liveness import RankFailure
 from areal_hpc.metrics import REQUIRED
 from areal_hpc.protocol import Trajectory
-from areal_hpc.rundir import latest_checkpoint
+from areal_hpc.rollouts import Group
+from areal_hpc.rundir import latest_checkpoint, record_files
 from areal_hpc.runtime import RankContext
 from areal_hpc.tiny import build_tokenizer
 from tests.sim_world import Prompts, World, make, metrics, run
@@ -81,13 +82,18 @@ def test_each_replica_gets_its_batch_once_at_its_first_rank(tmp_path):
     assert world.stopped == set(range(1, layout.world_size))
 
 
-def test_stop_checkpoints_and_resume_continues_without_reusing_data(tmp_path):
+@pytest.mark.parametrize("older_checkpoint", [False, True])
+def test_stop_checkpoints_and_resume_continues_without_reusing_data(tmp_path, older_checkpoint):
+    """With `older_checkpoint`, the controller state is rewritten as the code before the prompt was held
+    once saved it (the prompt's token ids in every buffered group and trajectory too): it resumes alike."""
     cfg, layout, run_dir, tok_dir = make(tmp_path, "rollout.max_staleness=2")
     tok = build_tokenizer()
     first = World(layout, tok, seed=1)
     c, code = run(cfg, layout, run_dir, tok_dir, first, Prompts(), stop_at=7)
     assert code == EXIT_STOPPED
     assert latest_checkpoint(run_dir).name == "step_7"
+    if older_checkpoint:
+        rewrite_as_before_the_prompt_was_held_once(latest_checkpoint(run_dir))
     state = json.loads((latest_checkpoint(run_dir) / "controller.json").read_text())
     assert state["version"] == 7
     steps_before = [r["step"] for r in metrics(run_dir)]
@@ -103,18 +109,52 @@ def test_stop_checkpoints_and_resume_continues_without_reusing_data(tmp_path):
     assert len(trained) == 12 * 4
     assert set(trained.values()) == {n}, "a prompt was trained on before and after the resume"
     # The gate did not admit more after the resume than the uninterrupted run could have.
-    g = c2.gate.state
+    g = c2.rollouts.gate.state
     assert g.accepted + g.running <= (cfg.rollout.max_staleness + 12 + 1) * 4
+
+
+def rewrite_as_before_the_prompt_was_held_once(path):
+    """The controller state of checkpoint `path` as the code before the prompt was held once wrote it."""
+    with open(path / "controller.pkl", "rb") as f:
+        state = pickle.load(f)
+    assert state["buffer"], "the test means a checkpoint with buffered groups"
+    for group in state["buffer"]:
+        group["prompt_ids"] = np.asarray(group["example"].prompt_ids, np.int32)
+        for t in group["trajectories"]:
+            t["prompt_ids"] = group["prompt_ids"]
+    with open(path / "controller.pkl", "wb") as f:
+        pickle.dump(state, f)
+    record_files(path)  # the checkpoint's checksums, of this file too
 
 
 def test_a_checkpoint_from_before_the_rename_of_sample_idx_restores():
     """Controller checkpoints written before `Trajectory.index` saved it as sample_idx."""
     ids = np.array([7, 8], np.int32)
-    trajs = [Trajectory(3, i, ids, ids, np.zeros(2, np.float32), ids, "stop") for i in range(2)]
-    state = Group(3, Example(0, "p", "1", "math"), ids, 2, trajectories=trajs, rewards=[0.0, 1.0]).to_state()
+    trajs = [Trajectory(3, i, ids, np.zeros(2, np.float32), ids, "stop") for i in range(2)]
+    example = Example(0, "p", "1", "math", prompt_ids=ids)
+    state = Group(3, example, 2, trajectories=trajs, rewards=[0.0, 1.0]).to_state()
     for t in state["trajectories"]:
         t["sample_idx"] = t.pop("index")
     assert [t.index for t in Group.from_state(state).trajectories] == [0, 1]
+
+
+def test_a_checkpoint_that_holds_the_prompt_in_every_group_and_trajectory_restores():
+    """Controller checkpoints written before the prompt was held once: each group's state has its prompt's
+    token ids beside its Example, and each trajectory has them too. The group restores with the Example's
+    (the one copy), and saves it only there."""
+    ids = np.array([7, 8], np.int32)
+    example = Example(0, "p", "1", "math", prompt_ids=ids)
+    trajs = [
+        {"group_id": 3, "index": i, "prompt_ids": ids, "output_ids": ids + i, "behav_logprobs": np.zeros(2, np.float32),
+         "versions": ids, "finish_reason": "stop"}
+        for i in range(2)
+    ]  # fmt: skip
+    old = {"group_id": 3, "example": example, "prompt_ids": ids, "n": 2, "rewards": [0.0, 1.0], "trajectories": trajs}
+    group = Group.from_state(old)
+    assert group.example.prompt_ids is ids and [t.index for t in group.trajectories] == [0, 1]
+    assert [list(t.output_ids) for t in group.trajectories] == [[7, 8], [8, 9]] and group.rewards == [0.0, 1.0]
+    state = group.to_state()
+    assert "prompt_ids" not in state and not any("prompt_ids" in t for t in state["trajectories"])
 
 
 @pytest.mark.parametrize("grace_s", [60, 0])
@@ -130,7 +170,7 @@ def test_preemption_checkpoints_if_there_is_time_else_stops_at_once(tmp_path, mo
     world = World(layout, tok, seed=1, hold=lambda c, version: version >= 7 and c.ckpt.saved_version < 5)
     at_7 = lambda c: c.version >= 7 and c.ckpt.saved_version >= 5  # noqa: E731
     c, code = run(cfg, layout, run_dir, tok_dir, world, Prompts(), signal="SIGTERM", stop_when=at_7)
-    assert code == EXIT_STOPPED and c.stopped_at_once == (grace_s == 0)
+    assert code == EXIT_STOPPED and c.stop.at_once == (grace_s == 0)
     assert c.version == 7
     assert (tmp_path / "stop_reason").read_text() == "SIGTERM\n"
     resumed_from = c.version if grace_s else 5

@@ -13,7 +13,10 @@ from hypothesis import strategies as st
 
 from areal_hpc.config import ConfigError, load_config
 from areal_hpc.data import Example
-from areal_hpc.eval import EvalRound, ks, pass_at_k, resolve
+from areal_hpc.eval import EvalRound, ks, pass_at_k
+from areal_hpc.eval.command import resolve
+from areal_hpc.eval.training import TrainingEval
+from areal_hpc.protocol import EvalTrajectory
 from areal_hpc.tiny import build_tokenizer
 from tests.sim_world import Prompts, World, make, metrics, run
 
@@ -91,28 +94,41 @@ def test_what_a_target_names(tmp_path):
 def test_eval_between_training_steps(tmp_path):
     """Eval prompts go to the generators after every 4th step (and before the first), come back scored,
     are never trained on, never pass the staleness gate, and their pass@1 is the hand-counted one."""
-    from areal_hpc.controller import EXIT_DONE
-    from areal_hpc.protocol import Envelope, RewardRequest, RewardResult
+    from collections import Counter
+
+    from areal_hpc.exit_codes import EXIT_DONE
+    from areal_hpc.protocol import Envelope, EvalRequest, GenerateRequest, RewardRequest, RewardResult
+
+    samples = 4
 
     class EvalWorld(World):
-        """Scores an eval trajectory (id < 0) right when its id is divisible by 3."""
+        """Scores the s-th trajectory of eval prompt i (its target "eval i"; s counts the prompt's reward
+        requests of a round, in the order they come) right when -1 - (i * samples + s) is divisible by 3.
+        Records which requests ask for eval prompts and which for training groups."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.scored, self.requests = Counter(), Counter()
 
         def send(self, dest, msg):
-            if isinstance(msg, RewardRequest) and msg.traj_id < 0:
-                self.later.append((1, Envelope(dest, RewardResult(msg.traj_id, float(msg.traj_id % 3 == 0), "ok"))))
+            self.requests[type(msg).__name__] += isinstance(msg, EvalRequest | GenerateRequest)
+            if isinstance(msg, RewardRequest) and msg.target.startswith("eval "):
+                i = int(msg.target.split()[1])
+                s, self.scored[i] = self.scored[i] % samples, self.scored[i] + 1
+                right = (-1 - (i * samples + s)) % 3 == 0
+                self.later.append((1, Envelope(dest, RewardResult(msg.request_id, float(right), "ok"))))
                 return
             super().send(dest, msg)
 
     tok = build_tokenizer()
-    rows = [{"prompt": f"{7 * i}*{i}=", "answer": "1"} for i in range(5)]
+    rows = [{"prompt": f"{7 * i}*{i}=", "answer": f"eval {i}"} for i in range(5)]
     data = tmp_path / "eval.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    samples = 4
     cfg, layout, run_dir, tok_dir = make(tmp_path, "eval.every_steps=4", f"eval.data={data}", f"eval.samples={samples}")
     world = EvalWorld(layout, tok, seed=5)
     c, code = run(cfg, layout, run_dir, tok_dir, world, Prompts())
     assert code == EXIT_DONE
-    # trajectory s of prompt i has id -1 - (i * samples + s): right for ids divisible by 3
+    # trajectory s of prompt i is right when -1 - (i * samples + s) is divisible by 3
     correct = [sum((-1 - (i * samples + s)) % 3 == 0 for s in range(samples)) for i in range(len(rows))]
     assert correct == [1, 1, 2, 1, 1]
     want = np.mean([pass_at_k(samples, c_, 2) for c_ in correct])
@@ -122,14 +138,36 @@ def test_eval_between_training_steps(tmp_path):
     assert all(r["eval/pass@1"] == pytest.approx(6 / 20) and r["eval/pass@2"] == pytest.approx(want) for r in evals)
     assert all(set(r) >= {"eval/pass@2", "eval/reward_mean", "eval/trajectory_tokens"} for r in evals)
     assert not {r["prompt"] for r in rows} & set(world.trained_prompts), "an eval prompt was trained on"
-    assert c.gate.state.consumed == 12 * 4 and c.gate.state.rejected == 0
+    assert c.rollouts.gate.state.consumed == 12 * 4 and c.rollouts.gate.state.rejected == 0
+    assert world.requests["EvalRequest"] == 3 * len(rows) and sum(world.scored.values()) == 3 * len(rows) * samples
+    assert world.requests["GenerateRequest"] == c.prompts.position, "every generation request is a prompt group's"
+
+
+def test_training_eval_rounds_by_hand():
+    """Due every 2 versions; a round still running when the next is due skips that one; its figures come
+    once, with the version it started on."""
+    examples = [Example(i, f"p{i}", "1", "math", prompt_ids=np.array([5 + i, 6], np.int32)) for i in range(2)]
+    ev = TrainingEval(examples, samples=2, every_steps=2)
+    assert ev.start(1) == [], "not due"
+    requests = ev.start(0)
+    assert [(r.prompt_index, list(r.prompt_ids), r.n) for r in requests] == [(0, [5, 6], 2), (1, [6, 6], 2)]
+    assert ev.start(2) == [], "the round of version 0 still runs: none of version 2"
+    trajs = [EvalTrajectory(i, j, np.full(j + 1, 7, np.int32), "stop") for i in range(2) for j in range(2)]
+    assert [ev.arrived(t) for t in trajs] == [False, True, False, True], "a prompt's last trajectory ends its request"
+    for t in trajs:
+        assert ev.target(t) == "1" and ev.take_metrics() == {}
+        ev.scored(t, float(t.prompt_index == 0), "ok")
+    m = ev.take_metrics()
+    assert m["eval/version"] == 0 and m["eval/pass@1"] == m["eval/pass@2"] == m["eval/reward_mean"] == 0.5
+    assert m["eval/trajectory_tokens"] == 1.5 and ev.take_metrics() == {}
+    assert len(ev.start(4)) == 2 and ev.version == 4
 
 
 @pytest.mark.vllm
 def test_evaluate_with_the_generator_engine_and_scorer_pool(tmp_path):
     """One real evaluation: the tiny model's warm start (a few hundred examples) on held-out problems."""
     from areal_hpc.data import eval_path, load_prompts
-    from areal_hpc.eval import evaluate, table
+    from areal_hpc.eval.command import evaluate, table
     from areal_hpc.sft import initial_model
 
     overrides = [

@@ -3,6 +3,7 @@ of tests/sim_world.py (the real gate, buffer, batches and metrics), the gate's i
 groups (a property test over the controller's loop), the gate's slot accounting for a filtered group,
 DAPO's soft length penalty, and masking truncated trajectories out of the loss."""
 
+import dataclasses
 import logging
 from types import SimpleNamespace
 
@@ -13,12 +14,12 @@ from hypothesis import strategies as st
 
 from areal_hpc.algo.staleness import StalenessGate
 from areal_hpc.batch import build_train_batches
-from areal_hpc.buffer import Group
 from areal_hpc.config import ConfigError, load_config
-from areal_hpc.controller import EXIT_DONE, FILTERED_WARN_STEPS
 from areal_hpc.data import Example
+from areal_hpc.exit_codes import EXIT_DONE
 from areal_hpc.protocol import Envelope, RewardRequest, RewardResult, Trajectory
 from areal_hpc.reward import overlong_penalty
+from areal_hpc.rollouts import FILTERED_WARN_STEPS, Group
 from areal_hpc.tiny import build_tokenizer
 from tests.sim_world import Prompts, World, make, metrics, run
 
@@ -37,7 +38,7 @@ class CoinWorld(World):
     def send(self, dest, msg):
         if isinstance(msg, RewardRequest):
             reward = float(self.rng.random() < self.p_right)
-            self.later.append((self.rng.randint(0, 2), Envelope(dest, RewardResult(msg.traj_id, reward, "ok"))))
+            self.later.append((self.rng.randint(0, 2), Envelope(dest, RewardResult(msg.request_id, reward, "ok"))))
             return
         super().send(dest, msg)
 
@@ -68,7 +69,7 @@ def test_uniform_groups_are_left_out_and_their_slots_refilled(tmp_path, filterin
         assert filtered == 0 and zero_advantage > 0
         return
     assert filtered > 0 and zero_advantage == 0, "a uniform group reached the trainer"
-    g = c.gate.state
+    g = c.rollouts.gate.state
     # A filtered group finished unaccepted: its slot went to another prompt, the bound still holds.
     assert g.rejected == filtered
     assert g.accepted + g.running <= (cfg.rollout.max_staleness + c.version + 1) * cfg.rollout.prompts_per_step
@@ -126,13 +127,13 @@ def test_the_gate_invariant_holds_with_filtered_groups(tmp_path_factory, B, eta,
     world = CoinWorld(layout, build_tokenizer(), seed=seed)
     world.p_right = p_right
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("areal_hpc.controller.StalenessGate", CheckedGate)
+        patch.setattr("areal_hpc.rollouts.StalenessGate", CheckedGate)
         c, code = run(cfg, layout, run_dir, tok_dir, world, Prompts())
-    assert isinstance(c.gate, CheckedGate) and code == EXIT_DONE
+    assert isinstance(c.rollouts.gate, CheckedGate) and code == EXIT_DONE
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    s = c.gate.state
-    filtered = sum(r["rollout/filtered"] for r in rows) + c.filtered_since_step  # and after the last step
+    s = c.rollouts.gate.state
+    filtered = sum(r["rollout/filtered"] for r in rows) + c.rollouts.filtered  # and after the last step
     assert s.consumed == steps * B and s.rejected == filtered
     assert c.prompts.position == s.running + s.accepted + s.rejected + s.dropped
     assert 0.0 not in world.trained_advantages, "a uniform group reached the trainer"
@@ -143,17 +144,24 @@ def test_a_run_that_filters_everything_says_so(tmp_path, caplog):
     cfg, layout, run_dir, tok_dir = make(tmp_path, "rollout.filter_uniform_groups=true", "train.total_steps=2")
     groups = FILTERED_WARN_STEPS * cfg.rollout.prompts_per_step
 
+    class Numbered(Prompts):
+        """Each prompt's target is its place in the stream (a CoinWorld's rewards ignore targets)."""
+
+        def next(self):
+            example = super().next()
+            return dataclasses.replace(example, target=str(example.index))
+
     class LateLearner(CoinWorld):
         """Every trajectory to the first 2 * `groups` prompts is wrong, then they are coin flips."""
 
         def send(self, dest, msg):
             if isinstance(msg, RewardRequest):
-                self.p_right = 0.5 if msg.traj_id >= 2 * groups * cfg.rollout.group_size else 0.0
+                self.p_right = 0.5 if int(msg.target) >= 2 * groups else 0.0
             super().send(dest, msg)
 
     world = LateLearner(layout, build_tokenizer(), seed=2)
-    with caplog.at_level(logging.WARNING, logger="areal_hpc.controller"):
-        c, code = run(cfg, layout, run_dir, tok_dir, world, Prompts())
+    with caplog.at_level(logging.WARNING, logger="areal_hpc.rollouts"):
+        c, code = run(cfg, layout, run_dir, tok_dir, world, Numbered())
     assert code == EXIT_DONE
     warnings = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
     assert warnings and warnings[0].startswith(f"{groups} prompt groups left out at policy version 0")
@@ -218,10 +226,10 @@ def test_controller_adds_the_penalty_to_the_reward_of_each_trajectory(tmp_path):
 
 def group(trajectories: list[tuple[int, str]], rewards: list[float]) -> Group:
     """A finished group: (response length, finish reason) per trajectory."""
-    g = Group(0, Example(0, "p", "1", "math"), np.array([5, 6], np.int32), len(trajectories))
+    g = Group(0, Example(0, "p", "1", "math", prompt_ids=np.array([5, 6], np.int32)), len(trajectories))
     for i, (n, reason) in enumerate(trajectories):
         zeros = np.zeros(n, np.int32)
-        g.trajectories[i] = Trajectory(0, i, g.prompt_ids, zeros + 7, zeros.astype(np.float32), zeros, reason)
+        g.trajectories[i] = Trajectory(0, i, zeros + 7, zeros.astype(np.float32), zeros, reason)
     g.rewards = rewards
     return g
 

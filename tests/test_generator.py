@@ -14,6 +14,7 @@ import torch
 from areal_hpc.arch import model_arch
 from areal_hpc.config import ModelConfig
 from areal_hpc.device import resolve_device
+from areal_hpc.protocol import EvalRequest, EvalTrajectory, GenerateRequest, Trajectory
 from areal_hpc.tiny import build_tiny_model
 
 pytestmark = pytest.mark.vllm
@@ -79,6 +80,19 @@ def load(engine, model, version):
     return engine.load_weights(named, version)
 
 
+PROMPTS: dict[int, list[int]] = {}
+"""The prompt of each group id this module's engines have generated for (a trajectory does not carry it)."""
+
+
+def add(engine, group: int, prompt: list[int], n: int) -> None:
+    PROMPTS[group] = prompt
+    engine.add(GenerateRequest(group, np.asarray(prompt, np.int32), n))
+
+
+def prompt_of(t) -> list[int]:
+    return PROMPTS[t.group_id]
+
+
 def drain(engine, steps=None) -> list:
     out = []
     while engine.in_flight and (steps is None or steps > 0):
@@ -103,33 +117,49 @@ def test_behav_logprobs_match_transformers(setup):
     v = engine.version + 1
     load(engine, model_a, v)
     for g in range(4):
-        engine.add(g, [5 + g, 6, 7, 8], n=4)
+        add(engine, g, [5 + g, 6, 7, 8], n=4)
     trajs = drain(engine)
     check_shape(trajs, 16)
     for t in trajs:
         assert (t.versions == v).all()
-        ref = hf_logprobs(model_a, t.prompt_ids, t.output_ids)
+        ref = hf_logprobs(model_a, prompt_of(t), t.output_ids)
         np.testing.assert_allclose(t.behav_logprobs, ref, atol=TOL, rtol=0)
     # Not vLLM's raw default: at temperature 0.8 raw logprobs would differ by far more than TOL.
     t = trajs[0]
-    ids = torch.tensor([list(t.prompt_ids) + list(t.output_ids)])
+    ids = torch.tensor([list(prompt_of(t)) + list(t.output_ids)])
     with torch.no_grad():
-        raw = torch.log_softmax(model_a(ids).logits[0], -1)[len(t.prompt_ids) - 1 : -1]
+        raw = torch.log_softmax(model_a(ids).logits[0], -1)[len(prompt_of(t)) - 1 : -1]
     raw = raw.gather(-1, torch.as_tensor(t.output_ids, dtype=torch.long)[:, None])[:, 0].numpy()
     assert np.abs(raw - t.behav_logprobs).max() > 10 * TOL
 
 
 def test_trajectories_return_as_they_finish(setup):
     engine, _, _ = setup
-    engine.add(100, [9, 10, 11], n=2)
+    add(engine, 100, [9, 10, 11], n=2)
     drain(engine, steps=MAX_NEW // 2)  # the first group is half way
-    engine.add(101, [9, 10, 12], n=2)
+    add(engine, 101, [9, 10, 12], n=2)
     early = []
     while not early:
         early = [t for t in engine.step() if t.group_id == 100]
         assert engine.in_flight or early
     assert engine.in_flight >= 2  # group 100 came back while group 101 is still generating
     drain(engine)
+
+
+def test_eval_prompts_and_groups_share_the_engine(setup):
+    """An eval prompt and a prompt group with the same number and prompt at once: each request gets its own n
+    trajectories back, as its own reply (an EvalTrajectory carries no logprobs or versions)."""
+    engine, _, _ = setup
+    engine.add(EvalRequest(400, np.array([9, 10, 11], np.int32), 3))
+    add(engine, 400, [9, 10, 11], n=2)
+    replies = drain(engine)
+    evals = [t for t in replies if isinstance(t, EvalTrajectory)]
+    trajs = [t for t in replies if isinstance(t, Trajectory)]
+    assert len(replies) == 5 and sorted((t.prompt_index, t.index) for t in evals) == [(400, i) for i in range(3)]
+    check_shape(trajs, 2)
+    for t in evals:
+        assert t.output_ids.dtype == np.int32 and 1 <= len(t.output_ids) <= MAX_NEW
+        assert t.finish_reason == "stop" or len(t.output_ids) == MAX_NEW
 
 
 def test_interrupt_switches_versions_and_weights(setup):
@@ -139,13 +169,13 @@ def test_interrupt_switches_versions_and_weights(setup):
     v0 = engine.version + 1
     load(engine, model_a, v0)
     for g in range(4):
-        engine.add(10 + g, [5 + g, 6, 7], n=4)
+        add(engine, 10 + g, [5 + g, 6, 7], n=4)
     done = drain(engine, steps=8)  # 8 tokens each, unless EOS came first
-    first = {key: a.output_ids for key, a in engine.partial().items()}
+    first = {(a.request.group_id, a.index): a.output_ids for a in engine.partial()}
     assert first and all(1 <= len(p) < MAX_NEW for p in first.values())
     assert load(engine, model_b, v0 + 1) > 0
     done += drain(engine, steps=5)
-    second = {key: a.output_ids for key, a in engine.partial().items()}
+    second = {(a.request.group_id, a.index): a.output_ids for a in engine.partial()}
     load(engine, model_a, v0 + 2)
     trajs = drain(engine)
     check_shape(done + trajs, 16)
@@ -156,8 +186,8 @@ def test_interrupt_switches_versions_and_weights(setup):
         assert list(t.output_ids[:k1]) == first[(t.group_id, t.index)]
         n = len(t.output_ids)
         assert list(t.versions) == [v0] * k1 + [v0 + 1] * (k2 - k1) + [v0 + 2] * (n - k2)  # switch exactly there
-        ref_a = hf_logprobs(model_a, t.prompt_ids, t.output_ids)
-        ref_b = hf_logprobs(model_b, t.prompt_ids, t.output_ids)
+        ref_a = hf_logprobs(model_a, prompt_of(t), t.output_ids)
+        ref_b = hf_logprobs(model_b, prompt_of(t), t.output_ids)
         np.testing.assert_allclose(t.behav_logprobs[:k1], ref_a[:k1], atol=TOL, rtol=0)
         np.testing.assert_allclose(t.behav_logprobs[k1:k2], ref_b[k1:k2], atol=TOL, rtol=0)
         np.testing.assert_allclose(t.behav_logprobs[k2:], ref_a[k2:], atol=TOL, rtol=0)
@@ -169,18 +199,18 @@ def test_loaded_weights_change_outputs(setup):
     engine, model_a, model_b = setup
     v = engine.version + 1
     load(engine, model_b, v)
-    engine.add(200, [20, 21, 22], n=8)
+    add(engine, 200, [20, 21, 22], n=8)
     under_b = drain(engine)
     load(engine, model_a, v + 1)
-    engine.add(201, [20, 21, 22], n=8)
+    add(engine, 201, [20, 21, 22], n=8)
     under_a = drain(engine)
     for trajs, model, other in ((under_b, model_b, model_a), (under_a, model_a, model_b)):
         gaps = []
         for t in trajs:
             np.testing.assert_allclose(
-                t.behav_logprobs, hf_logprobs(model, t.prompt_ids, t.output_ids), atol=TOL, rtol=0
+                t.behav_logprobs, hf_logprobs(model, prompt_of(t), t.output_ids), atol=TOL, rtol=0
             )
-            gaps.append(np.abs(t.behav_logprobs - hf_logprobs(other, t.prompt_ids, t.output_ids)).mean())
+            gaps.append(np.abs(t.behav_logprobs - hf_logprobs(other, prompt_of(t), t.output_ids)).mean())
         assert np.mean(gaps) > 0.5  # the other weights would have given clearly different logprobs
     # The perturbed weights are peakier: what the engine samples changes with them.
     mean_b = np.mean([t.behav_logprobs.mean() for t in under_b])
@@ -209,10 +239,10 @@ def test_update_loads_in_place(setup, monkeypatch):
     [(ptr_after, loaded)] = engine.engine.collective_rpc(embedding)
     assert not calls and ptr_after == ptr_before
     torch.testing.assert_close(loaded, model_b.model.embed_tokens.weight, rtol=0, atol=0)
-    engine.add(300, [30, 31, 32], n=8)
+    add(engine, 300, [30, 31, 32], n=8)
     for t in drain(engine):
         assert (t.versions == v).all()
-        np.testing.assert_allclose(t.behav_logprobs, hf_logprobs(model_b, t.prompt_ids, t.output_ids), atol=TOL, rtol=0)
+        np.testing.assert_allclose(t.behav_logprobs, hf_logprobs(model_b, prompt_of(t), t.output_ids), atol=TOL, rtol=0)
 
 
 def test_qwen3_loads_the_trainers_weights(tmp_path):
@@ -231,12 +261,12 @@ def test_qwen3_loads_the_trainers_weights(tmp_path):
         assert any(k.endswith("self_attn.q_norm.weight") for k, _ in named)
         engine.load_weights(named, 1)
         for group in range(2):
-            engine.add(group, [5 + group, 6, 7, 8], n=4)
+            add(engine, group, [5 + group, 6, 7, 8], n=4)
         trajs = drain(engine)
         check_shape(trajs, 8)
         for t in trajs:
             np.testing.assert_allclose(
-                t.behav_logprobs, hf_logprobs(model, t.prompt_ids, t.output_ids), atol=TOL, rtol=0
+                t.behav_logprobs, hf_logprobs(model, prompt_of(t), t.output_ids), atol=TOL, rtol=0
             )
     finally:
         engine.close()

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from areal_hpc.config import ModelConfig
 from areal_hpc.device import resolve_device
+from areal_hpc.protocol import GenerateRequest
 from areal_hpc.tiny import build_tiny_model
 from areal_hpc.weight_sync import GroupSpec, WeightReceiver, WeightSender
 
@@ -55,16 +56,17 @@ def test_tp2_workers_receive_and_load_their_shards(tmp_path):
             th.start()
             engine.update_weights(receiver, version)
             th.join(60)
-        engine.add(0, [5, 6, 7], n=4)
+        prompt = [5, 6, 7]
+        engine.add(GenerateRequest(0, np.array(prompt, np.int32), 4))
         trajs = []
         while engine.in_flight:
             trajs += engine.step()
         assert len(trajs) == 4
         for t in trajs:
             assert (t.versions == 2).all()
-            ids = torch.tensor([list(t.prompt_ids) + list(t.output_ids)])
+            ids = torch.tensor([prompt + list(t.output_ids)])
             with torch.no_grad():
-                logp = torch.log_softmax(model(ids).logits[0] / TEMPERATURE, -1)[len(t.prompt_ids) - 1 : -1]
+                logp = torch.log_softmax(model(ids).logits[0] / TEMPERATURE, -1)[len(prompt) - 1 : -1]
             ref = logp.gather(-1, torch.as_tensor(t.output_ids, dtype=torch.long)[:, None])[:, 0].numpy()
             np.testing.assert_allclose(t.behav_logprobs, ref, atol=1e-3, rtol=0)
     finally:

@@ -1,8 +1,8 @@
 """A generator rank under mpirun: `generator.worker.serve` with a real vLLM engine, driven by a
 scripted controller (world rank 0) and a stand-in trainer rank that sends new weights through the
-real weight-sync sender. Checked here: trajectories come back one by one, a WeightSync mid-way
-interrupts and resumes them under the broadcast weights, and every token's behaviour logprob
-matches transformers under the weights of its version.
+real weight-sync sender. Checked here: trajectories come back one by one (an eval prompt's as its
+own reply), a WeightSync mid-way interrupts and resumes them under the broadcast weights, and every
+token's behaviour logprob matches transformers under the weights of its version.
 """
 
 import pickle
@@ -21,9 +21,10 @@ MAX_NEW = 96
 
 
 def _logprobs(model, t) -> np.ndarray:
-    ids = torch.tensor([list(t.prompt_ids) + list(t.output_ids)], dtype=torch.long)
+    prompt = [5 + t.group_id, 6, 7]  # what tests/mpi/generator_world.py asks for group t.group_id
+    ids = torch.tensor([prompt + list(t.output_ids)], dtype=torch.long)
     with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits[0].float() / TEMPERATURE, -1)[len(t.prompt_ids) - 1 : -1]
+        logp = torch.log_softmax(model(ids).logits[0].float() / TEMPERATURE, -1)[len(prompt) - 1 : -1]
     return logp.gather(-1, torch.as_tensor(t.output_ids, dtype=torch.long)[:, None])[:, 0].numpy()
 
 
@@ -66,6 +67,7 @@ def test_generator_rank_serves_and_syncs(run_mpi, tmp_path):
 
     assert [(s.version, s.seconds > 0) for s in out["syncs"]] == [(1, True)]
     assert sorted((t.group_id, t.index) for t in out["first"]) == [(0, i) for i in range(4)]
+    assert sorted((t.prompt_index, t.index) for t in out["evals"]) == [(0, 0), (0, 1)], "an EvalRequest's replies"
     assert sorted((t.group_id, t.index) for t in out["rest"]) == [(g, i) for g in (1, 2) for i in range(4)]
     for t in out["first"]:
         assert (t.versions == 0).all()

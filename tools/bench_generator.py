@@ -38,12 +38,14 @@ SIZES = {  # name -> ModelConfig fields (head size 32 or 64: vLLM's CPU attentio
 
 def child(size: str, args) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import numpy as np
     import torch
     from vllm import LLM, EngineArgs, SamplingParams
 
     from areal_hpc.config import ModelConfig
     from areal_hpc.device import resolve_device
     from areal_hpc.generator.engine import GenerationEngine
+    from areal_hpc.protocol import GenerateRequest
     from areal_hpc.tiny import build_tiny_model
 
     m = ModelConfig(max_position_embeddings=1024, **SIZES[size])
@@ -81,7 +83,7 @@ def child(size: str, args) -> dict:
         def wrapped():
             t = time.perf_counter()
             for g, p in enumerate(prompts):
-                gen.add(g, p, args.n)
+                gen.add(GenerateRequest(g, np.asarray(p, np.int32), args.n))
             tokens = 0
             while gen.in_flight:
                 tokens += sum(len(tr.output_ids) for tr in gen.step())
@@ -108,7 +110,7 @@ def child(size: str, args) -> dict:
     pauses, updates = [], []
     for i in range(args.repeats):
         for g, p in enumerate(prompts):
-            gen.add(1000 * (i + 1) + g, p, args.n)
+            gen.add(GenerateRequest(1000 * (i + 1) + g, np.asarray(p, np.int32), args.n))
         for _ in range(4):
             gen.step()
         version = gen.version + 1
@@ -116,7 +118,7 @@ def child(size: str, args) -> dict:
         t0 = time.perf_counter()
         th.start()
         updates.append(gen.update_weights(receiver, version))
-        while not any(a.versions and a.versions[-1] == version for a in gen.partial().values()):
+        while not any(a.versions and a.versions[-1] == version for a in gen.partial()):
             gen.step()
         pauses.append(time.perf_counter() - t0)
         th.join()

@@ -1,8 +1,10 @@
 """One vLLM engine, interruptible: trajectories with behaviour logprobs and per-token policy versions.
 
-vLLM's `LLMEngine` (v1) is driven step by step: `add` queues the trajectories of a prompt group,
-`step` runs one continuous-batching iteration and returns the trajectories that finished in it (each
-goes back as soon as it finishes, never held for a batch), `update_weights` interrupts and reloads.
+vLLM's `LLMEngine` (v1) is driven step by step: `add` queues the trajectories a request asks for (a
+GenerateRequest: a prompt group to train on; an EvalRequest: an eval prompt), `step` runs one
+continuous-batching iteration and returns the trajectories that finished in it, each as the reply to
+its request (a Trajectory, an EvalTrajectory; each goes back as soon as it finishes, never held for a
+batch), `update_weights` interrupts and reloads.
 
 Behaviour logprobs (the convention the trainer matches): vLLM runs with
 `logprobs_mode="processed_logprobs"`, so the logprob of each sampled token y_t is taken from the
@@ -36,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from areal_hpc.arch import model_arch
-from areal_hpc.protocol import Trajectory
+from areal_hpc.protocol import EvalRequest, EvalTrajectory, GenerateRequest, Trajectory
 
 # In-process engine core: under mpirun a spawned engine process would fail in MPI init, and it starts
 # ~4x faster. Must be set before vLLM is imported (vLLM is only imported inside functions here).
@@ -187,10 +189,10 @@ def _has_tensors(module) -> bool:
 
 @dataclass
 class _InFlight:
-    """One trajectory of a group, across interruptions."""
+    """One trajectory a request asked for, across interruptions."""
 
-    group_id: int
-    index: int  # its place in the group, 0 .. n-1
+    request: GenerateRequest | EvalRequest
+    index: int  # its place among the request's n, 0 .. n-1
     prompt_ids: list[int]
     output_ids: list[int] = field(default_factory=list)
     behav_logprobs: list[float] = field(default_factory=list)
@@ -199,11 +201,14 @@ class _InFlight:
 
     @property
     def request_id(self) -> str:
-        return f"{self.group_id}.{self.index}.{self.attempt}"
+        """vLLM's id of the current attempt: unique among everything in flight, eval prompts included."""
+        r = self.request
+        name = f"eval{r.prompt_index}" if isinstance(r, EvalRequest) else f"group{r.group_id}"
+        return f"{name}.{self.index}.{self.attempt}"
 
 
 class GenerationEngine:
-    """A vLLM engine serving prompt groups, interruptible for weight updates.
+    """A vLLM engine serving prompt groups and eval prompts, interruptible for weight updates.
 
     `engine` is a vLLM v1 `LLMEngine` built with `engine_args(...)` (or `GenerationEngine.create`).
     """
@@ -278,14 +283,14 @@ class GenerationEngine:
         self.engine.engine_core.shutdown()
 
     # --- serving ---
-    def add(self, group_id: int, prompt_ids, n: int) -> None:
-        """Queue `n` trajectories to one prompt (a GRPO group)."""
-        prompt = [int(t) for t in prompt_ids]
-        for i in range(n):
-            self._submit(_InFlight(group_id, i, prompt))
+    def add(self, request: GenerateRequest | EvalRequest) -> None:
+        """Queue the request's `n` trajectories to its prompt (a GRPO group, or an eval prompt)."""
+        prompt = [int(t) for t in request.prompt_ids]
+        for i in range(request.n):
+            self._submit(_InFlight(request, i, prompt))
 
-    def step(self) -> list[Trajectory]:
-        """One engine iteration; returns the trajectories that finished in it."""
+    def step(self) -> list[Trajectory | EvalTrajectory]:
+        """One engine iteration; returns the trajectories that finished in it, each its request's reply."""
         finished = []
         for out in self.engine.step():
             traj = self._running.pop(out.request_id, None)
@@ -295,7 +300,7 @@ class GenerationEngine:
             # FINAL_ONLY: the whole attempt at once; flat logprobs with logprobs=0 hold exactly the
             # sampled token's logprob at each position. An attempt never spans a weight update.
             _extend(traj, completion.token_ids, completion.logprobs.logprobs, self.version)
-            finished.append(_trajectory(traj, completion.finish_reason))
+            finished.append(_reply(traj, completion.finish_reason))
         return finished
 
     @property
@@ -303,9 +308,9 @@ class GenerationEngine:
         """Trajectories queued or being generated."""
         return len(self._running)
 
-    def partial(self) -> dict[tuple[int, int], _InFlight]:
-        """(group_id, index) -> a copy of each in-flight trajectory with everything it produced so far."""
-        out = {}
+    def partial(self) -> list[_InFlight]:
+        """A copy of each in-flight trajectory with everything it produced so far (`request`, `index`: which)."""
+        out = []
         for request_id, traj in self._running.items():
             copy = dataclasses.replace(
                 traj,
@@ -314,7 +319,7 @@ class GenerationEngine:
                 versions=list(traj.versions),
             )
             _extend(copy, *self._attempt_output(request_id), self.version)
-            out[(traj.group_id, traj.index)] = copy
+            out.append(copy)
         return out
 
     def interrupt(self) -> list[_InFlight]:
@@ -390,15 +395,19 @@ def _extend(traj: _InFlight, token_ids, logprobs, version: int) -> None:
     traj.versions += [version] * len(token_ids)
 
 
-def _trajectory(traj: _InFlight, finish_reason: str | None) -> Trajectory:
+def _reply(traj: _InFlight, finish_reason: str | None) -> Trajectory | EvalTrajectory:
+    """A finished trajectory as its request's reply: an eval prompt's needs no logprobs or versions."""
+    output_ids = np.asarray(traj.output_ids, dtype=np.int32)
+    reason = "stop" if finish_reason == "stop" else "length"
+    if isinstance(traj.request, EvalRequest):
+        return EvalTrajectory(traj.request.prompt_index, traj.index, output_ids, reason)
     return Trajectory(
-        group_id=traj.group_id,
+        group_id=traj.request.group_id,
         index=traj.index,
-        prompt_ids=np.asarray(traj.prompt_ids, dtype=np.int32),
-        output_ids=np.asarray(traj.output_ids, dtype=np.int32),
+        output_ids=output_ids,
         behav_logprobs=np.asarray(traj.behav_logprobs, dtype=np.float32),
         versions=np.asarray(traj.versions, dtype=np.int32),
-        finish_reason="stop" if finish_reason == "stop" else "length",
+        finish_reason=reason,
     )
 
 

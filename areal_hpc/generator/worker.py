@@ -3,9 +3,11 @@
 ```
  loop:  poll the controller (never blocks)
           GenerateRequest(group_id, prompt_ids, n) -> queue n trajectories
+          EvalRequest(prompt_index, prompt_ids, n) -> the same, for an eval prompt
           WeightSync(version) -> interrupt, receive + load the broadcast, resume -> SyncDone(version, s)
           Stop                -> flush, exit
-        step the engine if anything is in flight -> a Trajectory message for each that finished
+        step the engine if anything is in flight -> for each trajectory that finished, its request's reply
+                                                    (Trajectory; EvalTrajectory to an EvalRequest)
 ```
 
 Messages are handled in arrival order, so a request sent before a WeightSync is queued before the
@@ -28,7 +30,7 @@ def serve(ctx, sync) -> None:
     # Before vLLM is imported: keep the engine in this process (a spawned engine fails in MPI init).
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from areal_hpc.generator.engine import GenerationEngine
-    from areal_hpc.protocol import Failure, GenerateRequest, Mailbox, Stop, SyncDone, WeightSync
+    from areal_hpc.protocol import EvalRequest, Failure, GenerateRequest, Mailbox, Stop, SyncDone, WeightSync
     from areal_hpc.runtime import CONTROLLER_RANK
 
     mailbox = Mailbox(ctx.world)
@@ -37,8 +39,8 @@ def serve(ctx, sync) -> None:
         while True:
             for envelope in mailbox.poll(source=CONTROLLER_RANK):
                 msg = envelope.msg
-                if isinstance(msg, GenerateRequest):
-                    engine.add(msg.group_id, msg.prompt_ids, msg.n)
+                if isinstance(msg, GenerateRequest | EvalRequest):
+                    engine.add(msg)
                 elif isinstance(msg, WeightSync):
                     seconds = engine.update_weights(sync, msg.version)
                     mailbox.send(CONTROLLER_RANK, SyncDone(msg.version, seconds))
@@ -49,8 +51,8 @@ def serve(ctx, sync) -> None:
                 else:
                     raise RuntimeError(f"generator got an unexpected {type(msg).__name__} from the controller")
             if engine.in_flight:
-                for trajectory in engine.step():
-                    mailbox.send(CONTROLLER_RANK, trajectory)
+                for reply in engine.step():
+                    mailbox.send(CONTROLLER_RANK, reply)
             else:
                 time.sleep(IDLE_S)
     except Exception:

@@ -5,7 +5,7 @@ in parallel.
  loop (never blocks for long):
    mailbox.poll(controller)  RewardRequest -> decode (the run's tokenizer) -> pool queue
                              Stop -> answer what is left, flush, return
-   pool.poll(few ms)         (traj_id, reward, reason) -> RewardResult to the controller, as each finishes
+   pool.poll(few ms)         (request_id, reward, reason) -> RewardResult to the controller, as each finishes
 ```
 
 Every request is answered exactly once: a call over `reward.timeout_s` scores 0 with reason
@@ -48,7 +48,7 @@ def serve(ctx) -> int:
 
     pool = ScorerPool(pool_size(cfg.processes), timeout_s=cfg.timeout_s)
     log.info("reward worker: %d scorer processes, time limit %.1f s per call", len(pool.pids), cfg.timeout_s)
-    pending: dict[int, int] = {}  # pool key -> traj_id (the key is unique even if a traj_id repeats)
+    pending: dict[int, int] = {}  # pool key -> request_id (the key is unique even if a request_id repeats)
     next_key, answered, reported_broken = 0, 0, False
     started = time.monotonic()
 
@@ -64,7 +64,7 @@ def serve(ctx) -> int:
             for env in box.poll(source=CONTROLLER_RANK):
                 msg = env.msg
                 if isinstance(msg, RewardRequest):
-                    pending[next_key] = msg.traj_id
+                    pending[next_key] = msg.request_id
                     pool.submit(next_key, msg.kind, response_text(tokenizer, msg.output_ids), msg.target)
                     next_key += 1
                 elif isinstance(msg, Stop):

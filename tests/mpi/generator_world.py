@@ -17,7 +17,16 @@ from mpi4py import MPI
 
 from areal_hpc.config import load_config
 from areal_hpc.layout import Layout, Role
-from areal_hpc.protocol import Failure, GenerateRequest, Mailbox, Stop, Trajectory, WeightSync
+from areal_hpc.protocol import (
+    EvalRequest,
+    EvalTrajectory,
+    Failure,
+    GenerateRequest,
+    Mailbox,
+    Stop,
+    Trajectory,
+    WeightSync,
+)
 from areal_hpc.runtime import RankContext
 from areal_hpc.weight_sync import setup_weight_sync
 
@@ -29,14 +38,14 @@ role, gen, trainer = layout.role_of(world.Get_rank()), layout.ranks(Role.GENERAT
 mb = Mailbox(world)
 
 
-def expect(n_traj, done=False):
-    trajs, syncs = [], []
-    while len(trajs) < n_traj or (done and not syncs):
+def expect(n_traj, n_eval=0, done=False):
+    trajs, evals, syncs = [], [], []
+    while len(trajs) < n_traj or len(evals) < n_eval or (done and not syncs):
         msg = mb.recv(timeout_s=240).msg
         if isinstance(msg, Failure):
             raise RuntimeError(msg.error)
-        (trajs if isinstance(msg, Trajectory) else syncs).append(msg)
-    return trajs, syncs
+        {Trajectory: trajs, EvalTrajectory: evals}.get(type(msg), syncs).append(msg)
+    return trajs, evals, syncs
 
 
 if role == Role.GENERATOR:
@@ -49,17 +58,18 @@ elif role == Role.TRAINER:
         assert isinstance(msg, WeightSync)
         sync.send(sorted(state.items()), bucket_bytes=32_000)
 elif role == Role.CONTROLLER:
-    mb.send(gen, GenerateRequest(0, np.array([5, 6, 7], np.int32), 4))
-    first, _ = expect(4)  # the engine is up and serving
+    mb.send(gen, GenerateRequest(0, np.array([5, 6, 7], np.int32), 4))  # group g's prompt: [5 + g, 6, 7]
+    mb.send(gen, EvalRequest(0, np.array([5, 6, 7], np.int32), 2))  # eval prompt 0: the same prompt, 2 more
+    first, evals, _ = expect(4, n_eval=2)  # the engine is up and serving
     for g in (1, 2):
         mb.send(gen, GenerateRequest(g, np.array([5 + g, 6, 7], np.int32), 4))
     time.sleep(0.05)
     mb.send(trainer, WeightSync(1))
     mb.send(gen, WeightSync(1))
-    rest, syncs = expect(8, done=True)
+    rest, _, syncs = expect(8, done=True)
     for r in (gen, trainer):
         mb.send(r, Stop("done"))
     mb.flush()
     with open(os.environ["OUT"], "wb") as f:
-        pickle.dump({"first": first, "rest": rest, "syncs": syncs}, f)
+        pickle.dump({"first": first, "evals": evals, "rest": rest, "syncs": syncs}, f)
 world.Barrier()

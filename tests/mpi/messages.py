@@ -18,8 +18,7 @@ if comm.rank == 1:
             Trajectory(
                 group_id=i,
                 index=i % 3,
-                prompt_ids=np.arange(i + 1, dtype=np.int32),
-                output_ids=np.full(2 * i, 7, np.int32),
+                output_ids=np.arange(2 * i, dtype=np.int32),
                 behav_logprobs=np.linspace(-1, 0, 2 * i, dtype=np.float32),
                 versions=np.full(2 * i, i, np.int32),
                 finish_reason="stop",
@@ -36,8 +35,8 @@ else:
         got.append(env.msg)
     assert [t.group_id for t in got] == list(range(50)), "in order"
     for i, t in enumerate(got):
-        assert t.prompt_ids.dtype == np.int32 and (t.prompt_ids == np.arange(i + 1)).all()
-        assert t.output_ids.shape == (2 * i,) and (t.versions == i).all()
+        assert t.output_ids.dtype == np.int32 and (t.output_ids == np.arange(2 * i)).all()
+        assert t.versions.shape == (2 * i,) and (t.versions == i).all()
         assert np.allclose(t.behav_logprobs, np.linspace(-1, 0, 2 * i))
         assert t.finish_reason == "stop" and t.index == i % 3
     print("OK", len(got))

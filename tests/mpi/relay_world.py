@@ -21,15 +21,7 @@ if world.rank == 0:  # the controller: rank 1 is the replica's first rank
     for i in range(3):
         box.send(
             1,
-            Trajectory(
-                i,
-                0,
-                np.arange(5, dtype=np.int32),
-                np.full(n, i, np.int32),
-                np.zeros(n, np.float32),
-                np.full(n, i, np.int32),
-                "stop",
-            ),
+            Trajectory(i, 0, np.full(n, i, np.int32), np.zeros(n, np.float32), np.full(n, i, np.int32), "stop"),
         )
     box.send(1, Stop("done"))
     box.flush()

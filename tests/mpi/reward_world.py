@@ -66,17 +66,17 @@ def main():
     box = Mailbox(world)
     worker = world.recv(source=1)
 
-    def request(traj_id, kind, response, target):
+    def request(request_id, kind, response, target):
         ids = np.array(tok(response, add_special_tokens=False)["input_ids"] + [tok.eos_token_id], np.int32)
-        return RewardRequest(traj_id, kind, ids, target)
+        return RewardRequest(request_id, kind, ids, target)
 
     def collect(ids, timeout_s=60):
         got = {}
         while set(got) != set(ids):
             msg = box.recv(source=1, timeout_s=timeout_s).msg
             assert isinstance(msg, RewardResult), msg
-            assert msg.traj_id in ids and msg.traj_id not in got, f"unexpected or repeated {msg.traj_id}"
-            got[msg.traj_id] = (msg.reward, msg.reason)
+            assert msg.request_id in ids and msg.request_id not in got, f"unexpected or repeated {msg.request_id}"
+            got[msg.request_id] = (msg.reward, msg.reason)
         return got
 
     # 1. A scorer process crashes mid-request (killed from outside): answered with the cause.
@@ -107,14 +107,14 @@ def main():
     for i in range(10, 50):
         want[i] = ("math", f"\\boxed{{{i}}}", str(i), (1.0, "ok"))
     started = time.monotonic()
-    for traj_id, (kind, response, target, _) in want.items():
-        box.send(1, request(traj_id, kind, response, target))
+    for request_id, (kind, response, target, _) in want.items():
+        box.send(1, request(request_id, kind, response, target))
     got = collect(set(want))
-    for traj_id, (*_, expected) in want.items():
+    for request_id, (*_, expected) in want.items():
         if expected is None:
-            assert got[traj_id][0] == 0.0 and got[traj_id][1].startswith("error: "), got[traj_id]
+            assert got[request_id][0] == 0.0 and got[request_id][1].startswith("error: "), got[request_id]
         else:
-            assert got[traj_id] == expected, (traj_id, got[traj_id], expected)
+            assert got[request_id] == expected, (request_id, got[request_id], expected)
     print(f"BATCH {len(want)} requests answered in {time.monotonic() - started:.2f} s", flush=True)
 
     # 3. Stop with a request still running: it is answered (cancelled) before the worker returns.

@@ -10,169 +10,20 @@
  -> a table on the terminal and a JSON report
 ```
 
-A trajectory is correct when its reward is 1 (math: the boxed answer equals the reference; code: every
-test passes). The same bookkeeping (`EvalRound`) serves the evaluation between training steps, where
-the controller sends the prompts to the generators and the trajectories to the reward workers.
+The bookkeeping (`EvalRound`) is the package's, shared with the evaluation between training steps
+(areal_hpc.eval.training); the requests to the engine are the generator's EvalRequests.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from areal_hpc.config import Config, ConfigError, load_config
-from areal_hpc.data import Example, eval_path, load_prompts
-
-log = logging.getLogger(__name__)
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n trajectories of which c are correct (Chen et al. 2021, "Evaluating Large
-    Language Models Trained on Code", eq. 1 and its numerically stable product form):
-
-        pass@k = 1 - C(n - c, k) / C(n, k) = 1 - prod_{i = n - c + 1}^{n} (1 - k / i)
-    """
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n (got n={n}, c={c}, k={k})")
-    if n - c < k:
-        return 1.0
-    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
-
-
-def ks(samples: int) -> list[int]:
-    """k = 1, 2, 4, ... up to K, and K itself."""
-    out = [1 << i for i in range(int(math.log2(samples)) + 1)]
-    return out if out[-1] == samples else [*out, samples]
-
-
-@dataclass
-class EvalRound:
-    """K trajectories to each of a list of prompts, scored; what they add up to (`report`)."""
-
-    examples: list[Example]
-    samples: int
-    rewards: list[list[float | None]] = field(init=False)
-    lengths: list[list[int | None]] = field(init=False)
-    """Tokens of each trajectory (None until it has come back: a trajectory may have none)."""
-    truncated: int = 0
-    errors: int = 0
-    """Trajectories scored 0 for a reward timeout or error."""
-
-    def __post_init__(self):
-        self.rewards = [[None] * self.samples for _ in self.examples]
-        self.lengths = [[None] * self.samples for _ in self.examples]
-
-    def arrived(self, prompt: int, index: int, length: int, truncated: bool) -> None:
-        self.lengths[prompt][index] = length
-        self.truncated += truncated
-
-    def scored(self, prompt: int, index: int, reward: float, reason: str = "ok") -> None:
-        self.rewards[prompt][index] = float(reward)
-        self.errors += reason != "ok"
-
-    def generated(self, prompt: int) -> bool:
-        """Every trajectory to the prompt has come back from the generator."""
-        return all(n is not None for n in self.lengths[prompt])
-
-    @property
-    def done(self) -> bool:
-        return all(r is not None for rs in self.rewards for r in rs)
-
-    def report(self) -> dict:
-        """pass@k, mean reward and trajectory lengths; `per_prompt` has each prompt's correct count."""
-        n = self.samples
-        correct = [sum(r >= 1.0 for r in rs) for rs in self.rewards]
-        lengths = np.array(self.lengths, np.float64).ravel()
-        return {
-            "prompts": len(self.examples),
-            "samples": n,
-            "pass@k": {str(k): float(np.mean([pass_at_k(n, c, k) for c in correct])) for k in ks(n)},
-            "reward_mean": float(np.mean([r for rs in self.rewards for r in rs])),
-            "trajectory_tokens": {
-                "mean": float(lengths.mean()),
-                "median": float(np.median(lengths)),
-                "p90": float(np.percentile(lengths, 90)),
-                "max": int(lengths.max()),
-            },
-            "truncated_frac": self.truncated / (len(self.examples) * n),
-            "reward_errors": self.errors,
-            "per_prompt": [
-                {"where": e.where, "prompt": e.prompt, "correct": c, "tokens": self.lengths[i]}
-                for i, (e, c) in enumerate(zip(self.examples, correct))
-            ],
-        }
-
-
-class TrainingEval:
-    """Evaluation between training steps (`eval.every_steps`), on the run's own generators and reward
-    workers: before the first step and after every `every_steps` steps, the eval prompts go to the
-    generators (right after the WeightSync of that version, which they handle first), K trajectories each.
-
-    They are not training data: their group ids are negative (-1 - prompt index), so their trajectories
-    and rewards come back here, never to the buffer; the staleness gate never counts them. A round
-    still running when the next one is due is left to finish (the next one is skipped). Its figures
-    (`eval/pass@1`, `eval/pass@k`, `eval/reward_mean`, `eval/trajectory_tokens`, and `eval/version`, the
-    version it started on: trajectories in flight across a weight update finish on the newer weights) go
-    into the metrics row of the next step that ends.
-    """
-
-    def __init__(self, ctl, examples: list[Example], samples: int, every_steps: int):
-        self.ctl, self.examples, self.samples, self.every_steps = ctl, examples, samples, every_steps
-        self.round: EvalRound | None = None
-        self.version = 0
-        self.metrics: dict = {}
-
-    @classmethod
-    def from_config(cls, ctl) -> TrainingEval:
-        """`ctl` is the controller: its tokenizer, config, and `send_generate`, `generator_done`, `send_reward`."""
-        e = ctl.cfg.eval
-        examples = load_prompts(ctl.cfg, ctl.tokenizer, eval_path(ctl.cfg), "eval.data") if e.every_steps else []
-        return cls(ctl, examples, e.samples, e.every_steps)
-
-    def maybe_start(self, version: int) -> None:
-        if not self.every_steps or version % self.every_steps:
-            return
-        if self.round is not None:
-            log.warning("evaluation of version %d still running: none of version %d", self.version, version)
-            return
-        self.round, self.version = EvalRound(self.examples, self.samples), version
-        for i, e in enumerate(self.examples):
-            self.ctl.send_generate(-1 - i, e.prompt_ids, self.samples)
-
-    def on_trajectory(self, src: int, traj) -> None:
-        i = -1 - traj.group_id
-        self.round.arrived(i, traj.index, len(traj.output_ids), traj.finish_reason == "length")
-        if self.round.generated(i):
-            self.ctl.generator_done(src, traj.group_id)
-        traj_id = -1 - (i * self.samples + traj.index)
-        self.ctl.send_reward(traj_id, traj.group_id, traj.index, traj.output_ids, self.examples[i].target)
-
-    def on_reward(self, group_id: int, index: int, reward: float, reason: str) -> None:
-        self.round.scored(-1 - group_id, index, reward, reason)
-        if not self.round.done:
-            return
-        report = self.round.report()
-        self.round = None
-        self.metrics = {f"eval/pass@{k}": v for k, v in report["pass@k"].items()}
-        self.metrics.update(
-            {
-                "eval/reward_mean": report["reward_mean"],
-                "eval/trajectory_tokens": report["trajectory_tokens"]["mean"],
-                "eval/version": self.version,
-            }
-        )
-        log.info("evaluation of version %d: %s", self.version, self.metrics)
-
-    def take_metrics(self) -> dict:
-        """The latest finished round's figures, once."""
-        out, self.metrics = self.metrics, {}
-        return out
+from areal_hpc.data import eval_path, load_prompts
+from areal_hpc.eval import EvalRound
+from areal_hpc.protocol import EvalRequest
 
 
 def table(report: dict) -> str:
@@ -270,12 +121,12 @@ def evaluate(cfg: Config, model_dir: Path, data: str | Path, samples: int, engin
     total, generated, started, shown = len(examples) * samples, 0, time.monotonic(), time.monotonic()
     try:
         for i, e in enumerate(examples):
-            engine.add(i, e.prompt_ids, samples)
+            engine.add(EvalRequest(i, e.prompt_ids, samples))
         while engine.in_flight or pool.pending:
             for t in engine.step() if engine.in_flight else []:
-                round_.arrived(t.group_id, t.index, len(t.output_ids), t.finish_reason == "length")
+                round_.arrived(t.prompt_index, t.index, len(t.output_ids), t.finish_reason == "length")
                 text = response_text(tokenizer, t.output_ids)
-                pool.submit((t.group_id, t.index), cfg.reward.kind, text, examples[t.group_id].target)
+                pool.submit((t.prompt_index, t.index), cfg.reward.kind, text, examples[t.prompt_index].target)
                 generated += 1
             for (i, j), reward, reason in pool.poll(0 if engine.in_flight else 0.01):
                 round_.scored(i, j, reward, reason)

@@ -1,0 +1,66 @@
+"""The metrics row of each training step (areal_hpc.metrics names them), and the clocks behind its timings.
+
+A step's time runs from the end of the previous one; the first step's from the first trajectory, not from
+the start of the engines (minutes on a large model, and no step's doing). The idle clocks are marked by
+the controller's parts (the generators' by the dispatch, the trainers' by `Trainers`) and read here.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from areal_hpc.batch import BatchInfo
+from areal_hpc.checkpoints import drop_rows_after
+from areal_hpc.metrics import IdleClock, MetricsWriter
+from areal_hpc.rundir import checkpoint_version
+
+
+class StepMetrics:
+    def __init__(self, run_dir: str | Path, tensorboard: bool, resume_from: Path | None, generators: int):
+        if resume_from is not None:  # steps after the checkpoint run again: their old lines go
+            drop_rows_after(Path(run_dir) / "metrics.jsonl", checkpoint_version(resume_from))
+        self.writer = MetricsWriter(run_dir, tensorboard)
+        self.gen_idle = IdleClock(generators)
+        self.train_idle = IdleClock(1)
+        self.reward_errors = 0
+        """Training trajectories scored 0 for a reward timeout or error since the last row."""
+        self._step_start = time.monotonic()
+        self._generating = False
+
+    def generating(self) -> None:
+        """A trajectory to train on came back: the first one starts the first step's clock."""
+        if self._generating:
+            return
+        self._generating = True
+        self._step_start = time.monotonic()
+        self.gen_idle.take_fraction()
+        self.train_idle.take_fraction()
+
+    def write(
+        self, version: int, info: BatchInfo, stats: dict, *, rollouts: dict, sync_s: float, save_s: float, evals: dict
+    ) -> None:
+        """The row of the step that made `version`: `info` of its data, the trainer's `stats`, the
+        rollouts' and the evaluation's figures since the last row, the latest weight sync's and the
+        trainers' time in saves."""
+        now = time.monotonic()
+        step_s, self._step_start = now - self._step_start, now
+        row = {
+            "reward/mean": info.reward_mean,
+            **rollouts,  # staleness/max, staleness/dropped, rollout/filtered
+            "reward/errors": self.reward_errors,
+            "rollout/truncated": info.truncated,
+            "throughput/effective_tokens_per_s": info.response_tokens / max(step_s, 1e-9),
+            "timing/step_s": step_s,
+            "timing/weight_sync_s": sync_s,
+            "timing/gen_idle_frac": self.gen_idle.take_fraction(),
+            "timing/train_idle_frac": self.train_idle.take_fraction(),
+            "timing/save_s": save_s,
+            **{k: float(v) for k, v in stats.items()},
+            **evals,
+        }
+        self.reward_errors = 0
+        self.writer.write(version, row)
+
+    def close(self) -> None:
+        self.writer.close()
