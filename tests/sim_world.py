@@ -88,7 +88,9 @@ class World:
         elif isinstance(msg, WeightSync):
             if dest in self.gen_version:
                 self.gen_version[dest] = msg.version
-                self.later.append((1, Envelope(dest, SyncDone(msg.version, 0.01))))
+                # the first generator loads slowest: 0.01 s x the generators from it on
+                seconds = 0.01 * (len(self.gen_version) - list(self.gen_version).index(dest))
+                self.later.append((1, Envelope(dest, SyncDone(msg.version, seconds))))
         elif isinstance(msg, RewardRequest):
             response = response_text(self.tok, msg.output_ids)  # as the reward worker decodes
             a, b = msg.target, response.removeprefix(BOXED).removesuffix("}")

@@ -44,6 +44,7 @@ class Trainers:
         self.started = 0.0
         self.last_step_s = 0.0
         self.syncing: dict[int, set[int]] = {}  # version -> generators not done loading it
+        self.sync_s: dict[int, float] = {}  # version -> the slowest load reported so far
         self.last_sync_s = 0.0
 
     @property
@@ -94,12 +95,16 @@ class Trainers:
             self.liveness.expect(g, time.monotonic(), f"{SYNC} of version {version}")
 
     def synced(self, src: int, msg: SyncDone) -> None:
-        self.syncing[msg.version].discard(src)
+        """Generator `src` runs version `msg.version`; once every generator does, that sync's slowest load is
+        `last_sync_s` (timing/weight_sync_s)."""
+        waiting = self.syncing[msg.version]
+        waiting.discard(src)
         self.timeline.mark("sync_done", rank=src, version=msg.version, seconds=msg.seconds)
         self.liveness.done(src)
-        self.last_sync_s = max(self.last_sync_s if self.syncing[msg.version] else 0.0, msg.seconds)
-        if not self.syncing[msg.version]:
+        self.sync_s[msg.version] = max(self.sync_s.get(msg.version, 0.0), msg.seconds)
+        if not waiting:
             del self.syncing[msg.version]
+            self.last_sync_s = self.sync_s.pop(msg.version)
 
     def save(self, version: int, path) -> None:
         """Every trainer rank saves version `version` to `path` (each answers Saved)."""
