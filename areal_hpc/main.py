@@ -43,10 +43,11 @@ import traceback
 from pathlib import Path
 from typing import NamedTuple
 
+from areal_hpc.checkpoint.files import latest_checkpoint
 from areal_hpc.config import load_config
 from areal_hpc.device import resolve_device, visible_gpus
 from areal_hpc.layout import Cores, Layout, Role
-from areal_hpc.rundir import latest_checkpoint, log_path
+from areal_hpc.rundir import log_path
 
 EXIT_BARRIER_S = 60.0
 """How long a rank that finished waits for the others before leaving anyway."""

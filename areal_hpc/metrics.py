@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -69,6 +70,19 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     """The rows of a run's metrics.jsonl in step order (a torn line skipped)."""
     rows = [row for *_, row in read_jsonl(Path(run_dir) / "metrics.jsonl", torn_ok=True)]
     return sorted(rows, key=lambda r: r["step"])
+
+
+def drop_rows_after(path: Path, version: int) -> None:
+    """Cut metrics.jsonl after the line of step `version` (in place: writers append to the same file): a resumed
+    run trains the steps after its checkpoint again and writes their lines anew."""
+    if not path.exists():
+        return
+    offset = 0  # the end of the last row kept: a torn last line goes too
+    for _, end, row in read_jsonl(path, torn_ok=True):
+        if not isinstance(row, dict) or row.get("step", version + 1) > version:
+            break  # a later step, or a row that is not one: cut here
+        offset = end
+    os.truncate(path, offset)
 
 
 def _plain(v):

@@ -30,13 +30,14 @@ import uuid
 from pathlib import Path
 
 from areal_hpc import planner
+from areal_hpc.checkpoint.files import latest_checkpoint
 from areal_hpc.config import Config
 from areal_hpc.device import visible_gpus
 from areal_hpc.exit_codes import EXIT_STOPPED
 from areal_hpc.jsonl import read_jsonl
 from areal_hpc.layout import Layout, Role
 from areal_hpc.metrics import progress_line
-from areal_hpc.rundir import STOP_FILE, Holder, latest_checkpoint, lock_run_dir, prepare_run_dir, unlock_run_dir
+from areal_hpc.rundir import STOP_FILE, Holder, lock_run_dir, prepare_run_dir, unlock_run_dir
 from launch.record import job_active
 
 TOKEN_ENV = "AREAL_RUN_TOKEN"

@@ -10,6 +10,7 @@ from collections import deque
 
 import numpy as np
 
+from areal_hpc.checkpoint.files import latest_checkpoint
 from areal_hpc.config import load_config
 from areal_hpc.controller import Controller
 from areal_hpc.data import Example
@@ -31,7 +32,7 @@ from areal_hpc.protocol import (
     WeightSync,
 )
 from areal_hpc.reward import response_text
-from areal_hpc.rundir import latest_checkpoint, prepare_run_dir
+from areal_hpc.rundir import prepare_run_dir
 from areal_hpc.runtime import RankContext
 from areal_hpc.tiny import BOXED, build_tokenizer
 

@@ -15,6 +15,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from areal_hpc.checkpoint.files import latest_checkpoint, record_files
 from areal_hpc.config import load_config
 from areal_hpc.controller import Controller
 from areal_hpc.data import Example
@@ -24,7 +25,6 @@ from areal_hpc.liveness import RankFailure
 from areal_hpc.metrics import REQUIRED
 from areal_hpc.protocol import Trajectory
 from areal_hpc.rollouts import Group
-from areal_hpc.rundir import latest_checkpoint, record_files
 from areal_hpc.runtime import RankContext
 from areal_hpc.tiny import build_tokenizer
 from tests.sim_world import Prompts, World, make, metrics, run

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from areal_hpc.checkpoint.files import checkpoint_version, latest_checkpoint
 from areal_hpc.metrics import REQUIRED
-from areal_hpc.rundir import checkpoint_version, latest_checkpoint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.mpi, pytest.mark.vllm, pytest.mark.megatron, pytest.mark.slow]
 

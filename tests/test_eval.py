@@ -64,7 +64,8 @@ def test_round_report():
 
 
 def test_what_a_target_names(tmp_path):
-    from areal_hpc.rundir import mark_complete, prepare_run_dir
+    from areal_hpc.checkpoint.files import mark_complete
+    from areal_hpc.rundir import prepare_run_dir
     from areal_hpc.tiny import build_tiny_model
 
     model = build_tiny_model(load_config().model, tmp_path, seed=1)

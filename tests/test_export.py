@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from areal_hpc.arch import model_arch
+from areal_hpc.checkpoint.files import checkpoint_dir, mark_complete
 from areal_hpc.config import ModelConfig, PPOConfig
-from areal_hpc.rundir import checkpoint_dir, mark_complete
 from areal_hpc.testing.compare import export_problems, logits_problems, max_diff, pick
 from areal_hpc.testing.inputs import QWEN3, probe_sequences
 from areal_hpc.testing.trainer_runs import hf_logits, train_and_save_rank

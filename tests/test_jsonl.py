@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from areal_hpc.checkpoints import drop_rows_after
 from areal_hpc.jsonl import JSONLError, read_jsonl
+from areal_hpc.metrics import drop_rows_after
 from launch.local import _Tail
 
 

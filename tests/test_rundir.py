@@ -1,5 +1,6 @@
-"""The run directory (areal_hpc/rundir.py): the config check on resume, the lock, and checkpoints that can
-be trusted (the file record, the resume-time check, retention). Files and processes only; no MPI."""
+"""The run directory (areal_hpc/rundir.py) and its checkpoints (areal_hpc/checkpoint/files.py): the config
+check on resume, the lock, and checkpoints that can be trusted (the file record, the resume-time check,
+retention). Files and processes only; no MPI."""
 
 import json
 import logging
@@ -11,24 +12,19 @@ from pathlib import Path
 
 import pytest
 
-from areal_hpc.cli import main as cli_main
-from areal_hpc.config import ConfigError, load_config
-from areal_hpc.rundir import (
+from areal_hpc.checkpoint.files import (
     COMPLETE,
     FILES,
-    Holder,
-    RunDirInUse,
     checkpoint_damage,
     checkpoint_dir,
     latest_checkpoint,
-    lock_run_dir,
     mark_complete,
-    prepare_run_dir,
     prune_checkpoints,
-    read_lock,
     record_files,
-    unlock_run_dir,
 )
+from areal_hpc.cli import main as cli_main
+from areal_hpc.config import ConfigError, load_config
+from areal_hpc.rundir import Holder, RunDirInUse, lock_run_dir, prepare_run_dir, read_lock, unlock_run_dir
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "configs" / "tiny-cpu.yaml"

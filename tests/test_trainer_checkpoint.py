@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from areal_hpc.checkpoint import trainer as trainer_checkpoint
 from areal_hpc.config import PPOConfig
 from areal_hpc.testing.compare import max_diff, pick, resume_problems
 from areal_hpc.testing.inputs import MODEL
 from areal_hpc.testing.trainer_runs import load_rank, nonfinite_rank, resume_rank, save_rank
 from areal_hpc.tiny import build_tiny_model
-from areal_hpc.trainer import checkpoint
 from areal_hpc.trainer.spawn import run_ranks
 
 pytestmark = pytest.mark.megatron
@@ -43,7 +43,7 @@ def test_resume_equals_uninterrupted(model_dir, tmp_path, tp, pp, dp, dtype):
     # the steps after it are the uninterrupted run's to float tolerance
     assert resume_problems(results, tol=1e-7) == []
     assert not (step_dir / ".trainer.partial").exists()
-    assert checkpoint.manifest(step_dir / "trainer")["tp"] == tp
+    assert trainer_checkpoint.manifest(step_dir / "trainer")["tp"] == tp
 
 
 def test_tensor_parallel_checkpoint_resumes_at_pipeline_parallel(model_dir, tmp_path):
@@ -70,6 +70,6 @@ def test_incomplete_checkpoint_is_refused(tmp_path):
     partial = tmp_path / "step_2" / "trainer"
     partial.mkdir(parents=True)
     (partial / "common.pt").write_bytes(b"")
-    assert not checkpoint.is_complete(partial)
+    assert not trainer_checkpoint.is_complete(partial)
     with pytest.raises(FileNotFoundError, match="not a complete trainer checkpoint"):
-        checkpoint.load(None, partial)
+        trainer_checkpoint.load(None, partial)

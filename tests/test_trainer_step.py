@@ -239,7 +239,7 @@ def _kl_rank(par, model_dir, ckpt_dir):
     """Steps with ppo.kl_coef > 0, save, resume: this rank's reference and policy weights on the way."""
     from pathlib import Path
 
-    from areal_hpc.trainer import checkpoint
+    from areal_hpc.checkpoint import trainer as trainer_checkpoint
     from areal_hpc.trainer.engine import Engine
     from areal_hpc.trainer.step import StepConfig, ppo_step
 
@@ -250,9 +250,9 @@ def _kl_rank(par, model_dir, ckpt_dir):
     # step 0, one minibatch: its forward passes run on the initial weights, which the reference holds
     stats = [ppo_step(engine, random_batch(VOCAB, microbatches=[[[0, 1, 2], [3, 4, 5]]]), cfg)]
     stats += [ppo_step(engine, random_batch(VOCAB, seed=s), cfg) for s in (1, 2)]
-    checkpoint.save(engine, ckpt_dir)
+    trainer_checkpoint.save(engine, ckpt_dir)
     resumed = Engine(model_dir, par, ppo)
-    checkpoint.load(resumed, Path(ckpt_dir) / "trainer")
+    trainer_checkpoint.load(resumed, Path(ckpt_dir) / "trainer")
     return {
         "stats": stats,
         "reference_is_initial": _diff(ref0, initial),

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.mpi, pytest.mark.megatron]
 
 
 def test_trainer_ranks_serve_a_controller(run_mpi, tmp_path):
-    from areal_hpc.trainer import checkpoint
+    from areal_hpc.checkpoint import trainer as trainer_checkpoint
     from areal_hpc.trainer.convert import read_hf
 
     proc = run_mpi(MPI_PROGRAMS / "trainer_world.py", n=6, timeout=300, args=[str(tmp_path)])
@@ -27,7 +27,7 @@ def test_trainer_ranks_serve_a_controller(run_mpi, tmp_path):
     for key in ("ppo/loss", "ppo/clip_frac", "ppo/grad_norm", "ppo/behav_weight_mean", "ppo/logp_mismatch"):
         assert isinstance(ctrl["stats"][key], float)
     assert ctrl["stats"]["ppo/grad_norm"] > 0
-    assert checkpoint.is_complete(tmp_path / "step_1" / "trainer")
+    assert trainer_checkpoint.is_complete(tmp_path / "step_1" / "trainer")
     # both generators got every Hugging Face tensor (both stages), trained, identical on both
     initial = read_hf(next((tmp_path / "root" / ".assets").glob("tiny-model-*")))
     got2, got3 = torch.load(tmp_path / "gen2.pt"), torch.load(tmp_path / "gen3.pt")

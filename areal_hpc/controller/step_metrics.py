@@ -11,9 +11,8 @@ import time
 from pathlib import Path
 
 from areal_hpc.batch import BatchInfo
-from areal_hpc.checkpoints import drop_rows_after
-from areal_hpc.metrics import IdleClock, MetricsWriter
-from areal_hpc.rundir import checkpoint_version
+from areal_hpc.checkpoint.files import checkpoint_version
+from areal_hpc.metrics import IdleClock, MetricsWriter, drop_rows_after
 
 
 class StepMetrics:

@@ -54,7 +54,7 @@ def resolve(target: str | Path, step: int | None, overrides: list[str], config: 
     A run directory (config.yaml and checkpoints/): the run's config; step 0 is its initial model,
     step N (default: the latest complete checkpoint) its checkpoint exported once to RUN_DIR/hf/step_N.
     """
-    from areal_hpc.rundir import checkpoint_dir, checkpoint_version, complete_checkpoints, latest_checkpoint
+    from areal_hpc.checkpoint.files import checkpoint_dir, checkpoint_version, complete_checkpoints, latest_checkpoint
 
     path = Path(target)
     if (path / "config.json").is_file():

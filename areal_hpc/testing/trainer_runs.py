@@ -102,21 +102,21 @@ def resume_rank(par, model_dir, ckpt_dir, before: list[int], after: list[int], o
     """`before` steps, save, `after` steps (uninterrupted); then a fresh engine loads the checkpoint and
     takes the same `after` steps (resumed). Batches come from the seeds; every rank returns the
     largest difference of its own optimizer state between the two runs."""
-    from areal_hpc.trainer import checkpoint
+    from areal_hpc.checkpoint import trainer as trainer_checkpoint
     from areal_hpc.trainer.engine import Engine
     from areal_hpc.trainer.step import StepConfig
 
     cfg = StepConfig()
     engine = Engine(model_dir, par, optim, dtype)
     _steps(engine, before, cfg)
-    checkpoint.save(engine, ckpt_dir)
+    trainer_checkpoint.save(engine, ckpt_dir)
     saved = optimizer_state(engine)
     uninterrupted = _steps(engine, after, cfg)
     weights = engine.export_full()
     state = optimizer_state(engine)
 
     resumed = Engine(model_dir, par, optim, dtype)
-    checkpoint.load(resumed, Path(ckpt_dir) / "trainer")
+    trainer_checkpoint.load(resumed, Path(ckpt_dir) / "trainer")
     loaded = optimizer_state(resumed)
     resumed_stats = _steps(resumed, after, cfg)
     result = {
@@ -136,7 +136,7 @@ def resume_rank(par, model_dir, ckpt_dir, before: list[int], after: list[int], o
 
 def save_rank(par, model_dir, ckpt_dir, before: list[int], after: list[int], optim) -> dict:
     """`before` steps, the probe logits, save, then `after` steps: the weights at the end."""
-    from areal_hpc.trainer import checkpoint
+    from areal_hpc.checkpoint import trainer as trainer_checkpoint
     from areal_hpc.trainer.engine import Engine
     from areal_hpc.trainer.step import StepConfig
 
@@ -146,7 +146,7 @@ def save_rank(par, model_dir, ckpt_dir, before: list[int], after: list[int], opt
     got = logits(engine, probe_sequences(engine.arch.vocab_size))
     if got is not None:
         result["logits"] = got
-    checkpoint.save(engine, ckpt_dir)
+    trainer_checkpoint.save(engine, ckpt_dir)
     _steps(engine, after, StepConfig())
     weights = engine.export_full()
     if weights is not None:
@@ -156,12 +156,12 @@ def save_rank(par, model_dir, ckpt_dir, before: list[int], after: list[int], opt
 
 def load_rank(par, model_dir, ckpt_dir, after: list[int], optim) -> dict:
     """Load a checkpoint (written at any TP/PP/DP): the probe logits, then `after` steps' weights."""
-    from areal_hpc.trainer import checkpoint
+    from areal_hpc.checkpoint import trainer as trainer_checkpoint
     from areal_hpc.trainer.engine import Engine
     from areal_hpc.trainer.step import StepConfig
 
     engine = Engine(model_dir, par, optim)
-    checkpoint.load(engine, Path(ckpt_dir) / "trainer")
+    trainer_checkpoint.load(engine, Path(ckpt_dir) / "trainer")
     result = {}
     got = logits(engine, probe_sequences(engine.arch.vocab_size))
     if got is not None:
@@ -176,15 +176,15 @@ def load_rank(par, model_dir, ckpt_dir, after: list[int], optim) -> dict:
 def nonfinite_rank(par, model_dir, ckpt_dir, optim) -> dict:
     """One step, save, load into a fresh engine, then a step whose advantages are NaN: its error
     message and how much any weight moved (nothing may)."""
-    from areal_hpc.trainer import checkpoint
+    from areal_hpc.checkpoint import trainer as trainer_checkpoint
     from areal_hpc.trainer.engine import Engine, NonFiniteError
     from areal_hpc.trainer.step import StepConfig, ppo_step
 
     engine = Engine(model_dir, par, optim)
     _steps(engine, [0], StepConfig())
-    checkpoint.save(engine, ckpt_dir)
+    trainer_checkpoint.save(engine, ckpt_dir)
     resumed = Engine(model_dir, par, optim)
-    checkpoint.load(resumed, Path(ckpt_dir) / "trainer")
+    trainer_checkpoint.load(resumed, Path(ckpt_dir) / "trainer")
     before = resumed.export_full()
     batch = random_batch(resumed.arch.vocab_size, seed=1)
     bad = TrainBatch(**{**batch.__dict__, "advantages": np.full_like(batch.advantages, np.nan)})
@@ -201,8 +201,8 @@ def train_and_save_rank(par, models: dict, run_root, steps: int, optim) -> dict:
     """Per model (name -> (model directory, dtype name)): `steps` PPO steps, then the probe logits, the
     weights under Hugging Face names, and a complete checkpoint of version `steps` in the run
     directory `run_root/<name>/` (`checkpoints/step_<steps>/`, as a run writes it: what export reads)."""
-    from areal_hpc.rundir import checkpoint_dir, mark_complete
-    from areal_hpc.trainer import checkpoint
+    from areal_hpc.checkpoint import trainer as trainer_checkpoint
+    from areal_hpc.checkpoint.files import checkpoint_dir, mark_complete
     from areal_hpc.trainer.engine import Engine
     from areal_hpc.trainer.step import StepConfig
 
@@ -212,7 +212,7 @@ def train_and_save_rank(par, models: dict, run_root, steps: int, optim) -> dict:
         _steps(engine, list(range(steps)), StepConfig())
         result.update(_logits_and_weights(engine, name))
         step_dir = checkpoint_dir(Path(run_root) / name, steps)
-        checkpoint.save(engine, step_dir)
+        trainer_checkpoint.save(engine, step_dir)
         if par.rank == 0:
             mark_complete(step_dir)  # the controller's part in a run
     return result

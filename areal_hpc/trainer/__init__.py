@@ -8,10 +8,11 @@ logprobs     token logprobs and entropy from the last stage's hidden states, a c
 convert      Hugging Face tensors <-> a rank's Megatron shard; per-stage export stream
 engine       torch.distributed + parallel state, DDP model, optimizer, forward/backward schedule
 step         the PPO step over a TrainBatch (prox recompute, minibatches, stats)
-checkpoint   Megatron dist_checkpointing of model + optimizer (any TP/PP/DP), with the model's HF files
 export       a checkpoint -> a Hugging Face directory (sharded safetensors), on one CPU process
 worker       `serve(ctx, sync)`: the rank's message loop
 spawn        N local ranks in spawned processes (tests, benchmarks, export)
 
-The checks that the CPU tests assert and tools/gpu_check.py reports are in `areal_hpc.testing`.
+Its checkpoints (Megatron dist_checkpointing of model + optimizer, any TP/PP/DP) are
+`areal_hpc.checkpoint.trainer`; the checks that the CPU tests assert and tools/gpu_check.py reports are in
+`areal_hpc.testing`.
 """

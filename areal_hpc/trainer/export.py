@@ -16,7 +16,7 @@ Why it is built this way:
   and one shard's serialization.
 - The load runs in a spawned process (`spawn.run_ranks`, one CPU rank): torch.distributed, Megatron's
   parallel state and `cpu_compat`'s CPU routes stay out of the caller (`areal-hpc eval` runs vLLM next).
-- Everything needed is inside the checkpoint (`checkpoint.save` keeps the model's small files in
+- Everything needed is inside the checkpoint (`trainer_checkpoint.save` keeps the model's small files in
   `hf/`): the run's initial model directory may be gone.
 - The directory is written under a temporary name and renamed into place when complete: an
   interrupted export leaves nothing that looks like a model.
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from areal_hpc.rundir import checkpoint_damage, checkpoint_dir, checkpoint_version, complete_checkpoints
-from areal_hpc.trainer import checkpoint
+from areal_hpc.checkpoint import trainer as trainer_checkpoint
+from areal_hpc.checkpoint.files import checkpoint_damage, checkpoint_dir, checkpoint_version, complete_checkpoints
 
 TIMEOUT_S = 4 * 3600
 """The longest an export may take (a 32B model: minutes, mostly reading and writing its 64 GB)."""
@@ -53,7 +53,7 @@ def export_checkpoint(
     ckpt = _find(run_dir, step)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ExportError(f"output directory {out_dir} exists and is not empty; choose another -o or remove it")
-    saved = checkpoint.manifest(ckpt)
+    saved = trainer_checkpoint.manifest(ckpt)
     print(
         f"export: {ckpt.parent.name} of {run_dir} (written at TP {saved['tp']} x PP {saved['pp']} x "
         f"DP {saved['dp']}, {saved['dtype']}) -> {out_dir}",
@@ -64,7 +64,7 @@ def export_checkpoint(
     partial.mkdir(parents=True)
     try:
         run_ranks(_export_rank, 1, 1, 1, str(ckpt), str(partial), max_shard_size, device="cpu", timeout_s=TIMEOUT_S)
-        _copy_hf_files(ckpt / checkpoint.HF_FILES, partial, saved["dtype"])
+        _copy_hf_files(ckpt / trainer_checkpoint.HF_FILES, partial, saved["dtype"])
         if out_dir.exists():
             out_dir.rmdir()
         partial.rename(out_dir)
@@ -82,7 +82,7 @@ def _find(run_dir: Path, step: int | None) -> Path:
     found = {
         checkpoint_version(d): d / "trainer"
         for d in complete_checkpoints(run_dir)
-        if checkpoint.is_complete(d / "trainer")
+        if trainer_checkpoint.is_complete(d / "trainer")
     }
     if not found:
         raise ExportError(
@@ -100,9 +100,9 @@ def _find(run_dir: Path, step: int | None) -> Path:
     damage = checkpoint_damage(ckpt.parent)  # sizes of every file; checksums up to the resume bound
     if damage is not None:
         raise ExportError(f"checkpoint {ckpt.parent} is damaged: {damage}; complete: {', '.join(map(str, found))}")
-    if not (ckpt / checkpoint.HF_FILES).is_dir():
+    if not (ckpt / trainer_checkpoint.HF_FILES).is_dir():
         raise ExportError(
-            f"{ckpt} has no {checkpoint.HF_FILES}/ (the model's config and tokenizer): it was written before "
+            f"{ckpt} has no {trainer_checkpoint.HF_FILES}/ (the model's config and tokenizer): it was written before "
             "checkpoints kept them; resume the run for a step to save one that has them"
         )
     return ckpt
@@ -129,13 +129,13 @@ def _export_rank(par, ckpt_dir: str, out_dir: str, max_shard_size: int | str) ->
     from areal_hpc.trainer.model import build_stage, transformer_config
 
     before = _peak_memory_gib()
-    saved = checkpoint.manifest(ckpt_dir)
+    saved = trainer_checkpoint.manifest(ckpt_dir)
     arch, dtype = QwenArch(**saved["arch"]), getattr(torch, saved["dtype"])
     config = transformer_config(arch, 1, 1, par.device, dtype)
     config.perform_initialization = False  # every weight comes from the checkpoint
     stage = build_stage(arch, config, par.device)
     stage.to(dtype)  # as Engine's Float16Module does: every parameter (the norms too) in the checkpoint's dtype
-    checkpoint.load_model(stage, ckpt_dir)
+    trainer_checkpoint.load_model(stage, ckpt_dir)
     state = dict(export_stage(stage, arch, pp_rank=0, pp=1, tp_group=None, dst=0))
     split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
     out = Path(out_dir)

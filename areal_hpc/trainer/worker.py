@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
+from areal_hpc.checkpoint import trainer as trainer_checkpoint
 from areal_hpc.protocol import Failure, Mailbox, ReplicaRelay, Save, Saved, Stop, TrainBatch, TrainResult, WeightSync
 from areal_hpc.runtime import CONTROLLER_RANK
-from areal_hpc.trainer import checkpoint
 from areal_hpc.trainer.engine import Engine, init_parallel, shutdown_parallel
 from areal_hpc.trainer.step import StepConfig, ppo_step
 
@@ -66,7 +66,7 @@ def build_engine(ctx) -> Engine:
     )
     engine = Engine(ctx.model_path, par, cfg.ppo, getattr(torch, cfg.model.dtype), cfg.train.total_steps)
     if ctx.resume_from is not None:
-        checkpoint.load(engine, Path(ctx.resume_from) / "trainer")
+        trainer_checkpoint.load(engine, Path(ctx.resume_from) / "trainer")
         log.info("trainer rank %d resumed from %s", par.rank, ctx.resume_from)
     return engine
 
@@ -106,7 +106,7 @@ def serve(ctx, sync) -> None:
                 elif isinstance(msg, WeightSync):
                     send_weights(engine, sync, bucket_bytes)
                 elif isinstance(msg, Save):
-                    checkpoint.save(engine, msg.path)
+                    trainer_checkpoint.save(engine, msg.path)
                     box.send(CONTROLLER_RANK, Saved(msg.version))
                 elif isinstance(msg, Stop):
                     box.flush()

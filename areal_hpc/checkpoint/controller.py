@@ -1,4 +1,5 @@
-"""The controller's side of a checkpoint, from the Save it sends to COMPLETE, off its event loop.
+"""The controller's side of a checkpoint, from the Save it sends to COMPLETE, off its event loop, and its own
+state in the checkpoint (`controller.pkl`, summarised in `controller.json`).
 
 ```
  begin(v, state, trainers)  the directory of version v is made ready (a damaged one of that version stops
@@ -26,10 +27,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from areal_hpc.jsonl import read_jsonl
-from areal_hpc.rundir import checkpoint_dir, clear_complete, mark_complete, prune_checkpoints, record_files
+from areal_hpc.checkpoint.files import checkpoint_dir, clear_complete, mark_complete, prune_checkpoints, record_files
 
-log = logging.getLogger("areal_hpc.controller")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -109,15 +109,3 @@ def write_state(path: Path, state: dict) -> None:
 def read_state(path: Path) -> dict:
     with open(Path(path) / "controller.pkl", "rb") as f:
         return pickle.load(f)
-
-
-def drop_rows_after(path: Path, version: int) -> None:
-    """Cut metrics.jsonl after the line of step `version` (in place: writers append to the same file)."""
-    if not path.exists():
-        return
-    offset = 0  # the end of the last row kept: a torn last line goes too
-    for _, end, row in read_jsonl(path, torn_ok=True):
-        if not isinstance(row, dict) or row.get("step", version + 1) > version:
-            break  # a later step, or a row that is not one: cut here
-        offset = end
-    os.truncate(path, offset)

@@ -1,4 +1,4 @@
-"""Trainer checkpoints: Megatron's `dist_checkpointing` of the model and the distributed optimizer.
+"""The trainer's side of a checkpoint: Megatron's `dist_checkpointing` of the model and the distributed optimizer.
 
 Layout of `<step dir>/trainer/`: what `dist_checkpointing.save` writes (`metadata.json`, `common.pt`,
 the torch_dist shard files), `hf/` (the model directory's files other than its weights: config.json,
