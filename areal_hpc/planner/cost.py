@@ -94,12 +94,9 @@ class ModelSize:
     params: float
     layers: int
     hidden: int
-    heads: int
-    kv_heads: int
     vocab: int
     dtype_bytes: int
     intermediate: int
-    head_dim: int
     kv_bytes_per_token: float
     """K and V of every layer, one token, in the dtype (`QwenArch.kv_bytes_per_token`)."""
 
@@ -107,8 +104,8 @@ class ModelSize:
     def from_config(cls, cfg: Config) -> ModelSize:
         m, dtype_bytes = model_arch(cfg.model), DTYPE_BYTES[cfg.model.dtype]
         return cls(
-            m.params, m.num_layers, m.hidden_size, m.num_attention_heads, m.num_key_value_heads, m.vocab_size,
-            dtype_bytes, m.intermediate_size, m.head_dim, m.kv_bytes_per_token(dtype_bytes),
+            m.params, m.num_layers, m.hidden_size, m.vocab_size, dtype_bytes, m.intermediate_size,
+            m.kv_bytes_per_token(dtype_bytes),
         )  # fmt: skip
 
     @property
