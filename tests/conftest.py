@@ -1,7 +1,10 @@
-"""Shared test fixtures.
+"""Shared test fixtures, and the fast tier.
 
-Tests are marked by the real component they need (mpi, slurm, vllm, megatron, e2e). In CI every
-component is installed and every test runs; a developer may deselect with `-m "not slurm"`.
+Tests are marked by the real component they need (mpi, slurm, vllm, megatron, e2e), and `slow` when they
+measured over 3 s here (`pytest --durations=0` on 2 cores; a module-scoped fixture counts for the tests
+that use it). In CI every component is installed and every test runs; a developer may deselect with
+`-m "not slurm"`. `--fast` (`tools/test.sh --fast`) runs the unit tier: no MPI world, no vLLM engine, no
+Slurm, nothing slow.
 """
 
 import os
@@ -13,6 +16,26 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO
+
+FAST_LEAVES_OUT = ("mpi", "slurm", "vllm", "e2e", "slow")
+"""The markers whose tests `--fast` leaves out."""
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--fast", action="store_true", help=f"the unit tier: leave out tests marked {', '.join(FAST_LEAVES_OUT)}"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--fast"):
+        return
+    kept, left = [], []
+    for item in items:
+        (left if any(item.get_closest_marker(m) for m in FAST_LEAVES_OUT) else kept).append(item)
+    if left:
+        config.hook.pytest_deselected(items=left)
+        items[:] = kept
 
 
 def mpirun_cmd(n: int) -> list[str]:

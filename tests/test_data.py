@@ -283,6 +283,7 @@ def test_warm_start_leaves_the_unboxed_share_bare(tmp_path):
             config_with(tmp_path, rows, f"sft.unboxed={bad}")
 
 
+@pytest.mark.slow
 def test_run_reports_bad_data_in_one_line(tmp_path):
     """`areal-hpc run` with a malformed data file: exit 2 and the loader's message, no traceback, before any rank."""
     import subprocess

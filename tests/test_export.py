@@ -27,7 +27,7 @@ from areal_hpc.trainer.convert import read_hf
 from areal_hpc.trainer.export import ExportError, export_checkpoint
 from areal_hpc.trainer.spawn import run_ranks
 
-pytestmark = pytest.mark.megatron
+pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
 MODELS = {
     # untied embeddings (an lm_head of its own), QKV bias, head size 64 / 2

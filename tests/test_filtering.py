@@ -99,6 +99,7 @@ class CheckedGate(StalenessGate):
         return step
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None)
 @given(
     B=st.integers(1, 4),

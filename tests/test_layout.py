@@ -12,6 +12,7 @@ from areal_hpc.planner import resolve_split
 from tests.helpers import TINY
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(
     nodes=st.integers(2, 40),

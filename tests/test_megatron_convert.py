@@ -16,7 +16,7 @@ from areal_hpc.testing.trainer_runs import hf_logits, logits_and_export_rank
 from areal_hpc.tiny import build_tiny_model
 from areal_hpc.trainer.spawn import run_ranks
 
-pytestmark = pytest.mark.megatron
+pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
 CONFIGS = {
     # tied embeddings, grouped-query attention (4 query heads share 2 key/value heads)

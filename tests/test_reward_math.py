@@ -66,6 +66,7 @@ def test_garbage_never_raises():
         assert reward == 0.0 and (reason in ("ok", "timeout") or reason.startswith("error:")), (response, reason)
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(st.text(max_size=60), st.text(max_size=20))
 def test_arbitrary_text_never_raises(response, answer):

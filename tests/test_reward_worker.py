@@ -31,6 +31,7 @@ def drain(pool: ScorerPool, limit_s: float = 60) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_pool_answers_every_task_once_and_survives_crashes():
     pool = ScorerPool(2, timeout_s=2.0)
     try:

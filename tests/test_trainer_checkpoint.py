@@ -27,6 +27,7 @@ def model_dir(tmp_path_factory):
     return str(build_tiny_model(MODEL, tmp_path_factory.mktemp("model"), seed=5))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "tp,pp,dp,dtype",
     [(1, 1, 1, "float32"), (1, 1, 2, "float32"), (2, 1, 1, "float32"), (1, 2, 1, "float32"), (2, 1, 1, "bfloat16")],
@@ -46,6 +47,7 @@ def test_resume_equals_uninterrupted(model_dir, tmp_path, tp, pp, dp, dtype):
     assert trainer_checkpoint.manifest(step_dir / "trainer")["tp"] == tp
 
 
+@pytest.mark.slow
 def test_tensor_parallel_checkpoint_resumes_at_pipeline_parallel(model_dir, tmp_path):
     step_dir = tmp_path / "step_2"
     saved = run_ranks(save_rank, 2, 2, 1, model_dir, step_dir, [0, 1], [2], OPTIM)
@@ -57,6 +59,7 @@ def test_tensor_parallel_checkpoint_resumes_at_pipeline_parallel(model_dir, tmp_
     assert max_diff(pick(saved, "weights"), pick(loaded, "weights")) <= 1e-4
 
 
+@pytest.mark.slow
 def test_nonfinite_step_stops_before_any_weight_changes(model_dir, tmp_path):
     step_dir = tmp_path / "step_1"
     r = run_ranks(nonfinite_rank, 1, 1, 1, model_dir, step_dir, OPTIM)[0]

@@ -89,6 +89,7 @@ def _assert_same(got, want):
         torch.testing.assert_close(got["weights"][name], w, rtol=0, atol=2e-6, msg=name)
 
 
+@pytest.mark.slow
 def test_step_changes_weights_and_reports_stats(reference, model_dir):
     from areal_hpc.trainer.convert import read_hf
 
@@ -124,6 +125,7 @@ def test_activation_recompute_gives_the_same_step(reference):
     _assert_same(reference["recompute-full"], reference["packed"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_tensor_and_pipeline_parallel_step_equals_single_rank(reference, model_dir, tp, pp):
     """At TP 2 with and without sequence parallelism (rows padded to even widths), and with full recompute."""
@@ -138,6 +140,7 @@ def test_tensor_and_pipeline_parallel_step_equals_single_rank(reference, model_d
         _assert_same(got[name], reference["packed"])
 
 
+@pytest.mark.slow
 def test_data_parallel_step_equals_single_rank(reference, model_dir):
     """Two DP ranks with half the sequences each: every token still weighs the same."""
     batch = random_batch(VOCAB)
@@ -152,6 +155,7 @@ def test_packed_sequence_gets_its_logprobs_alone(reference):
     assert (got["packed"][mask] - got["alone"][mask]).abs().max().item() <= 1e-5
 
 
+@pytest.mark.slow
 def test_learning_rate_schedule_is_megatrons_by_step(model_dir):
     """ppo.lr_warmup_steps and ppo.lr_decay through Megatron's OptimizerParamScheduler: linear warmup
     from 0, then cosine to min_lr at the last step; a function of the step alone (a resumed run goes on
@@ -214,6 +218,7 @@ def _entropy_rank(par, model_dir, temperature):
     return {"chunked": got["chunked"].cpu(), "direct": direct.cpu(), "mask": mb.loss_mask.cpu(), "stats": stats}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_entropy_is_that_of_the_full_logits(model_dir, tp):
     """ppo/entropy: each token's entropy from the chunked (vocabulary-parallel) logprob function equals
@@ -263,6 +268,7 @@ def _kl_rank(par, model_dir, ckpt_dir):
     }
 
 
+@pytest.mark.slow
 def test_kl_penalty_to_the_initial_policy(model_dir, tmp_path):
     """ppo.kl_coef > 0 at PP 2: the reference is the initial policy (ppo/kl 0 at step 0), stays frozen while
     the policy moves (ppo/kl > 0 after), and a resume rebuilds it from the initial weights, not the

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test suite: the lint gate (ruff lint + format), then pytest over every marker.
 #   tools/test.sh                 # everything (what CI runs)
-#   tools/test.sh -m "not slurm"  # extra arguments go to pytest
+#   tools/test.sh --fast          # the unit tier: no MPI world, no vLLM engine, no Slurm, nothing slow
+#   tools/test.sh -m "not slurm"  # other arguments go to pytest
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
@@ -9,17 +10,23 @@ if [ -z "${VIRTUAL_ENV:-}" ] && [ -x .venv/bin/python ]; then
   # shellcheck disable=SC1091
   source .venv/bin/activate
 fi
+fast=0
+for arg in "$@"; do
+  [ "$arg" = --fast ] && fast=1
+done
 echo "[test] ruff check"
 ruff check .
 echo "[test] ruff format --check"
 ruff format --check .
-# The slurm-marked tests run against the local test cluster: start it (unless it is already up) and
-# stop it when the tests end, whatever their outcome.
-if ! tools/local_slurm.sh status >/dev/null 2>&1; then
-  echo "[test] starting the local Slurm cluster (tools/local_slurm.sh)"
-  trap 'tools/local_slurm.sh stop >/dev/null' EXIT
-  tools/local_slurm.sh start >/dev/null || echo "[test] the local Slurm cluster did not start: the slurm tests will fail" >&2
+if [ "$fast" = 0 ]; then
+  # The slurm-marked tests run against the local test cluster: start it (unless it is already up) and
+  # stop it when the tests end, whatever their outcome.
+  if ! tools/local_slurm.sh status >/dev/null 2>&1; then
+    echo "[test] starting the local Slurm cluster (tools/local_slurm.sh)"
+    trap 'tools/local_slurm.sh stop >/dev/null' EXIT
+    tools/local_slurm.sh start >/dev/null || echo "[test] the local Slurm cluster did not start: the slurm tests will fail" >&2
+  fi
+  eval "$(tools/local_slurm.sh env)"
 fi
-eval "$(tools/local_slurm.sh env)"
 echo "[test] pytest"
 python -m pytest "$@"
