@@ -3,7 +3,7 @@ controller, a reward worker, a vLLM generator and a Megatron trainer, on the tin
 
 - the embedded default, all its 600 steps, learns: the mean reward of the last fifth of the steps is
   above the first fifth's, every step keeps the staleness bound, and generator and trainer agree on
-  the logprobs of the tokens of the current version (the README's claims);
+  the logprobs of the tokens of the current version (what docs/benchmarks.md reports);
 - a few steps run, write the run directory (metrics with the docs/design.md names every step, a log per
   rank, TensorBoard events, checkpoints); Ctrl-C stops after a checkpoint, and the same command
   resumes: the step count continues and no prompt is trained on twice;
@@ -117,7 +117,7 @@ def test_the_embedded_default_learns(root):
     assert [r["step"] for r in rows] == list(range(1, 601))
     assert all(0 <= r["staleness/max"] <= 2 for r in rows)  # rollout.max_staleness
     assert_logprobs_agree(rows)
-    # The reward rises (README: 0.22 -> 0.46). One step's reward/mean varies by about 0.1 around its
+    # The reward rises (docs/benchmarks.md: 0.22 -> 0.46). One step's reward/mean varies by about 0.1 around its
     # trend, so a fifth's mean (120 steps) is known to about 0.01; runs seen rose by 0.24 to 0.25.
     fifth = len(rows) // 5
     first, last = (sum(r["reward/mean"] for r in part) / fifth for part in (rows[:fifth], rows[-fifth:]))
