@@ -16,7 +16,7 @@ Why it is built this way:
   and one shard's serialization.
 - The load runs in a spawned process (`spawn.run_ranks`, one CPU rank): torch.distributed, Megatron's
   parallel state and `cpu_compat`'s CPU routes stay out of the caller (`areal-hpc eval` runs vLLM next).
-- Everything needed is inside the checkpoint (`trainer_checkpoint.save` keeps the model's small files in
+- Everything needed is inside the checkpoint (`checkpoint.trainer.save` keeps the model's small files in
   `hf/`): the run's initial model directory may be gone.
 - The directory is written under a temporary name and renamed into place when complete: an
   interrupted export leaves nothing that looks like a model.
