@@ -115,7 +115,9 @@ class ModelSize:
 
 @dataclass(frozen=True)
 class Hardware:
-    gpus_per_node: int
+    """One GPU of the cluster as the cost model sees it (the `cluster.gpu_*` and `interconnect_gbps` fields);
+    how many a node has is the Layout's to count."""
+
     memory: float  # bytes per GPU
     flops: float  # peak FLOP/s per GPU
     bandwidth: float  # memory bytes/s per GPU
@@ -125,8 +127,7 @@ class Hardware:
     def from_config(cls, cfg: Config) -> Hardware:
         c = cfg.cluster
         return cls(
-            c.gpus_per_node, c.gpu_memory_gb * GB, c.gpu_tflops * 1e12, c.gpu_memory_bandwidth_gbs * GB,
-            c.interconnect_gbps / 8 * GB,
+            c.gpu_memory_gb * GB, c.gpu_tflops * 1e12, c.gpu_memory_bandwidth_gbs * GB, c.interconnect_gbps / 8 * GB,
         )  # fmt: skip
 
 
