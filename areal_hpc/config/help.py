@@ -13,8 +13,6 @@ from functools import cache
 from areal_hpc.config.schema import Config, section_class
 from areal_hpc.config.validate import CHOICES
 
-# --- documentation -----------------------------------------------------------------------------
-
 
 @cache
 def field_docs(cls) -> dict[str, str]:
