@@ -15,7 +15,8 @@ A shape field the config sets and config.json contradicts is a ConfigError namin
 is silently preferred. One exception: `model.max_position_embeddings` may be lower than config.json's,
 a cap on the context the run serves (the generators' max_model_len, the default prompt limit).
 
-A leaf module (json and the errors only), so config, planner and trainer import it.
+The config's `model` section (`ModelConfig`) is defined here, beside the architecture it gives. A leaf
+module (json and the errors only), so config, planner and trainer import it.
 """
 
 from __future__ import annotations
@@ -25,17 +26,55 @@ import json
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from areal_hpc.errors import ConfigError
-
-if TYPE_CHECKING:
-    from areal_hpc.config.schema import ModelConfig
 
 ARCHITECTURES = ("qwen2", "qwen3")
 """The Hugging Face `model_type`s the trainer builds."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 """The values of `model.dtype`, and the bytes of one value of each."""
+
+
+@dataclass
+class ModelConfig:
+    """The model. Its architecture (the fields after dtype, null by default) comes from one place,
+    `areal_hpc.arch.model_arch`: for a Hugging Face directory its config.json (a field set here must agree
+    with it); for `tiny` these fields (null: the tiny default in parentheses); for a path not on this
+    machine yet, these fields stand in for its config.json (plan, render and submit --dry-run)."""
+
+    path: str = "tiny"
+    """Hugging Face model directory (config.json + safetensors) of a Qwen2 or Qwen3 model, or `tiny`
+    for the small model that the project builds itself under the run root (no download)."""
+    dtype: str = "float32"
+    """Parameter and compute dtype: float32, bfloat16 or float16."""
+    architecture: str | None = None
+    """qwen2 or qwen3, config.json's `model_type` (tiny: qwen2). Qwen3: RMSNorm on each query and key
+    head, no QKV bias, `head_dim` apart from hidden_size / heads."""
+    hidden_size: int | None = None
+    """Width of the residual stream (Qwen2 `hidden_size`; tiny: 64)."""
+    intermediate_size: int | None = None
+    """Width of the SwiGLU feed-forward layer (tiny: 256)."""
+    num_layers: int | None = None
+    """Number of transformer layers (`num_hidden_layers`; tiny: 2)."""
+    num_attention_heads: int | None = None
+    """Query heads per layer (head size: head_dim, else hidden_size / heads; vLLM's CPU attention needs
+    at least 32; tiny: 2)."""
+    num_key_value_heads: int | None = None
+    """Key/value heads per layer (grouped-query attention when fewer than the query heads; tiny: 2)."""
+    head_dim: int | None = None
+    """Size of an attention head; 0: hidden_size / num_attention_heads (Qwen3 models set it apart; tiny: 0)."""
+    vocab_size: int | None = None
+    """Vocabulary size (for `tiny`, at least the 99 tokens of the project's tokenizer; tiny: 128)."""
+    max_position_embeddings: int | None = None
+    """Longest sequence (prompt + response) the model handles (tiny: 512). For a Hugging Face model it
+    comes from config.json and may be set lower: a cap on the context the run serves (the generators'
+    max_model_len, the default data.max_prompt_tokens)."""
+    rope_theta: float | None = None
+    """RoPE base (tiny: 10000)."""
+    rms_norm_eps: float | None = None
+    """Epsilon of the RMSNorm layers (tiny: 1e-6)."""
+    tie_word_embeddings: bool | None = None
+    """Share the input embedding and the output projection (tiny: true)."""
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,8 @@
 """Imports run one way: no module of areal_hpc/ or launch/ imports one that imports it back, directly or
 through others. Every import counts: at module level, inside functions (one that only hides a circle is
-still a circle) and under `if TYPE_CHECKING:` (a type a module needs is a dependency all the same). Shared
+still a circle) and under `if TYPE_CHECKING:` (a type a module needs is a dependency all the same); and
+importing a package's module from outside the package runs the package's __init__ first, so that counts
+as an import of the package too. Shared
 error types and helpers live in leaf modules (areal_hpc/errors.py, launch/errors.py,
 areal_hpc/exit_codes.py) for that reason."""
 
@@ -29,7 +31,9 @@ def _imports(tree: ast.AST):
 
 
 def import_graph(files: dict[str, Path]) -> dict[str, set[str]]:
-    """Module -> the project modules it imports (`from pkg import mod` is an edge to pkg.mod)."""
+    """Module -> the project modules it imports (`from pkg import mod` is an edge to pkg.mod). Importing a
+    package's module from outside that package runs the package's __init__ first: an edge to the package
+    too (a module inside the package is imported as part of it, so its own imports of siblings are not)."""
 
     def known(name: str) -> str | None:
         while name and name not in files:
@@ -49,8 +53,21 @@ def import_graph(files: dict[str, Path]) -> dict[str, set[str]]:
                 up = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(up + ([node.module] if node.module else []))
             deps |= {f"{base}.{a.name}" if f"{base}.{a.name}" in files else known(base) for a in node.names}
-        graph[module] = deps - {None, module}
+        deps -= {None, module}
+        graph[module] = deps | {
+            parent for dep in deps for parent in _parents(dep, files) if not _inside(module, parent)
+        }
     return graph
+
+
+def _parents(module: str, files: dict[str, Path]) -> list[str]:
+    """The project packages above `module` (areal_hpc.config for areal_hpc.config.schema)."""
+    parts = module.split(".")
+    return [p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in files]
+
+
+def _inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -78,9 +95,9 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_project_imports_have_no_circle():
     graph = import_graph(module_files(REPO))
-    # the walk sees the project: a package's submodules, and a TYPE_CHECKING import
+    # the walk sees the project: a package's submodules, a TYPE_CHECKING import, a package's __init__
     assert len(graph) > 40 and "areal_hpc.arch" in graph["areal_hpc.config.validate"]
-    assert "areal_hpc.config.schema" in graph["areal_hpc.arch"]
+    assert {"areal_hpc.config.schema", "areal_hpc.config"} <= graph["areal_hpc.layout"]
     cycle = find_cycle(graph)
     assert cycle is None, "import circle: " + " -> ".join(cycle)
 
@@ -96,8 +113,16 @@ def test_a_function_level_or_type_checking_import_that_closes_a_circle_is_found(
     (pkg / "sub" / "d.py").write_text("def f():\n    from ..b import g\n")
     graph = import_graph(module_files(tmp_path, ("areal_hpc",)))
     assert graph["areal_hpc.a"] == {"areal_hpc.c"}, "a TYPE_CHECKING import counts"
-    assert graph["areal_hpc.b"] == {"areal_hpc.a", "areal_hpc.sub.d"}
+    assert graph["areal_hpc.b"] == {"areal_hpc.a", "areal_hpc.sub.d", "areal_hpc.sub"}
     assert find_cycle(graph) == ["areal_hpc.a", "areal_hpc.c", "areal_hpc.a"]
     (pkg / "c.py").write_text("")
     graph = import_graph(module_files(tmp_path, ("areal_hpc",)))
     assert find_cycle(graph) == ["areal_hpc.b", "areal_hpc.sub.d", "areal_hpc.b"]
+    # through a package's __init__: c imports sub.e from outside sub, whose __init__ imports c
+    (pkg / "sub" / "d.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from areal_hpc import c\n")
+    (pkg / "sub" / "e.py").write_text("")
+    (pkg / "c.py").write_text("from areal_hpc.sub import e\n")
+    graph = import_graph(module_files(tmp_path, ("areal_hpc",)))
+    assert graph["areal_hpc.c"] == {"areal_hpc.sub.e", "areal_hpc.sub"}
+    assert find_cycle(graph) == ["areal_hpc.c", "areal_hpc.sub", "areal_hpc.c"]

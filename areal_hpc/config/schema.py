@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from areal_hpc.arch import ModelConfig  # the `model` section, defined beside the architecture it gives
+
 
 @dataclass
 class ExperimentConfig:
@@ -24,48 +26,6 @@ class ExperimentConfig:
     """Seed for model building, data generation, sampling and shuffling."""
     resume: bool = True
     """Resume from the trial's last checkpoint if one exists; false starts the trial afresh."""
-
-
-@dataclass
-class ModelConfig:
-    """The model. Its architecture (the fields after dtype, null by default) comes from one place,
-    `areal_hpc.arch.model_arch`: for a Hugging Face directory its config.json (a field set here must agree
-    with it); for `tiny` these fields (null: the tiny default in parentheses); for a path not on this
-    machine yet, these fields stand in for its config.json (plan, render and submit --dry-run)."""
-
-    path: str = "tiny"
-    """Hugging Face model directory (config.json + safetensors) of a Qwen2 or Qwen3 model, or `tiny`
-    for the small model that the project builds itself under the run root (no download)."""
-    dtype: str = "float32"
-    """Parameter and compute dtype: float32, bfloat16 or float16."""
-    architecture: str | None = None
-    """qwen2 or qwen3, config.json's `model_type` (tiny: qwen2). Qwen3: RMSNorm on each query and key
-    head, no QKV bias, `head_dim` apart from hidden_size / heads."""
-    hidden_size: int | None = None
-    """Width of the residual stream (Qwen2 `hidden_size`; tiny: 64)."""
-    intermediate_size: int | None = None
-    """Width of the SwiGLU feed-forward layer (tiny: 256)."""
-    num_layers: int | None = None
-    """Number of transformer layers (`num_hidden_layers`; tiny: 2)."""
-    num_attention_heads: int | None = None
-    """Query heads per layer (head size: head_dim, else hidden_size / heads; vLLM's CPU attention needs
-    at least 32; tiny: 2)."""
-    num_key_value_heads: int | None = None
-    """Key/value heads per layer (grouped-query attention when fewer than the query heads; tiny: 2)."""
-    head_dim: int | None = None
-    """Size of an attention head; 0: hidden_size / num_attention_heads (Qwen3 models set it apart; tiny: 0)."""
-    vocab_size: int | None = None
-    """Vocabulary size (for `tiny`, at least the 99 tokens of the project's tokenizer; tiny: 128)."""
-    max_position_embeddings: int | None = None
-    """Longest sequence (prompt + response) the model handles (tiny: 512). For a Hugging Face model it
-    comes from config.json and may be set lower: a cap on the context the run serves (the generators'
-    max_model_len, the default data.max_prompt_tokens)."""
-    rope_theta: float | None = None
-    """RoPE base (tiny: 10000)."""
-    rms_norm_eps: float | None = None
-    """Epsilon of the RMSNorm layers (tiny: 1e-6)."""
-    tie_word_embeddings: bool | None = None
-    """Share the input embedding and the output projection (tiny: true)."""
 
 
 @dataclass
