@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from areal_hpc.errors import ConfigError
+from areal_hpc.parallel import replicas_problem
 
 if TYPE_CHECKING:
     from areal_hpc.config.schema import Config
@@ -114,8 +115,9 @@ class TrainerGrid:
     @classmethod
     def of(cls, world: int, tp: int, pp: int) -> TrainerGrid:
         """The grid of `world` trainer ranks with parallel sizes tp and pp (dp follows)."""
-        if tp < 1 or pp < 1 or world % (tp * pp):
-            raise ValueError(f"train_tp x train_pp ({tp} x {pp}) must divide the trainer ranks ({world})")
+        problem = replicas_problem(world, tp, pp)
+        if problem:
+            raise ValueError(problem)
         return cls(tp, pp, world // (tp * pp))
 
     @property

@@ -1,5 +1,5 @@
 """Which parallel sizes a model and a cluster allow: the one place these rules live. Config validation,
-the planner's search, the node split and the trainer's engine all ask here.
+the planner's search, the node split, the layout's trainer grid and the trainer's engine all ask here.
 
 ```
  size                   must divide                                              why
@@ -69,12 +69,19 @@ def split_problem(nodes: int, gpus_per_node: int, gen_nodes: int, train_tp: int,
     if not 1 <= gen_nodes < nodes:
         return f"allocation.gen_nodes ({gen_nodes}) must be between 1 and cluster.nodes - 1 ({nodes - 1})"
     trainer_gpus = (nodes - gen_nodes) * gpus_per_node
-    if trainer_gpus % (train_tp * train_pp):
-        return (
-            f"allocation.train_tp x train_pp ({train_tp} x {train_pp} = {train_tp * train_pp}) must divide the "
-            f"trainer GPUs ({nodes - gen_nodes} nodes x {gpus_per_node} = {trainer_gpus})"
-        )
-    return None
+    where = f"the trainer GPUs ({nodes - gen_nodes} nodes x {gpus_per_node} = {trainer_gpus})"
+    return replicas_problem(trainer_gpus, train_tp, train_pp, where)
+
+
+def replicas_problem(trainers: int, train_tp: int, train_pp: int, where: str = "") -> str | None:
+    """The trainer ranks hold whole TP x PP replicas (`where`: how to name them in the message)."""
+    group = train_tp * train_pp
+    if train_tp >= 1 and train_pp >= 1 and trainers % group == 0:
+        return None
+    return (
+        f"allocation.train_tp x train_pp ({train_tp} x {train_pp} = {group}) must divide "
+        f"{where or f'the trainer ranks ({trainers})'}"
+    )
 
 
 def check(

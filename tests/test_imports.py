@@ -2,9 +2,8 @@
 through others. Every import counts: at module level, inside functions (one that only hides a circle is
 still a circle) and under `if TYPE_CHECKING:` (a type a module needs is a dependency all the same); and
 importing a package's module from outside the package runs the package's __init__ first, so that counts
-as an import of the package too. Shared
-error types and helpers live in leaf modules (areal_hpc/errors.py, launch/errors.py,
-areal_hpc/exit_codes.py) for that reason."""
+as an import of the package too. Shared error types and helpers live in leaf modules (areal_hpc/errors.py,
+launch/errors.py, areal_hpc/exit_codes.py) for that reason."""
 
 from __future__ import annotations
 
