@@ -32,6 +32,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from areal_hpc.config import Config, ConfigError, load_config, save_config
+from areal_hpc.layout import Layout
 
 log = logging.getLogger("areal_hpc.rundir")
 
@@ -51,6 +52,7 @@ def prepare_run_dir(cfg: Config, fresh: bool = False) -> Path:
     fields may change). `fresh` (or `experiment.resume=false`) removes the trial's previous contents
     first, all but the lock of whoever is preparing it.
     """
+    Layout.from_config(cfg)  # refuses a config whose node split is unresolved: config.yaml records it as a number
     run_dir = cfg.run_dir
     saved = run_dir / "config.yaml"
     if fresh or not cfg.experiment.resume:

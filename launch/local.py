@@ -82,7 +82,7 @@ def run_local(cfg: Config, fresh: bool = False) -> int:
 def _run(cfg: Config, fresh: bool) -> int:
     from areal_hpc.sft import initial_model
 
-    cfg, why = planner.resolve_split(cfg)  # once: the run directory's config.yaml records the split
+    cfg, why = planner.resolve_split(cfg)  # the run directory's config.yaml records the split
     layout = Layout.from_config(cfg)
     on_cpu = cfg.cluster.device == "cpu" or (cfg.cluster.device == "auto" and not visible_gpus())
     # before the run directory changes: a config that cannot fit is refused with the settings to change

@@ -175,16 +175,15 @@ class SlurmLauncher:
         """What every rank runs (default: `python -m areal_hpc.main RUN_DIR`)."""
 
     def script(self, cfg: Config) -> str:
-        """The job's sbatch script, on the config's node split (`planner.resolve_split`); a config whose
-        generator or trainer does not fit its GPUs is refused first (`planner.check_fits`: what to change,
-        by name). A cpu config's nodes are not known here."""
-        cfg, _ = planner.resolve_split(cfg)
+        """The job's sbatch script of a config whose node split is resolved (`planner.resolve_split`); a
+        config whose generator or trainer does not fit its GPUs is refused first (`planner.check_fits`:
+        what to change, by name). A cpu config's nodes are not known here."""
         if cfg.cluster.device != "cpu":
             planner.check_fits(cfg)
         return render_sbatch(cfg, workdir=Path.cwd(), python=self.python or _default_python(cfg), command=self.command)
 
     def launch(self, cfg: Config, fresh: bool = False) -> int:
-        cfg, _ = planner.resolve_split(cfg)
+        cfg, _ = planner.resolve_split(cfg)  # the run directory's config.yaml records the split
         job_id = self.submit(cfg, fresh=fresh)
         run_dir = Path.cwd() / cfg.run_dir
         print(f"submitted job {job_id}: {describe_request(cfg)}")
@@ -194,9 +193,8 @@ class SlurmLauncher:
 
     def submit(self, cfg: Config, fresh: bool = False) -> str:
         """Prepare the run directory, submit the job, write RUN_DIR/job.json; returns the job id. The
-        job holds the run directory's lock from then on (stale once Slurm no longer runs it). The node
-        split is resolved here, once, and the run directory's config.yaml records it."""
-        cfg, _ = planner.resolve_split(cfg)
+        job holds the run directory's lock from then on (stale once Slurm no longer runs it). `cfg`'s node
+        split is resolved (`launch` resolves it)."""
         check_cluster(cfg, partitions())
         script = self.script(cfg)  # before touching the run directory: a config error changes nothing
         executor = HetSlurmExecutor(cfg.run_dir.resolve() / "slurm", script)
@@ -232,6 +230,7 @@ class DryRunLauncher:
         self.out = out
 
     def launch(self, cfg: Config, fresh: bool = False) -> int:
+        cfg, _ = planner.resolve_split(cfg)
         print(self.slurm.script(cfg), end="", file=self.out or sys.stdout)
         return 0
 

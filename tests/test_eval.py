@@ -201,13 +201,16 @@ def eval_args(*argv):
 
 
 def test_eval_array_script(tmp_path):
+    from areal_hpc.planner import resolve_split
     from areal_hpc.rundir import prepare_run_dir
     from launch.eval_array import eval_array_script
 
-    cfg = load_config(
-        "configs/qwen1.5b.yaml", [f"experiment.root={tmp_path}", "cluster.partition=gpu", "cluster.account=rl"]
+    cfg, _ = resolve_split(
+        load_config(
+            "configs/qwen1.5b.yaml", [f"experiment.root={tmp_path}", "cluster.partition=gpu", "cluster.account=rl"]
+        )
     )
-    run_dir = prepare_run_dir(cfg).resolve()
+    run_dir = prepare_run_dir(cfg).resolve()  # as a launcher prepares it
     args = eval_args(str(run_dir), "--steps", "100,200,300", "--data", "aime.jsonl", "--samples", "8", "--submit")
     args.overrides = ["rollout.temperature=0.6"]
     where, script = eval_array_script(args)

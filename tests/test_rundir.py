@@ -56,7 +56,10 @@ def test_resume_compares_the_models_shape_not_how_it_was_written(tmp_path):
 def test_a_run_directory_from_before_the_recorded_split_resumes(tmp_path):
     """Launchers record the node split as allocation.gen_nodes; an older run directory left it null (the
     split came from allocation.gen_share, which is still compared)."""
-    prepare_run_dir(tiny(tmp_path, "cluster.nodes=4", "allocation.gen_nodes=null"))
+    with pytest.raises(ConfigError, match="allocation.gen_nodes is not set"):  # config.yaml records a number
+        prepare_run_dir(tiny(tmp_path, "cluster.nodes=4", "allocation.gen_nodes=null"))
+    saved = prepare_run_dir(tiny(tmp_path, "cluster.nodes=4", "allocation.gen_nodes=3")) / "config.yaml"
+    saved.write_text(saved.read_text().replace("gen_nodes: 3", "gen_nodes: null"))  # as run directories were
     prepare_run_dir(tiny(tmp_path, "cluster.nodes=4", "allocation.gen_nodes=3"))
     assert load_config(tmp_path / "tiny-cpu/trial0/config.yaml").allocation.gen_nodes == 3
     with pytest.raises(ConfigError, match="allocation.gen_nodes: 3 -> 2"):
