@@ -157,6 +157,13 @@ def test_nothing_fits_is_a_config_error():
         planner.choose(cfg)
 
 
+def test_no_split_for_the_parallel_sizes_says_so_not_memory():
+    """gen_share auto with sizes no split can hold: the error names the replicas rule, not memory."""
+    cfg = load_config(CONFIGS / "qwen32b.yaml", ["cluster.nodes=2", "allocation.train_tp=8", "allocation.train_pp=4"])
+    with pytest.raises(ConfigError, match="no split of 2 nodes x 8 GPUs can run these parallel sizes .* replicas"):
+        planner.resolve_split(cfg)
+
+
 def areal(*args):
     return subprocess.run(
         [sys.executable, "-m", "areal_hpc.cli", *args], capture_output=True, text=True, cwd=REPO, timeout=60

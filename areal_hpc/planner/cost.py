@@ -207,9 +207,10 @@ class Plan:
 
     @classmethod
     def of(cls, cfg: Config) -> Plan:
-        """The allocation of a config whose split is resolved (`resolve_split`)."""
+        """The allocation of a config whose split is resolved (`resolve_split`; its `layout` refuses one that
+        is not)."""
         a = cfg.allocation
-        return cls(Layout.from_config(cfg).gen_nodes, a.gen_tp, a.train_tp, a.train_pp)
+        return cls(a.gen_nodes, a.gen_tp, a.train_tp, a.train_pp)
 
     def layout(self, cfg: Config) -> Layout:
         """The rank map of this plan on the config's cluster: its generators (engines) and trainers."""

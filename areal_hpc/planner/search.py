@@ -60,6 +60,13 @@ def choose(
         key = (round(p.tokens_per_s(), -2), -plan.gen_tp - plan.train_tp * plan.train_pp, plan.gen_nodes)
         if best is None or key > best[0]:
             best = (key, p)
+    if not tried:
+        raise ConfigError(
+            f"no split of {cfg.cluster.nodes} nodes x {cfg.cluster.gpus_per_node} GPUs can run "
+            f"{'these parallel sizes (' + str(fixed) + ')' if fixed else 'the model'}: the trainer's GPUs must hold "
+            "whole allocation.train_tp x train_pp replicas, and allocation.gen_tp must divide a node's GPUs; change "
+            "cluster.nodes or the parallel sizes"
+        )
     if best is None:
         raise ConfigError(
             f"no split of {cfg.cluster.nodes} nodes x {cfg.cluster.gpus_per_node} GPUs of {cfg.cluster.gpu_memory_gb:g} GB "
