@@ -40,7 +40,7 @@ FILTERED_WARN_STEPS = 10
 are all right or all wrong, no step comes, and the run must not look busy without a word."""
 RENAMED = {"sample_idx": "index"}
 """Trajectory fields under the names older controller checkpoints saved them with -> their names now."""
-DROPPED = "prompt_ids"
+REMOVED = "prompt_ids"
 """What older controller checkpoints saved in each group and each trajectory besides its Example's own copy
 (the prompt's token ids): read and left out."""
 
@@ -104,7 +104,7 @@ class Group:
             example=s["example"],
             n=s["n"],
             trajectories=[
-                Trajectory(**{RENAMED.get(k, k): v for k, v in t.items() if k != DROPPED}) for t in s["trajectories"]
+                Trajectory(**{RENAMED.get(k, k): v for k, v in t.items() if k != REMOVED}) for t in s["trajectories"]
             ],
             rewards=list(s["rewards"]),
         )
