@@ -1,8 +1,8 @@
 """Staleness control: the admission gate and the consumption check (docs/design.md, The algorithm).
 
 B = `rollout.prompts_per_step` (prompt groups per training step), eta = `rollout.max_staleness`,
-v = the policy version (completed optimizer steps, i.e. the version the next step trains), read
-from an injected callable so the gate needs no MPI and tests drive it directly.
+v = the policy version (completed training steps, each of `ppo.minibatches` optimizer steps; the version
+the next step trains), read from an injected callable so the gate needs no MPI and tests drive it directly.
 
     admission:    admit a new prompt group only while
                       accepted + running < (eta + v + 1) * B   and   running < max_concurrent
