@@ -245,6 +245,18 @@ def test_update_loads_in_place(setup, monkeypatch):
         np.testing.assert_allclose(t.behav_logprobs, hf_logprobs(model_b, prompt_of(t), t.output_ids), atol=TOL, rtol=0)
 
 
+def test_the_environment_is_chosen_over_what_the_user_exported(caplog):
+    from areal_hpc.generator.choices import ENVIRONMENT, choose_environment
+
+    env = {"VLLM_WORKER_MULTIPROC_METHOD": "fork", "VLLM_USE_V2_MODEL_RUNNER": "0", "OTHER": "x"}
+    with caplog.at_level("WARNING"):
+        choose_environment(env)
+    assert env == {**ENVIRONMENT, "OTHER": "x"} and ENVIRONMENT["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    assert [r.getMessage() for r in caplog.records] == [
+        "VLLM_WORKER_MULTIPROC_METHOD=fork in the environment: areal-hpc sets spawn (areal_hpc.generator.choices)"
+    ]
+
+
 def test_qwen3_loads_the_trainers_weights(tmp_path):
     """A Qwen3 engine (q/k norms, a head size apart from hidden / heads, tied embeddings) loads weights
     under the names the trainer sends (Hugging Face's, no lm_head.weight when tied), the norms
