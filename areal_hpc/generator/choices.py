@@ -1,5 +1,6 @@
 """The vLLM settings that would otherwise differ between a GPU and the CPU, chosen here, once, so that a GPU
-runs the engine the tests run.
+runs the engine the tests run; and `resolved`, what a running engine actually uses (`GenerationEngine.settings`,
+logged by every generator at start).
 
 Left to itself, vLLM 0.32 runs another engine on CUDA than on the CPU: its V2 model runner, asynchronous
 scheduling (a second batch queued while one runs) and forked tensor-parallel workers there; the V1 runner,
@@ -53,7 +54,7 @@ ENGINE_ARGS = {
   here so that an upgrade cannot change it unseen; CUDA graphs make small decode batches fast. Weights
   are loaded in place (`engine.WeightLoader`), so the captured graphs stay valid across updates. vLLM
   resolves it to NONE on the CPU (no static graphs) and with `enforce_eager`, and may lower it to what the
-  attention backend supports.
+  attention backend supports: `resolved` reads the outcome.
 """
 
 log = logging.getLogger(__name__)
@@ -68,3 +69,47 @@ def choose_environment(environ: MutableMapping[str, str] = os.environ) -> None:
         if given is not None and given != value:
             log.warning("%s=%s in the environment: areal-hpc sets %s (areal_hpc.generator.choices)", name, given, value)
         environ[name] = value
+
+
+def resolved(llm_engine) -> dict[str, str]:
+    """What a running vLLM `LLMEngine` uses, after vLLM's own resolution of `ENVIRONMENT`, `ENGINE_ARGS` and
+    its platform defaults: read from its first worker (`_worker_settings`) and the engine itself."""
+    from vllm import __version__
+
+    inproc = type(llm_engine.engine_core).__name__ == "InprocClient"
+    worker = llm_engine.collective_rpc(_worker_settings, args=(os.getpid(),))[0]
+    return {"vllm": __version__, "engine_core": "in-process" if inproc else "process", **worker}
+
+
+def _worker_settings(worker, engine_pid: int) -> dict[str, str]:
+    """Run inside a vLLM worker (`collective_rpc`): its resolved configuration, and how it was started."""
+    import multiprocessing
+
+    c = worker.vllm_config
+    cache, model = c.cache_config, c.model_config
+    start = getattr(multiprocessing.current_process(), "_start_method", None)
+    kv = (
+        {"kv_cache_bytes": str(cache.kv_cache_memory_bytes)}
+        if cache.kv_cache_memory_bytes
+        else {"gpu_memory_utilization": str(cache.gpu_memory_utilization)}
+    )
+    return {
+        "model_runner": "V2" if c.use_v2_model_runner else "V1",
+        "worker_start_method": "in-process" if os.getpid() == engine_pid else str(start),
+        "async_scheduling": _on(c.scheduler_config.async_scheduling),
+        "cudagraph_mode": c.compilation_config.cudagraph_mode.name,
+        "compilation_mode": c.compilation_config.mode.name,
+        "enforce_eager": _on(model.enforce_eager),
+        "tensor_parallel_size": str(c.parallel_config.tensor_parallel_size),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        **kv,
+        "kv_cache_tokens": str((cache.num_gpu_blocks or 0) * cache.block_size),
+        "prefix_caching": _on(cache.enable_prefix_caching),
+        "logprobs_mode": str(model.logprobs_mode),
+        "max_num_seqs": str(c.scheduler_config.max_num_seqs),
+        "max_model_len": str(model.max_model_len),
+    }
+
+
+def _on(flag) -> str:
+    return "on" if flag else "off"

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from areal_hpc.arch import model_arch
-from areal_hpc.generator.choices import ENGINE_ARGS, choose_environment
+from areal_hpc.generator.choices import ENGINE_ARGS, choose_environment, resolved
 from areal_hpc.protocol import EvalRequest, EvalTrajectory, GenerateRequest, Trajectory
 
 # vLLM's environment (worker start method, model runner, in-process engine core), set on import: before
@@ -279,6 +279,12 @@ class GenerationEngine:
             max_model_len=model_arch(m).max_position_embeddings,
             max_num_seqs=r.engine_seqs,
         )
+
+    def settings(self) -> dict[str, str]:
+        """The engine's resolved settings, as vLLM runs them (`choices.resolved`): model runner, async
+        scheduling, CUDA graphs, worker start method, tensor parallel size, dtype, KV cache, prefix caching,
+        logprobs mode, ..."""
+        return resolved(self.engine)
 
     def close(self) -> None:
         """Shut the engine down (its worker processes too, when gen_tp > 1)."""

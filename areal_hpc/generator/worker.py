@@ -16,6 +16,7 @@ interruption and resumes under the new weights with what it produced so far.
 
 from __future__ import annotations
 
+import logging
 import time
 import traceback
 
@@ -33,6 +34,8 @@ def serve(ctx, sync) -> None:
     mailbox = Mailbox(ctx.world)
     try:
         engine = GenerationEngine.from_config(ctx.cfg, ctx.model_path, ctx.device, seed_offset=ctx.rank)
+        settings = " ".join(f"{k}={v}" for k, v in engine.settings().items())
+        logging.info("%s vLLM engine: %s", ctx.layout.describe_rank(ctx.rank), settings)
         while True:
             for envelope in mailbox.poll(source=CONTROLLER_RANK):
                 msg = envelope.msg
