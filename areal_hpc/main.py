@@ -28,7 +28,9 @@ controller's Stop. Slurm sends a preemption's SIGTERM to every task at once: a r
 would end the step before the controller could checkpoint.
 
 mpi4py is imported inside functions only: a generator rank's vLLM must not see MPI initialised at
-import time.
+import time, and a vLLM worker it spawns (gen_tp > 1) imports this module again, as `__mp_main__`, with
+the rank's OMPI_* environment, where MPI would start a second time as the same rank (orte_init fails and
+the engine never starts).
 """
 
 from __future__ import annotations

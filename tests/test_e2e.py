@@ -7,6 +7,8 @@ controller, a reward worker, a vLLM generator and a Megatron trainer, on the tin
 - a few steps run, write the run directory (metrics with the docs/design.md names every step, a log per
   rank, TensorBoard events, checkpoints); Ctrl-C stops after a checkpoint, and the same command
   resumes: the step count continues and no prompt is trained on twice;
+- a generator at gen_tp 2 runs under mpirun: its engine spawns its two tensor-parallel workers, and its log
+  names the engine's resolved settings (worker start method, model runner, ...);
 - kill -9 of a rank ends the whole run in bounded time, the error names the rank by its role, and
   nothing is left running;
 - a rank that stops answering (SIGSTOP) is named by the controller, which ends the run.
@@ -163,6 +165,24 @@ def test_runs_stops_on_ctrl_c_after_a_checkpoint_and_resumes(root):
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert checkpoint_version(latest_checkpoint(run_dir)) == total
     assert not left_running(run_dir)
+
+
+def test_a_gen_tp_2_generator_runs_under_mpi(root):
+    """The generator's vLLM engine at TP 2 inside the MPI world (2 process slots a node: the trainers run
+    TP 2 too): its workers are spawned processes that receive their shards of every weight update."""
+    tp2 = ("cluster.gpus_per_node=2", "allocation.gen_tp=2", "allocation.train_tp=2")
+    run = Run(root, "gen-tp2", *tp2, "train.total_steps=3")
+    assert run.wait(timeout=600) == 0, run.output
+    assert [r["step"] for r in run.rows()] == list(range(1, 4))
+    assert_logprobs_agree(run.rows())
+    log = (run.run_dir / "logs" / "generator-0.log").read_text()
+    line = re.search(r"generator 0 \(world rank 2\) vLLM engine: (.*)", log)
+    assert line, log
+    settings = dict(item.split("=", 1) for item in line.group(1).split())
+    assert settings["worker_start_method"] == "spawn" and settings["tensor_parallel_size"] == "2"
+    assert settings["model_runner"] == "V1" and settings["async_scheduling"] == "off"
+    assert settings["engine_core"] == "in-process"
+    assert not left_running(run.run_dir)
 
 
 @pytest.mark.parametrize("victim", ["controller-0", "reward-0", "generator-0", "trainer-0"])

@@ -245,6 +245,48 @@ def test_update_loads_in_place(setup, monkeypatch):
         np.testing.assert_allclose(t.behav_logprobs, hf_logprobs(model_b, prompt_of(t), t.output_ids), atol=TOL, rtol=0)
 
 
+def test_settings_are_the_chosen_ones_as_vllm_resolved_them(setup):
+    """What the engine runs, read back from its worker: the V1 model runner, no asynchronous scheduling
+    (the choices a GPU engine gets too), no CUDA graphs (none on the CPU), the engine core and, at
+    gen_tp 1, the worker in this process; and the arguments the generator gave it."""
+    from areal_hpc.arch import hf_arch
+    from areal_hpc.generator.kv_cache import cpu_kv_cache_bytes
+
+    engine, _, _ = setup
+    s = engine.settings()
+    kv_bytes = cpu_kv_cache_bytes(hf_arch(engine.engine.vllm_config.model_config.model), 1, 64, 256)
+    assert {k: v for k, v in s.items() if k not in ("vllm", "kv_cache_tokens")} == {
+        "engine_core": "in-process",
+        "model_runner": "V1",
+        "worker_start_method": "in-process",
+        "async_scheduling": "off",
+        "cudagraph_mode": "NONE",
+        "compilation_mode": "DYNAMO_TRACE_ONCE",
+        "enforce_eager": "off",
+        "tensor_parallel_size": "1",
+        "dtype": "float32",
+        "kv_cache_bytes": str(kv_bytes),
+        "prefix_caching": "on",
+        "logprobs_mode": "processed_logprobs",
+        "max_num_seqs": "64",
+        "max_model_len": "256",
+    }
+    assert int(s["kv_cache_tokens"]) >= 64 * 256  # every trajectory at full length (generator.kv_cache)
+    assert s["vllm"].startswith("0.32")
+
+
+def test_the_environment_is_chosen_over_what_the_user_exported(caplog):
+    from areal_hpc.generator.choices import ENVIRONMENT, choose_environment
+
+    env = {"VLLM_WORKER_MULTIPROC_METHOD": "fork", "VLLM_USE_V2_MODEL_RUNNER": "0", "OTHER": "x"}
+    with caplog.at_level("WARNING"):
+        choose_environment(env)
+    assert env == {**ENVIRONMENT, "OTHER": "x"} and ENVIRONMENT["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    assert [r.getMessage() for r in caplog.records] == [
+        "VLLM_WORKER_MULTIPROC_METHOD=fork in the environment: areal-hpc sets spawn (areal_hpc.generator.choices)"
+    ]
+
+
 def test_qwen3_loads_the_trainers_weights(tmp_path):
     """A Qwen3 engine (q/k norms, a head size apart from hidden / heads, tied embeddings) loads weights
     under the names the trainer sends (Hugging Face's, no lm_head.weight when tied), the norms

@@ -46,6 +46,9 @@ def test_tp2_workers_receive_and_load_their_shards(tmp_path):
         tp=2,
     )
     try:
+        settings = engine.settings()  # read from TP worker 0, a process of its own
+        assert settings["worker_start_method"] == "spawn" and settings["tensor_parallel_size"] == "2"
+        assert settings["model_runner"] == "V1" and settings["async_scheduling"] == "off"
         master = dist.TCPStore("127.0.0.1", 0, 3, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
         spec = GroupSpec("areal-ws-tp", 0, "127.0.0.1", master.port, 3, "gloo", 60.0)
         sender = WeightSender(0, True, spec, master)

@@ -6,6 +6,7 @@ import logging
 import os
 import socket
 import subprocess
+import sys
 
 import pytest
 
@@ -15,6 +16,7 @@ from areal_hpc.layout import Layout
 from areal_hpc.main import PIN_ENV, PLACEMENT_FLAG, SlurmTask, narrow_gpus, own_gpus
 from areal_hpc.rundir import log_path, prepare_run_dir
 from launch.local import _annotate, _dead_rank, mpirun_command
+from tests.helpers import REPO
 
 
 def layout(*overrides):
@@ -130,3 +132,12 @@ def test_the_local_launcher_gives_each_rank_its_own_gpu_of_this_machine(tmp_path
     assert (
         "generator 0 (world rank 2) device cpu (cluster.device auto)" in log_path(run_dir, "generator", 0).read_text()
     )
+
+
+def test_the_rank_module_imports_no_mpi4py():
+    """A vLLM worker spawned by a generator rank (gen_tp > 1) imports areal_hpc.main again (multiprocessing's
+    `__mp_main__`) with the rank's OMPI_* environment: mpi4py imported there would start MPI as a second
+    copy of the rank (measured: orte_init fails and the engine's start hangs)."""
+    code = "import sys, areal_hpc.main; print(sorted(m for m in sys.modules if m.split('.')[0] == 'mpi4py'))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

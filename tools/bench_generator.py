@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import datetime
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -37,7 +36,6 @@ SIZES = {  # name -> ModelConfig fields (head size 32 or 64: vLLM's CPU attentio
 
 
 def child(size: str, args) -> dict:
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import numpy as np
     import torch
     from vllm import LLM, EngineArgs, SamplingParams

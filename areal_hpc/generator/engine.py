@@ -38,11 +38,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from areal_hpc.arch import model_arch
+from areal_hpc.generator.choices import ENGINE_ARGS, choose_environment, resolved
 from areal_hpc.protocol import EvalRequest, EvalTrajectory, GenerateRequest, Trajectory
 
-# In-process engine core: under mpirun a spawned engine process would fail in MPI init, and it starts
-# ~4x faster. Must be set before vLLM is imported (vLLM is only imported inside functions here).
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# vLLM's environment (worker start method, model runner, in-process engine core), set on import: before
+# any engine is built (vLLM is only imported inside functions here).
+choose_environment()
 
 WORKER_EXTENSION = "areal_hpc.generator.engine.WeightLoader"
 
@@ -233,7 +234,8 @@ class GenerationEngine:
         max_num_seqs: int = 256,
         enforce_eager: bool = False,
     ):
-        """vLLM `EngineArgs` for a generator: processed logprobs (see the module doc), our worker extension.
+        """vLLM `EngineArgs` for a generator: processed logprobs (see the module doc), our worker extension,
+        the project's choices where vLLM's defaults differ by platform (`choices.ENGINE_ARGS`).
         `device`: 'cpu' or 'cuda', the rank's (`RankContext.device`); vLLM's own platform is never asked."""
         from vllm import EngineArgs
 
@@ -251,6 +253,7 @@ class GenerationEngine:
             enforce_eager=enforce_eager,
             disable_log_stats=True,
             kv_cache_memory_bytes=kv_bytes,
+            **ENGINE_ARGS,
         )
 
     @classmethod
@@ -276,6 +279,12 @@ class GenerationEngine:
             max_model_len=model_arch(m).max_position_embeddings,
             max_num_seqs=r.engine_seqs,
         )
+
+    def settings(self) -> dict[str, str]:
+        """The engine's resolved settings, as vLLM runs them (`choices.resolved`): model runner, async
+        scheduling, CUDA graphs, worker start method, tensor parallel size, dtype, KV cache, prefix caching,
+        logprobs mode, ..."""
+        return resolved(self.engine)
 
     def close(self) -> None:
         """Shut the engine down (its worker processes too, when gen_tp > 1)."""

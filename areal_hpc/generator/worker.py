@@ -16,7 +16,7 @@ interruption and resumes under the new weights with what it produced so far.
 
 from __future__ import annotations
 
-import os
+import logging
 import time
 import traceback
 
@@ -27,8 +27,6 @@ IDLE_S = 0.001
 def serve(ctx, sync) -> None:
     """Run the generator rank until the controller sends Stop. `sync` is this rank's
     `weight_sync.WeightReceiver` (from `setup_weight_sync`)."""
-    # Before vLLM is imported: keep the engine in this process (a spawned engine fails in MPI init).
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from areal_hpc.generator.engine import GenerationEngine
     from areal_hpc.protocol import EvalRequest, Failure, GenerateRequest, Mailbox, Stop, SyncDone, WeightSync
     from areal_hpc.runtime import CONTROLLER_RANK
@@ -36,6 +34,8 @@ def serve(ctx, sync) -> None:
     mailbox = Mailbox(ctx.world)
     try:
         engine = GenerationEngine.from_config(ctx.cfg, ctx.model_path, ctx.device, seed_offset=ctx.rank)
+        settings = " ".join(f"{k}={v}" for k, v in engine.settings().items())
+        logging.info("%s vLLM engine: %s", ctx.layout.describe_rank(ctx.rank), settings)
         while True:
             for envelope in mailbox.poll(source=CONTROLLER_RANK):
                 msg = envelope.msg

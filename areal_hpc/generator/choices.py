@@ -1,0 +1,115 @@
+"""The vLLM settings that would otherwise differ between a GPU and the CPU, chosen here, once, so that a GPU
+runs the engine the tests run; and `resolved`, what a running engine actually uses (`GenerationEngine.settings`,
+logged by every generator at start).
+
+Left to itself, vLLM 0.32 runs another engine on CUDA than on the CPU: its V2 model runner, asynchronous
+scheduling (a second batch queued while one runs) and forked tensor-parallel workers there; the V1 runner,
+no asynchronous scheduling and spawned workers here. The interruption (abort with a batch in flight, load,
+reset the prefix cache, resubmit) is tested on the CPU; a GPU must run it the same way. `ENVIRONMENT` is
+read by vLLM from the environment, `ENGINE_ARGS` are `EngineArgs` fields. CUDA graphs are the one choice
+that differs by device, because the CPU has none: they stay on, for speed, and the interruption with them
+is checked by tools/gpu_check.sh on a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import MutableMapping
+
+ENVIRONMENT = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+    "VLLM_USE_V2_MODEL_RUNNER": "0",
+}
+"""vLLM's environment, set by `choose_environment` whatever the user exported:
+
+- VLLM_ENABLE_V1_MULTIPROCESSING=0: the engine core runs in the generator's process. A weight update hands
+  the weight-sync receiver to vLLM's workers through `collective_rpc`, whose arguments reach an engine core
+  in another process only through vLLM's msgpack encoder, which turns the receiver into a dict (measured:
+  "'dict' object has no attribute 'receive'"); and one process fewer starts.
+- VLLM_WORKER_MULTIPROC_METHOD=spawn: with gen_tp > 1 vLLM starts a process per tensor-parallel worker,
+  by default with fork, and spawns only when torch has already initialised CUDA in this process
+  (`_maybe_force_spawn` in vllm/utils/system_utils.py). A rank that asked torch whether it has a GPU
+  (`device.resolve_device`) has initialised the CUDA driver but not torch's CUDA state, so vLLM would fork,
+  and a forked worker cannot use the driver its parent initialised (vLLM issues #6152, #14535). vLLM's CPU
+  platform spawns whatever is set (vllm/platforms/cpu.py), so spawn is also the method the tests run. A
+  spawned worker imports the rank's main module (areal_hpc.main) again, which imports no mpi4py: it never
+  joins the MPI world.
+- VLLM_USE_V2_MODEL_RUNNER=0: the V1 model runner. vLLM 0.32 picks its V2 runner wherever Triton works
+  (`VllmConfig.use_v2_model_runner`), so on CUDA; the CPU build has no Triton backend and runs V1.
+"""
+
+ENGINE_ARGS = {
+    "async_scheduling": False,
+    "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"},
+}
+"""`EngineArgs` fields every generator engine gets:
+
+- async_scheduling=False: left unset, vLLM 0.32 turns it on wherever nothing rules it out
+  (`VllmConfig.__post_init__`), so on CUDA, and schedules the next batch while one runs (two batches in
+  flight); its CPU platform turns it off (vllm/platforms/cpu.py). Off, an interruption aborts with at most
+  one batch in flight, as tested.
+- cudagraph_mode FULL_AND_PIECEWISE: vLLM's CUDA default at its default optimisation level (O2), named
+  here so that an upgrade cannot change it unseen; CUDA graphs make small decode batches fast. Weights
+  are loaded in place (`engine.WeightLoader`), so the captured graphs stay valid across updates. vLLM
+  resolves it to NONE on the CPU (no static graphs) and with `enforce_eager`, and may lower it to what the
+  attention backend supports: `resolved` reads the outcome.
+"""
+
+log = logging.getLogger(__name__)
+
+
+def choose_environment(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Set `ENVIRONMENT` in `environ`, logging each value the user had set otherwise. Before vLLM builds an
+    engine: vLLM reads these variables when it builds one, and freezes its view of the environment once an
+    engine core has started in the process (`enable_envs_cache` in vllm/envs.py)."""
+    for name, value in ENVIRONMENT.items():
+        given = environ.get(name)
+        if given is not None and given != value:
+            log.warning("%s=%s in the environment: areal-hpc sets %s (areal_hpc.generator.choices)", name, given, value)
+        environ[name] = value
+
+
+def resolved(llm_engine) -> dict[str, str]:
+    """What a running vLLM `LLMEngine` uses, after vLLM's own resolution of `ENVIRONMENT`, `ENGINE_ARGS` and
+    its platform defaults: read from its first worker (`_worker_settings`) and the engine itself."""
+    from vllm import __version__
+
+    inproc = type(llm_engine.engine_core).__name__ == "InprocClient"
+    worker = llm_engine.collective_rpc(_worker_settings, args=(os.getpid(),))[0]
+    return {"vllm": __version__, "engine_core": "in-process" if inproc else "process", **worker}
+
+
+def _worker_settings(worker, engine_pid: int) -> dict[str, str]:
+    """Run inside a vLLM worker (`collective_rpc`): its resolved configuration, and how it was started."""
+    import multiprocessing
+
+    c = worker.vllm_config
+    cache, model = c.cache_config, c.model_config
+    start = getattr(multiprocessing.current_process(), "_start_method", None)
+    kv = (
+        {"kv_cache_bytes": str(cache.kv_cache_memory_bytes)}
+        if cache.kv_cache_memory_bytes
+        else {"gpu_memory_utilization": str(cache.gpu_memory_utilization)}
+    )
+    return {
+        "model_runner": "V2" if c.use_v2_model_runner else "V1",
+        "worker_start_method": "in-process" if os.getpid() == engine_pid else str(start),
+        "async_scheduling": _on(c.scheduler_config.async_scheduling),
+        "cudagraph_mode": c.compilation_config.cudagraph_mode.name,
+        "compilation_mode": c.compilation_config.mode.name,
+        "enforce_eager": _on(model.enforce_eager),
+        "tensor_parallel_size": str(c.parallel_config.tensor_parallel_size),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        **kv,
+        "kv_cache_tokens": str((cache.num_gpu_blocks or 0) * cache.block_size),
+        "prefix_caching": _on(cache.enable_prefix_caching),
+        "logprobs_mode": str(model.logprobs_mode),
+        "max_num_seqs": str(c.scheduler_config.max_num_seqs),
+        "max_model_len": str(model.max_model_len),
+    }
+
+
+def _on(flag) -> str:
+    return "on" if flag else "off"
