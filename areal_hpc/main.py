@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         _fail(world, name, e, console, log_file)
     _signals(role)
     pinned = os.environ.get(PIN_ENV) == "1" and _pin(layout.core_plan(sorted(os.sched_getaffinity(0))).get(rank))
-    log_cpus(name, role, pinned)
+    group = [c.name for c in layout.components].index(layout.placement(rank).component)
+    log_cpus(name, role, group, pinned)
 
     try:
         device = resolve_device(cfg.cluster.device, gpus=bool(layout.placement(rank).gpus))
@@ -218,19 +219,24 @@ def _pin(place: Cores | None) -> bool:
     return True
 
 
-def log_cpus(name: str, role: Role, pinned: bool) -> None:
-    """Log in one line the CPUs Slurm gave this task (SLURM_CPUS_PER_TASK: its share of the node,
-    launch.sbatch.cpus_per_task) and the ones it may run on (its affinity), and set OMP_NUM_THREADS
-    before torch is imported.
+def log_cpus(name: str, role: Role, group: int, pinned: bool) -> None:
+    """Log in one line the CPUs Slurm gave this task (its share of the node, launch.sbatch.cpus_per_task)
+    and the ones it may run on (its affinity), and set OMP_NUM_THREADS before torch is imported.
+
+    The CPUs Slurm gave: SLURM_CPUS_PER_TASK_HET_GROUP_<group> in a heterogeneous job (`group`: the
+    rank's component), which the script asks for again on the step; SLURM_CPUS_PER_TASK otherwise. In
+    a heterogeneous step SLURM_CPUS_PER_TASK is the last component's that sets one, in the tasks of
+    component 0 too (Slurm 22.05, measured on the local cluster), while the step gives them their own.
 
     OMP_NUM_THREADS, when neither the local launcher's pinning (`pinned`) nor the environment
     (cluster.env, the submitting shell) set it: a Slurm task other than a generator gets the CPUs it
-    may run on, at most its SLURM_CPUS_PER_TASK (a node that binds no task lets every task run on all
-    of them), since torch's default is the whole host's cores. A generator leaves it to vLLM, which
+    may run on, at most the ones Slurm gave it (a node that binds no task lets every task run on
+    all of them), since torch's default is the whole host's cores. A generator leaves it to vLLM, which
     sizes its workers' threads from the same affinity (and cgroup quota) when the variable is unset,
     shares them among its TP workers and serves with one thread on GPU; set, it would give each
     worker all of them (vllm/v1/executor/multiproc_executor.py, set_multiprocessing_worker_envs)."""
-    given = os.environ.get("SLURM_CPUS_PER_TASK")
+    variable = f"SLURM_CPUS_PER_TASK_HET_GROUP_{group}" if "SLURM_HET_SIZE" in os.environ else "SLURM_CPUS_PER_TASK"
+    given = os.environ.get(variable)
     cores = sorted(os.sched_getaffinity(0))
     threads = os.environ.get("OMP_NUM_THREADS")
     if pinned:
@@ -244,10 +250,10 @@ def log_cpus(name: str, role: Role, pinned: bool) -> None:
     else:
         threads = str(min(len(cores), int(given)) if given else len(cores))
         os.environ["OMP_NUM_THREADS"] = threads
-        why = "the CPUs it may run on" + (", at most SLURM_CPUS_PER_TASK" if given else "")
+        why = "the CPUs it may run on" + (", at most Slurm's" if given else "")
     logging.info(
-        "%s CPUs: SLURM_CPUS_PER_TASK %s, may run on %d (%s), OMP_NUM_THREADS %s (%s)",
-        name, given or "unset", len(cores), _spans(cores), threads or "unset", why,
+        "%s CPUs: %s %s, may run on %d (%s), OMP_NUM_THREADS %s (%s)",
+        name, variable, given or "unset", len(cores), _spans(cores), threads or "unset", why,
     )  # fmt: skip
 
 

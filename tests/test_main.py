@@ -89,7 +89,7 @@ def test_narrow_gpus_sets_the_variable_and_logs_role_host_gpus(monkeypatch, capl
 
 def test_each_rank_logs_its_cpus_and_omp_num_threads_follows(monkeypatch, caplog):
     cores = sorted(os.sched_getaffinity(0))
-    for key in ("OMP_NUM_THREADS", "SLURM_CPUS_PER_TASK", "SLURM_LOCALID", PIN_ENV):
+    for key in ("OMP_NUM_THREADS", "SLURM_CPUS_PER_TASK", "SLURM_HET_SIZE", "SLURM_LOCALID", PIN_ENV):
         monkeypatch.delenv(key, raising=False)
     slurm = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "3", "SLURM_NODEID": "1", "SLURM_LOCALID": "0"}
 
@@ -98,7 +98,7 @@ def test_each_rank_logs_its_cpus_and_omp_num_threads_follows(monkeypatch, caplog
             monkeypatch.setenv(key, value)
         caplog.clear()
         with caplog.at_level(logging.INFO):
-            log_cpus("trainer 0 (world rank 3)", role, pinned)
+            log_cpus("trainer 0 (world rank 3)", role, 2, pinned)
         return caplog.records[-1].getMessage()
 
     # the local launcher, unpinned (the controller, reward workers): nothing set
@@ -106,12 +106,16 @@ def test_each_rank_logs_its_cpus_and_omp_num_threads_follows(monkeypatch, caplog
     assert "OMP_NUM_THREADS" not in os.environ
     # a Slurm task: the CPUs it may run on, at most those Slurm gave it (a node that binds nothing)
     line = logged(**slurm, SLURM_CPUS_PER_TASK="1")
-    assert line.endswith("OMP_NUM_THREADS 1 (the CPUs it may run on, at most SLURM_CPUS_PER_TASK)")
-    assert "SLURM_CPUS_PER_TASK 1, may run on" in line and os.environ["OMP_NUM_THREADS"] == "1"
+    assert line.endswith("OMP_NUM_THREADS 1 (the CPUs it may run on, at most Slurm's)")
+    assert "CPUs: SLURM_CPUS_PER_TASK 1, may run on" in line and os.environ["OMP_NUM_THREADS"] == "1"
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert logged(SLURM_CPUS_PER_TASK="512").endswith(
-        f"OMP_NUM_THREADS {len(cores)} (the CPUs it may run on, at most SLURM_CPUS_PER_TASK)"
+        f"OMP_NUM_THREADS {len(cores)} (the CPUs it may run on, at most Slurm's)"
     )
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    # a heterogeneous job: its own component's count (SLURM_CPUS_PER_TASK is the last component's there)
+    line = logged(SLURM_HET_SIZE="3", SLURM_CPUS_PER_TASK_HET_GROUP_2="1")
+    assert "CPUs: SLURM_CPUS_PER_TASK_HET_GROUP_2 1, may run on" in line and os.environ["OMP_NUM_THREADS"] == "1"
     monkeypatch.delenv("OMP_NUM_THREADS")
     # a generator leaves it to vLLM (it shares them among its TP workers); cluster.env's value is kept
     assert logged(Role.GENERATOR).endswith("OMP_NUM_THREADS unset (vLLM sizes its workers' threads)")
