@@ -188,6 +188,14 @@ def test_too_big_for_the_cluster_is_refused_before_sbatch(slurm_cluster, tmp_pat
         "cluster.partition 'gpu-big' is not a partition of this cluster (sinfo lists: debug, high, low)"
         in capsys.readouterr().err
     )
+    # more CPUs than the fake nodes' 8
+    code = cli_main(["submit", str(TINY), "--nodes", "3", "cluster.cpus_per_node=16", f"experiment.root={tmp_path}"])
+    assert code == 1
+    assert (
+        "cluster.cpus_per_node (16) exceeds the 8 CPUs of the largest node of partition 'debug'"
+        in capsys.readouterr().err
+    )
+    assert not (tmp_path / "tiny-cpu").exists()
 
 
 def test_time_limit_signal_checkpoints_and_requeues(submit):
