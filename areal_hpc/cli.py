@@ -85,9 +85,10 @@ def cmd_render(args) -> int:
     from areal_hpc.planner import resolve_split
     from areal_hpc.rundir import Holder, lock_run_dir, prepare_run_dir, unlock_run_dir
     from launch.record import job_active
-    from launch.slurm import SlurmLauncher
+    from launch.slurm import SlurmLauncher, partitions, resolve_cpus
 
     cfg, _ = resolve_split(_config(args))  # the run directory's config.yaml records the split
+    cfg = resolve_cpus(cfg, partitions())  # and the CPUs of a GPU node
     script = SlurmLauncher().script(cfg)
     holder = Holder.this_process()
     lock_run_dir(cfg.run_dir, holder, job_active)  # not while a run or job uses the directory

@@ -2,7 +2,8 @@
 
 ```
  every rank:  config.yaml -> Layout -> role, log file logs/<role>-<i>.log, its GPUs, signals, cores
-              first log line: role, host, GPUs; the device, resolved once (areal_hpc.device)
+              first log line: role, host, GPUs; then its CPUs and OMP_NUM_THREADS (`log_cpus`);
+              the device, resolved once (areal_hpc.device)
               (--placement: exit barrier here)
               role communicator (collective)
               model dir + latest complete checkpoint (world rank 0 finds or builds them, bcast)
@@ -85,9 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as e:  # noqa: BLE001 - the launcher's console names the rank and the fix
         _fail(world, name, e, console, log_file)
     _signals(role)
-    if os.environ.get(PIN_ENV) == "1":
-        _pin(layout.core_plan(sorted(os.sched_getaffinity(0))).get(rank))
-    logging.info("%s cores %s", name, sorted(os.sched_getaffinity(0)))
+    pinned = os.environ.get(PIN_ENV) == "1" and _pin(layout.core_plan(sorted(os.sched_getaffinity(0))).get(rank))
+    group = [c.name for c in layout.components].index(layout.placement(rank).component)
+    log_cpus(name, role, group, pinned)
 
     try:
         device = resolve_device(cfg.cluster.device, gpus=bool(layout.placement(rank).gpus))
@@ -209,12 +210,64 @@ def own_gpus(layout: Layout, rank: int, given: list[str], task: SlurmTask | None
 # --- cores -------------------------------------------------------------------------------------
 
 
-def _pin(place: Cores | None) -> None:
+def _pin(place: Cores | None) -> bool:
+    """Run on `place`'s cores with its threads (the local launcher's generator and trainer ranks); whether
+    there was a place."""
     if place is None:
-        return
+        return False
     os.sched_setaffinity(0, place.cores)
     # Before torch or vLLM is imported: the rank's compute threads (the generator engine follows them).
     os.environ["OMP_NUM_THREADS"] = str(place.threads)
+    return True
+
+
+def log_cpus(name: str, role: Role, group: int, pinned: bool) -> None:
+    """Log in one line the CPUs Slurm gave this task (its share of the node, launch.sbatch.cpus_per_task)
+    and the ones it may run on (its affinity), and set OMP_NUM_THREADS before torch is imported.
+
+    The CPUs Slurm gave: SLURM_CPUS_PER_TASK_HET_GROUP_<group> in a heterogeneous job (`group`: the
+    rank's component), which the script asks for again on the step; SLURM_CPUS_PER_TASK otherwise. In
+    a heterogeneous step SLURM_CPUS_PER_TASK is the last component's that sets one, in the tasks of
+    component 0 too (Slurm 22.05, measured on the local cluster), while the step gives them their own.
+
+    OMP_NUM_THREADS, when neither the local launcher's pinning (`pinned`) nor the environment
+    (cluster.env, the submitting shell) set it: a Slurm task other than a generator gets the CPUs it
+    may run on, at most the ones Slurm gave it (a node that binds no task lets every task run on
+    all of them), since torch's default is the whole host's cores. A generator leaves it to vLLM, which
+    sizes its workers' threads from the same affinity (and cgroup quota) when the variable is unset,
+    shares them among its TP workers and serves with one thread on GPU; set, it would give each
+    worker all of them (vllm/v1/executor/multiproc_executor.py, set_multiprocessing_worker_envs)."""
+    variable = f"SLURM_CPUS_PER_TASK_HET_GROUP_{group}" if "SLURM_HET_SIZE" in os.environ else "SLURM_CPUS_PER_TASK"
+    given = os.environ.get(variable)
+    cores = sorted(os.sched_getaffinity(0))
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if pinned:
+        why = "its share of this machine's cores"
+    elif threads:
+        why = "from the environment"
+    elif slurm_task() is None:
+        why = "the libraries' default"
+    elif role == Role.GENERATOR:
+        why = "vLLM sizes its workers' threads"
+    else:
+        threads = str(min(len(cores), int(given)) if given else len(cores))
+        os.environ["OMP_NUM_THREADS"] = threads
+        why = "the CPUs it may run on" + (", at most Slurm's" if given else "")
+    logging.info(
+        "%s CPUs: %s %s, may run on %d (%s), OMP_NUM_THREADS %s (%s)",
+        name, variable, given or "unset", len(cores), _spans(cores), threads or "unset", why,
+    )  # fmt: skip
+
+
+def _spans(cores: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    spans: list[list[int]] = []
+    for c in cores:
+        if spans and c == spans[-1][1] + 1:
+            spans[-1][1] = c
+        else:
+            spans.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in spans)
 
 
 # --- output, signals, failure, exit ------------------------------------------------------------

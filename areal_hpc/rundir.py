@@ -40,8 +40,9 @@ LOCK = "LOCK"
 STOP_FILE = "STOP"
 """A file the local launcher creates in the run directory to ask the controller to checkpoint and stop
 (beside the signals, which do the same)."""
-RESUMABLE = ("experiment.resume", "train.total_steps")
-"""Fields a resumed run may change (a finished run can be extended)."""
+RESUMABLE = ("experiment.resume", "train.total_steps", "cluster.cpus_per_node")
+"""Fields a resumed run may change: a finished run can be extended, and its tasks' CPUs follow the nodes it
+runs on (0 locally, read from Slurm at submit)."""
 
 
 def prepare_run_dir(cfg: Config, fresh: bool = False) -> Path:

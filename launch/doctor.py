@@ -38,7 +38,14 @@ from areal_hpc.planner import resolve_split
 from launch import LaunchError
 from launch.record import ACTIVE, query_states
 from launch.sbatch import render_sbatch
-from launch.slurm import HetSlurmExecutor, _default_python, check_cluster, describe_request, partitions
+from launch.slurm import (
+    HetSlurmExecutor,
+    _default_python,
+    check_cluster,
+    describe_request,
+    partitions,
+    resolve_cpus,
+)
 
 PROBE = Path(__file__).resolve().parent / "doctor_probe.py"
 PROBE_TIME = "00:05:00"
@@ -72,6 +79,7 @@ def doctor(cfg: Config, python: str | None = None, wait_s: float = 600, say=prin
         for name in ("run directory", "python", "mpi", "gpus", "all-reduce"):
             add(Check(name, "SKIP", "not run: the probe job needs the checks above to pass"))
         return checks
+    cfg = resolve_cpus(cfg, partitions())  # the partitions check passed: sinfo answers
     for check in probe(cfg, python or _default_python(cfg), wait_s, say):
         add(check)
     return checks
@@ -127,7 +135,12 @@ def check_partitions(cfg: Config) -> Check:
     try:
         check_cluster(cfg, available)
     except LaunchError as e:
-        return Check("partitions", "FAIL", str(e), "set cluster.partition / cluster.cpu_partition, or --nodes, to fit")
+        return Check(
+            "partitions",
+            "FAIL",
+            str(e),
+            "set cluster.partition / cluster.cpu_partition, --nodes or cluster.cpus_per_node to fit",
+        )
     used = sorted(set(_used_partitions(cfg, available)))
     state = _output(["sinfo", "--noheader", "--format=%R %a", "--partition", ",".join(used)]) or ""
     down = sorted(

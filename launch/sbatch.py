@@ -12,11 +12,14 @@
 ```
 
 The one `srun` step numbers the tasks of the components consecutively, so SLURM_PROCID, the MPI world
-rank and `Layout.role_of` agree. Each component has its own srun options after its `--het-group`:
-since Slurm 22.05 srun no longer takes `--cpus-per-task` from the allocation, so the controller
-component's CPUs are asked for again there (and reset to one for the next components, which would
-otherwise inherit them). Nothing here reads the machine: the same config, work
-directory and python give the same text (snapshot-tested against tests/snapshots/*.sbatch).
+rank and `Layout.role_of` agree. CPUs (`cpus_per_task`): a generator or trainer node's
+`cluster.cpus_per_node` are shared by its tasks, the controller component's tasks have
+`cluster.controller_cpus` each. They are asked for on the component's #SBATCH lines (a node that is not
+exclusive gives a task one CPU otherwise) and again after its `--het-group` in the step: since Slurm
+22.05 srun no longer takes `--cpus-per-task` from the allocation, and a component's srun options carry
+over to the next components unless they set their own. Nothing here reads the machine: the same config
+(its `cpus_per_node` resolved, `launch.slurm.resolve_cpus`), work directory and python give the same
+text (snapshot-tested against tests/snapshots/*.sbatch).
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ import re
 import shlex
 from pathlib import Path
 
-from areal_hpc.config import Config
+from areal_hpc.config import ClusterConfig, Config, ConfigError
 from areal_hpc.exit_codes import EXIT_STOPPED, STOP_REASON_ENV
-from areal_hpc.layout import Layout
+from areal_hpc.layout import Component, Layout
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "slurm_templates" / "hetjob.sbatch"
 
@@ -49,6 +52,11 @@ def render_sbatch(
     """
     layout = Layout.from_config(cfg)
     c = cfg.cluster
+    if not c.cpus_per_node:
+        raise ConfigError(
+            "cluster.cpus_per_node is 0: a launcher reads it from Slurm before the script is rendered "
+            "(launch.slurm.resolve_cpus), or the config sets it"
+        )
     workdir = Path(workdir)
     run_dir = workdir / cfg.run_dir
     slurm_dir = run_dir / "slurm"
@@ -79,9 +87,10 @@ def render_sbatch(
             opts.append(f"--account={c.account}")
         if c.qos:
             opts.append(f"--qos={c.qos}")
+        cpus = cpus_per_task(c, comp)
         opts += [f"--nodes={comp.nodes}", *_task_opts(comp)]
-        if not gpu and c.controller_cpus:
-            opts.append(f"--cpus-per-task={c.controller_cpus}")
+        if cpus:
+            opts.append(f"--cpus-per-task={cpus}")
         if not gpu and c.controller_mem:
             opts.append(f"--mem={c.controller_mem}")
         if comp.gpus_per_node:  # the layout's: every accelerator node's GPUs unless cluster.device is cpu
@@ -97,7 +106,10 @@ def render_sbatch(
         directives += [f"#SBATCH {_quote_opt(o)}" for o in opts]
         ranks = comp.ranks
         what = " + ".join(r.name.lower() for r in comp.roles)
-        table.append(f"#   {i} {comp.name:<10} {tasks_text(comp)}, world ranks {ranks.start}-{ranks.stop - 1}: {what}")
+        asked = f", {cpus} CPUs/task" if cpus else ""
+        table.append(
+            f"#   {i} {comp.name:<10} {tasks_text(comp)}{asked}, world ranks {ranks.start}-{ranks.stop - 1}: {what}"
+        )
 
     env = dict(c.env)
     if c.network_interface:
@@ -125,17 +137,26 @@ def render_sbatch(
         "max_requeues": str(c.max_requeues),
         "srun_args": " ".join(shlex.quote(a) for a in srun),
         "srun_components": " \\\n  : ".join(
-            f'--het-group={i}{_srun_cpus(c.controller_cpus, i)} "${{rank[@]}}"' for i in range(len(layout.components))
+            f'--het-group={i}{_srun_cpus(cpus_per_task(c, comp))} "${{rank[@]}}"'
+            for i, comp in enumerate(layout.components)
         ),
         "command": " ".join(shlex.quote(a) for a in command),
     }
     return fill(TEMPLATE.read_text() if template is None else template, values)
 
 
-def _srun_cpus(controller_cpus: int, component: int) -> str:
-    if not controller_cpus:
-        return ""
-    return f" --cpus-per-task={controller_cpus if component == 0 else 1}"
+def cpus_per_task(c: ClusterConfig, comp: Component) -> int:
+    """CPUs each task of `comp` asks Slurm for (0: none asked). The controller component's tasks:
+    `cluster.controller_cpus` each (0: Slurm's default, one). A generator or trainer node's tasks share
+    its `cluster.cpus_per_node` (0 until a launcher resolves it). On 8-GPU nodes of 100 CPUs a trainer rank
+    gets 12, an engine 12 at gen_tp 1 and 50 at gen_tp 4 (the remainder of an uneven share stays unasked)."""
+    if comp.name == "controller":
+        return c.controller_cpus
+    return c.cpus_per_node // comp.ntasks_per_node
+
+
+def _srun_cpus(cpus: int) -> str:
+    return f" --cpus-per-task={cpus}" if cpus else ""
 
 
 def _task_opts(comp) -> list[str]:
@@ -168,4 +189,4 @@ def _quote_opt(opt: str) -> str:
     return f"{key}={shlex.quote(value)}" if sep else opt
 
 
-__all__ = ["TEMPLATE", "render_sbatch", "tasks_text"]
+__all__ = ["TEMPLATE", "cpus_per_task", "render_sbatch", "tasks_text"]

@@ -15,6 +15,7 @@ job id parsing, `Job` objects with `cancel()`, `stdout()`, `stderr()`, its log n
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import re
 import subprocess
@@ -31,7 +32,7 @@ from areal_hpc.layout import Layout
 from areal_hpc.rundir import Holder, lock_run_dir, prepare_run_dir, relock_run_dir, unlock_run_dir
 from launch.errors import LaunchError
 from launch.record import ACTIVE, JobRecord, job_active, parse_squeue, squeue_command
-from launch.sbatch import render_sbatch, tasks_text
+from launch.sbatch import cpus_per_task, render_sbatch, tasks_text
 
 
 class HetSlurmInfoWatcher(SlurmInfoWatcher):
@@ -89,36 +90,80 @@ class Partition:
     gpus_per_node: int
     """Most GPUs (gres gpu) on one of its nodes."""
     default: bool
+    cpus_per_node: int
+    """Fewest CPUs on one of its nodes: what cluster.cpus_per_node 0 becomes (`resolve_cpus`)."""
+    most_cpus: int
+    """Most CPUs on one of its nodes: a cluster.cpus_per_node above it fits none."""
 
 
 def partitions() -> dict[str, Partition] | None:
-    """The cluster's partitions from `sinfo` (None when sinfo cannot answer)."""
+    """The cluster's partitions from `sinfo` (None when sinfo cannot answer). --exact: one line per node
+    configuration, so that nodes of different CPU counts are not summed up as 'FEWEST+'."""
     try:
-        out = subprocess.run(["sinfo", "--noheader", "--format=%P|%D|%G"], capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            ["sinfo", "--noheader", "--exact", "--format=%P|%D|%G|%c"], capture_output=True, text=True, timeout=30
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return parse_sinfo(out.stdout) if out.returncode == 0 else None
 
 
 def parse_sinfo(text: str) -> dict[str, Partition]:
-    """`NAME[*]|NODES|GRES` lines (one per node configuration) -> {name: Partition}."""
+    """`NAME[*]|NODES|GRES|CPUS` lines (one per node configuration) -> {name: Partition}."""
     found: dict[str, Partition] = {}
     for line in text.splitlines():
         parts = line.strip().split("|")
-        if len(parts) != 3 or not parts[1].isdigit():
+        if len(parts) != 4 or not parts[1].isdigit():
             continue
-        name, nodes, gres = parts
+        name, nodes, gres, cpus_text = parts
         default = name.endswith("*")
         name = name.rstrip("*")
         gpus = max([int(m) for m in re.findall(r"gpu(?::[\w.-]+)*?:(\d+)", gres)] or [0])
-        old = found.get(name, Partition(0, 0, False))
-        found[name] = Partition(old.nodes + int(nodes), max(old.gpus_per_node, gpus), old.default or default)
+        cpus = int(re.match(r"\d*", cpus_text).group() or 0)  # 'N+' (grouped nodes): at least N
+        old = found.get(name)
+        if old is None:
+            found[name] = Partition(int(nodes), gpus, default, cpus, cpus)
+            continue
+        found[name] = Partition(
+            old.nodes + int(nodes),
+            max(old.gpus_per_node, gpus),
+            old.default or default,
+            min(old.cpus_per_node, cpus),
+            max(old.most_cpus, cpus),
+        )
     return found
+
+
+def resolve_cpus(cfg: Config, available: dict[str, Partition] | None) -> Config:
+    """`cfg` with `cluster.cpus_per_node` a number: as the config sets it, or for 0 the fewest CPUs of a
+    node of the generator and trainer partition (`available`: `partitions()`, sinfo's answer). A launcher
+    resolves it once, as it resolves the node split (`planner.resolve_split`): the script is then a
+    function of the config alone, and the run's config.yaml records what was asked."""
+    c = cfg.cluster
+    if c.cpus_per_node:
+        return cfg
+    fix = "set cluster.cpus_per_node to the CPUs of a GPU node (on the cluster: sinfo -o %c -p PARTITION)"
+    if not available:
+        raise LaunchError(f"cluster.cpus_per_node is 0 (read from Slurm), but sinfo cannot answer here: {fix}")
+    name = c.partition or next((n for n, p in available.items() if p.default), "")
+    found = available.get(name)
+    if found is None or not found.cpus_per_node:
+        said = f"no partition '{name}'" if found is None else f"no CPU count for partition '{name}'"
+        raise LaunchError(
+            f"cluster.cpus_per_node is 0 (read from Slurm), but sinfo lists {said} (partitions: "
+            f"{', '.join(sorted(available))}): set cluster.partition, or {fix}"
+        )
+    if found.cpus_per_node < c.gpus_per_node:
+        raise LaunchError(
+            f"partition '{name}' has nodes of {found.cpus_per_node} CPUs, fewer than the {c.gpus_per_node} tasks of "
+            f"a trainer node (cluster.gpus_per_node): every task needs a CPU; use another cluster.partition"
+        )
+    return dataclasses.replace(cfg, cluster=dataclasses.replace(c, cpus_per_node=found.cpus_per_node))
 
 
 def check_cluster(cfg: Config, available: dict[str, Partition] | None) -> None:
     """A clear error when the cluster cannot give what the config asks for: a partition it does not have,
-    more nodes than a partition holds, more GPUs per node than its nodes have. (sbatch accepts a
+    more nodes than a partition holds, more GPUs or CPUs per node than its nodes have. (sbatch accepts a
     heterogeneous job larger than its partition and leaves it pending for ever.)"""
     if not available:
         return
@@ -147,18 +192,23 @@ def check_cluster(cfg: Config, available: dict[str, Partition] | None) -> None:
             f"cluster.gpus_per_node ({c.gpus_per_node}) exceeds the {available[gpu_part].gpus_per_node} GPUs per node "
             f"of partition '{gpu_part}' (cluster.device {c.device} asks Slurm for GPUs; cluster.device=cpu asks for none)"
         )
+    most = available[gpu_part].most_cpus if gpu_part in available else 0
+    if most and c.cpus_per_node > most:
+        raise LaunchError(
+            f"cluster.cpus_per_node ({c.cpus_per_node}) exceeds the {most} CPUs of the largest node of partition "
+            f"'{gpu_part}' (sinfo -o %c -p {gpu_part}): set it to at most {most}, or to 0 to read it from Slurm"
+        )
 
 
 def describe_request(cfg: Config) -> str:
     """What the job asks for, for error messages: 'controller 1 node(s) x 2 task(s); generator ...'."""
     c, parts = cfg.cluster, []
     for comp in Layout.from_config(cfg).components:
-        extra = ""
-        if comp.name == "controller":
-            extra += f", {c.controller_cpus} CPUs/task" if c.controller_cpus else ""
-            extra += f", {c.controller_mem} memory/node" if c.controller_mem else ""
-        elif comp.gpus_per_node:
-            extra = f", {comp.gpus_per_node} GPUs/node"
+        extra = f", {comp.gpus_per_node} GPUs/node" if comp.gpus_per_node else ""
+        cpus = cpus_per_task(c, comp)
+        extra += f", {cpus} CPUs/task" if cpus else ""
+        if comp.name == "controller" and c.controller_mem:
+            extra += f", {c.controller_mem} memory/node"
         parts.append(f"{comp.name} {tasks_text(comp)}{extra}")
     return "; ".join(parts)
 
@@ -184,6 +234,9 @@ class SlurmLauncher:
 
     def launch(self, cfg: Config, fresh: bool = False) -> int:
         cfg, _ = planner.resolve_split(cfg)  # the run directory's config.yaml records the split
+        available = partitions()
+        check_cluster(cfg, available)
+        cfg = resolve_cpus(cfg, available)  # and the CPUs of a GPU node
         job_id = self.submit(cfg, fresh=fresh)
         run_dir = Path.cwd() / cfg.run_dir
         print(f"submitted job {job_id}: {describe_request(cfg)}")
@@ -194,8 +247,7 @@ class SlurmLauncher:
     def submit(self, cfg: Config, fresh: bool = False) -> str:
         """Prepare the run directory, submit the job, write RUN_DIR/job.json; returns the job id. The
         job holds the run directory's lock from then on (stale once Slurm no longer runs it). `cfg`'s node
-        split is resolved (`launch` resolves it)."""
-        check_cluster(cfg, partitions())
+        split and CPUs are resolved and checked against the cluster (`launch` does both)."""
         script = self.script(cfg)  # before touching the run directory: a config error changes nothing
         executor = HetSlurmExecutor(cfg.run_dir.resolve() / "slurm", script)
         holder = Holder.this_process()
@@ -231,6 +283,7 @@ class DryRunLauncher:
 
     def launch(self, cfg: Config, fresh: bool = False) -> int:
         cfg, _ = planner.resolve_split(cfg)
+        cfg = resolve_cpus(cfg, partitions())  # off the cluster: the config must set cluster.cpus_per_node
         print(self.slurm.script(cfg), end="", file=self.out or sys.stdout)
         return 0
 
@@ -266,4 +319,5 @@ __all__ = [
     "cancel",
     "check_cluster",
     "partitions",
+    "resolve_cpus",
 ]

@@ -48,6 +48,11 @@ def test_each_broken_setup_is_named(slurm_cluster, tmp_path, capsys):
     assert (
         "cluster.partition 'gpu-big' is not a partition of this cluster" in out and "fix: set cluster.partition" in out
     )
+    # more CPUs per node than the nodes have: found before any job too
+    code = cli_main(["doctor", str(TINY), "--nodes", "3", f"experiment.root={tmp_path}", "cluster.cpus_per_node=16"])
+    out = capsys.readouterr().out
+    assert code == 1 and statuses(out)["partitions"] == "FAIL"
+    assert "cluster.cpus_per_node (16) exceeds the 8 CPUs of the largest node of partition 'debug'" in out
 
     # a run directory on the nodes' local disk (tools/local_slurm.sh: a tmpfs of each node's own)
     local = Path(os.environ["SLURM_CONF"]).parent.parent / "local" / tmp_path.name

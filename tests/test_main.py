@@ -12,8 +12,8 @@ import pytest
 
 from areal_hpc import device
 from areal_hpc.config import load_config
-from areal_hpc.layout import Layout
-from areal_hpc.main import PIN_ENV, PLACEMENT_FLAG, SlurmTask, narrow_gpus, own_gpus
+from areal_hpc.layout import Layout, Role
+from areal_hpc.main import PIN_ENV, PLACEMENT_FLAG, SlurmTask, log_cpus, narrow_gpus, own_gpus
 from areal_hpc.rundir import log_path, prepare_run_dir
 from launch.local import _annotate, _dead_rank, mpirun_command
 from tests.helpers import REPO
@@ -87,6 +87,45 @@ def test_narrow_gpus_sets_the_variable_and_logs_role_host_gpus(monkeypatch, capl
         monkeypatch.setenv(key, value)
     narrow_gpus(lay, 0)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == ""  # the controller sees no GPU
+
+
+def test_each_rank_logs_its_cpus_and_omp_num_threads_follows(monkeypatch, caplog):
+    cores = sorted(os.sched_getaffinity(0))
+    for key in ("OMP_NUM_THREADS", "SLURM_CPUS_PER_TASK", "SLURM_HET_SIZE", "SLURM_LOCALID", PIN_ENV):
+        monkeypatch.delenv(key, raising=False)
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "3", "SLURM_NODEID": "1", "SLURM_LOCALID": "0"}
+
+    def logged(role=Role.TRAINER, pinned=False, **env):
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            log_cpus("trainer 0 (world rank 3)", role, 2, pinned)
+        return caplog.records[-1].getMessage()
+
+    # the local launcher, unpinned (the controller, reward workers): nothing set
+    assert logged().startswith(f"trainer 0 (world rank 3) CPUs: SLURM_CPUS_PER_TASK unset, may run on {len(cores)} (")
+    assert "OMP_NUM_THREADS" not in os.environ
+    # a Slurm task: the CPUs it may run on, at most those Slurm gave it (a node that binds nothing)
+    line = logged(**slurm, SLURM_CPUS_PER_TASK="1")
+    assert line.endswith("OMP_NUM_THREADS 1 (the CPUs it may run on, at most Slurm's)")
+    assert "CPUs: SLURM_CPUS_PER_TASK 1, may run on" in line and os.environ["OMP_NUM_THREADS"] == "1"
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert logged(SLURM_CPUS_PER_TASK="512").endswith(
+        f"OMP_NUM_THREADS {len(cores)} (the CPUs it may run on, at most Slurm's)"
+    )
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    # a heterogeneous job: its own component's count (SLURM_CPUS_PER_TASK is the last component's there)
+    line = logged(SLURM_HET_SIZE="3", SLURM_CPUS_PER_TASK_HET_GROUP_2="1")
+    assert "CPUs: SLURM_CPUS_PER_TASK_HET_GROUP_2 1, may run on" in line and os.environ["OMP_NUM_THREADS"] == "1"
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    # a generator leaves it to vLLM (it shares them among its TP workers); cluster.env's value is kept
+    assert logged(Role.GENERATOR).endswith("OMP_NUM_THREADS unset (vLLM sizes its workers' threads)")
+    assert "OMP_NUM_THREADS" not in os.environ
+    assert logged(OMP_NUM_THREADS="6").endswith("OMP_NUM_THREADS 6 (from the environment)")
+    assert os.environ["OMP_NUM_THREADS"] == "6"
+    # the local launcher's pinning set it already
+    assert logged(pinned=True).endswith("OMP_NUM_THREADS 6 (its share of this machine's cores)")
 
 
 def test_visible_gpus_without_the_variable_come_from_the_driver(monkeypatch, tmp_path):

@@ -23,7 +23,7 @@ from areal_hpc.planner import resolve_split
 from launch import LaunchError, get_launcher
 from launch.record import JobRecord, parse_squeue, status
 from launch.sbatch import fill, render_sbatch
-from launch.slurm import Partition, check_cluster, describe_request, parse_sinfo
+from launch.slurm import Partition, check_cluster, describe_request, parse_sinfo, resolve_cpus
 
 REPO = Path(__file__).resolve().parent.parent
 SNAPSHOTS = Path(__file__).resolve().parent / "snapshots"
@@ -31,6 +31,8 @@ CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 # Fixed paths, so the text does not depend on where the repository or the venv is.
 WORKDIR = "/work/areal-hpc"
 PYTHON = "/work/areal-hpc/.venv/bin/python"
+SINFO = parse_sinfo("debug*|4|gpu:4|8\n")
+"""What sinfo says of the local test cluster's nodes (tools/local_slurm.sh): a config's cpus_per_node 0 reads 8."""
 
 
 def render(overrides=(), config="tiny-cpu", **kw):
@@ -38,8 +40,9 @@ def render(overrides=(), config="tiny-cpu", **kw):
 
 
 def launched(path, overrides=()):
-    """A config as a launcher renders it: its node split resolved (planner.resolve_split)."""
-    return resolve_split(load_config(path, list(overrides)))[0]
+    """A config as a launcher renders it: its node split and CPUs resolved (planner.resolve_split,
+    launch.slurm.resolve_cpus against SINFO)."""
+    return resolve_cpus(resolve_split(load_config(path, list(overrides)))[0], SINFO)
 
 
 def srun_step(script: str) -> str:
@@ -98,7 +101,11 @@ def test_components_follow_the_layout():
     # one step, the components in world-rank order, each running the same wrapped command
     assert [part.split()[0] for part in step.split(" : ")[1:]] == ["--het-group=1", "--het-group=2"]
     assert step.count('"${rank[@]}"') == 3 and " --het-group=0 " in step
-    assert "--cpus-per-task" not in step  # nothing asked: Slurm's defaults
+    # the controller's tasks: Slurm's default; a generator or trainer node's one task: its 8 CPUs (SINFO)
+    assert "--het-group=0 " in step and "--het-group=0 --cpus" not in step
+    assert "--het-group=1 --cpus-per-task=8 " in step and "--het-group=2 --cpus-per-task=8 " in step
+    assert "--cpus-per-task=8" in comps[1] and "--cpus-per-task=8" in comps[2]
+    assert not any(o.startswith("--cpus-per-task") for o in comps[0])
 
 
 def test_gpus_only_on_gpu_components_and_never_with_cpu():
@@ -115,6 +122,7 @@ def test_cluster_settings_reach_the_script():
         [
             "cluster.nodes=3",
             "cluster.partition=gpu",
+            "cluster.cpus_per_node=8",
             "cluster.cpu_partition=cpu",
             "cluster.account=proj1",
             "cluster.qos=high",
@@ -160,12 +168,14 @@ def test_controller_component_resources_and_reward_nodes():
     sizes = [o for o in comps[0] if o.startswith(("--nodes", "--ntasks", "--cpus"))]
     assert sizes == ["--nodes=2", "--ntasks=9", "--ntasks-per-node=5", "--cpus-per-task=16"]
     assert "--mem=64G" in comps[0]
-    assert not any(o.startswith(("--cpus-per-task", "--mem")) for comp in comps[1:] for o in comp)
-    assert "#   0 controller 2 node(s), 9 task(s) in all, world ranks 0-8: controller + reward" in text
-    # srun takes no CPUs from the allocation (Slurm 22.05+): asked again for component 0, reset after it
+    assert not any(o.startswith("--mem") for comp in comps[1:] for o in comp)
+    assert "--cpus-per-task=8" in comps[1] and "--cpus-per-task=8" in comps[2]  # a GPU node's (SINFO), not these
+    assert "#   0 controller 2 node(s), 9 task(s) in all, 16 CPUs/task, world ranks 0-8: controller + reward" in text
+    # srun takes no CPUs from the allocation (Slurm 22.05+): asked again for component 0; the next ones ask
+    # their own (they would inherit component 0's otherwise)
     parts = srun_step(text).split(" : ")
     assert "--het-group=0 --cpus-per-task=16" in parts[0]
-    assert all("--cpus-per-task=1 " in p for p in parts[1:])
+    assert all("--cpus-per-task=8 " in p for p in parts[1:])
     layout_cfg = load_config(REPO / "configs/tiny-cpu.yaml", ["cluster.nodes=3", "allocation.reward_nodes=2"])
     assert "3 + 2 CPU" in Layout.from_config(layout_cfg).table()
     assert "controller 2 node(s) x 1 task(s), 16 CPUs/task" in describe_request(
@@ -173,6 +183,64 @@ def test_controller_component_resources_and_reward_nodes():
     )
     with pytest.raises(ConfigError, match=r"reward_nodes \(3\) must not exceed .* = 2\)"):
         load_config(REPO / "configs/tiny-cpu.yaml", ["allocation.reward_nodes=3"])
+
+
+def test_each_gpu_task_asks_for_its_share_of_its_nodes_cpus():
+    # 4 GPUs per node: a generator node runs 4 / gen_tp 2 = 2 engines, a trainer node 4 ranks; 10 CPUs each
+    text = render(["cluster.nodes=3", "cluster.gpus_per_node=4", "allocation.gen_tp=2", "cluster.cpus_per_node=10"])
+    comps = directives(text)
+    assert "--cpus-per-task=5" in comps[1] and "--cpus-per-task=2" in comps[2]  # the allocation's
+    parts = srun_step(text).split(" : ")  # and the step's, which srun does not take from the allocation
+    assert "--het-group=1 --cpus-per-task=5 " in parts[1] and "--het-group=2 --cpus-per-task=2 " in parts[2]
+    assert "#   1 generator  1 node(s) x 2 task(s), 5 CPUs/task, world ranks 2-3" in text
+    assert "#   2 trainer    2 node(s) x 4 task(s), 2 CPUs/task, world ranks 4-11" in text
+    cfg = launched(REPO / "configs/tiny-cpu.yaml", ["cluster.gpus_per_node=4", "cluster.cpus_per_node=10"])
+    assert "generator 1 node(s) x 4 task(s), 4 GPUs/node, 2 CPUs/task" in describe_request(cfg)
+    # a config whose count was never resolved renders nothing rather than one CPU per task
+    with pytest.raises(ConfigError, match="cluster.cpus_per_node is 0: a launcher reads it from Slurm"):
+        render_sbatch(resolve_split(load_config(REPO / "configs/tiny-cpu.yaml"))[0], workdir=WORKDIR, python=PYTHON)
+    # fewer CPUs than a node's tasks: refused when the config loads
+    with pytest.raises(ConfigError, match=r"cluster.cpus_per_node \(3\) must be 0 .* \(cluster.gpus_per_node = 4\)"):
+        load_config(REPO / "configs/tiny-cpu.yaml", ["cluster.gpus_per_node=4", "cluster.cpus_per_node=3"])
+    with pytest.raises(ConfigError, match=r"cluster.cpus_per_node must be >= 0 \(got -1\)"):
+        load_config(REPO / "configs/tiny-cpu.yaml", ["cluster.cpus_per_node=-1"])
+
+
+@pytest.mark.parametrize("config", ["qwen1.5b", "qwen32b"])
+def test_shipped_gpu_configs_ask_several_cpus_for_every_gpu_task_off_the_cluster(config, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm"))  # a dry run where sinfo cannot answer
+    args = ["submit", str(REPO / f"configs/{config}.yaml"), "--nodes", "16", "--dry-run", f"experiment.root={tmp_path}"]
+    assert cli_main(args) == 0
+    parts = srun_step(capsys.readouterr().out).split(" : ")
+    asked = [int(p.split("--cpus-per-task=")[1].split()[0]) for p in parts[1:]]
+    cfg = load_config(REPO / f"configs/{config}.yaml")
+    per_engine = cfg.cluster.cpus_per_node * cfg.allocation.gen_tp // cfg.cluster.gpus_per_node
+    assert asked == [per_engine, cfg.cluster.cpus_per_node // cfg.cluster.gpus_per_node] and min(asked) > 1
+
+
+def test_cpus_per_node_is_read_from_sinfo_and_checked_against_it():
+    tiny = REPO / "configs/tiny-cpu.yaml"
+    parts = parse_sinfo("gpu*|2|gpu:8|96\ngpu*|3|gpu:8|128\nsmall|2|gpu:8|4\n")
+    # 0: the fewest CPUs of a node of the GPU partition (the default one, or cluster.partition)
+    assert resolve_cpus(load_config(tiny), parts).cluster.cpus_per_node == 96
+    set_ = load_config(tiny, ["cluster.cpus_per_node=32"])
+    assert resolve_cpus(set_, parts) is set_ and resolve_cpus(set_, None) is set_  # as set, sinfo or not
+    with pytest.raises(LaunchError, match="sinfo cannot answer here: set cluster.cpus_per_node"):
+        resolve_cpus(load_config(tiny), None)
+    with pytest.raises(
+        LaunchError, match=r"lists no partition 'big' \(partitions: gpu, small\): set cluster.partition"
+    ):
+        resolve_cpus(load_config(tiny, ["cluster.partition=big"]), parts)
+    with pytest.raises(LaunchError, match=r"partition 'small' has nodes of 4 CPUs, fewer than the 8 tasks"):
+        resolve_cpus(load_config(tiny, ["cluster.partition=small", "cluster.gpus_per_node=8"]), parts)
+    # more than the largest node has: refused at submit (and by doctor's partitions check), naming all three
+    check_cluster(load_config(tiny, ["cluster.cpus_per_node=128"]), parts)
+    with pytest.raises(
+        LaunchError,
+        match=r"cluster.cpus_per_node \(200\) exceeds the 128 CPUs of the largest node of partition 'gpu' "
+        r"\(sinfo -o %c -p gpu\): set it to at most 128, or to 0",
+    ):
+        check_cluster(load_config(tiny, ["cluster.cpus_per_node=200"]), parts)
 
 
 def test_default_command_is_the_agreed_entry_point():
@@ -210,8 +278,8 @@ def test_fill_refuses_missing_or_unknown_names():
 
 
 def test_cluster_capacity_errors():
-    parts = parse_sinfo("debug*|4|gpu:4\ncpu|2|(null)\nbig|2|gpu:a100:8(S:0-1)\nbig|1|gpu:a100:4\n")
-    assert parts["debug"] == Partition(4, 4, True) and parts["big"] == Partition(3, 8, False)
+    parts = parse_sinfo("debug*|4|gpu:4|8\ncpu|2|(null)|64\nbig|2|gpu:a100:8(S:0-1)|128\nbig|1|gpu:a100:4|96+\n")
+    assert parts["debug"] == Partition(4, 4, True, 8, 8) and parts["big"] == Partition(3, 8, False, 96, 128)
     assert parts["cpu"].gpus_per_node == 0
     cfg = load_config(REPO / "configs/tiny-cpu.yaml", ["cluster.partition=gpu-big"])
     with pytest.raises(LaunchError, match="cluster.partition 'gpu-big' is not a partition.*big, cpu, debug"):
@@ -266,27 +334,30 @@ def test_status_reads_the_record_when_slurm_forgot_the_job(tmp_path, monkeypatch
     assert "last step: 2" in text and "metrics: reward/mean=0.25" in text and "clip_frac" not in text
 
 
-def test_dry_run_prints_the_script_and_touches_nothing(tmp_path, capsys):
+def test_dry_run_prints_the_script_and_touches_nothing(tmp_path, capsys, monkeypatch):
     root = tmp_path / "runs"
-    code = cli_main(
-        ["submit", str(REPO / "configs/tiny-cpu.yaml"), "--nodes", "3", "--dry-run", f"experiment.root={root}"]
-    )
-    assert code == 0
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm"))  # sinfo cannot answer
+    args = ["submit", str(REPO / "configs/tiny-cpu.yaml"), "--nodes", "3", "--dry-run", f"experiment.root={root}"]
+    assert cli_main([*args, "cluster.cpus_per_node=8"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("#!/bin/bash") and "#SBATCH hetjob" in out
+    assert "#   1 generator  1 node(s) x 1 task(s), 8 CPUs/task" in out
     assert not root.exists()
+    # 0 (tiny-cpu's): read from sinfo, which cannot answer here
+    assert cli_main(args) == 1
+    err = capsys.readouterr().err
+    assert "cluster.cpus_per_node is 0 (read from Slurm), but sinfo cannot answer here" in err
+    assert "set cluster.cpus_per_node" in err and "sinfo -o %c -p PARTITION" in err
     assert get_launcher("dry-run").name == "dry-run" and get_launcher("local").name == "local"
 
 
 def test_render_writes_the_script_and_the_config(tmp_path):
     out = tmp_path / "job.sbatch"
     root = tmp_path / "runs"
-    code = cli_main(
-        ["render", str(REPO / "configs/tiny-cpu.yaml"), "--nodes", "3", "-o", str(out), f"experiment.root={root}"]
-    )
-    assert code == 0
-    assert "--het-group=2" in srun_step(out.read_text())
-    assert (root / "tiny-cpu/trial0/config.yaml").is_file()
+    args = ["render", str(REPO / "configs/tiny-cpu.yaml"), "--nodes", "3", "-o", str(out), f"experiment.root={root}"]
+    assert cli_main([*args, "cluster.cpus_per_node=8"]) == 0
+    assert "--het-group=2 --cpus-per-task=8" in srun_step(out.read_text())
+    assert load_config(root / "tiny-cpu/trial0/config.yaml").cluster.cpus_per_node == 8
 
 
 def test_render_records_the_resolved_split_in_the_run_config(tmp_path):
@@ -325,7 +396,7 @@ def test_status_says_when_the_requeue_limit_stopped_the_run(tmp_path, monkeypatc
 
 def test_submit_without_slurm_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PATH", str(tmp_path / "no-slurm"))
-    code = cli_main(["submit", str(REPO / "configs/tiny-cpu.yaml"), "--nodes", "3", f"experiment.root={tmp_path}"])
-    assert code == 1
+    args = ["submit", str(REPO / "configs/tiny-cpu.yaml"), "--nodes", "3", f"experiment.root={tmp_path}"]
+    assert cli_main([*args, "cluster.cpus_per_node=8"]) == 1
     assert "needs the Slurm client commands" in capsys.readouterr().err
     assert not (tmp_path / "tiny-cpu").exists()

@@ -41,6 +41,7 @@ def test_resume_with_another_config_names_each_change(tmp_path):
     assert "ppo.lr: 0.0003 -> 0.1" in str(e.value) and "rollout.max_staleness: 2 -> 4" in str(e.value)
     assert "train.total_steps" not in str(e.value)
     prepare_run_dir(tiny(tmp_path, "train.total_steps=900"))  # extending a run is a resume
+    prepare_run_dir(tiny(tmp_path, "train.total_steps=900", "cluster.cpus_per_node=8"))  # on Slurm's nodes
     assert (tmp_path / "tiny-cpu/trial0/config.yaml").read_text().count("total_steps: 900") == 1
 
 

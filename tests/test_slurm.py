@@ -20,7 +20,7 @@ from areal_hpc.cli import main as cli_main
 from areal_hpc.config import load_config
 from areal_hpc.exit_codes import EXIT_STOPPED
 from launch.record import ACTIVE, JobRecord
-from launch.slurm import HetSlurmJob, SlurmLauncher
+from launch.slurm import HetSlurmJob, SlurmLauncher, partitions, resolve_cpus
 from tests.helpers import MPI_PROGRAMS, ONE_REQUEUE, TINY, RequeueStarter, components, wait_done, wait_for
 
 pytestmark = pytest.mark.slurm
@@ -37,6 +37,7 @@ def submit(slurm_cluster, tmp_path, monkeypatch):
 
     def run(entry: Path, args: list[str], overrides=()):
         cfg = load_config(TINY, ["cluster.nodes=3", f"experiment.root={tmp_path / 'runs'}", *overrides])
+        cfg = resolve_cpus(cfg, partitions())  # as `launch` does: the fake nodes' 8 CPUs
         run_dir = cfg.run_dir.resolve()
         command = [sys.executable, str(entry), *[a.replace("RUN_DIR", str(run_dir)) for a in args]]
         job_id = SlurmLauncher(command=command).submit(cfg)
@@ -93,7 +94,8 @@ def test_reward_workers_spread_over_reward_nodes_with_their_cpus(submit, tmp_pat
     nodes = seen["nodes"]
     assert nodes[0] == nodes[1] and len(set(nodes)) == 4  # the controller's node, then one per component node
     assert "CPUs=6 Tasks=3" in seen["steps"][0]  # the step, not only the allocation, has 2 CPUs per task
-    assert "CPUs=1 Tasks=1" in seen["steps"][1] and "CPUs=1 Tasks=1" in seen["steps"][2]
+    # a generator or trainer node's one task: the node's 8 CPUs (cluster.cpus_per_node 0, read from sinfo)
+    assert "CPUs=8 Tasks=1" in seen["steps"][1] and "CPUs=8 Tasks=1" in seen["steps"][2]
     assert "MinMemoryNode=500M" in seen["job"]
 
 
@@ -186,6 +188,14 @@ def test_too_big_for_the_cluster_is_refused_before_sbatch(slurm_cluster, tmp_pat
         "cluster.partition 'gpu-big' is not a partition of this cluster (sinfo lists: debug, high, low)"
         in capsys.readouterr().err
     )
+    # more CPUs than the fake nodes' 8
+    code = cli_main(["submit", str(TINY), "--nodes", "3", "cluster.cpus_per_node=16", f"experiment.root={tmp_path}"])
+    assert code == 1
+    assert (
+        "cluster.cpus_per_node (16) exceeds the 8 CPUs of the largest node of partition 'debug'"
+        in capsys.readouterr().err
+    )
+    assert not (tmp_path / "tiny-cpu").exists()
 
 
 def test_time_limit_signal_checkpoints_and_requeues(submit):

@@ -1,14 +1,16 @@
-"""GPU placement on a real Slurm: the local test cluster (tools/local_slurm.sh), whose fake GPUs are gres
-backed by character devices, so that Slurm hands them out and sets CUDA_VISIBLE_DEVICES, and torch finds
-no GPU behind them.
+"""GPU and CPU placement on a real Slurm: the local test cluster (tools/local_slurm.sh), whose fake GPUs are
+gres backed by character devices, so that Slurm hands them out and sets CUDA_VISIBLE_DEVICES, and torch
+finds no GPU behind them.
 
 Every rank runs the real entry point, `python -m areal_hpc.main RUN_DIR --placement`, in the one srun
 step of the heterogeneous job: it checks that Slurm put it where the layout says, narrows
-CUDA_VISIBLE_DEVICES, logs its role, host and GPUs first, resolves cluster.device auto (cpu here) and
-leaves. A job holding GPUs 0,1 of every node beside it makes Slurm give the run GPUs 2,3: each rank
-must take its entries of that list, not the indices themselves.
+CUDA_VISIBLE_DEVICES, logs its role, host and GPUs first, then its CPUs and OMP_NUM_THREADS, resolves
+cluster.device auto (cpu here) and leaves. A job holding GPUs 0,1 and a CPU of every node beside it
+makes Slurm give the run GPUs 2,3: each rank must take its entries of that list, not the indices
+themselves; and each generator and trainer task gets its share of the node's CPUs the job asked for.
 """
 
+import os
 import re
 import subprocess
 import sys
@@ -20,7 +22,8 @@ from areal_hpc.layout import Layout
 from areal_hpc.main import PLACEMENT_FLAG
 from areal_hpc.rundir import log_path
 from launch.record import JobRecord
-from launch.slurm import SlurmLauncher
+from launch.sbatch import cpus_per_task
+from launch.slurm import SlurmLauncher, partitions, resolve_cpus
 from tests.helpers import TINY, wait_done, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mpi]
@@ -28,6 +31,12 @@ pytestmark = [pytest.mark.slurm, pytest.mark.mpi]
 FIRST_LINE = re.compile(
     r" INFO (?P<name>\w+ \d+ \(world rank \d+\)) on host \S+, Slurm node (?P<node>\S+): "
     r"(?P<component>\w+) node (?P<cnode>\d+), GPUs (?P<gpus>\S+) of (?P<given>\S+) \(pid \d+\)$"
+)
+
+
+CPUS_LINE = re.compile(
+    r" INFO (?P<name>\w+ \d+ \(world rank \d+\)) CPUs: SLURM_CPUS_PER_TASK_HET_GROUP_(?P<group>\d) (?P<given>\S+), may run on "
+    r"(?P<may>\d+) \(\S+\), OMP_NUM_THREADS (?P<threads>\S+) \((?P<why>[^)]*)\)$"
 )
 
 
@@ -45,11 +54,12 @@ def test_each_rank_logs_and_takes_the_gpus_the_layout_gives_it(slurm_cluster, tm
         text=True,
         check=True,
     ).stdout.strip()
-    # controller + 1 reward worker | 1 node x 2 generators | 2 nodes x 2 trainers; 2 GPUs per node
-    cfg = load_config(
-        TINY, ["cluster.nodes=3", "cluster.gpus_per_node=2", "cluster.exclusive=false", f"experiment.root={tmp_path}"]
-    )
+    # controller + 1 reward worker | 1 node x 1 generator of TP 2 | 2 nodes x 2 trainers; 2 GPUs per node.
+    # 6 of each node's 8 CPUs (the job beside holds one): 6 for the engine, 3 for each trainer rank
+    shape = ["cluster.nodes=3", "cluster.gpus_per_node=2", "allocation.gen_tp=2", "cluster.exclusive=false"]
+    cfg = load_config(TINY, [*shape, "cluster.cpus_per_node=6", f"experiment.root={tmp_path}"])
     assert cfg.cluster.device == "auto"
+    assert resolve_cpus(load_config(TINY, shape), partitions()).cluster.cpus_per_node == 8  # 0: sinfo's count
     run_dir = cfg.run_dir.resolve()
     job_id = None
     try:
@@ -89,3 +99,25 @@ def test_each_rank_logs_and_takes_the_gpus_the_layout_gives_it(slurm_cluster, tm
         assert any(f"{first['name']} device cpu (cluster.device auto)" in line for line in log[1:4]), log[:4]
     assert len(held) == 4  # the controller's node, the generators' and the two trainer nodes
     assert sorted(map(sorted, held.values())) == [[], ["2", "3"], ["2", "3"], ["2", "3"]]  # no GPU twice
+
+    # What Slurm gave each task: for a GPU task the share of its node's CPUs that the config asked for,
+    # for the controller's Slurm's default (cluster.controller_cpus 0). The local cluster binds no task
+    # (TaskPlugin=task/none), so a task may run on every CPU of this machine; on a cluster that binds
+    # (task/affinity, task/cgroup) that is what Slurm gave it. OMP_NUM_THREADS: a trainer takes the
+    # fewer; a generator leaves it to vLLM.
+    seen = {}
+    machine = len(os.sched_getaffinity(0))
+    for i, comp in enumerate(layout.components):
+        for rank in comp.ranks:
+            role = layout.role_of(rank)
+            log = log_path(run_dir, role.name.lower(), rank - layout.ranks(role).start).read_text().splitlines()
+            cpus = next((m for m in map(CPUS_LINE.search, log[1:4]) if m), None)
+            assert cpus and cpus["name"] == layout.describe_rank(rank) and int(cpus["group"]) == i, log[:4]
+            assert cpus["given"] == str(cpus_per_task(cfg.cluster, comp) or "unset") and int(cpus["may"]) == machine
+            seen[role.name.lower()] = (cpus["given"], cpus["threads"])
+    assert seen == {
+        "controller": ("unset", str(machine)),
+        "reward": ("unset", str(machine)),
+        "generator": ("6", "unset"),
+        "trainer": ("3", str(min(3, machine))),
+    }

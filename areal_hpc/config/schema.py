@@ -90,6 +90,14 @@ class ClusterConfig:
     (`scontrol show partition`). On SIGTERM the controller checkpoints if the running step and a save
     fit in this time (it measures both), else it exits at once; either way the job requeues and resumes
     from its last complete checkpoint."""
+    cpus_per_node: int = 0
+    """CPUs of each generator and trainer node, shared by the node's tasks: each asks Slurm for
+    cpus_per_node // (its node's tasks) CPUs (`--cpus-per-task`, on the allocation and the srun step),
+    and its OMP_NUM_THREADS follows. A generator node runs gpus_per_node / gen_tp tasks (one per engine),
+    a trainer node gpus_per_node. 0: read from Slurm when the job is launched (the fewest CPUs of a node
+    of `partition`, by `sinfo`) and recorded in the run's config.yaml; where Slurm cannot be asked
+    (`submit --dry-run` off the cluster), set it: `sinfo -o %c -p PARTITION` on the cluster. A resumed run
+    may change it."""
     controller_cpus: int = 0
     """CPUs of each task of the controller component: the controller and every reward worker (a reward
     worker scores with one process per CPU it gets, see reward.processes). 0: Slurm's default, one."""

@@ -74,11 +74,17 @@ def validate(cfg: Config) -> None:
         need(value >= 1, f"{name} must be at least 1 (got {value})")
     for name, value in [
         ("cluster.grace_s", c.grace_s),
+        ("cluster.cpus_per_node", c.cpus_per_node),
         ("cluster.controller_cpus", c.controller_cpus),
         ("train.save_interval_min", cfg.train.save_interval_min),
         ("train.keep_checkpoints", cfg.train.keep_checkpoints),
     ]:
         need(value >= 0, f"{name} must be >= 0 (got {value})")
+    need(
+        c.cpus_per_node == 0 or c.cpus_per_node >= c.gpus_per_node,
+        f"cluster.cpus_per_node ({c.cpus_per_node}) must be 0 (read from Slurm) or at least the tasks of a trainer "
+        f"node (cluster.gpus_per_node = {c.gpus_per_node}): every task needs a CPU",
+    )
     need(
         a.reward_nodes <= 1 + a.reward_workers,
         f"allocation.reward_nodes ({a.reward_nodes}) must not exceed the controller and reward worker ranks "
