@@ -121,12 +121,11 @@ def check_resume(work: Path, tp: int, dtype: str, device: str):
 def driver_version(smi: str = "nvidia-smi", proc: Path = Path("/proc/driver/nvidia/version")) -> str | None:
     """The NVIDIA driver's version: nvidia-smi's, else the kernel module's line in `proc`, else None."""
     try:
-        out = subprocess.run(
-            [smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
-        )
+        query = [smi, "--query-gpu=driver_version", "--format=csv,noheader"]
+        out = subprocess.run(query, capture_output=True, text=True, timeout=60)
         if out.returncode == 0 and out.stdout.strip():
             return out.stdout.split()[0]
-    except OSError:
+    except (OSError, subprocess.TimeoutExpired):
         pass
     try:
         # "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 ..."
@@ -197,7 +196,7 @@ def path_checks(work: Path, overrides: list[str], gpus: int, submit_root: Path |
     startup = "engine start within train.startup_timeout_s"
     if "run" in smoke:
         run = smoke["run"]
-        env["vllm_engine"] = g.generator_settings(run)
+        env["vllm_engine"] = g.generator_settings(run) or "not in the generator's log (no 'vLLM engine:' line)"
         log = run.run_dir / "logs" / "generator-0.log"
         check(startup, 0, lambda: startup_verdict(engine_start(log.read_text()), run.cfg.train.startup_timeout_s))
     else:

@@ -56,10 +56,10 @@ def round_to(model, dtype: torch.dtype):
 
 
 def load(engine, model, version: int) -> float:
-    """Load `model`'s weights as the trainer sends them (a tied model without `lm_head.weight`, as in a
-    Hugging Face checkpoint); returns the seconds of the update."""
-    tied = model.config.tie_word_embeddings
-    named = [(k, v) for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")]
+    """Load `model`'s weights as the trainer sends them: in the engine's dtype, a tied model without
+    `lm_head.weight` (as in a Hugging Face checkpoint); returns the seconds of the update."""
+    tied, dtype = model.config.tie_word_embeddings, engine.engine.model_config.dtype
+    named = [(k, v.to(dtype)) for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")]
     return engine.load_weights(named, version)
 
 
