@@ -129,11 +129,12 @@ def test_metrics_problems_name_what_is_wrong():
 
 
 LOG = """\
-2026-11-24 10:00:00,000 generator INFO generator 0 (world rank 2) on host n1: generator node 0, GPUs 0 of 0,1 (pid 7)
+2026-11-24 10:00:00,000 generator INFO generator 0 (world rank 2) on host n1: generator node 0, GPUs 0,1 of 0,1 (pid 7)
 (EngineCore pid=9) INFO 11-24 10:00:20 [core.py:403] init engine (profile, create kv cache, warmup model) took 9.1 s
-2026-11-24 10:00:41,500 generator INFO vLLM engine: model_runner=v2 async_scheduling=True worker_start=spawn tp=2
-2026-11-24 10:09:00,000 generator INFO generator 0 (world rank 2) on host n1: generator node 0, GPUs 0 of 0,1 (pid 8)
-2026-11-24 10:09:05,000 generator INFO vLLM engine: model_runner=v2 async_scheduling=True worker_start=spawn tp=2
+2026-11-24 10:00:41,500 generator INFO generator 0 (world rank 2) vLLM engine: vllm=0.32.0 model_runner=V1 \
+async_scheduling=off worker_start_method=spawn tensor_parallel_size=2
+2026-11-24 10:09:00,000 generator INFO generator 0 (world rank 2) on host n1: generator node 0, GPUs 0,1 of 0,1 (pid 8)
+2026-11-24 10:09:05,000 generator INFO generator 0 (world rank 2) vLLM engine: vllm=0.32.0 model_runner=V1
 """
 
 
@@ -141,7 +142,13 @@ def test_the_generator_log_gives_the_engine_settings_and_its_start_time():
     start = engine_start(LOG)  # the first start of a log appended to across a resume
     assert start.started == dt.datetime(2026, 11, 24, 10, 0, 0)
     assert start.seconds == 41.5
-    assert start.settings == {"model_runner": "v2", "async_scheduling": "True", "worker_start": "spawn", "tp": "2"}
+    assert start.settings == {
+        "vllm": "0.32.0",
+        "model_runner": "V1",
+        "async_scheduling": "off",
+        "worker_start_method": "spawn",
+        "tensor_parallel_size": "2",
+    }
     status, detail = startup_verdict(start, 600)
     assert status == "PASS" and "42 s: 7% of train.startup_timeout_s (600 s" in detail
     assert startup_verdict(start, 60)[0] == "FAIL"  # 69% of the limit leaves a real model no room

@@ -5,7 +5,9 @@ A rank's own lines start with the time (`%(asctime)s <role> <LEVEL> ...`, areal_
 lines, in the same file, have a format of their own and are not read. The engine's line, logged
 once it has started:
 
-    2026-11-24 10:00:41,207 generator INFO vLLM engine: model_runner=v2 async_scheduling=True ...
+    2026-11-24 10:00:41,207 generator INFO generator 0 (world rank 2) vLLM engine: vllm=0.32.0 model_runner=V1 ...
+
+(areal_hpc.generator.worker logs it from `GenerationEngine.settings()`: key=value, no spaces in a value).
 
 Start time: from the rank's first line (where it runs: areal_hpc.main.narrow_gpus) to that line. The
 log is appended to across resumes; the first start in it is read. A log without the engine's line (a
