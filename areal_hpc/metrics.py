@@ -8,7 +8,8 @@ timing/weight_sync_s (the latest completed sync: the slowest generator's load), 
 timing/train_idle_frac, timing/save_s (the trainers' time in checkpoint saves since the previous step),
 the trainer's ppo/* statistics (ppo/entropy: the mean over trained tokens of the entropy of the
 policy's next-token distribution; ppo/kl with ppo.kl_coef > 0: the mean k3 estimate of the KL to the
-initial policy), reward/errors (rewards scored 0 for a timeout or an error since the
+initial policy), memory/peak_gib (GPU only: trainer rank 0's peak of allocated GPU memory since it
+started), reward/errors (rewards scored 0 for a timeout or an error since the
 previous step), rollout/filtered (prompt groups left out by rollout.filter_uniform_groups since the
 previous step), rollout/truncated (trajectories of the step cut at rollout.max_new_tokens), and after an
 evaluation between steps eval/pass@1 ... (areal_hpc.eval.training). Each line also has `step`, the policy

@@ -11,10 +11,18 @@ import numpy as np
 import pytest
 import torch
 
-from areal_hpc.arch import model_arch
 from areal_hpc.config import ModelConfig
 from areal_hpc.device import resolve_device
 from areal_hpc.protocol import EvalRequest, EvalTrajectory, GenerateRequest, Trajectory
+from areal_hpc.testing.generator_runs import (
+    drain,
+    interrupt_twice,
+    interruption_mismatch,
+    interruption_problems,
+    load,
+    perturb,
+    reference_logprobs,
+)
 from areal_hpc.tiny import build_tiny_model
 
 pytestmark = pytest.mark.vllm
@@ -52,32 +60,9 @@ def create_engine(path):
     )
 
 
-def perturb(model, seed: int):
-    """`model` with noise (std 0.5) added to every weight, the norms' too (transformers sets them to one)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.5 * torch.randn(p.shape, generator=g))
-    return model
-
-
 def hf_logprobs(model, prompt, output) -> np.ndarray:
-    """[T] log_softmax(logits / T) of each output token given its prefix, in fp32."""
-    ids = torch.tensor([list(prompt) + list(output)], dtype=torch.long)
-    with torch.no_grad():
-        logits = model(ids).logits[0].float()  # [P + T, V]
-    logp = torch.log_softmax(logits / TEMPERATURE, dim=-1)[len(prompt) - 1 : -1]  # [T, V]
-    return logp.gather(-1, torch.as_tensor(output, dtype=torch.long)[:, None])[:, 0].numpy()
-
-
-def load(engine, model, version):
-    """Load as the trainer sends: a tied model's state has no `lm_head.weight` (HF checkpoint layout)."""
-    named = [
-        (k, v)
-        for k, v in model.state_dict().items()
-        if not (model_arch(MODEL).tie_word_embeddings and k == "lm_head.weight")
-    ]
-    return engine.load_weights(named, version)
+    """[T] transformers' fp32 logprobs of `output` at this module's temperature."""
+    return reference_logprobs(model, prompt, output, TEMPERATURE)
 
 
 PROMPTS: dict[int, list[int]] = {}
@@ -91,14 +76,6 @@ def add(engine, group: int, prompt: list[int], n: int) -> None:
 
 def prompt_of(t) -> list[int]:
     return PROMPTS[t.group_id]
-
-
-def drain(engine, steps=None) -> list:
-    out = []
-    while engine.in_flight and (steps is None or steps > 0):
-        out += engine.step()
-        steps = None if steps is None else steps - 1
-    return out
 
 
 def check_shape(trajs, n_expected):
@@ -164,21 +141,14 @@ def test_eval_prompts_and_groups_share_the_engine(setup):
 
 def test_interrupt_switches_versions_and_weights(setup):
     """Two updates mid-generation (A -> B -> A): versions switch exactly at each interruption and
-    every segment's logprobs match the weights of its version."""
+    every segment's logprobs match the weights of its version (areal_hpc.testing.generator_runs: the
+    GPU check runs the same with many more trajectories in flight, in bf16)."""
     engine, model_a, model_b = setup
-    v0 = engine.version + 1
-    load(engine, model_a, v0)
-    for g in range(4):
-        add(engine, 10 + g, [5 + g, 6, 7], n=4)
-    done = drain(engine, steps=8)  # 8 tokens each, unless EOS came first
-    first = {(a.request.group_id, a.index): a.output_ids for a in engine.partial()}
-    assert first and all(1 <= len(p) < MAX_NEW for p in first.values())
-    assert load(engine, model_b, v0 + 1) > 0
-    done += drain(engine, steps=5)
-    second = {(a.request.group_id, a.index): a.output_ids for a in engine.partial()}
-    load(engine, model_a, v0 + 2)
-    trajs = drain(engine)
-    check_shape(done + trajs, 16)
+    run = interrupt_twice(engine, model_a, model_b, {10 + g: [5 + g, 6, 7] for g in range(4)}, n=4, steps=(8, 5))
+    v0, first, second, trajs = run.v0, run.first, run.second, run.trajectories
+    assert first and all(1 <= len(p) < MAX_NEW for p in first.values())  # 8 tokens each, unless EOS came first
+    assert run.load_s[1] > 0
+    check_shape(run.early + trajs, 16)
     switched = 0
     for t in trajs:
         k1, k2 = len(first[(t.group_id, t.index)]), len(second[(t.group_id, t.index)])
@@ -186,13 +156,16 @@ def test_interrupt_switches_versions_and_weights(setup):
         assert list(t.output_ids[:k1]) == first[(t.group_id, t.index)]
         n = len(t.output_ids)
         assert list(t.versions) == [v0] * k1 + [v0 + 1] * (k2 - k1) + [v0 + 2] * (n - k2)  # switch exactly there
-        ref_a = hf_logprobs(model_a, prompt_of(t), t.output_ids)
-        ref_b = hf_logprobs(model_b, prompt_of(t), t.output_ids)
+        prompt = run.prompts[t.group_id]
+        ref_a, ref_b = hf_logprobs(model_a, prompt, t.output_ids), hf_logprobs(model_b, prompt, t.output_ids)
         np.testing.assert_allclose(t.behav_logprobs[:k1], ref_a[:k1], atol=TOL, rtol=0)
         np.testing.assert_allclose(t.behav_logprobs[k1:k2], ref_b[k1:k2], atol=TOL, rtol=0)
         np.testing.assert_allclose(t.behav_logprobs[k2:], ref_a[k2:], atol=TOL, rtol=0)
         switched += k1 < k2 < n
     assert switched >= 1
+    mismatch = interruption_mismatch(run, model_a, model_b, TEMPERATURE)
+    assert mismatch.before.max < TOL and mismatch.after.max < TOL and mismatch.after.tokens > 0, mismatch
+    assert not interruption_problems(run, mismatch, TOL)
 
 
 def test_loaded_weights_change_outputs(setup):

@@ -1,21 +1,44 @@
-"""tools/gpu_check.sh --trainer-only, as a user runs it on a GPU node, here on this machine's device
-(AREAL_DEVICE resolved as the trainer tests resolve it): every trainer check passes and the summary
-counts them."""
+"""tools/gpu_check.sh as a user runs it on a GPU node, here on this machine's device (AREAL_DEVICE resolved
+as the trainer tests resolve it): every trainer check passes and the summary counts them. And the parts
+of its run checks that need no GPU: the layouts they ask for and the GPUs those need, and the judges
+(metrics, generator log, interruption, a submitted job, the driver's version) on made-up inputs. The
+same judges run on real runs in tests/test_e2e.py and tests/test_generator.py."""
 
 from __future__ import annotations
 
+import dataclasses
+import datetime as dt
 import os
+import stat
 import subprocess
 
+import numpy as np
 import pytest
 
+from areal_hpc.config import load_config
 from areal_hpc.device import visible_gpus
+from areal_hpc.layout import Layout, Role
+from areal_hpc.protocol import Trajectory
+from areal_hpc.testing import gpu_checks
+from areal_hpc.testing.generator_log import ENGINE_LINE, engine_start, startup_verdict
+from areal_hpc.testing.generator_runs import Interrupted, InterruptionMismatch, Mismatch, interruption_problems
+from areal_hpc.testing.runs import metrics_problems
 from areal_hpc.trainer.spawn import default_device
 from tests.helpers import REPO
 
-pytestmark = [pytest.mark.megatron, pytest.mark.slow]
+SMOKE = REPO / "configs" / "gpu-smoke.yaml"
 
 
+@pytest.fixture
+def gpu_check(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    import gpu_check
+
+    return gpu_check
+
+
+@pytest.mark.megatron
+@pytest.mark.slow
 def test_trainer_checks_pass_and_are_summarised():
     device = default_device()
     proc = subprocess.run(
@@ -42,24 +65,179 @@ def test_trainer_checks_pass_and_are_summarised():
     ]
     assert not any(c.startswith("FAIL") for c in checks)
     assert summary[-1] == f"{5 if two_tp else 3} passed, 0 failed, {len(checks) - (5 if two_tp else 3)} skipped"
+    assert '"driver": ' in summary[1]  # the environment line records the driver (null without one)
 
 
-def test_a_model_directory_replaces_the_smoke_configs_shape(tmp_path, monkeypatch):
+def test_a_model_directory_replaces_the_smoke_configs_shape(tmp_path):
     """`tools/gpu_check.sh model.path=DIR`: the shape is DIR's config.json, not gpu-smoke.yaml's tiny one
     (which, given as it is, contradicts DIR and is a config error)."""
     from areal_hpc.arch import model_arch
-    from areal_hpc.config import ConfigError, load_config
+    from areal_hpc.config import ConfigError
     from areal_hpc.testing.inputs import MODEL
     from areal_hpc.tiny import hf_config
 
-    monkeypatch.syspath_prepend(str(REPO / "tools"))
-    import gpu_check
-
     model = model_arch(MODEL)  # the trainer checks' model: another shape than gpu-smoke.yaml's
     hf_config(MODEL).save_pretrained(tmp_path)
-    smoke = REPO / "configs" / "gpu-smoke.yaml"
     with pytest.raises(ConfigError, match="hidden_size"):
-        load_config(smoke, [f"model.path={tmp_path}"])
-    arch = model_arch(load_config(smoke, gpu_check.smoke_overrides([f"model.path={tmp_path}"])).model)
+        load_config(SMOKE, [f"model.path={tmp_path}"])
+    arch = model_arch(load_config(SMOKE, gpu_checks.smoke_overrides([f"model.path={tmp_path}"])).model)
     assert arch == model
-    assert gpu_check.smoke_overrides(["rollout.group_size=4"]) == ["rollout.group_size=4"]
+    assert gpu_checks.smoke_overrides(["rollout.group_size=4"]) == ["rollout.group_size=4"]
+    # the long check keeps DIR's vocabulary rather than contradict it
+    longer = dataclasses.replace(MODEL, max_position_embeddings=8192)
+    hf_config(longer).save_pretrained(tmp_path / "longer")
+    overrides = gpu_checks.long_overrides([f"model.path={tmp_path / 'longer'}"])
+    long = load_config(SMOKE, gpu_checks.smoke_overrides(overrides))
+    assert model_arch(long.model).vocab_size == model.vocab_size and long.rollout.max_new_tokens == 4096
+
+
+def test_the_run_checks_ask_for_the_layouts_they_name():
+    """gen_tp 2 and PP 2 in one run of 4 GPUs (a generator's two TP workers in both stages' weight-sync
+    groups), PP 2 alone on 3, the others on gpu-smoke's 2; the long run at Qwen's vocabulary."""
+    assert gpu_checks.gpus_needed([]) == 2
+    assert gpu_checks.gpus_needed(list(gpu_checks.TP_AND_PP)) == 4
+    assert gpu_checks.gpus_needed(list(gpu_checks.PP_ONLY)) == 3
+    assert gpu_checks.gpus_needed(gpu_checks.long_overrides([])) == 2
+
+    both = Layout.from_config(load_config(SMOKE, list(gpu_checks.TP_AND_PP)))
+    [generator] = both.ranks(Role.GENERATOR)
+    assert both.weight_sync_ranks(generator) == (1, 2) and both.weight_sync_size == 3
+    assert [both.stage_source_rank(s) for s in range(2)] == list(both.ranks(Role.TRAINER))  # two groups
+    assert both.machine_gpus(generator) == (0, 1)
+    pp = Layout.from_config(load_config(SMOKE, list(gpu_checks.PP_ONLY)))
+    assert (pp.generators, pp.trainers, pp.train_pp, pp.gen_tp) == (1, 2, 2, 1)
+
+    long = load_config(SMOKE, gpu_checks.long_overrides([]))
+    assert (long.model.vocab_size, long.rollout.max_new_tokens) == (151936, 4096)
+    assert long.ppo.max_tokens_per_mb == load_config(SMOKE).ppo.max_tokens_per_mb  # the config's
+
+
+def row(step: int, **kw) -> dict:
+    base = {"step": step, "ppo/loss": 0.1, "ppo/grad_norm": 1.0, "ppo/logp_mismatch": 1e-3}
+    return base | {"ppo/logp_mismatch_tokens": 10} | kw
+
+
+def test_metrics_problems_name_what_is_wrong():
+    rows = [row(1), row(2), row(3, **{"ppo/logp_mismatch_tokens": 0, "ppo/logp_mismatch": 0.0})]
+    assert metrics_problems(rows, 3, 5e-2) == []
+    assert metrics_problems(rows[:2], 3, 5e-2) == ["steps [1, 2] in metrics.jsonl, expected 1..3"]
+    assert metrics_problems([row(1, **{"ppo/loss": float("nan")})], 1, 5e-2) == ["step 1: ppo/loss = nan"]
+    [problem] = metrics_problems([row(1, **{"ppo/logp_mismatch": 0.3})], 1, 5e-2)
+    assert "disagree on logprobs" in problem and "3.00e-01" in problem
+    [problem] = metrics_problems([row(1, **{"ppo/logp_mismatch_tokens": 0})], 1, 5e-2)
+    assert "weight sync was never checked" in problem
+
+
+LOG = """\
+2026-11-24 10:00:00,000 generator INFO generator 0 (world rank 2) on host n1: generator node 0, GPUs 0,1 of 0,1 (pid 7)
+(EngineCore pid=9) INFO 11-24 10:00:20 [core.py:403] init engine (profile, create kv cache, warmup model) took 9.1 s
+2026-11-24 10:00:41,500 generator INFO generator 0 (world rank 2) vLLM engine: vllm=0.32.0 model_runner=V1 \
+async_scheduling=off worker_start_method=spawn tensor_parallel_size=2
+2026-11-24 10:09:00,000 generator INFO generator 0 (world rank 2) on host n1: generator node 0, GPUs 0,1 of 0,1 (pid 8)
+2026-11-24 10:09:05,000 generator INFO generator 0 (world rank 2) vLLM engine: vllm=0.32.0 model_runner=V1
+"""
+
+
+def test_the_generator_log_gives_the_engine_settings_and_its_start_time():
+    start = engine_start(LOG)  # the first start of a log appended to across a resume
+    assert start.started == dt.datetime(2026, 11, 24, 10, 0, 0)
+    assert start.seconds == 41.5
+    assert start.settings == {
+        "vllm": "0.32.0",
+        "model_runner": "V1",
+        "async_scheduling": "off",
+        "worker_start_method": "spawn",
+        "tensor_parallel_size": "2",
+    }
+    status, detail = startup_verdict(start, 600)
+    assert status == "PASS" and "42 s: 7% of train.startup_timeout_s (600 s" in detail
+    assert startup_verdict(start, 60)[0] == "FAIL"  # 69% of the limit leaves a real model no room
+
+    without = "\n".join(line for line in LOG.splitlines() if ENGINE_LINE not in line)
+    start = engine_start(without)
+    assert start.started is not None and start.seconds is None and start.settings == {}
+    assert startup_verdict(start, 600) == (
+        "SKIP",
+        f"no '{ENGINE_LINE}' line in the generator's log: its start time is not logged",
+    )
+    assert startup_verdict(engine_start(""), 600)[0] == "FAIL"
+
+
+def interrupted(versions: list[int], first: int, second: int) -> Interrupted:
+    t = Trajectory(1, 0, np.arange(len(versions), dtype=np.int32), np.zeros(len(versions), np.float32),
+                   np.asarray(versions, np.int32), "length")  # fmt: skip
+    ids = list(range(len(versions)))
+    return Interrupted(5, {1: [3]}, {(1, 0): ids[:first]}, {(1, 0): ids[:second]}, [], [t], (0.1, 0.1, 0.1))
+
+
+def test_interruption_problems_name_a_misplaced_switch_and_a_bad_token_after_a_resubmission():
+    good = Mismatch(1e-3, 1e-2, 100)
+    ok = InterruptionMismatch(good, good, good, Mismatch(1.0, 4.0, 300))
+    assert interruption_problems(interrupted([5, 5, 6, 6, 7], 2, 4), ok, 5e-2) == []
+    [problem] = interruption_problems(interrupted([5, 6, 6, 6, 7], 2, 4), ok, 5e-2)
+    assert "do not switch at tokens 2 and 4" in problem
+    stale = ok._replace(first_after=Mismatch(0.8, 2.0, 2))
+    [problem] = interruption_problems(interrupted([5, 5, 6, 6, 7], 2, 4), stale, 5e-2)
+    assert problem.startswith("the first token after each resubmission: mean |logprob - transformers'| 8.00e-01")
+    alike = ok._replace(other=Mismatch(0.1, 0.2, 300))
+    assert "would pass unseen" in interruption_problems(interrupted([5, 5, 6, 6, 7], 2, 4), alike, 5e-2)[0]
+
+
+def test_a_submitted_job_is_waited_for_and_judged_as_a_run(tmp_path):
+    states = iter(["PENDING", "UNKNOWN", "RUNNING", "COMPLETED"])
+    assert gpu_checks.wait_job(lambda: next(states), 60, sleep=lambda s: None) == "COMPLETED"
+    clock = iter(range(0, 1000, 100))
+    assert gpu_checks.wait_job(lambda: "PENDING", 250, clock=lambda: next(clock), sleep=lambda s: None) == "PENDING"
+
+    rows = [row(1), row(2)]
+    assert gpu_checks.submit_verdict("COMPLETED", rows, 2, 5e-2, tmp_path) == ("PASS", "job COMPLETED, 2 steps")
+    assert gpu_checks.submit_verdict("PENDING", [], 2, 5e-2, tmp_path)[0] == "SKIP"
+    status, detail = gpu_checks.submit_verdict("FAILED (exit code 1)", rows[:1], 2, 5e-2, tmp_path)
+    assert status == "FAIL" and detail.startswith(f"job FAILED (exit code 1) (areal-hpc status {tmp_path}); steps [1]")
+
+
+def test_the_driver_version_from_nvidia_smi_else_the_kernel_module(tmp_path, gpu_check):
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nprintf '550.54.15\\n550.54.15\\n'\n")
+    smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
+    proc = tmp_path / "version"
+    proc.write_text(
+        "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  535.104.05  Release Build  (dvs-builder@U16)  "
+        "Sat Aug 19 01:15:15 UTC 2023\nGCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n"
+    )
+    assert gpu_check.driver_version(str(smi), proc) == "550.54.15"
+    assert gpu_check.driver_version(str(tmp_path / "absent"), proc) == "535.104.05"
+    assert gpu_check.driver_version(str(tmp_path / "absent"), tmp_path / "absent") is None
+
+
+def test_without_the_gpus_each_run_check_says_what_it_needs(tmp_path, gpu_check):
+    env = {}
+    results = gpu_check.path_checks(tmp_path, [], 0, None, env)
+    assert [(r.name, r.status, r.detail) for r in results] == [
+        ("NCCL weight sync + 20 steps of gpu-smoke", "SKIP", "needs 2 GPUs, 0 visible"),
+        (
+            "engine start within train.startup_timeout_s",
+            "SKIP",
+            "read from the gpu-smoke run's generator log: no such run",
+        ),
+        ("generator at gen_tp 2: NCCL weight sync, logprobs agree", "SKIP", "needs 4 GPUs, 0 visible"),
+        ("trainer at PP 2 -> generator", "SKIP", "needs 3 GPUs, 0 visible"),
+        ("interruption, 256 trajectories in flight (bf16, the project's engine)", "SKIP", "needs 1 GPUs, 0 visible"),
+        ("Qwen's vocabulary, 4096 new tokens: peak memory, bf16 mismatch", "SKIP", "needs 2 GPUs, 0 visible"),
+        ("stop (Ctrl-C), resume, continue a run", "SKIP", "needs 2 GPUs, 0 visible"),
+        (
+            "20 steps through areal-hpc submit --nodes 2",
+            "SKIP",
+            "not asked for: --submit (on a Slurm cluster's login node)",
+        ),
+    ]
+    assert env == {}
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_interruption_check_runs_in_a_process_of_its_own(tmp_path):
+    """The GPU check's interruption (bf16, in a spawned process), here on the CPU with a few trajectories."""
+    status, detail = gpu_checks.check_interruption(tmp_path, "cpu", "bfloat16", groups=4, n=4, max_new=48)
+    assert status == "PASS", detail
+    assert detail.startswith("16 trajectories in flight, ") and "before a resubmission" in detail

@@ -1,28 +1,44 @@
-"""A user's first check on a GPU node: PASS or FAIL per check, with what failed, and a summary to
-attach to a bug report. Run it through `tools/gpu_check.sh` (which finds the Python and the checkout).
+"""A user's first check on a GPU node: PASS, FAIL or SKIP (with why) per check, and a summary to attach
+to a bug report. Run it through `tools/gpu_check.sh` (which finds the Python and the checkout).
 
-    tools/gpu_check.sh                  # everything: the trainer, NCCL weight sync to vLLM, a short run
+    tools/gpu_check.sh                  # the trainer checks, then the checks of a run's path
     tools/gpu_check.sh --trainer-only   # no vLLM needed: also from a checkout on PYTHONPATH with the
                                         # machine's own PyTorch (2.11 or newer) and megatron-core
+    tools/gpu_check.sh --submit cluster.partition=gpu   # also the short run through Slurm, on 2 nodes
+    tools/gpu_check.sh model.path=DIR   # the runs on a real model (its config.json gives the shape)
 
-Trainer checks (the functions of areal_hpc/testing/, the ones the CPU tests call, on this
+Every check calls the functions of areal_hpc/testing/ that the CPU tests call. Trainer checks (on this
 machine's device: AREAL_DEVICE=auto|cpu|cuda, auto by default):
   - logits against transformers on a small Qwen2 built here, and the export round trip, at TP 1;
   - one PPO step, save, resume, and the steps after it equal to an uninterrupted run, in fp32 and bf16;
   - with 2+ GPUs, the same at TP 2.
-Run checks (need vLLM and 2+ GPUs: a generator and a trainer never share a GPU over NCCL):
-  - 20 steps of configs/gpu-smoke.yaml (a ~0.5B Qwen2 built here, or `model.path=DIR`): every step
-    trained with finite loss and gradient norm, weights synced to the vLLM engine over NCCL, and the
-    generator's and the trainer's logprobs of the same tokens under the same weights agreeing.
+The path a run takes (vLLM and GPUs: areal_hpc/testing/gpu_checks.py; a generator and a trainer never
+share a GPU over NCCL, so each check needs the GPUs of its layout, and says so when they are not here):
+  - 20 steps of configs/gpu-smoke.yaml (a ~0.5B Qwen2 built here, bf16): every step trained with finite
+    loss and gradient norm, weights synced to the vLLM engine over NCCL, generator and trainer agreeing
+    on logprobs (2 GPUs); from its generator's log, vLLM's resolved settings (the summary) and the
+    engine's start time against train.startup_timeout_s;
+  - a generator at gen_tp 2 receiving weights over NCCL, and a trainer at PP 2 sending to it (two
+    weight-sync groups in their agreed order): one run of 4 GPUs, reported as two lines (with 3 GPUs
+    the PP 2 run alone);
+  - the generator's interruption with the project's engine configuration (the same engine as in a
+    run), 256 trajectories in flight, bf16: the logprob mismatch of the tokens before and after a
+    resubmission, apart (1 GPU);
+  - Qwen's vocabulary (151,936) and 4096 new tokens at the config's ppo.max_tokens_per_mb: the bf16
+    mismatch and the trainer's peak memory (`memory/peak_gib`) (2 GPUs);
+  - a run stopped with Ctrl-C after a checkpoint, resumed and continued (2 GPUs);
+  - with --submit: a short run through `areal-hpc submit configs/gpu-smoke.yaml --nodes 2`, waited for
+    with the job's record and judged from its metrics (its run directory under runs/ of this checkout,
+    or --keep DIR: every node must see it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
+import re
 import socket
 import subprocess
 import sys
@@ -39,8 +55,6 @@ RESUME_TOL = {"float32": 1e-5, "bfloat16": 1e-3}
 """A resumed run against the uninterrupted one. The CPU is exact to 1e-7; a GPU may sum in another
 order from one run to the next (atomics in attention's backward), which Adam magnifies where a
 gradient is near 0. A lost optimizer state moves the weights by about the learning rate (1e-2)."""
-MISMATCH_TOL = {"float32": 1e-3, "bfloat16": 5e-2}
-"""Largest `ppo/logp_mismatch` (mean |behav_logp - prox_logp| over current-version tokens) in the run."""
 
 
 @dataclass
@@ -104,52 +118,21 @@ def check_resume(work: Path, tp: int, dtype: str, device: str):
     )
 
 
-def smoke_overrides(overrides: list[str]) -> list[str]:
-    """`overrides` for configs/gpu-smoke.yaml; with `model.path=DIR` the YAML's shape fields (those of the
-    model it builds) are cleared, so the shape is DIR's config.json (a field the user sets is kept and checked)."""
-    from areal_hpc.arch import SHAPE_FIELDS
-
-    keys = {o.split("=", 1)[0] for o in overrides}
-    if "model.path" not in keys:
-        return list(overrides)
-    return [*(f"model.{f}=null" for f in SHAPE_FIELDS if f"model.{f}" not in keys), *overrides]
-
-
-def check_run(work: Path, overrides: list[str]):
-    """20 steps of configs/gpu-smoke.yaml through `areal-hpc run`, judged from its metrics."""
-    from areal_hpc.config import load_config
-    from areal_hpc.metrics import read_metrics
-
-    root = work / "runs"
-    cmd = [sys.executable, "-m", "areal_hpc.cli", "run", str(REPO / "configs" / "gpu-smoke.yaml")]
-    cmd += [f"experiment.root={root}", *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-    cfg = load_config(REPO / "configs" / "gpu-smoke.yaml", [f"experiment.root={root}", *overrides])
-    lines = read_metrics(cfg.run_dir) if (cfg.run_dir / "metrics.jsonl").exists() else []
-    problems = []
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-        problems.append(f"areal-hpc run exited with {proc.returncode}; logs in {cfg.run_dir / 'logs'}:\n{tail}")
-    if len(lines) != cfg.train.total_steps:
-        problems.append(f"{len(lines)} of {cfg.train.total_steps} steps in metrics.jsonl")
-    for m in lines:
-        for key in ("ppo/loss", "ppo/grad_norm"):
-            if not math.isfinite(m.get(key, math.nan)):
-                problems.append(f"step {m.get('step')}: {key} = {m.get(key)}")
-    synced = [m for m in lines if m.get("ppo/logp_mismatch_tokens", 0) > 0]
-    if lines and not synced:
-        problems.append("no step trained on tokens of its own version: the weight sync was never checked")
-    worst = max((m["ppo/logp_mismatch"] for m in synced), default=0.0)
-    if worst > MISMATCH_TOL[cfg.model.dtype]:
-        problems.append(
-            f"generator and trainer disagree on logprobs after a weight sync: ppo/logp_mismatch {worst:.2e} "
-            f"> {MISMATCH_TOL[cfg.model.dtype]:.0e} ({cfg.model.dtype})"
-        )
-    detail = (
-        f"{len(lines)} steps, weight sync {max((m.get('timing/weight_sync_s', 0) for m in lines), default=0):.2f} s at most, "
-        f"logp mismatch {worst:.1e} over {sum(m['ppo/logp_mismatch_tokens'] for m in synced):.0f} tokens"
-    )
-    return _verdict(problems, detail)
+def driver_version(smi: str = "nvidia-smi", proc: Path = Path("/proc/driver/nvidia/version")) -> str | None:
+    """The NVIDIA driver's version: nvidia-smi's, else the kernel module's line in `proc`, else None."""
+    try:
+        query = [smi, "--query-gpu=driver_version", "--format=csv,noheader"]
+        out = subprocess.run(query, capture_output=True, text=True, timeout=60)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.split()[0]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    try:
+        # "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 ..."
+        found = re.search(r"NVRM version:.*?\s(\d+\.\d+(?:\.\d+)?)\s", proc.read_text())
+    except OSError:
+        return None
+    return found.group(1) if found else None
 
 
 def environment(device: str) -> dict:
@@ -162,6 +145,7 @@ def environment(device: str) -> dict:
         "cuda": torch.version.cuda,
         "device": device,
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if device == "cuda" else [],
+        "driver": driver_version(),
     }
     for pkg in ("megatron.core", "vllm", "transformers"):
         try:
@@ -178,9 +162,78 @@ def environment(device: str) -> dict:
     return env
 
 
+def trainer_checks(work: Path, device: str, gpus: int) -> list[Result]:
+    results = [_run("trainer logits vs transformers, export round trip (TP 1)", lambda: check_logits(work, 1, device))]
+    for dtype in ("float32", "bfloat16"):
+        name = f"PPO step, save, resume = uninterrupted ({dtype}, TP 1)"
+        results.append(_run(name, lambda dtype=dtype: check_resume(work, 1, dtype, device)))
+    if device == "cuda" and gpus < 2:
+        return [*results, Result("TP 2 checks", "SKIP", f"needs 2 GPUs, {gpus} visible")]
+    results.append(_run("trainer logits vs transformers (TP 2)", lambda: check_logits(work, 2, device)))
+    name = "PPO step, save, resume = uninterrupted (bf16, TP 2)"
+    return [*results, _run(name, lambda: check_resume(work, 2, "bfloat16", device))]
+
+
+def path_checks(work: Path, overrides: list[str], gpus: int, submit_root: Path | None, env: dict) -> list[Result]:
+    """The checks of the path a run takes (the module docstring), each SKIP without the GPUs it needs."""
+    from areal_hpc.testing import gpu_checks as g
+    from areal_hpc.testing.generator_log import engine_start, startup_verdict
+
+    results = []
+
+    def check(name: str, needed: int, fn) -> Result:
+        result = _run(name, fn) if gpus >= needed else Result(name, "SKIP", f"needs {needed} GPUs, {gpus} visible")
+        results.append(result)
+        return result
+
+    smoke = {}
+
+    def smoke_run():
+        smoke["run"] = g.short_run(work, "smoke", overrides)
+        return g.run_verdict(smoke["run"])
+
+    check("NCCL weight sync + 20 steps of gpu-smoke", g.gpus_needed(overrides), smoke_run)
+    startup = "engine start within train.startup_timeout_s"
+    if "run" in smoke:
+        run = smoke["run"]
+        env["vllm_engine"] = g.generator_settings(run) or "not in the generator's log (no 'vLLM engine:' line)"
+        log = run.run_dir / "logs" / "generator-0.log"
+        check(startup, 0, lambda: startup_verdict(engine_start(log.read_text()), run.cfg.train.startup_timeout_s))
+    else:
+        results.append(Result(startup, "SKIP", "read from the gpu-smoke run's generator log: no such run"))
+
+    tp_name, pp_name = "generator at gen_tp 2: NCCL weight sync, logprobs agree", "trainer at PP 2 -> generator"
+    both, pp_only = (g.gpus_needed([*layout, *overrides]) for layout in (g.TP_AND_PP, g.PP_ONLY))
+    if gpus >= both:
+        tp = check(tp_name, both, lambda: g.run_verdict(g.short_run(work, "tp2-pp2", [*g.TP_AND_PP, *overrides], 5)))
+        results.append(Result(f"{pp_name} (two weight-sync groups)", tp.status, f"the same run: {tp.detail}"))
+    else:
+        check(tp_name, both, None)
+        check(pp_name, pp_only, lambda: g.run_verdict(g.short_run(work, "pp2", [*g.PP_ONLY, *overrides], 5)))
+
+    check(
+        "interruption, 256 trajectories in flight (bf16, the project's engine)", 1, lambda: g.check_interruption(work)
+    )
+    check(
+        "Qwen's vocabulary, 4096 new tokens: peak memory, bf16 mismatch",
+        g.gpus_needed(g.long_overrides(overrides)),
+        lambda: g.check_long(work, overrides),
+    )
+    check(
+        "stop (Ctrl-C), resume, continue a run", g.gpus_needed(overrides), lambda: g.check_stop_resume(work, overrides)
+    )
+    name = "20 steps through areal-hpc submit --nodes 2"
+    if submit_root is None:
+        results.append(Result(name, "SKIP", "not asked for: --submit (on a Slurm cluster's login node)"))
+    else:
+        results.append(_run(name, lambda: g.check_submit(submit_root, overrides)))
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trainer-only", action="store_true", help="only the checks that need no vLLM")
+    parser.add_argument("--submit", action="store_true", help="also a short run through areal-hpc submit (Slurm)")
     parser.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (default: a temporary directory)")
     parser.add_argument(
         "overrides", nargs="*", help="key=value overrides of configs/gpu-smoke.yaml (e.g. model.path=DIR)"
@@ -196,52 +249,24 @@ def main(argv: list[str] | None = None) -> int:
     gpus = len(visible_gpus()) if device == "cuda" else 0
     results = []
     with tempfile.TemporaryDirectory(prefix="areal-gpu-check-") as tmp:
-        work = Path(args.keep or tmp)
+        work = Path(args.keep or tmp).resolve()
         work.mkdir(parents=True, exist_ok=True)
         if os.environ.get("AREAL_DEVICE") == "cpu":
             results.append(Result("GPU visible", "SKIP", "AREAL_DEVICE=cpu: the checks ran on the CPU"))
         elif device != "cuda":
             results.append(Result("GPU visible", "FAIL", "torch sees no GPU; the checks below ran on the CPU"))
-        results.append(
-            _run("trainer logits vs transformers, export round trip (TP 1)", lambda: check_logits(work, 1, device))
-        )
-        for dtype in ("float32", "bfloat16"):
-            name = f"PPO step, save, resume = uninterrupted ({dtype}, TP 1)"
-            results.append(_run(name, lambda dtype=dtype: check_resume(work, 1, dtype, device)))
-        if device == "cuda" and gpus < 2:
-            results.append(Result("TP 2 checks", "SKIP", f"need 2 GPUs, {gpus} visible"))
-        else:
-            results.append(_run("trainer logits vs transformers (TP 2)", lambda: check_logits(work, 2, device)))
-            results.append(
-                _run(
-                    "PPO step, save, resume = uninterrupted (bf16, TP 2)",
-                    lambda: check_resume(work, 2, "bfloat16", device),
-                )
-            )
+        results += trainer_checks(work, device, gpus)
         if args.trainer_only:
             pass
         elif env["vllm"] is None:
+            results.append(Result("run checks", "FAIL", "vLLM is not installed (AREAL_DEVICE=cuda tools/setup.sh)"))
+        elif device != "cuda":
             results.append(
-                Result(
-                    "NCCL weight sync + 20 steps of gpu-smoke",
-                    "FAIL",
-                    "vLLM is not installed (AREAL_DEVICE=cuda tools/setup.sh)",
-                )
-            )
-        elif device == "cuda" and gpus < 2:
-            results.append(
-                Result(
-                    "NCCL weight sync + 20 steps of gpu-smoke",
-                    "SKIP",
-                    f"needs 2 GPUs (a generator and a trainer), {gpus} visible",
-                )
+                Result("run checks", "SKIP", "they need GPUs (configs/gpu-smoke.yaml is cluster.device cuda)")
             )
         else:
-            results.append(
-                _run(
-                    "NCCL weight sync + 20 steps of gpu-smoke", lambda: check_run(work, smoke_overrides(args.overrides))
-                )
-            )
+            submit_root = (Path(args.keep).resolve() if args.keep else REPO / "runs") if args.submit else None
+            results += path_checks(work, args.overrides, gpus, submit_root, env)
 
     counts = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "SKIP")}
     print("\n== areal-hpc gpu_check summary (attach to a bug report) ==")

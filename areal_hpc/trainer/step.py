@@ -283,8 +283,10 @@ def ppo_step(engine, batch, cfg: StepConfig) -> dict[str, float]:
         totals += part
     s = dict(zip(_STAT_KEYS, totals.tolist()))
     n = max(s["n"], 1.0)
-    kl = {"ppo/kl": s["kl_sum"] / n} if cfg.kl_coef > 0 else {}
-    return kl | {
+    optional = {"ppo/kl": s["kl_sum"] / n} if cfg.kl_coef > 0 else {}
+    if engine.device.type == "cuda":  # a CPU process's max RSS counts everything else it holds: another quantity
+        optional["memory/peak_gib"] = torch.cuda.max_memory_allocated(engine.device) / 2**30
+    return optional | {
         "ppo/loss": s["loss_sum"] / n,
         "ppo/clip_frac": s["clip_sum"] / n,
         "ppo/grad_norm": sum(grad_norms) / len(grad_norms),
