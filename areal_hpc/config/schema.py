@@ -231,8 +231,10 @@ class TrainConfig:
     controller nothing for this long is taken as hung: the controller ends the run naming it. Must
     exceed the longest training step and the longest single generation."""
     startup_timeout_s: float = 600.0
-    """How long a rank may take to start (loading the model, compiling the engine) before its first
-    answer to the controller; past it the rank is taken as hung."""
+    """How long a rank may take to start (loading the model, compiling the engine, joining the weight-sync
+    groups) before its first answer to the controller. The joins give up at this limit (counted from
+    the groups' set-up) with an error naming both ends; a rank silent for this plus collective_timeout_s
+    is taken as hung."""
 
 
 @dataclass
