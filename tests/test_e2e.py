@@ -136,6 +136,12 @@ def test_runs_stops_on_ctrl_c_after_a_checkpoint_and_resumes(root):
     stopped_at = checkpoint_version(ckpt)
     assert stopped_at >= 2 and [r["step"] for r in first.rows()] == list(range(1, stopped_at + 1))
     assert not left_running(run_dir)
+    # the weight-sync group was joined and checked at start, by both ends, before the generator's first prompt
+    gen_log, trainer_log = ((run_dir / "logs" / f"{r}-0.log").read_text() for r in ("generator", "trainer"))
+    for log, me in ((gen_log, "generator 0 (world rank 2)"), (trainer_log, "trainer 0 (world rank 3)")):
+        assert re.search(
+            rf"weight-sync group areal-ws-0 \(stage 0\): {re.escape(me)} on host .* start-up check passed", log
+        )
 
     total = stopped_at + 3
     second = Run(root, "resume", f"train.total_steps={total}")  # the same run, 3 steps further

@@ -76,9 +76,11 @@ class ClusterConfig:
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables set for every rank."""
     network_interface: str = ""
-    """Network interface for MPI, gloo and NCCL traffic between nodes (e.g. ib0; empty: the libraries'
-    own choice). Sets OMPI_MCA_btl_tcp_if_include, OMPI_MCA_oob_tcp_if_include, GLOO_SOCKET_IFNAME and
-    NCCL_SOCKET_IFNAME for every rank."""
+    """Network interface for MPI, gloo and NCCL traffic between nodes (e.g. ib0). Sets
+    OMPI_MCA_btl_tcp_if_include, OMPI_MCA_oob_tcp_if_include, GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME
+    for every rank, and the rendezvous addresses are its; every rank checks at start that its node has
+    it. Empty: the rendezvous addresses are those of the interfaces that route to the peers
+    (areal_hpc.network), MPI and NCCL choose their own."""
     requeue_signal_s: int = 120
     """Seconds before the time limit at which Slurm signals the job (SIGUSR2): the controller saves a
     checkpoint and the job is requeued, resuming from it."""
