@@ -120,7 +120,11 @@ class SyncGroup:
             self.pg = _process_group(spec, prefixed, rank, device, address, left)
             self.pg.eager_connect_single_device(device)  # gloo: nothing to do
         except Exception as e:
-            raise self._error(f"reached the store at {at}, but the group did not connect (own end {address})", e) from e
+            if rank != 0 and not prefixed.check(["joined/0"]):  # the source never came (still starting?)
+                what = f"waited {_s(join_timeout_s)} s at {at} for the source, which never joined (train.startup_timeout_s)"
+            else:
+                what = f"reached the store at {at}, but the group did not connect (own end {address})"
+            raise self._error(what, e) from e
         store.set_timeout(datetime.timedelta(seconds=spec.timeout_s))
         self._store = store  # keep the store (and, on the source, its server) alive with the group
         self._startup_check(min(spec.timeout_s, until(t0 + join_timeout_s)))

@@ -121,12 +121,12 @@ def test_a_port_nobody_listens_on_fails_the_join_naming_both_ends():
     spec = GroupSpec("areal-ws-0", 0, "127.0.0.1", port, 3, "gloo", 5.0, "", 4, MEMBERS)
     t0 = time.monotonic()
     with pytest.raises(WeightSyncError) as e:
-        WeightReceiver([spec], (2,)).connect(0, timeout_s=2.0)
+        WeightReceiver([spec], (2,)).connect(0, timeout_s=1.0)
     assert time.monotonic() - t0 < 20  # the store client retries once after its limit
     text = str(e.value)
     assert text.startswith(
         "weight-sync group areal-ws-0 (stage 0): generator 1 (world rank 3) on host b (with the source "
-        f"trainer 0 (world rank 4) on host a) could not reach the group's store at 127.0.0.1:{port} within 2 s"
+        f"trainer 0 (world rank 4) on host a) could not reach the group's store at 127.0.0.1:{port} within 1 s"
     ), text
     assert "set cluster.network_interface" in text
 
@@ -134,7 +134,7 @@ def test_a_port_nobody_listens_on_fails_the_join_naming_both_ends():
 def test_the_source_names_the_members_that_never_came():
     sender, spec = _local_group(3, timeout_s=5.0, name="absent")
     receiver = WeightReceiver([spec], (1,))  # generator 0 comes, generator 1 never does
-    th = threading.Thread(target=lambda: pytest.raises(WeightSyncError, receiver.connect, 0, 3.0))
+    th = threading.Thread(target=lambda: pytest.raises(WeightSyncError, receiver.connect, 0, 2.0))
     th.start()
     t0 = time.monotonic()
     with pytest.raises(WeightSyncError) as e:
@@ -145,6 +145,16 @@ def test_the_source_names_the_members_that_never_came():
         "on host b, which never reached it (1 of 2 did)"
     ) in str(e.value)
     th.join(20)
+
+
+def test_a_source_that_never_joins_is_named_by_its_receivers():
+    _, spec = _local_group(2, timeout_s=5.0, name="late")  # the store is up, its source never joins
+    with pytest.raises(WeightSyncError) as e:
+        WeightReceiver([spec], (1,)).connect(0, timeout_s=1.0)
+    assert (
+        "generator 0 (world rank 2) on host b (with the source trainer 0 (world rank 4) on host a) waited 1 s at "
+        f"127.0.0.1:{spec.port} for the source, which never joined (train.startup_timeout_s)"
+    ) in str(e.value)
 
 
 def test_a_start_up_broadcast_from_another_source_is_refused():
