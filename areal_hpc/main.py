@@ -14,9 +14,10 @@
 
 A node without `cluster.network_interface` stops its ranks before MPI starts (MPI, gloo and NCCL
 are told to use it: their own errors would come first and say less), with one line naming the
-interface and the node's interfaces. A rank that fails prints one line naming itself to the launcher's console, its traceback to its
-log, and ends the whole run with MPI Abort: nothing hangs, nothing stays running. A rank that dies
-outright is mpirun's (srun's) to notice; one that hangs is the controller's (areal_hpc.liveness).
+interface and the node's interfaces. A rank that fails prints one line naming itself to the
+launcher's console, its traceback to its log, and ends the whole run with MPI Abort: nothing hangs,
+nothing stays running. A rank that dies outright is mpirun's (srun's) to notice; one that hangs is
+the controller's (areal_hpc.liveness).
 
 GPUs: before torch or vLLM is imported, each rank narrows CUDA_VISIBLE_DEVICES to the GPUs the
 layout places it on (`Layout.placement`), as entries of the list it was started with: on Slurm the
