@@ -27,6 +27,7 @@ setup(
         "math-verify",
         "datasets",  # data sets saved with save_to_disk, and parquet (pyarrow) for areal_hpc.data
         "pyyaml",
+        "psutil",  # areal_hpc.network: the node's interfaces (vLLM needs it too)
         "matplotlib",  # tools/plot_run.py
     ],
     extras_require={

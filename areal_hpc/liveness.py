@@ -7,8 +7,12 @@ expected back, and a rank with work outstanding that sends nothing for `timeout_
 
     hung(r)  <=>  outstanding(r) > 0  and  now - last_heard(r) > limit(r)
     limit(r) =  timeout_s                                   after r's first message
-                max(timeout_s, startup_s)                   before it (train.startup_timeout_s:
-                                                            engine start, model load)
+                max(timeout_s, startup_s)                   before it (the controller passes
+                                                            train.startup_timeout_s, for engine start,
+                                                            model load and the weight-sync joins, plus
+                                                            train.collective_timeout_s, for their
+                                                            start-up broadcast: a rank's own start-up
+                                                            error, named, comes first)
 
 `last_heard(r)` is the later of r's last message and the moment it got work while it had none, so
 time spent idle never counts. The error names the rank (`layout.describe_rank`) and what it owed;

@@ -1,19 +1,24 @@
 """`python -m areal_hpc.main RUN_DIR [--placement]`: what every MPI rank runs, on this machine or on Slurm.
 
 ```
- every rank:  config.yaml -> Layout -> role, log file logs/<role>-<i>.log, its GPUs, signals, cores
+ every rank:  config.yaml -> cluster.network_interface exists on this node? (before MPI starts)
+              -> Layout -> role, log file logs/<role>-<i>.log, its GPUs, signals, cores
               first log line: role, host, GPUs; then its CPUs and OMP_NUM_THREADS (`log_cpus`);
               the device, resolved once (areal_hpc.device)
               (--placement: exit barrier here)
               role communicator (collective)
               model dir + latest complete checkpoint (world rank 0 finds or builds them, bcast)
-              RankContext -> setup_weight_sync (collective) -> the role's serve
+              RankContext -> setup_weight_sync (collective) -> the role's serve (engine, then
+                             the weight-sync groups joined and checked, then the loop)
               exit barrier (bounded), exit code
 ```
 
-A rank that fails prints one line naming itself to the launcher's console, its traceback to its
-log, and ends the whole run with MPI Abort: nothing hangs, nothing stays running. A rank that dies
-outright is mpirun's (srun's) to notice; one that hangs is the controller's (areal_hpc.liveness).
+A node without `cluster.network_interface` stops its ranks before MPI starts (MPI, gloo and NCCL
+are told to use it: their own errors would come first and say less), with one line naming the
+interface and the node's interfaces. A rank that fails prints one line naming itself to the
+launcher's console, its traceback to its log, and ends the whole run with MPI Abort: nothing hangs,
+nothing stays running. A rank that dies outright is mpirun's (srun's) to notice; one that hangs is
+the controller's (areal_hpc.liveness).
 
 GPUs: before torch or vLLM is imported, each rank narrows CUDA_VISIBLE_DEVICES to the GPUs the
 layout places it on (`Layout.placement`), as entries of the list it was started with: on Slurm the
@@ -47,9 +52,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 from areal_hpc.checkpoint.files import latest_checkpoint
-from areal_hpc.config import load_config
+from areal_hpc.config import ConfigError, load_config
 from areal_hpc.device import resolve_device, visible_gpus
 from areal_hpc.layout import Cores, Layout, Role
+from areal_hpc.network import check_interface
 from areal_hpc.rundir import log_path
 
 EXIT_BARRIER_S = 60.0
@@ -70,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     placement_only = args[1:] == [PLACEMENT_FLAG]
     run_dir = Path(args[0]).resolve()
     cfg = load_config(run_dir / "config.yaml")
+    try:
+        check_interface(cfg.cluster.network_interface)
+    except ConfigError as e:
+        print(f"areal-hpc: {e}", file=sys.stderr, flush=True)
+        return 1
     layout = Layout.from_config(cfg)
     from mpi4py import MPI
 

@@ -8,12 +8,28 @@
 ```
 
 One process group per pipeline stage s: group rank 0 is `layout.stage_source_rank(s)`; the engine
-workers of generator g take the group ranks `layout.weight_sync_ranks(g)`, one per tensor-parallel rank. A generator's receive runs where its
-model lives: inside the vLLM worker (the engine's worker extension calls `WeightReceiver.receive`),
-which on CPU with gen_tp 1 is the generator rank itself; with gen_tp > 1 each worker process joins
-the group with its own rank. For that reason the groups connect lazily, on the first send/receive:
-`setup_weight_sync` (a collective over the MPI world, before any engine exists) only has each
-source open the group's TCPStore on a free port and share (host, port) over MPI.
+workers of generator g take the group ranks `layout.weight_sync_ranks(g)`, one per tensor-parallel
+rank. A generator's receive runs where its model lives: inside the vLLM worker (the engine's worker
+extension calls `WeightReceiver.connect` and `receive`), which on CPU with gen_tp 1 is the generator
+rank itself; with gen_tp > 1 each worker process joins the group with its own rank.
+
+Order at start, so that a wrong address or a blocked port fails before the first prompt:
+  1. `setup_weight_sync` (a collective over the MPI world, before any engine exists): each group's
+     members check that they resolved the same device; the source opens the group's TCPStore on a
+     free port at its address (areal_hpc.network: cluster.network_interface's, else the interface
+     that routes to the group's members; 127.0.0.1 when they all share its host) and shares it over MPI.
+  2. A trainer source joins right after its engine is built (`WeightSender.connect`); a generator
+     right after its engine exists, inside vLLM's workers (`WeightReceiver.connect`, every stage in
+     index order). A join is the rendezvous (each member reaches the store and says so; the source
+     waits for all of them, then the process group connects) and one small broadcast from the
+     source, int64 [stage, source world rank, STARTUP_CHECK], which every receiver checks. All of it
+     within `train.startup_timeout_s` of step 1 (engine start takes minutes); the error names both
+     ends (`layout.describe_rank`), their hosts and the address tried.
+  3. Each sync: the buckets (wire format below), every collective within `train.collective_timeout_s`.
+  4. On Stop, every member closes its end (`close`).
+A rank's errors go to the controller as `Failure` from its serve loop, which the start-up path is in;
+the controller's limit for a rank's first answer is `train.startup_timeout_s` plus
+`train.collective_timeout_s` (areal_hpc.controller), so the rank's named error arrives first.
 
 The agreed order. Every receiver is a member of every stage's group, so on its device it drives one
 communicator per stage. NCCL documents concurrent communicators on one device as a deadlock risk
@@ -27,106 +43,45 @@ that have not yet sent their end marker, a bucket (or the end marker) each, stag
 A source belongs to one group only and issues its own bucket stream in order, which is that order's
 subsequence, so no cycle of waits can form. What overlaps, safely: the sources gather and pack their
 stages at the same time (each on its own device), and a receiver loads one bucket into its engine
-(the caller's thread) while its receiving thread takes the next ones.
+(the caller's thread) while its receiving thread takes the next ones. The joins at start follow the
+same order (every stage's group in index order; a source joins its own only).
 
-Backend: gloo on cpu, NCCL on cuda (`device.backend` of the rank's `RankContext.device`); the
-tensors' device is the only other difference. The members of a group must agree:
-`setup_weight_sync` refuses, on every member, a group whose members resolved different devices.
-A group is `ProcessGroup{Gloo,NCCL}(PrefixStore(name, TCPStore(host, port, size, is_master)), rank,
-size, timeout)`, built directly beside the rank's own default group (no global torch.distributed state).
+Backend and devices: gloo on cpu, NCCL on cuda (`device.backend` of the rank's `RankContext.device`);
+the tensors' device is the only other difference. The members of a group must agree:
+`setup_weight_sync` refuses, on every member, a group whose members resolved different devices. How a
+member's end is built, bound to its device and kept within NCCL's watchdog: areal_hpc.sync_group.
 
 Wire format, per bucket (three broadcasts from group rank 0):
   1. int64 [2]: (header bytes, payload bytes); (0, 0) ends the stream;
   2. uint8 [header bytes]: JSON list of [name, dtype, shape, offset];
   3. uint8 [payload bytes]: the tensors' bytes, each at a 16-byte aligned offset.
-Every broadcast and every rendezvous waits at most `timeout_s` (cfg.train.collective_timeout_s) and
-raises `WeightSyncError` naming the group when it does not complete: nothing hangs.
+Nothing hangs: every wait has its limit and raises `WeightSyncError` naming the group and both ends.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
-import os
 import queue
 import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from areal_hpc import network
+from areal_hpc.sync_group import GroupSpec, SyncGroup, WeightSyncError, own_device, until, use_device
+
 if TYPE_CHECKING:
     from areal_hpc.runtime import RankContext
 
 _ALIGN = 16  # bytes; lets every dtype be viewed in place from the payload buffer
-
-
-class WeightSyncError(RuntimeError):
-    """A weight-sync collective failed or timed out; the run cannot continue with stale weights."""
-
-
-@dataclass(frozen=True)
-class GroupSpec:
-    """Where one stage's weight-sync group meets: enough for any member process to join it."""
-
-    name: str
-    stage: int
-    host: str
-    port: int
-    size: int
-    """Members: 1 source + generators x gen_tp workers."""
-    backend: str
-    """gloo (cpu) or nccl (cuda)."""
-    timeout_s: float
-
-
-def _own_device(backend: str) -> torch.device:
-    """Where a member's tensors of a group live: on nccl the calling thread's current GPU (the
-    trainer's, or the one vLLM gave the engine worker), else the CPU. Read in the member's own thread
-    and handed to the receiving thread: the current GPU is per thread, and a new thread's is GPU 0."""
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-
-
-class _Group:
-    """One connected member of a weight-sync group."""
-
-    def __init__(self, spec: GroupSpec, rank: int, device: torch.device, master_store=None):
-        self.spec, self.rank, self.device = spec, rank, device
-        self.timeout = datetime.timedelta(seconds=spec.timeout_s)
-        try:
-            store = master_store
-            if store is None:
-                store = dist.TCPStore(
-                    spec.host, spec.port, spec.size, False, timeout=self.timeout, wait_for_workers=False
-                )
-            prefixed = dist.PrefixStore(spec.name, store)
-            if spec.backend == "nccl":
-                opts = dist.ProcessGroupNCCL.Options()
-                opts._timeout = self.timeout
-                self.pg = dist.ProcessGroupNCCL(prefixed, rank, spec.size, opts)
-            else:
-                self.pg = dist.ProcessGroupGloo(prefixed, rank, spec.size, self.timeout)
-        except Exception as e:
-            raise WeightSyncError(
-                f"weight-sync group {spec.name} (stage {spec.stage}) at {spec.host}:{spec.port}: rank {rank} of "
-                f"{spec.size} could not join within {spec.timeout_s:g} s: {e}"
-            ) from e
-        self._store = store  # keep the store (and, on the source, its server) alive with the group
-
-    def broadcast(self, tensor: torch.Tensor, what: str) -> None:
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        try:
-            self.pg.broadcast([tensor], opts).wait(self.timeout)
-        except Exception as e:
-            raise WeightSyncError(
-                f"weight-sync group {self.spec.name} (stage {self.spec.stage}), rank {self.rank}: broadcast of the "
-                f"{what} did not complete within {self.spec.timeout_s:g} s: {e}"
-            ) from e
+MIN_JOIN_S = 10.0
+"""A join gets at least this long, even when the engine's start used up `train.startup_timeout_s`."""
 
 
 # --- sender (trainer stage source) -------------------------------------------------------------
@@ -140,17 +95,34 @@ class WeightSender:
     stage: int
     is_source: bool
     spec: GroupSpec | None = None
+    join_by: float = 0.0
+    """When the join at start must be done (time.monotonic; `setup_weight_sync`: + train.startup_timeout_s)."""
     _master_store: object = field(default=None, repr=False)
-    _group: _Group | None = field(default=None, repr=False)
+    _group: SyncGroup | None = field(default=None, repr=False)
+
+    def connect(self, timeout_s: float | None = None) -> str | None:
+        """Join the stage's group (waiting up to `timeout_s`, default: until `join_by`, for every member)
+        and send the start-up check; returns the log line. A rank that is no source has nothing to join."""
+        if not self.is_source:
+            return None
+        if self._group is None:
+            timeout_s = until(self.join_by, MIN_JOIN_S) if timeout_s is None else timeout_s
+            self._group = SyncGroup(self.spec, 0, own_device(self.spec.backend), timeout_s, self._master_store)
+        return self._group.joined
+
+    def close(self) -> None:
+        if self._group is not None:
+            self._group.close()
+        self._group = self._master_store = None
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> dict:
         """Broadcast full (TP-gathered) tensors under their Hugging Face names, in buckets of about
         `bucket_bytes` (a tensor larger than that travels alone). Returns {bytes, buckets, tensors, seconds}."""
         if not self.is_source:
             raise RuntimeError(f"this trainer rank is not the weight-sync source of stage {self.stage}")
-        t0 = time.perf_counter()
         if self._group is None:
-            self._group = _Group(self.spec, 0, _own_device(self.spec.backend), self._master_store)
+            raise WeightSyncError(f"the source of stage {self.stage} sends before joining its group (connect)")
+        t0 = time.perf_counter()
         stats = {"bytes": 0, "buckets": 0, "tensors": 0}
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
@@ -198,22 +170,47 @@ class WeightReceiver:
     group_ranks: tuple[int, ...]
     """This generator's rank in every group, by its engine workers' tensor-parallel rank
     (`Layout.weight_sync_ranks`)."""
+    join_by: float = 0.0
+    """When the joins at start must be done (time.monotonic, in the generator rank's process)."""
     _groups: dict = field(default_factory=dict, repr=False)
+    """stage -> this process's connected `SyncGroup`."""
 
     def __getstate__(self):
         return {**self.__dict__, "_groups": {}}  # connections stay in the process that made them
 
-    def receive(self, tp_rank: int = 0) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def startup_left_s(self) -> float:
+        """Seconds left for the joins (handed to vLLM's workers, whose clocks are their own)."""
+        return until(self.join_by, MIN_JOIN_S)
+
+    def connect(self, tp_rank: int = 0, timeout_s: float | None = None) -> list[str]:
+        """Join every stage's group as the worker of tensor-parallel rank `tp_rank`, stages in index
+        order, each ending with the source's start-up check, all within `timeout_s` (default: until
+        `join_by`); returns a log line per group. Called once per process, at start."""
+        if not self._groups:
+            deadline = time.monotonic() + (self.startup_left_s() if timeout_s is None else timeout_s)
+            device = own_device(self.specs[0].backend)
+            for spec in sorted(self.specs, key=lambda s: s.stage):
+                self._groups[spec.stage] = SyncGroup(spec, self.group_ranks[tp_rank], device, until(deadline))
+        return [g.joined for _, g in sorted(self._groups.items())]
+
+    def close(self) -> None:
+        for group in self._groups.values():
+            group.close()
+        self._groups.clear()
+
+    def receive(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Yield each bucket (a list of (hf_name, tensor)) of every stage, in the agreed order (module
         docstring), until all stages have sent their end marker. One thread receives, in that order;
         the caller consumes a bucket while the next ones arrive (at most 2 waiting)."""
-        device = _own_device(self.specs[0].backend)  # the caller's: a thread does not inherit it
+        if not self._groups:
+            raise WeightSyncError("weight sync: this generator receives before joining its groups (connect)")
         out: queue.Queue = queue.Queue(maxsize=2)
         done = object()
 
         def pump() -> None:
             try:
-                for bucket in self._in_agreed_order(tp_rank, device):
+                use_device(next(iter(self._groups.values())).device)
+                for bucket in self._in_agreed_order():
                     out.put(bucket)
                 out.put(done)
             except BaseException as e:  # handed to the consumer, which raises it
@@ -235,12 +232,9 @@ class WeightReceiver:
             yield item
         thread.join()
 
-    def _in_agreed_order(self, tp_rank: int, device: torch.device) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Round robin over the stages still sending, a bucket each, stages in index order. Every
-        group is joined first, in stage order: each source waits at most `timeout_s` for its members."""
-        specs = sorted(self.specs, key=lambda s: s.stage)
-        groups = {spec.stage: self._join(spec, tp_rank, device) for spec in specs}
-        streams = {stage: self._stream(group) for stage, group in groups.items()}
+    def _in_agreed_order(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Round robin over the stages still sending, a bucket each, stages in index order."""
+        streams = {stage: self._stream(group) for stage, group in sorted(self._groups.items())}
         while streams:
             for stage, stream in list(streams.items()):
                 bucket = next(stream, None)
@@ -249,13 +243,7 @@ class WeightReceiver:
                 else:
                     yield bucket
 
-    def _join(self, spec: GroupSpec, tp_rank: int, device: torch.device) -> _Group:
-        key = (spec.name, tp_rank)
-        if key not in self._groups:
-            self._groups[key] = _Group(spec, self.group_ranks[tp_rank], device)
-        return self._groups[key]
-
-    def _stream(self, group: _Group) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def _stream(self, group: SyncGroup) -> Iterator[list[tuple[str, torch.Tensor]]]:
         while True:
             sizes = torch.empty(2, dtype=torch.int64, device=group.device)
             group.broadcast(sizes, "bucket sizes")
@@ -279,22 +267,19 @@ class WeightReceiver:
 
 def setup_weight_sync(ctx: RankContext) -> WeightSender | WeightReceiver | None:
     """Every world rank calls this once, before `serve`. Returns a `WeightSender` on trainer ranks, a
-    `WeightReceiver` on generator ranks, None on the controller and reward workers.
+    `WeightReceiver` on generator ranks, None on the controller and reward workers; the joins come
+    later, once the engines exist (module docstring), by `join_by` = now + train.startup_timeout_s.
 
-    For each stage s, the members ([stage_source_rank(s)] + generators) split off the world, check
-    that they all resolved the same device, and the source opens the group's TCPStore on a free port
-    and broadcasts (host, port) to them.
+    For each stage s, the members ([stage_source_rank(s)] + generators) split off the world and
+    `open_group`.
     """
     from mpi4py import MPI
 
-    from areal_hpc.device import backend as backend_of
     from areal_hpc.layout import Role
 
-    layout, world, rank = ctx.layout, ctx.world, ctx.world.Get_rank()
+    layout, world, rank, cfg = ctx.layout, ctx.world, ctx.world.Get_rank(), ctx.cfg
     role = layout.role_of(rank)
-    backend = backend_of(ctx.device)
-    timeout_s = float(ctx.cfg.train.collective_timeout_s)
-    size = layout.weight_sync_size
+    join_by = time.monotonic() + float(cfg.train.startup_timeout_s)
     specs, my_stage, master = [], None, None
     for stage in range(layout.train_pp):
         source = layout.stage_source_rank(stage)
@@ -302,37 +287,78 @@ def setup_weight_sync(ctx: RankContext) -> WeightSender | WeightReceiver | None:
         comm = world.Split(MPI.UNDEFINED if not member else 0, 0 if rank == source else 1 + rank)
         if comm == MPI.COMM_NULL:
             continue
-        members = comm.allgather((rank, socket.gethostname(), ctx.device))
-        _check_devices(f"areal-ws-{stage}", members, layout)
-        hosts = [host for _, host, _ in members]
-        info = None
-        if rank == source:
-            host = "127.0.0.1" if len(set(hosts)) == 1 else _routable_host()
-            master = dist.TCPStore(
-                host, 0, size, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
-            )
-            info = (host, master.port)
-            my_stage = stage
-        host, port = comm.bcast(info, root=0)
+        spec, store = open_group(
+            comm,
+            f"areal-ws-{stage}",
+            stage,
+            rank,
+            ctx.device,
+            layout.weight_sync_ranks,
+            layout.describe_rank,
+            cfg.cluster.network_interface,
+            float(cfg.train.collective_timeout_s),
+        )
         comm.Free()
-        specs.append(GroupSpec(f"areal-ws-{stage}", stage, host, port, size, backend, timeout_s))
+        if rank == source:
+            my_stage, master = stage, store
+        specs.append(spec)
     if role == Role.GENERATOR:
-        return WeightReceiver(specs, layout.weight_sync_ranks(rank))
+        return WeightReceiver(specs, layout.weight_sync_ranks(rank), join_by)
     if role == Role.TRAINER:
         if my_stage is not None:
-            return WeightSender(my_stage, True, specs[0], master)
+            return WeightSender(my_stage, True, specs[0], join_by, master)
         return WeightSender(layout.trainer_coords(rank).pp, False)
     return None
 
 
-def _check_devices(group: str, members: list[tuple[int, str, str]], layout) -> None:
+def open_group(
+    comm,
+    name: str,
+    stage: int,
+    me: int,
+    device: str,
+    ranks_of: Callable[[int], tuple[int, ...]],
+    describe: Callable[[int], str],
+    interface: str,
+    timeout_s: float,
+) -> tuple[GroupSpec, object | None]:
+    """Collective over `comm`, a group's members with the source first (world rank `me` each, on
+    `device`): every member's host and device are shared and checked, the source opens the group's
+    TCPStore at its address (areal_hpc.network) and broadcasts it. Returns the spec, and on the source
+    the store (it must live as long as the group). `ranks_of(world rank)`: a receiver's group ranks, one
+    per engine worker; `describe(world rank)`: how errors name it."""
+    from areal_hpc.device import backend
+
+    members = comm.allgather((me, socket.gethostname(), device))
+    _check_devices(name, members, describe)
+    source, source_host, _ = members[0]
+    who = {0: f"{describe(source)} on host {source_host}"}
+    for rank, h, _ in members[1:]:
+        ranks = ranks_of(rank)
+        for tp, group_rank in enumerate(ranks):
+            who[group_rank] = f"{describe(rank)}{f' worker tp {tp}' if len(ranks) > 1 else ''} on host {h}"
+    info, master = None, None
+    if comm.Get_rank() == 0:
+        host = network.address(interface, [h for _, h, _ in members])
+        # Its waits are the join's from then on (`SyncGroup`).
+        master = dist.TCPStore(
+            host, 0, len(who), True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+        )
+        info = (host, master.port)
+    host, port = comm.bcast(info, root=0)
+    members_text = tuple(who[r] for r in range(len(who)))
+    spec = GroupSpec(name, stage, host, port, len(who), backend(device), timeout_s, interface, source, members_text)
+    return spec, master
+
+
+def _check_devices(group: str, members: list[tuple[int, str, str]], describe: Callable[[int], str]) -> None:
     """Every member of a group on the same device (one backend), or the same error on every member."""
     on: dict[str, list[int]] = {}  # device -> the members (world ranks) on it
     for rank, _, device in members:
         on.setdefault(device, []).append(rank)
     if len(on) > 1:
         sides = " but ".join(
-            f"{layout.describe_rank(ranks[0])}{f' and {len(ranks) - 1} more' if len(ranks) > 1 else ''} on {dev}"
+            f"{describe(ranks[0])}{f' and {len(ranks) - 1} more' if len(ranks) > 1 else ''} on {dev}"
             for dev, ranks in on.items()
         )
         raise WeightSyncError(
@@ -341,13 +367,6 @@ def _check_devices(group: str, members: list[tuple[int, str, str]], layout) -> N
             "those nodes (each rank's log starts with them), or set cluster.device to cuda (a rank without a "
             "GPU then fails at start) or cpu"
         )
-
-
-def _routable_host() -> str:
-    """This node's address as other nodes reach it (AREAL_WEIGHT_SYNC_HOST overrides)."""
-    if os.environ.get("AREAL_WEIGHT_SYNC_HOST"):
-        return os.environ["AREAL_WEIGHT_SYNC_HOST"]
-    return socket.gethostbyname(socket.getfqdn())
 
 
 def _aligned(n: int) -> int:
@@ -361,4 +380,9 @@ def _numel(shape: list[int]) -> int:
     return n
 
 
-__all__ = ["GroupSpec", "WeightReceiver", "WeightSender", "WeightSyncError", "setup_weight_sync"]
+__all__ = [
+    "WeightReceiver",
+    "WeightSender",
+    "open_group",
+    "setup_weight_sync",
+]

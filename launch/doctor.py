@@ -7,10 +7,13 @@
                   preemption     a preemptible partition's GraceTime covers cluster.grace_s
  one probe job    run directory  every rank reads a file this host wrote there and writes its own back
  (the run's own   python         torch, vllm, megatron.core, mpi4py import on every node, at this host's versions
-  sbatch script,  mpi            one MPI world across the components (an allreduce)
-  components and  gpus           each GPU rank sees its node's GPUs (cuda)
-  resources)      all-reduce     torch.distributed across the nodes of each GPU component, with the run's
+  sbatch script,  mpi            one MPI world across the components (an allreduce); every node has
+  components and                 cluster.network_interface, when set
+  resources)      gpus           each GPU rank sees its node's GPUs (cuda)
+                  all-reduce     torch.distributed across the nodes of each GPU component, with the run's
                                  backend: NCCL on cuda, gloo on cpu
+                  weight sync    the run's start-up weight-sync broadcast, from the trainer component's
+                                 first rank to every generator rank, joined and checked as a run does
 ```
 
 Each check is PASS, FAIL (with what to do), or SKIP when it does not apply (GPUs on a CPU config: a
@@ -33,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from areal_hpc.config import Config
-from areal_hpc.layout import Layout
+from areal_hpc.layout import Layout, Role
 from areal_hpc.planner import resolve_split
 from launch import LaunchError
 from launch.record import ACTIVE, query_states
@@ -76,7 +79,7 @@ def doctor(cfg: Config, python: str | None = None, wait_s: float = 600, say=prin
     for check in (check_slurm, check_pmix, check_partitions, check_preemption):
         add(check(cfg))
     if any(c.status == "FAIL" for c in checks if c.name in ("slurm", "partitions")):
-        for name in ("run directory", "python", "mpi", "gpus", "all-reduce"):
+        for name in ("run directory", "python", "mpi", "gpus", "all-reduce", "weight sync"):
             add(Check(name, "SKIP", "not run: the probe job needs the checks above to pass"))
         return checks
     cfg = resolve_cpus(cfg, partitions())  # the partitions check passed: sinfo answers
@@ -208,7 +211,7 @@ def probe(cfg: Config, python: str, wait_s: float, say) -> list[Check]:
     token = uuid.uuid4().hex
     (reports / "token").write_text(token)
     starts = ",".join(str(c.first_rank) for c in layout.components)
-    command = [python, "-u", str(PROBE), str(reports), cfg.cluster.device, starts]
+    command = [python, "-u", str(PROBE), str(reports), cfg.cluster.device, starts, cfg.cluster.network_interface]
     script = render_sbatch(pcfg, workdir=Path.cwd(), python=python, command=command)
     try:
         job = HetSlurmExecutor(pcfg.run_dir / "slurm", script).submit_script()
@@ -287,7 +290,7 @@ def evaluate(cfg: Config, layout: Layout, reports: dict, token: str, login: dict
             )
         )  # fmt: skip
     if not reports:
-        for name in ("python", "mpi", "gpus", "all-reduce"):
+        for name in ("python", "mpi", "gpus", "all-reduce", "weight sync"):
             checks.append(Check(name, "SKIP", "not known: no rank's report reached this host (see run directory)"))
         return checks
 
@@ -316,9 +319,20 @@ def evaluate(cfg: Config, layout: Layout, reports: dict, token: str, login: dict
     else:
         checks.append(Check("python", "PASS", f"{', '.join(f'{k} {v}' for k, v in login.items())} on every node"))
 
-    # mpi
+    # mpi (and the interface it is told to use)
     good = [r for r, rep in reports.items() if rep.get("mpi") == {"size": layout.world_size, "sum": layout.world_size}]
-    if len(good) == layout.world_size:
+    no_interface = sorted(
+        {rep["interface_error"].split(": ", 1)[-1] for rep in reports.values() if "interface_error" in rep}
+    )
+    if no_interface:
+        checks.append(
+            Check(
+                "mpi", "FAIL", "; ".join(no_interface),
+                "MPI, gloo and NCCL are told to use cluster.network_interface (a run's ranks stop at start): set it "
+                "to an interface every node has, or leave it empty",
+            )
+        )  # fmt: skip
+    elif len(good) == layout.world_size:
         checks.append(Check("mpi", "PASS", f"one world of {layout.world_size} ranks across {', '.join(names)}"))
     else:
         bad = [r for r in ranks if r not in good]
@@ -333,7 +347,7 @@ def evaluate(cfg: Config, layout: Layout, reports: dict, token: str, login: dict
 
     gpu_ranks = [r for c in layout.components[1:] for r in c.ranks]
     if len(good) < layout.world_size:
-        for name in ("gpus", "all-reduce"):
+        for name in ("gpus", "all-reduce", "weight sync"):
             checks.append(Check(name, "SKIP", "not run: the ranks had no MPI world (see mpi)"))
         return checks
     errors = {
@@ -385,7 +399,35 @@ def evaluate(cfg: Config, layout: Layout, reports: dict, token: str, login: dict
                 "cluster.env NCCL_DEBUG=INFO shows why",
             )
         )  # fmt: skip
+    checks.append(check_weight_sync(cfg, layout, reports))
     return checks
+
+
+def check_weight_sync(cfg: Config, layout: Layout, reports: dict) -> Check:
+    """The start-up broadcast from the trainer component's first rank to every generator rank
+    (launch/doctor_probe.py `weight_sync_check`): PASS when every member joined and checked it."""
+    source = layout.ranks(Role.TRAINER).start
+    members = [source, *layout.ranks(Role.GENERATOR)]
+    done = {r: reports[r]["weight_sync"] for r in members if "weight_sync" in reports.get(r, {})}
+    if len(done) == len(members) and all(d["ok"] for d in done.values()):
+        kind, at = done[source]["backend"], done[source]["at"]
+        note = (
+            ""
+            if cfg.cluster.device == "cuda"
+            else f" (cluster.device is {cfg.cluster.device}: NCCL is checked on a cuda config)"
+        )
+        return Check(
+            "weight sync", "PASS",
+            f"{kind} from {_ranks_text(layout, [source])} to {_ranks_text(layout, members[1:])} at {at}, "
+            f"checked by every receiver{note}",
+        )  # fmt: skip
+    errors = sorted({reports[r]["weight_sync_error"] for r in members if "weight_sync_error" in reports.get(r, {})})
+    bad = [r for r in members if r not in done]
+    return Check(
+        "weight sync", "FAIL", f"{_ranks_text(layout, bad)}: " + ("; ".join(e.split("; the address is")[0] for e in errors) or "no result"),
+        "set cluster.network_interface to an interface every node has (the weight-sync address, NCCL_SOCKET_IFNAME, "
+        "GLOO_SOCKET_IFNAME) and let the nodes reach each other's ports; cluster.env NCCL_DEBUG=INFO shows NCCL's side",
+    )  # fmt: skip
 
 
 def _ranks_text(layout: Layout, ranks: list[int]) -> str:

@@ -1,12 +1,16 @@
-"""What `areal-hpc doctor` runs on every rank of its probe job: `python doctor_probe.py DIR DEVICE STARTS`.
+"""What `areal-hpc doctor` runs on every rank of its probe job: `python doctor_probe.py DIR DEVICE STARTS IFACE`.
 
 ```
  every rank   DIR/token readable? (the login node wrote it)   -> DIR/rank<r>.json   (before anything can hang)
+              IFACE (cluster.network_interface) on its node?
  first rank   python doctor_probe.py --versions (a child):    -> its node's torch, vllm, megatron.core, mpi4py
    of a node
  every rank   MPI: allreduce over the world                    -> DIR/rank<r>.json again, with the result
  GPU ranks    GPUs they see; all-reduce of their component's ranks over torch.distributed with the
    (comps 1+) run's backend (nccl on cuda, gloo on cpu)        -> DIR/rank<r>.json again
+ trainer 0 +  the run's start-up weight-sync broadcast: the trainer component's first rank to every
+ generators   generator rank, joined and checked as a run does (areal_hpc.weight_sync)
+                                                               -> DIR/rank<r>.json again
 ```
 
 Only the standard library at import: on a node where the environment is broken this still runs and says
@@ -27,6 +31,8 @@ from pathlib import Path
 PACKAGES = ("torch", "vllm", "megatron.core", "mpi4py")
 """What the ranks import; each must import on the nodes, at the login node's version."""
 REPO = str(Path(__file__).resolve().parent.parent)
+JOIN_S = 120.0
+"""How long the weight-sync check's join waits (the ranks start together; the probe job has 5 minutes)."""
 
 
 def versions() -> dict[str, str]:
@@ -42,7 +48,7 @@ def versions() -> dict[str, str]:
     return found
 
 
-def main(out: Path, device: str, starts: list[int]) -> None:
+def main(out: Path, device: str, starts: list[int], interface: str) -> None:
     rank = int(os.environ.get("SLURM_PROCID", "0"))
     component = max(i for i, s in enumerate(starts) if s <= rank)
     report = {"rank": rank, "component": component, "host": os.environ.get("SLURMD_NODENAME", socket.gethostname())}
@@ -56,6 +62,13 @@ def main(out: Path, device: str, starts: list[int]) -> None:
         tmp.write_text(json.dumps(report))
         tmp.replace(out / f"rank{rank}.json")
 
+    try:
+        sys.path.insert(0, REPO)
+        from areal_hpc.network import check_interface
+
+        check_interface(interface)
+    except Exception as e:  # noqa: BLE001 - the interface is missing, or the package does not import
+        report["interface_error"] = f"{type(e).__name__}: {e}"
     write()
     if os.environ.get("SLURM_LOCALID", "0") == "0":
         child = subprocess.run([sys.executable, __file__, "--versions"], capture_output=True, text=True, timeout=300)
@@ -74,14 +87,21 @@ def main(out: Path, device: str, starts: list[int]) -> None:
         return
     if component > 0:  # the GPU components: generators, trainers
         try:
-            report["gpus"], report["allreduce"] = gpus_and_allreduce(comm, device)
+            report["gpus"], report["allreduce"] = gpus_and_allreduce(comm, device, interface)
         except Exception:  # noqa: BLE001
             report["allreduce_error"] = traceback.format_exc(limit=3)[-2000:]
         write()
+    try:
+        checked = weight_sync_check(world, starts, device, interface)
+        if checked is not None:
+            report["weight_sync"] = checked
+    except Exception as e:  # noqa: BLE001 - a WeightSyncError names both ends
+        report["weight_sync_error"] = f"{type(e).__name__}: {e}"
+    write()
     world.Barrier()
 
 
-def gpus_and_allreduce(comm, device: str) -> tuple[dict, dict]:
+def gpus_and_allreduce(comm, device: str, interface: str) -> tuple[dict, dict]:
     """The GPUs this rank sees, and an all-reduce over this component's ranks with the run's backend:
     the same device decision (areal_hpc.device) and the same rendezvous over MPI as the trainers'."""
     sys.path.insert(0, REPO)
@@ -91,19 +111,21 @@ def gpus_and_allreduce(comm, device: str) -> tuple[dict, dict]:
     import torch.distributed as dist
 
     from areal_hpc.device import backend, resolve_device
+    from areal_hpc.network import rendezvous
 
     gpus = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}
     dev = resolve_device(device, gpus=True)
     if dev == "cuda":
         gpus["torch"] = torch.cuda.device_count()
         torch.cuda.set_device(int(os.environ.get("SLURM_LOCALID", "0")) % gpus["torch"])
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    addr = comm.bcast(f"tcp://{socket.gethostname()}:{port}" if comm.Get_rank() == 0 else None)
+    addr, port = rendezvous(comm, interface)
     kind = backend(dev)
     dist.init_process_group(
-        kind, init_method=addr, rank=comm.Get_rank(), world_size=comm.Get_size(), timeout=datetime.timedelta(seconds=60)
+        kind,
+        init_method=f"tcp://{addr}:{port}",
+        rank=comm.Get_rank(),
+        world_size=comm.Get_size(),
+        timeout=datetime.timedelta(seconds=60),
     )
     x = torch.ones(1024, device=dev if dev == "cpu" else "cuda")
     dist.all_reduce(x)
@@ -112,8 +134,52 @@ def gpus_and_allreduce(comm, device: str) -> tuple[dict, dict]:
     return gpus, {"backend": kind, "ranks": comm.Get_size(), "ok": ok}
 
 
+def weight_sync_check(world, starts: list[int], device: str, interface: str) -> dict | None:
+    """A run's start-up weight-sync broadcast, made as a run makes it (`open_group`, then each end's
+    `connect`: the rendezvous, then the source's start-up check, checked by every receiver): from the
+    trainer component's first rank (STARTS[2]) to every rank of the generator component, one group rank
+    each, on its current GPU. Collective over the world; None on the ranks that are not members."""
+    sys.path.insert(0, REPO)
+    from mpi4py import MPI
+
+    from areal_hpc.device import resolve_device
+    from areal_hpc.weight_sync import WeightReceiver, WeightSender, open_group
+
+    rank, source, generators = world.Get_rank(), starts[2], range(starts[1], starts[2])
+    member = rank == source or rank in generators
+    comm = world.Split(0 if member else MPI.UNDEFINED, 0 if rank == source else 1 + rank)
+    if comm == MPI.COMM_NULL:
+        return None
+    try:
+        dev = resolve_device(device, gpus=True)
+    except RuntimeError:
+        dev = "cpu"  # every member then refuses the group, naming this rank as on cpu
+    try:
+        spec, master = open_group(
+            comm,
+            "areal-probe",
+            0,
+            rank,
+            dev,
+            lambda r: (1 + r - starts[1],),
+            lambda r: f"world rank {r} ({'trainer' if r >= source else 'generator'})",
+            interface,
+            JOIN_S,
+        )
+    finally:
+        comm.Free()
+    if rank == source:
+        end = WeightSender(0, True, spec, _master_store=master)
+        line = end.connect(JOIN_S)
+    else:
+        end = WeightReceiver([spec], (1 + rank - starts[1],))
+        line = end.connect(0, JOIN_S)[0]
+    end.close()
+    return {"backend": spec.backend, "at": f"{spec.host}:{spec.port}", "ok": True, "line": line}
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--versions"]:
         print(json.dumps(versions()))
     else:
-        main(Path(sys.argv[1]), sys.argv[2], [int(s) for s in sys.argv[3].split(",")])
+        main(Path(sys.argv[1]), sys.argv[2], [int(s) for s in sys.argv[3].split(",")], sys.argv[4])

@@ -37,6 +37,7 @@ from areal_hpc.exit_codes import EXIT_STOPPED
 from areal_hpc.jsonl import read_jsonl
 from areal_hpc.layout import Layout, Role
 from areal_hpc.metrics import progress_line
+from areal_hpc.network import check_interface
 from areal_hpc.rundir import STOP_FILE, Holder, lock_run_dir, prepare_run_dir, unlock_run_dir
 from launch.record import job_active
 
@@ -70,7 +71,9 @@ def mpirun_command(layout: Layout, run_dir: Path, python: str = sys.executable) 
 
 
 def run_local(cfg: Config, fresh: bool = False) -> int:
-    """The run, holding the run directory's lock while it lasts (a second run on it is refused)."""
+    """The run, holding the run directory's lock while it lasts (a second run on it is refused).
+    Every rank runs on this machine: a cluster.network_interface it lacks is refused before any starts."""
+    check_interface(cfg.cluster.network_interface)
     holder = Holder.this_process()
     lock_run_dir(cfg.run_dir, holder, job_active)
     try:

@@ -211,7 +211,9 @@ def test_time_based_saves_keep_the_newest_and_report_the_stall(tmp_path):
 
 
 def test_a_rank_that_stops_answering_ends_the_run_naming_it(tmp_path):
-    cfg, layout, run_dir, tok_dir = make(tmp_path, "train.rank_timeout_s=0.5", "train.startup_timeout_s=0.5")
+    # a rank's first answer may take startup_timeout_s + collective_timeout_s (its start-up broadcast)
+    timeouts = ("train.rank_timeout_s=0.5", "train.startup_timeout_s=0.3", "train.collective_timeout_s=0.2")
+    cfg, layout, run_dir, tok_dir = make(tmp_path, *timeouts)
     reward_rank = layout.ranks(Role.REWARD)[0]
     world = World(layout, build_tokenizer(), hang=reward_rank)
     with pytest.raises(RankFailure, match=r"reward 0 \(world rank 1\) has not answered"):

@@ -1,8 +1,10 @@
 """`areal-hpc doctor` (launch/doctor.py): on the local Slurm cluster every check passes for tiny-cpu on 3
 nodes, and each broken setup the tests make is named (a partition that does not exist, a run directory on
 a node-local disk, packages missing on the nodes). The checks of a probe's reports on a cuda config,
-which this machine cannot run, are tested on reports written out here."""
+which this machine cannot run, are tested on reports written out here; the probe's own code, the run's
+start-up weight-sync broadcast included, runs in an MPI world of stand-in Slurm tasks."""
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -13,9 +15,20 @@ from areal_hpc.cli import main as cli_main
 from areal_hpc.config import load_config
 from areal_hpc.layout import Layout
 from launch.doctor import doctor, evaluate
-from tests.helpers import TINY
+from tests.helpers import MPI_PROGRAMS, TINY
 
-CHECKS = ["slurm", "pmix", "partitions", "preemption", "run directory", "python", "mpi", "gpus", "all-reduce"]
+CHECKS = [
+    "slurm",
+    "pmix",
+    "partitions",
+    "preemption",
+    "run directory",
+    "python",
+    "mpi",
+    "gpus",
+    "all-reduce",
+    "weight sync",
+]
 
 
 def statuses(text: str) -> dict[str, str]:
@@ -35,6 +48,7 @@ def test_every_check_passes_on_the_local_cluster(slurm_cluster, tmp_path, capsys
     assert statuses(out) == {name: "SKIP" if name == "gpus" else "PASS" for name in CHECKS}, out
     assert "gpus           cluster.device is auto and no rank's torch sees a GPU" in out  # a fact, not a pass
     assert "gloo across the nodes of generator (1 node(s)), trainer (2 node(s))" in out
+    assert "gloo from world rank 3 (trainer) to world rank 2 (generator) at 127.0.0.1:" in out  # one host
     assert "shared by this host and node1, node2, node3, node4" in out
     assert not (tmp_path / "tiny-cpu/trial0").exists()  # a probe that passed leaves nothing behind
 
@@ -89,9 +103,14 @@ def test_gpu_checks_from_reports_on_a_cuda_config(tmp_path):
     for r in range(2, 6):
         reports[r]["gpus"] = {"CUDA_VISIBLE_DEVICES": "0,1", "torch": 2}
         reports[r]["allreduce"] = {"backend": "nccl", "ranks": 2, "ok": True}
+    for r in (2, 3, 4):  # the start-up broadcast: trainer 0 to both generators
+        reports[r]["weight_sync"] = {"backend": "nccl", "at": "10.0.0.3:4711", "ok": True, "line": "..."}
     checks = {c.name: c for c in evaluate(cfg, layout, reports, "t", login, tmp_path)}
     assert all(c.status == "PASS" for c in checks.values()), checks
     assert checks["all-reduce"].detail == "nccl across the nodes of generator (1 node(s)), trainer (1 node(s))"
+    assert checks["weight sync"].detail == (
+        "nccl from world rank 4 (trainer) to world ranks 2-3 (generator) at 10.0.0.3:4711, checked by every receiver"
+    )
 
     reports[4]["gpus"]["torch"] = 1  # a node whose GPU is gone
     reports[5].pop("allreduce")
@@ -102,3 +121,49 @@ def test_gpu_checks_from_reports_on_a_cuda_config(tmp_path):
     assert checks["all-reduce"].status == "FAIL" and "NCCL error: unhandled system error" in checks["all-reduce"].detail
     assert "world rank 5 (trainer)" in checks["all-reduce"].detail
     assert checks["python"].detail == "torch 2.12.0 (this host: 2.13.0) on node2"
+
+    # a generator that could not reach the trainer's group, and a node without cluster.network_interface
+    reports[3].pop("weight_sync")
+    reports[3]["weight_sync_error"] = (
+        "WeightSyncError: weight-sync group areal-probe (stage 0): world rank 3 (generator) on host node2 (with the "
+        "source world rank 4 (trainer) on host node3) could not reach the group's store at 10.0.0.3:4711 within "
+        "120 s: DistNetworkError: timed out; the address is cluster.network_interface's, else ..."
+    )
+    reports[5]["interface_error"] = (
+        "ConfigError: cluster.network_interface 'ib0' is not an interface on host node3 (...)"
+    )
+    checks = {c.name: c for c in evaluate(cfg, layout, reports, "t", login, tmp_path)}
+    assert checks["weight sync"].status == "FAIL"
+    assert checks["weight sync"].detail.startswith("world rank 3 (generator): WeightSyncError: weight-sync group")
+    assert "could not reach the group's store at 10.0.0.3:4711 within 120 s" in checks["weight sync"].detail
+    assert "set cluster.network_interface" in checks["weight sync"].fix
+    assert checks["mpi"].status == "FAIL"
+    assert checks["mpi"].detail == "cluster.network_interface 'ib0' is not an interface on host node3 (...)"
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_the_probe_passes_in_an_mpi_world_with_the_runs_start_up_broadcast(run_mpi, tmp_path):
+    # the probe's own code, each rank where Slurm would start it: controller + reward | generator | trainer
+    cfg = load_config(TINY, ["cluster.nodes=2"])
+    layout = Layout.from_config(cfg)
+    (tmp_path / "token").write_text("t")
+    starts = ",".join(str(c.first_rank) for c in layout.components)
+    proc = run_mpi(
+        MPI_PROGRAMS / "probe_world.py", n=layout.world_size, timeout=240, args=[str(tmp_path), "cpu", starts, ""]
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    reports = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(layout.world_size)}
+    assert reports[3]["weight_sync"]["line"].startswith(
+        "weight-sync group areal-probe (stage 0): world rank 3 (trainer) on host "
+    ), reports[3]
+    assert "start-up check passed" in reports[2]["weight_sync"]["line"]
+    assert "weight_sync" not in reports[0] and "weight_sync" not in reports[1]  # not members
+    login = reports[0]["versions"]  # one host: the login node's are rank 0's
+    checks = {c.name: c for c in evaluate(cfg, layout, reports, "t", login, tmp_path)}
+    assert {n: c.status for n, c in checks.items()} == {
+        "run directory": "PASS", "python": "PASS", "mpi": "PASS", "gpus": "SKIP", "all-reduce": "PASS", "weight sync": "PASS",
+    }, checks  # fmt: skip
+    assert checks["weight sync"].detail.startswith(
+        "gloo from world rank 3 (trainer) to world rank 2 (generator) at 127.0.0.1:"
+    )

@@ -79,6 +79,12 @@ def test_runs_stops_on_ctrl_c_after_a_checkpoint_and_resumes(root):
     resumed = stop_and_resume(TINY, *tiny(root, "resume"), after=3, timeout=300)
     assert not stop_resume_problems(resumed, MISMATCH_TOL), resumed.first.output + resumed.second.output
     run_dir = resumed.run_dir
+    # the weight-sync group was joined and checked at start, by both ends, before the generator's first prompt
+    gen_log, trainer_log = ((run_dir / "logs" / f"{r}-0.log").read_text() for r in ("generator", "trainer"))
+    for log, me in ((gen_log, "generator 0 (world rank 2)"), (trainer_log, "trainer 0 (world rank 3)")):
+        assert re.search(
+            rf"weight-sync group areal-ws-0 \(stage 0\): {re.escape(me)} on host .* start-up check passed", log
+        )
     assert sorted(p.name for p in (run_dir / "logs").glob("*.log")) == [
         "controller-0.log",
         "generator-0.log",

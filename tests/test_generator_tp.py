@@ -1,5 +1,6 @@
 """gen_tp = 2: the engine's two tensor-parallel workers are separate processes, and each joins the
-weight-sync group with its own rank and loads its shard of every bucket as it arrives (the path a
+weight-sync group with its own rank (at start, with the start-up check) and loads its shard of every
+bucket as it arrives (the path a
 GPU generator with gen_tp > 1 takes; here over gloo, with vLLM's CPU tensor parallelism).
 
 The sender is a thread of the test process; the reference logprobs come from transformers.
@@ -16,8 +17,9 @@ import torch.distributed as dist
 from areal_hpc.config import ModelConfig
 from areal_hpc.device import resolve_device
 from areal_hpc.protocol import GenerateRequest
+from areal_hpc.sync_group import GroupSpec
 from areal_hpc.tiny import build_tiny_model
-from areal_hpc.weight_sync import GroupSpec, WeightReceiver, WeightSender
+from areal_hpc.weight_sync import WeightReceiver, WeightSender
 
 pytestmark = pytest.mark.vllm
 
@@ -51,8 +53,14 @@ def test_tp2_workers_receive_and_load_their_shards(tmp_path):
         assert settings["model_runner"] == "V1" and settings["async_scheduling"] == "off"
         master = dist.TCPStore("127.0.0.1", 0, 3, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
         spec = GroupSpec("areal-ws-tp", 0, "127.0.0.1", master.port, 3, "gloo", 60.0)
-        sender = WeightSender(0, True, spec, master)
+        sender = WeightSender(0, True, spec, _master_store=master)
         receiver = WeightReceiver([spec], (1, 2))  # group ranks of TP workers 0 and 1
+        th = threading.Thread(target=sender.connect, args=(60,))
+        th.start()
+        joined = engine.join_weight_sync(receiver, 60)  # as at start: each worker joins with its own rank
+        th.join(60)
+        assert len(joined) == 2 and all("start-up check passed" in line for line in joined), joined
+        assert any("group rank 2 joined" in line for line in joined), joined
         state = sorted(model.state_dict().items())
         for version in (1, 2):  # the second sync reuses each worker's connected group
             th = threading.Thread(target=sender.send, args=(state, 16_000))

@@ -1,12 +1,16 @@
 """Weight sync: bucketed broadcast of named tensors from trainer stage sources to generators.
 
-Ladder: one process with gloo (sender and receivers as threads), then real MPI ranks through
-`setup_weight_sync` (two pipeline stages sending in parallel to two generators, every receiver
-issuing its collectives in the agreed order), the timeout, and groups whose members disagree on
-the device.
+Ladder: one process with gloo (sender and receivers as threads, each joining through the real join:
+the rendezvous and the start-up check), the joins that cannot complete (a port nobody listens on, a
+member that never comes, a start-up broadcast from another group) failing within their limit with
+both ends named, then real MPI ranks through `setup_weight_sync` (two pipeline stages joined at start
+and sending in parallel to two generators, every receiver issuing its collectives in the agreed
+order), the timeout, and groups whose members disagree on the device.
 """
 
+import dataclasses
 import datetime
+import socket
 import threading
 import time
 
@@ -16,16 +20,35 @@ import torch.distributed as dist
 
 from areal_hpc.config import load_config
 from areal_hpc.layout import Layout
-from areal_hpc.weight_sync import GroupSpec, WeightReceiver, WeightSender, WeightSyncError, _check_devices, _Group
+from areal_hpc.sync_group import STARTUP_CHECK, GroupSpec, WeightSyncError
+from areal_hpc.weight_sync import WeightReceiver, WeightSender, _check_devices
 from tests.helpers import MPI_PROGRAMS
 
+MEMBERS = (
+    "trainer 0 (world rank 4) on host a",
+    "generator 0 (world rank 2) on host b",
+    "generator 1 (world rank 3) on host b",
+)
 
-def _local_group(size: int, timeout_s: float = 20.0, name: str = "t"):
+
+def _local_group(size: int, timeout_s: float = 20.0, name: str = "t", source_rank: int = 4):
     master = dist.TCPStore(
         "127.0.0.1", 0, size, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
     )
-    spec = GroupSpec(f"areal-ws-{name}", 0, "127.0.0.1", master.port, size, "gloo", timeout_s)
-    return WeightSender(0, True, spec, master), spec
+    spec = GroupSpec(f"areal-ws-{name}", 0, "127.0.0.1", master.port, size, "gloo", timeout_s, "", source_rank, MEMBERS)
+    return WeightSender(0, True, spec, _master_store=master), spec
+
+
+def _connect_all(sender: WeightSender, receivers: list[WeightReceiver], timeout_s: float = 20.0) -> list[str]:
+    """Join as at start: every receiver in its own thread, the source here."""
+    lines = []
+    threads = [threading.Thread(target=lambda r=r: lines.extend(r.connect(0, timeout_s))) for r in receivers]
+    for th in threads:
+        th.start()
+    lines.append(sender.connect(timeout_s))
+    for th in threads:
+        th.join(timeout_s)
+    return lines
 
 
 def _tensors():
@@ -43,6 +66,12 @@ def _tensors():
 def test_threads_bit_exact_buckets():
     sender, spec = _local_group(3)
     receivers = [WeightReceiver([spec], (rank,)) for rank in (1, 2)]
+    lines = _connect_all(sender, receivers)
+    assert len(lines) == 3 and all("start-up check passed" in line for line in lines), lines
+    assert any(
+        "generator 1 (world rank 3) on host b joined trainer 0 (world rank 4) on host a at 127.0.0.1:" in x
+        for x in lines
+    )
     got = [[], []]
 
     def recv(i):
@@ -76,24 +105,89 @@ def test_threads_bit_exact_buckets():
 def test_receiver_times_out_when_sender_is_silent():
     sender, spec = _local_group(2, timeout_s=1.5, name="silent")
     receiver = WeightReceiver([spec], (1,))
-    # The source joins the group but never sends: the receiver's first broadcast must time out.
-    joined = threading.Thread(target=_Group, args=(spec, 0, torch.device("cpu"), sender._master_store))
-    joined.start()
+    _connect_all(sender, [receiver])
+    # The source joined the group but never sends: the receiver's first broadcast must time out.
     t0 = time.monotonic()
-    with pytest.raises(WeightSyncError, match="within 1.5 s"):
+    with pytest.raises(WeightSyncError, match="within 1.5 s") as e:
         list(receiver.receive())
     assert time.monotonic() - t0 < 20
-    joined.join(10)
+    assert "generator 0 (world rank 2) on host b (with the source trainer 0 (world rank 4) on host a)" in str(e.value)
+
+
+def test_a_port_nobody_listens_on_fails_the_join_naming_both_ends():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nobody listens there
+    spec = GroupSpec("areal-ws-0", 0, "127.0.0.1", port, 3, "gloo", 5.0, "", 4, MEMBERS)
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError) as e:
+        WeightReceiver([spec], (2,)).connect(0, timeout_s=1.0)
+    assert time.monotonic() - t0 < 20  # the store client retries once after its limit
+    text = str(e.value)
+    assert text.startswith(
+        "weight-sync group areal-ws-0 (stage 0): generator 1 (world rank 3) on host b (with the source "
+        f"trainer 0 (world rank 4) on host a) could not reach the group's store at 127.0.0.1:{port} within 1 s"
+    ), text
+    assert "set cluster.network_interface" in text
+
+
+def test_the_source_names_the_members_that_never_came():
+    sender, spec = _local_group(3, timeout_s=5.0, name="absent")
+    receiver = WeightReceiver([spec], (1,))  # generator 0 comes, generator 1 never does
+    th = threading.Thread(target=lambda: pytest.raises(WeightSyncError, receiver.connect, 0, 2.0))
+    th.start()
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError) as e:
+        sender.connect(timeout_s=1.5)
+    assert time.monotonic() - t0 < 10
+    assert (
+        f"trainer 0 (world rank 4) on host a waited 1.5 s at 127.0.0.1:{spec.port} for generator 1 (world rank 3) "
+        "on host b, which never reached it (1 of 2 did)"
+    ) in str(e.value)
+    th.join(20)
+
+
+def test_a_source_that_never_joins_is_named_by_its_receivers():
+    _, spec = _local_group(2, timeout_s=5.0, name="late")  # the store is up, its source never joins
+    with pytest.raises(WeightSyncError) as e:
+        WeightReceiver([spec], (1,)).connect(0, timeout_s=1.0)
+    assert (
+        "generator 0 (world rank 2) on host b (with the source trainer 0 (world rank 4) on host a) waited 1 s at "
+        f"127.0.0.1:{spec.port} for the source, which never joined (train.startup_timeout_s)"
+    ) in str(e.value)
+
+
+def test_a_start_up_broadcast_from_another_source_is_refused():
+    sender, spec = _local_group(2, name="other", source_rank=4)
+    receiver = WeightReceiver([dataclasses.replace(spec, source_rank=9)], (1,))
+    th = threading.Thread(target=sender.connect, args=(20.0,))  # its own end sees nothing wrong
+    th.start()
+    with pytest.raises(WeightSyncError, match=rf"start-up broadcast brought \[0, 4, {STARTUP_CHECK}\], not \[0, 9, "):
+        receiver.connect(0, 20.0)
+    th.join(20)
+
+
+def test_sending_or_receiving_before_joining_is_an_error_and_close_releases():
+    sender, spec = _local_group(2, name="order")
+    receiver = WeightReceiver([spec], (1,))
+    with pytest.raises(WeightSyncError, match="before joining"):
+        sender.send([("x", torch.ones(1))], 1 << 20)
+    with pytest.raises(WeightSyncError, match="before joining"):
+        list(receiver.receive())
+    _connect_all(sender, [receiver])
+    sender.close()
+    receiver.close()
+    assert sender._group is None and not receiver._groups
 
 
 def test_members_on_different_devices_are_refused_by_name():
     layout = Layout.from_config(
         load_config(None, ["cluster.nodes=2", "cluster.gpus_per_node=2", "allocation.gen_nodes=1"])
     )
-    _check_devices("areal-ws-0", [(4, "a", "cuda"), (2, "b", "cuda"), (3, "b", "cuda")], layout)
+    _check_devices("areal-ws-0", [(4, "a", "cuda"), (2, "b", "cuda"), (3, "b", "cuda")], layout.describe_rank)
     # every member gets the same list from the allgather, so every member raises the same error
     with pytest.raises(WeightSyncError) as e:
-        _check_devices("areal-ws-0", [(4, "a", "cuda"), (2, "b", "cpu"), (3, "b", "cpu")], layout)
+        _check_devices("areal-ws-0", [(4, "a", "cuda"), (2, "b", "cpu"), (3, "b", "cpu")], layout.describe_rank)
     assert "trainer 0 (world rank 4) on cuda but generator 0 (world rank 2) and 1 more on cpu" in str(e.value)
     assert "cluster.device" in str(e.value)
 
@@ -120,3 +214,7 @@ def test_mpi_two_stages_bit_exact_in_the_agreed_order_then_timeout(run_mpi, tmp_
     # both receivers issued (stage, bucket) in the agreed round-robin order, stages of unequal length
     assert "ORDERS" in proc.stdout and "(1, 'end')]" in proc.stdout, proc.stdout[-3000:]
     assert proc.stdout.count("timed out after") == 2, proc.stdout[-3000:]
+    # joined at start: each generator both stages' groups, each source its own, all checked
+    joined = [line for line in proc.stdout.splitlines() if line.startswith("JOINED")]
+    assert len(joined) == 6 and all("start-up check passed" in line for line in joined), joined
+    assert sum("generator 1 (world rank 3) on host" in line and "(stage 1)" in line for line in joined) == 1, joined

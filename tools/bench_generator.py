@@ -98,11 +98,16 @@ def child(size: str, args) -> dict:
     # Pause per weight update through a real (in-process) weight-sync group.
     import torch.distributed as dist
 
-    from areal_hpc.weight_sync import GroupSpec, WeightReceiver, WeightSender
+    from areal_hpc.sync_group import GroupSpec
+    from areal_hpc.weight_sync import WeightReceiver, WeightSender
 
     master = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=120), wait_for_workers=False)
     spec = GroupSpec("bench", 0, "127.0.0.1", master.port, 2, "gloo", 120.0)
-    sender, receiver = WeightSender(0, True, spec, master), WeightReceiver([spec], (1,))
+    sender, receiver = WeightSender(0, True, spec, _master_store=master), WeightReceiver([spec], (1,))
+    joining = threading.Thread(target=sender.connect, args=(120.0,))
+    joining.start()
+    gen.join_weight_sync(receiver, 120.0)
+    joining.join()
     state = _state(path)
     gen.max_new_tokens = 512
     pauses, updates = [], []

@@ -331,8 +331,9 @@ def bench_packing(args) -> None:
 
 
 def _export_rank(par, model_dir, port, bucket_mb, repeats):
+    from areal_hpc.sync_group import GroupSpec
     from areal_hpc.trainer.engine import Engine
-    from areal_hpc.weight_sync import GroupSpec, WeightSender
+    from areal_hpc.weight_sync import WeightSender
 
     engine = Engine(model_dir, par, PPOConfig())
     times, nbytes = [], 0
@@ -343,8 +344,11 @@ def _export_rank(par, model_dir, port, bucket_mb, repeats):
     sent = None
     if par.rank == 0:
         store = torch.distributed.TCPStore("127.0.0.1", port, 2, True, wait_for_workers=False)
-        sender = WeightSender(0, True, GroupSpec("bench-ws", 0, "127.0.0.1", port, 2, "gloo", 120.0), store)
-        for _ in range(2):  # the first send also connects the group: report the second
+        sender = WeightSender(
+            0, True, GroupSpec("bench-ws", 0, "127.0.0.1", port, 2, "gloo", 120.0), _master_store=store
+        )
+        sender.connect(120.0)
+        for _ in range(2):  # the second, as every sync after a run's first
             sent = sender.send(engine.export(), bucket_mb << 20)
     else:
         for _ in range(2):
@@ -354,9 +358,11 @@ def _export_rank(par, model_dir, port, bucket_mb, repeats):
 
 
 def _receive(port, out):
-    from areal_hpc.weight_sync import GroupSpec, WeightReceiver
+    from areal_hpc.sync_group import GroupSpec
+    from areal_hpc.weight_sync import WeightReceiver
 
     receiver = WeightReceiver([GroupSpec("bench-ws", 0, "127.0.0.1", port, 2, "gloo", 120.0)], (1,))
+    receiver.connect(0, 120.0)
     for _ in range(2):
         n = sum(t.numel() * t.element_size() for bucket in receiver.receive() for _, t in bucket)
     Path(out).write_text(str(n))

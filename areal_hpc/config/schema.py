@@ -76,9 +76,11 @@ class ClusterConfig:
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables set for every rank."""
     network_interface: str = ""
-    """Network interface for MPI, gloo and NCCL traffic between nodes (e.g. ib0; empty: the libraries'
-    own choice). Sets OMPI_MCA_btl_tcp_if_include, OMPI_MCA_oob_tcp_if_include, GLOO_SOCKET_IFNAME and
-    NCCL_SOCKET_IFNAME for every rank."""
+    """Network interface for MPI, gloo and NCCL traffic between nodes (e.g. ib0). Sets
+    OMPI_MCA_btl_tcp_if_include, OMPI_MCA_oob_tcp_if_include, GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME
+    for every rank, and the rendezvous addresses are its; every rank checks at start that its node has
+    it. Empty: the rendezvous addresses are those of the interfaces that route to the peers
+    (areal_hpc.network), MPI and NCCL choose their own."""
     requeue_signal_s: int = 120
     """Seconds before the time limit at which Slurm signals the job (SIGUSR2): the controller saves a
     checkpoint and the job is requeued, resuming from it."""
@@ -239,8 +241,10 @@ class TrainConfig:
     controller nothing for this long is taken as hung: the controller ends the run naming it. Must
     exceed the longest training step and the longest single generation."""
     startup_timeout_s: float = 600.0
-    """How long a rank may take to start (loading the model, compiling the engine) before its first
-    answer to the controller; past it the rank is taken as hung."""
+    """How long a rank may take to start (loading the model, compiling the engine, joining the weight-sync
+    groups) before its first answer to the controller. The joins give up at this limit (counted from
+    the groups' set-up) with an error naming both ends; a rank silent for this plus collective_timeout_s
+    is taken as hung."""
 
 
 @dataclass

@@ -134,7 +134,10 @@ class Controller:
         generators = len(layout.ranks(Role.GENERATOR))
         self.metrics = StepMetrics(ctx.run_dir, cfg.logging.tensorboard, ctx.resume_from, generators)
         self.timeline = Timeline(ctx.run_dir)  # phases of every role, for tools/plot_run.py
-        self.liveness = Liveness(layout, cfg.train.rank_timeout_s, cfg.train.startup_timeout_s)
+        # A rank's start (engine, weight-sync joins) ends by train.startup_timeout_s, its start-up broadcast
+        # within collective_timeout_s more; its own error, naming what it waited for, comes before this limit.
+        t = cfg.train
+        self.liveness = Liveness(layout, t.rank_timeout_s, t.startup_timeout_s + t.collective_timeout_s)
         self.dispatch = Dispatch(self.box, layout, r.kind, self.liveness, self.timeline, self.metrics.gen_idle)
         self.trainers = Trainers(self.box, layout, cfg, self.liveness, self.timeline, self.metrics.train_idle)
         self.ckpt = Checkpoints(ctx.run_dir, cfg.train.keep_checkpoints, ctx.resume_from)

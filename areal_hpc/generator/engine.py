@@ -137,26 +137,36 @@ class WeightLoader:
             if tied and name == "model.embed_tokens.weight":
                 yield "lm_head.weight", tensor
 
-    def areal_receive_weights(self, receiver) -> int:
-        """Join the weight-sync groups as this worker's rank and load each bucket as it arrives."""
+    def areal_join_weight_sync(self, receiver, timeout_s: float) -> list[str]:
+        """Join every stage's weight-sync group as this worker's rank (`WeightReceiver.connect`: the
+        rendezvous and the start-up check, within `timeout_s`); keeps the connected receiver here."""
         from vllm.distributed import get_tensor_model_parallel_rank
 
-        # A worker process gets a fresh unpickled receiver on every call; keep the first one, which
-        # holds this worker's connected groups (in-process, it is the caller's object anyway).
-        cached = getattr(self, "_areal_receiver", None)
-        if cached is None or cached.specs != receiver.specs:
-            self._areal_receiver = cached = receiver
-        receiver = cached
+        joined = receiver.connect(get_tensor_model_parallel_rank(), timeout_s)
+        self._areal_receiver = receiver  # in a worker process, its own unpickled copy holds the groups
+        return joined
+
+    def areal_receive_weights(self) -> int:
+        """Receive a sync over the groups joined at start and load each bucket as it arrives."""
+        receiver = getattr(self, "_areal_receiver", None)
+        if receiver is None:
+            raise RuntimeError("weight sync before the worker joined its groups (GenerationEngine.join_weight_sync)")
         count = 0
 
         def stream():
             nonlocal count
-            for bucket in receiver.receive(get_tensor_model_parallel_rank()):
+            for bucket in receiver.receive():
                 count += len(bucket)
                 yield from bucket
 
         self._areal_load(stream())
         return count
+
+    def areal_leave_weight_sync(self) -> None:
+        receiver = getattr(self, "_areal_receiver", None)
+        if receiver is not None:
+            receiver.close()
+        self._areal_receiver = None
 
 
 def _unquantized(module) -> bool:
@@ -286,6 +296,18 @@ class GenerationEngine:
         logprobs mode, ..."""
         return resolved(self.engine)
 
+    def join_weight_sync(self, receiver, timeout_s: float) -> list[str]:
+        """Join the weight-sync groups inside vLLM's workers, each as its own group rank (with gen_tp > 1
+        every tensor-parallel worker is a member), and check the start-up broadcast: at start, before
+        the first prompt. `receiver`: this rank's `weight_sync.WeightReceiver`. Returns a log line per
+        worker and group."""
+        joined = self.engine.collective_rpc("areal_join_weight_sync", args=(receiver, timeout_s))
+        return [line for worker in joined for line in worker]
+
+    def leave_weight_sync(self) -> None:
+        """Every worker closes its ends of the weight-sync groups (at Stop)."""
+        self.engine.collective_rpc("areal_leave_weight_sync")
+
     def close(self) -> None:
         """Shut the engine down (its worker processes too, when gen_tp > 1)."""
         self.interrupt()
@@ -357,13 +379,14 @@ class GenerationEngine:
     def update_weights(self, weights, version: int) -> float:
         """Interrupt, load `weights`, reset the prefix cache, resume; returns the seconds it took.
 
-        `weights` is a `weight_sync.WeightReceiver` (the broadcast is received and loaded inside
-        vLLM's workers) or an iterable of buckets, each a list of (hf_name, tensor).
+        `weights` is the `weight_sync.WeightReceiver` that joined at start (`join_weight_sync`: the
+        broadcast is received and loaded inside vLLM's workers) or an iterable of buckets, each a list
+        of (hf_name, tensor).
         """
         t0 = time.perf_counter()
         paused = self.interrupt()
         if hasattr(weights, "receive"):
-            self.engine.collective_rpc("areal_receive_weights", args=(weights,))
+            self.engine.collective_rpc("areal_receive_weights")
         else:
             self.engine.collective_rpc("areal_load_weights", args=([list(b) for b in weights],))
         if not self.engine.reset_prefix_cache():

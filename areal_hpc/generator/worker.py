@@ -1,6 +1,7 @@
 """A generator rank: one vLLM engine serving the controller.
 
 ```
+ start: the vLLM engine, then every stage's weight-sync group joined inside its workers (start-up check)
  loop:  poll the controller (never blocks)
           GenerateRequest(group_id, prompt_ids, n) -> queue n trajectories
           EvalRequest(prompt_index, prompt_ids, n) -> the same, for an eval prompt
@@ -20,6 +21,8 @@ import logging
 import time
 import traceback
 
+log = logging.getLogger("areal_hpc.generator")
+
 IDLE_S = 0.001
 """Sleep between polls when nothing is in flight (keeps an idle generator off the CPU)."""
 
@@ -35,7 +38,9 @@ def serve(ctx, sync) -> None:
     try:
         engine = GenerationEngine.from_config(ctx.cfg, ctx.model_path, ctx.device, seed_offset=ctx.rank)
         settings = " ".join(f"{k}={v}" for k, v in engine.settings().items())
-        logging.info("%s vLLM engine: %s", ctx.layout.describe_rank(ctx.rank), settings)
+        log.info("%s vLLM engine: %s", ctx.layout.describe_rank(ctx.rank), settings)
+        for line in engine.join_weight_sync(sync, sync.startup_left_s()):
+            log.info("%s", line)
         while True:
             for envelope in mailbox.poll(source=CONTROLLER_RANK):
                 msg = envelope.msg
@@ -45,6 +50,7 @@ def serve(ctx, sync) -> None:
                     seconds = engine.update_weights(sync, msg.version)
                     mailbox.send(CONTROLLER_RANK, SyncDone(msg.version, seconds))
                 elif isinstance(msg, Stop):
+                    engine.leave_weight_sync()
                     engine.close()
                     mailbox.flush()
                     return

@@ -1,4 +1,5 @@
-"""The trainer rank: Megatron state up, then the controller's messages in order until Stop.
+"""The trainer rank: Megatron state up, its stage's weight-sync group joined (a source), then the
+controller's messages in order until Stop.
 
 The controller sends each message for a data-parallel replica to the replica's first rank, which
 passes it on to the replica's other TP x PP ranks (`protocol.ReplicaRelay`).
@@ -7,7 +8,7 @@ passes it on to the replica's other TP x PP ranks (`protocol.ReplicaRelay`).
     WeightSync(v)   -> each stage's (dp 0, tp 0) rank sends the stage's HF-named weights through the
                        weight-sync handle; its TP peers take part in the gather; other ranks skip
     Save(v, path)   -> every rank writes its part under path/trainer/ (atomic) and replies Saved(v)
-    Stop            -> flush and exit
+    Stop            -> close the weight-sync group (a source), flush and exit
 
 Every trainer rank receives the same messages in the same order from the controller (MPI keeps the
 order between two ranks, and the relay keeps it), so the collectives inside each handler line up
@@ -18,7 +19,6 @@ reported to the controller as Failure before it propagates.
 from __future__ import annotations
 
 import logging
-import socket
 import time
 import traceback
 from pathlib import Path
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from areal_hpc.checkpoint import trainer as trainer_checkpoint
+from areal_hpc.network import rendezvous
 from areal_hpc.protocol import Failure, Mailbox, ReplicaRelay, Save, Saved, Stop, TrainBatch, TrainResult, WeightSync
 from areal_hpc.runtime import CONTROLLER_RANK
 from areal_hpc.trainer.engine import Engine, init_parallel, shutdown_parallel
@@ -34,26 +35,11 @@ from areal_hpc.trainer.step import StepConfig, ppo_step
 log = logging.getLogger("areal_hpc.trainer")
 
 
-def rendezvous(role_comm) -> tuple[str, int]:
-    """(address, port) for torch.distributed: chosen by trainer-local rank 0, broadcast over MPI."""
-    addr_port = None
-    if role_comm.Get_rank() == 0:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        try:
-            addr = socket.gethostbyname(socket.getfqdn())
-        except OSError:
-            addr = "127.0.0.1"
-        addr_port = (addr, port)
-    return role_comm.bcast(addr_port, root=0)
-
-
 def build_engine(ctx) -> Engine:
     """torch.distributed + Megatron state, the model from ctx.model_path, resumed when asked."""
     cfg = ctx.cfg
     comm = ctx.role_comm
-    addr, port = rendezvous(comm)
+    addr, port = rendezvous(comm, cfg.cluster.network_interface)
     par = init_parallel(
         comm.Get_rank(),
         comm.Get_size(),
@@ -88,6 +74,8 @@ def serve(ctx, sync) -> None:
     box = Mailbox(ctx.world)
     try:
         engine = build_engine(ctx)
+        if sync is not None and sync.is_source:
+            log.info("%s", sync.connect())  # the generators join once their engines exist
         replica = ctx.layout.split_replica(ctx.role_comm)
         inbox = ReplicaRelay(box, replica, CONTROLLER_RANK, ctx.cfg.train.collective_timeout_s)
         step_cfg = StepConfig.from_config(ctx.cfg)
@@ -109,6 +97,8 @@ def serve(ctx, sync) -> None:
                     trainer_checkpoint.save(engine, msg.path)
                     box.send(CONTROLLER_RANK, Saved(msg.version))
                 elif isinstance(msg, Stop):
+                    if sync is not None:
+                        sync.close()
                     box.flush()
                     shutdown_parallel()
                     return

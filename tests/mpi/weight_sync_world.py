@@ -1,5 +1,7 @@
 """A real MPI world for tests/test_weight_sync.py: controller, reward, 2 generators, 2 trainers (PP 2, one
-source per stage). The stages send the state dict saved at $AREAL_TEST_STATE in buckets of unequal size;
+source per stage). The groups are joined as at start (each source joins its own, each generator both,
+stage 0 first), each join ending with the source's start-up check (`JOINED` lines: six in all).
+The stages send the state dict saved at $AREAL_TEST_STATE in buckets of unequal size;
 each generator checks it bit-exact, and rank 0 prints the order in which each receiver issued its
 collectives (`ORDERS`) beside the agreed one (`AGREED`). Then the sources stay silent and each receiver
 must time out (`timed out after`). Last line of rank 0: `RESULT 1` when all held.
@@ -14,11 +16,11 @@ import time
 import torch
 from mpi4py import MPI
 
-from areal_hpc import weight_sync
 from areal_hpc.config import load_config
 from areal_hpc.layout import Layout, Role
 from areal_hpc.runtime import RankContext
-from areal_hpc.weight_sync import WeightReceiver, WeightSender, WeightSyncError, setup_weight_sync
+from areal_hpc.sync_group import SyncGroup, WeightSyncError
+from areal_hpc.weight_sync import WeightReceiver, WeightSender, setup_weight_sync
 
 
 def abort(*exc):  # a failing rank ends the run at once instead of leaving the others waiting
@@ -31,16 +33,16 @@ sys.excepthook = abort
 # Record the order in which this rank issues its collectives: the stage of each bucket's first
 # broadcast (its sizes; the end marker's too), from whichever thread issues it.
 issued = []
-broadcast = weight_sync._Group.broadcast
+broadcast = SyncGroup.broadcast
 
 
-def traced(group, tensor, what):
+def traced(group, tensor, what, *rest):
     if what == "bucket sizes":
         issued.append(group.spec.stage)
-    return broadcast(group, tensor, what)
+    return broadcast(group, tensor, what, *rest)
 
 
-weight_sync._Group.broadcast = traced
+SyncGroup.broadcast = traced
 
 cfg = load_config(
     None,
@@ -60,6 +62,9 @@ world = MPI.COMM_WORLD
 ctx = RankContext(cfg, layout, world, layout.split(world), run_dir=".", model_path=".")
 sync = setup_weight_sync(ctx)
 rank, role = world.Get_rank(), layout.role_of(world.Get_rank())
+if sync is not None:
+    for line in [sync.connect()] if role == Role.TRAINER else sync.connect():
+        print("JOINED", line, flush=True)
 state = torch.load(os.environ["AREAL_TEST_STATE"])  # a Hugging Face Qwen2 state dict, saved by the test
 names = sorted(state)
 # stage 0 sends the embedding and layer 0, stage 1 the rest (as a pipeline would).

@@ -1,0 +1,19 @@
+"""The doctor's probe (launch/doctor_probe.py) under mpirun instead of a Slurm job, for tests/test_doctor.py:
+each rank takes the place Slurm would give it (SLURM_PROCID, SLURM_LOCALID: one task per node) and runs the
+probe's main, which writes OUT_DIR/rank<r>.json.
+
+    mpirun -n 4 python tests/mpi/probe_world.py OUT_DIR DEVICE STARTS INTERFACE
+"""
+
+import os
+import sys
+from pathlib import Path
+
+rank = os.environ["OMPI_COMM_WORLD_RANK"]
+os.environ["SLURM_PROCID"] = rank
+os.environ["SLURM_LOCALID"] = rank  # only rank 0 checks its node's package versions (a child process each)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from launch.doctor_probe import main  # noqa: E402 - after the stand-in Slurm variables
+
+main(Path(sys.argv[1]), sys.argv[2], [int(s) for s in sys.argv[3].split(",")], sys.argv[4])
