@@ -5,6 +5,10 @@ log_softmax(h W^T / T)[next token] and its entropy, without a micro-batch's logi
     for each chunk of c positions:   logits [c, V / TP] = h W^T / T  (fp32, about LOGPROB_CHUNK_BYTES)
         max, sum exp, target's logit: all-reduced over the TP ranks (the vocabulary is split over them)
 
+The loop never waits for the device: every index it takes is a Python number or a tensor op (no
+`nonzero`, `.item()` or `.tolist()`), so on a GPU the host queues every chunk's kernels and all-reduces
+ahead of them.
+
 Why written by hand: a micro-batch's logits are [tokens, vocabulary] (a row of 4096 tokens over Qwen's
 151936-token vocabulary: 2.3 GiB in fp32); megatron-core 0.16.1 has no fused output layer + cross entropy,
 and the fused ones elsewhere need TransformerEngine or Liger's Triton kernels (neither runs on the CPU).
@@ -119,8 +123,9 @@ class _TokenLogprobs(torch.autograd.Function):
             h = hidden[a : a + chunk].to(weight.dtype)
             probs = (h @ weight.t()).float().div_(t).sub_(lse[a : a + chunk, None]).exp_()  # softmax [c, V/TP]
             local, inside = _local_target(target[a : a + chunk], first, weight.shape[0])
-            rows = inside.nonzero().squeeze(1)
-            probs[rows, local[rows]] -= 1.0
+            # minus one at each target on this rank's slice (a scatter that adds -0 elsewhere: indexing
+            # the rows inside would wait for the device every chunk)
+            probs.scatter_add_(1, local[:, None], inside.to(probs.dtype).neg_()[:, None])
             # d logp / d logits = onehot - softmax; times the upstream gradient, over T
             dlogits = probs.mul_((-grad[a : a + chunk] / t)[:, None]).to(weight.dtype)
             grad_hidden[a : a + chunk] = (dlogits @ weight).to(hidden.dtype)
