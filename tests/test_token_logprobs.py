@@ -15,8 +15,9 @@ SEQ, ROWS, HIDDEN, VOCAB = 12, 2, 16, 40
 CHUNKS = ("1 position", "5 positions", "budget", "64 MiB")
 """Chunk sizes: 1 and 5 positions (many chunks, the last one short), the budget `LOGPROB_CHUNK_BYTES` and
 the former fixed 64 MiB (one chunk each at this vocabulary)."""
-WEIGHT_GRADS = ("returned", "main_grad")
-"""How the output weight's gradient leaves: returned (no Megatron DDP), or into `main_grad`."""
+WEIGHT_GRADS = ("returned", "main_grad", "main_grad, zero_out_wgrad")
+"""How the output weight's gradient leaves: returned (no Megatron DDP), into `main_grad` with a
+placeholder returned, into `main_grad` with None returned (an embedding tied on the same stage)."""
 
 
 def _inputs():
@@ -59,12 +60,20 @@ def _chunks_rank(par, sequence_parallel: bool, temperature: float):
             w = weight[my_rows].clone().requires_grad_()
             if route != "returned":  # what Megatron's DDP gives its parameters
                 w.main_grad = torch.zeros_like(w)
+                w.grad_added_to_main_grad = False
+                w.zero_out_wgrad = route.endswith("zero_out_wgrad")
             logp, entropy = token_logprobs(
                 x, w, where, targets, temperature, sequence_parallel, True, sizes[chunk_name]
             )
             (logp * upstream).sum().backward()
             main = route != "returned"
-            out[chunk_name, route] = (logp.detach(), entropy, x.grad, w.main_grad if main else w.grad)
+            out[chunk_name, route] = (
+                logp.detach(),
+                entropy,
+                x.grad,
+                w.main_grad if main else w.grad,
+                {"marked": getattr(w, "grad_added_to_main_grad", None), "returned": w.grad is not None} if main else {},
+            )
     return out
 
 
@@ -76,9 +85,14 @@ def test_every_chunk_size_gives_the_whole_vocabularys_logprobs_and_gradients(tp,
         want = out["dense"]
         for chunk_name in CHUNKS:
             for route in WEIGHT_GRADS:
+                *values, marks = out[chunk_name, route]
                 what = f"rank {rank}, {chunk_name}, weight gradient {route}"
-                for name, a, b in zip(("logp", "entropy", "grad hidden", "grad weight"), out[chunk_name, route], want):
+                for name, a, b in zip(("logp", "entropy", "grad hidden", "grad weight"), values, want):
                     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"{what}: {name}")
+                if route == "main_grad":  # a placeholder reaches DDP's hook, which must not add it
+                    assert marks == {"marked": True, "returned": True}, what
+                elif route.endswith("zero_out_wgrad"):  # the tied embedding's gradient reaches the hook
+                    assert marks == {"marked": True, "returned": False}, what
 
 
 def test_the_planners_logprob_transients_are_two_chunks():

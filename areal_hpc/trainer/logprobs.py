@@ -80,8 +80,13 @@ class _TokenLogprobs(torch.autograd.Function):
     What it keeps for the backward pass is h and one log-sum-exp per position; the backward recomputes
     each chunk's logits once. The output weight's gradient goes straight into Megatron's `main_grad` (in
     vocabulary blocks of at most WGRAD_BLOCK_BYTES), as Megatron's own gradient-accumulation fusion does,
-    instead of a whole [V / TP, h] gradient per chunk; the engine's DDP does not overlap the gradient
-    reduce, so no hook needs a gradient for the weight (without `main_grad`, the gradient is returned as usual).
+    instead of a whole [V / TP, h] gradient per chunk (without `main_grad`, the gradient is returned as
+    usual). Then, as that fusion does (megatron-core 0.16, `LinearWithGradAccumulationAndAsyncCommunication`),
+    the weight is marked `grad_added_to_main_grad` and gets an unused placeholder gradient: Megatron's DDP
+    counts a parameter ready for the overlapped data-parallel reduce when a gradient reaches it (its
+    backward post-hook), and adds what reaches it unless the mark is set. A weight Megatron marks
+    `zero_out_wgrad` (the input embedding's, on this stage) gets None instead: the embedding's own
+    gradient reaches the hook, which adds that one.
     """
 
     @staticmethod
@@ -141,7 +146,11 @@ class _TokenLogprobs(torch.autograd.Function):
             for v in range(0, weight.shape[0], block):
                 grad_weight[v : v + block] += dlogits[:, v : v + block].t() @ h
             del probs, dlogits  # before the next chunk's logits
-        return grad_hidden, (None if main_grad is not None else grad_weight.to(weight.dtype)), None, None, None, None
+        if main_grad is None:
+            return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+        weight.grad_added_to_main_grad = True
+        placeholder = None if getattr(weight, "zero_out_wgrad", False) else torch.empty_like(weight)
+        return grad_hidden, placeholder, None, None, None, None
 
 
 def _local_target(target: torch.Tensor, first: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
