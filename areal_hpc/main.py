@@ -104,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         device = resolve_device(cfg.cluster.device, gpus=bool(layout.placement(rank).gpus))
         logging.info("%s device %s (cluster.device %s)", name, device, cfg.cluster.device)
+        if role == Role.TRAINER and device == "cuda":  # before anything allocates on the GPU
+            from areal_hpc.trainer.cuda_allocator import expandable_segments
+
+            logging.info("%s %s", name, expandable_segments())
         if placement_only:
             _exit_barrier(world, rank, name, console)
             return 0

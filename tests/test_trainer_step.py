@@ -1,8 +1,10 @@
 """The PPO step on real Megatron ranks: TP=2, PP=2 and DP=2 give the loss and updated weights of
-TP=1, PP=1; gradient accumulation and padding do not change the result; packed sequences get the
-logprobs they get alone."""
+TP=1, PP=1; gradient accumulation, padding and overlapping the gradient reduce with the backward pass
+do not change the result; packed sequences get the logprobs they get alone."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -81,6 +83,12 @@ def reference(model_dir):
     return run_ranks(_train, 1, 1, 1, model_dir, variants, True)[0]
 
 
+@pytest.fixture(scope="module")
+def untied_model_dir(tmp_path_factory):
+    untied = dataclasses.replace(MODEL, tie_word_embeddings=False)
+    return str(build_tiny_model(untied, tmp_path_factory.mktemp("untied"), seed=6))
+
+
 def _assert_same(got, want):
     for key in ("ppo/loss", "ppo/clip_frac", "ppo/grad_norm", "ppo/behav_weight_mean", "ppo/logp_mismatch"):
         assert got["stats"][key] == pytest.approx(want["stats"][key], rel=1e-4, abs=1e-6), key
@@ -147,6 +155,38 @@ def test_data_parallel_step_equals_single_rank(reference, model_dir):
     shards = [shard(batch, [0, 1, 3], [[[0, 1]], [[3]]]), shard(batch, [2, 4, 5], [[[2]], [[4, 5]]])]
     got = run_ranks(_train, 2, 1, 1, model_dir, {"packed": (shards, {})})[0]
     _assert_same(got["packed"], reference["packed"])
+
+
+def _overlap_rank(par, model_dirs):
+    """Per model: two PPO steps of two minibatches each, with the data-parallel gradient reduce after the
+    backward pass and overlapped with it; the last step's stats, the weights after both, and whether
+    every bucket's reduce waited for its gradients in DDP's backward hooks (the overlapped path)."""
+    from areal_hpc.trainer.engine import Engine
+    from areal_hpc.trainer.step import StepConfig, ppo_step
+
+    out = {}
+    for name, model_dir in model_dirs.items():
+        for overlap in (False, True):
+            engine = Engine(model_dir, par, _optim(), overlap_grad_reduce=overlap)
+            batches = [random_batch(VOCAB, seed=10 * s + par.coords.dp) for s in range(2)]
+            stats = [ppo_step(engine, batch, StepConfig()) for batch in batches][-1]
+            weights = engine.export_full()
+            hooked = all(g.golden_per_param_grad_ready_counts for g in engine.model.bucket_groups)
+            out[name, overlap] = {"stats": stats, "weights": weights and {k: v.cpu() for k, v in weights.items()}}
+            out[name, overlap, "hooked"] = hooked
+    return out if par.rank == 0 else None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_overlapped_gradient_reduce_gives_the_same_steps(model_dir, untied_model_dir, tp, pp):
+    """DP 2 at TP 2 (sequence parallel) and at PP 2 (the last stage's copy of a tied output weight), tied
+    and untied: the output weight's gradient, written into Megatron's main_grad by the chunked logprobs,
+    reaches the overlapped reduce as every other gradient does."""
+    got = run_ranks(_overlap_rank, 2 * tp * pp, tp, pp, {"tied": model_dir, "untied": untied_model_dir})[0]
+    for name in ("tied", "untied"):
+        assert not got[name, False, "hooked"] and got[name, True, "hooked"], name
+        _assert_same(got[name, True], got[name, False])
 
 
 def test_packed_sequence_gets_its_logprobs_alone(reference):

@@ -73,12 +73,14 @@ class CostModel:
     in the attention block (norm input and output, q, k, v, the attention output, the projection's input,
     the residual) and 4 f in the MLP (gate, up, the activation and the product). Measured by
     tools/bench_trainer.py on its CPU model (h 512, f 1,408, 8 layers, fp32): 1.64 GiB for a 4,096-token
-    micro-batch less its 84 MiB of logprob chunks. Selective recomputes the core attention, which keeps no
-    attention matrix here (SDPA): it saves nothing, on the CPU and on an H100 alike. With full recompute a
-    layer keeps its input (h values) and one layer at a time holds the above during its backward pass."""
-    logprob_transient_bytes: float = 128 * 2**20
-    """The token logprobs' temporaries beside the embedding's gradient: chunks of fp32 logits and their
-    gradient (areal_hpc.trainer.logprobs.LOGPROB_CHUNK_BYTES, 64 MiB each); 84 MiB measured on the CPU."""
+    micro-batch less its 84 MiB of logprob chunks (then 64 MiB ones). Selective recomputes the core
+    attention, which keeps no attention matrix here (SDPA): it saves nothing, on the CPU and on an H100
+    alike. With full recompute a layer keeps its input (h values) and one layer at a time holds the above
+    during its backward pass."""
+    logprob_transient_bytes: float = 2**30
+    """The token logprobs' temporaries beside the embedding's gradient: two chunks of fp32 logits (or a
+    chunk and its gradient) of areal_hpc.trainer.logprobs.LOGPROB_CHUNK_BYTES, 512 MiB each (less for a
+    micro-batch whose logits are smaller); 84 MiB measured on the CPU with the former 64 MiB chunks."""
     weight_sync_fixed_s: float = 1.0
     """Fixed cost of a weight update on a generator: pause, load, clear prefix cache, resume (assumed)."""
 

@@ -2,6 +2,7 @@
 
 choices      the trainer settings a config names (recompute, prox_logp, lr_decay); no torch
 cpu_compat   megatron-core's CUDA-only calls routed to the CPU (only when CUDA is absent)
+cuda_allocator  expandable segments for a trainer rank's CUDA caching allocator, before it allocates
 model        Qwen2/Qwen3 architecture -> Megatron TransformerConfig and this rank's GPTModel stage
 packed       packed rows: sequences sharing a row, attention within each, per-sequence positions
 logprobs     token logprobs and entropy from the last stage's hidden states, a chunk of logits at a time

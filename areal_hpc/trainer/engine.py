@@ -14,6 +14,15 @@ Optimizer: Megatron's distributed optimizer on every device (fp32 main weights a
 sharded over the data-parallel ranks; gradients reduce-scattered, weights all-gathered: gloo in torch
 2.13 has both collectives). Its step is Megatron's `step()` taken apart so that a non-finite loss or
 gradient norm stops the run before any weight changes (`optimizer_step`).
+
+Gradient reduce: overlapped with the backward pass (DDP's `overlap_grad_reduce`): in the last
+micro-batch of a minibatch, each bucket of gradients is reduce-scattered as soon as its last gradient
+is in, while the layers before it still compute theirs (from the engine's second minibatch on: DDP
+learns in the first which gradients each bucket waits for). Megatron's schedule keeps it off for the
+other micro-batches (`no_sync`), and `finalize_model_grads` waits for it before the TP and pipeline
+all-reduces and the division by the token count. The weights' all-gather after the step is not
+overlapped (`overlap_param_gather` would defer it to the next forward pass's hooks): the weight sync
+and checkpoints read the weights right after the step, outside any forward pass.
 """
 
 from __future__ import annotations
@@ -118,10 +127,12 @@ class Engine:
         ppo: PPOConfig,
         dtype: torch.dtype = torch.float32,
         total_steps: int = 1,
+        overlap_grad_reduce: bool = True,
     ):
         """The stage of the model in `model_dir` for this rank; `ppo` (the config section) gives Adam's
         settings and learning-rate schedule (over `total_steps` training steps), the recompute setting
-        and sequence parallelism."""
+        and sequence parallelism. `overlap_grad_reduce` False reduces the gradients after the backward
+        pass instead of during it (for comparison: the step is the same)."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -143,7 +154,7 @@ class Engine:
         self.config.variable_seq_lengths = True
         stage = self._initial_stage(dtype)
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
+            grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce, use_distributed_optimizer=True
         )
         self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=stage)
         self.stage = unwrap_model(self.model)

@@ -2,8 +2,12 @@
 log_softmax(h W^T / T)[next token] and its entropy, without a micro-batch's logits ever existing whole.
 
     hidden [s, b, h] --(gather over TP)--> h [n, h] at the positions that predict a token
-    for each chunk of c positions:   logits [c, V / TP] = h W^T / T  (fp32, about LOGPROB_CHUNK_BYTES)
+    for each chunk of c positions:   logits [c, V / TP] = h W^T / T  (fp32, at most LOGPROB_CHUNK_BYTES)
         max, sum exp, target's logit: all-reduced over the TP ranks (the vocabulary is split over them)
+
+The loop never waits for the device: every index it takes is a Python number or a tensor op (no
+`nonzero`, `.item()` or `.tolist()`), so on a GPU the host queues every chunk's kernels and all-reduces
+ahead of them.
 
 Why written by hand: a micro-batch's logits are [tokens, vocabulary] (a row of 4096 tokens over Qwen's
 151936-token vocabulary: 2.3 GiB in fp32); megatron-core 0.16.1 has no fused output layer + cross entropy,
@@ -16,9 +20,16 @@ from __future__ import annotations
 
 import torch
 
-LOGPROB_CHUNK_BYTES = 64 << 20
-"""Size of one chunk's fp32 logits ([positions, V / TP] x 4 bytes): the positions per chunk follow from
-the vocabulary. A chunk's forward or backward holds about two such tensors at once."""
+LOGPROB_CHUNK_BYTES = 512 << 20
+"""Memory budget of one chunk's fp32 logits ([positions, V / TP] x 4 bytes): the positions per chunk are
+this over 4 V / TP. A chunk's forward or backward holds about two such tensors at once, on top of the
+micro-batch's activations (the planner's `CostModel.logprob_transient_bytes` is those two).
+
+Why 512 MiB: each chunk costs two all-reduces over the TP ranks and a dozen kernels whatever its size,
+so chunks should be few; but they sit on top of the activation peak. At Qwen's vocabulary (151,936) a
+32,768-token micro-batch is 38 chunks at TP 1, 19 at TP 2, 10 at TP 4 (64 MiB chunks: 150 at TP 2, 300
+all-reduces); 1 GiB would halve that and put the shipped qwen7b split (TP 4 x PP 2, 32,768-token
+micro-batches) over 80 GB by the planner's memory model."""
 WGRAD_BLOCK_BYTES = 64 << 20
 """Largest temporary of the output weight's gradient ([vocabulary rows, h] in the weight's dtype)."""
 
@@ -31,15 +42,16 @@ def token_logprobs(
     temperature: float,
     sequence_parallel: bool,
     with_entropy: bool = True,
+    chunk_bytes: int = LOGPROB_CHUNK_BYTES,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """([n] log_softmax(h W^T / T)[target], [n] entropy of softmax(h W^T / T), no gradient) at the
     positions `where` ((row, column) pairs) of `hidden`; the entropy is None without `with_entropy`.
 
     The softmax is over the whole (vocabulary-parallel) vocabulary, exact; only a chunk's logits exist
-    at a time, forward or backward (`_TokenLogprobs`).
+    at a time (at most `chunk_bytes` of them), forward or backward (`_TokenLogprobs`).
     """
     h = output_input(hidden, sequence_parallel)[where[1], where[0]]  # [s, b, h] -> [n, h]
-    chunk = max(1, LOGPROB_CHUNK_BYTES // (4 * weight.shape[0]))
+    chunk = max(1, chunk_bytes // (4 * weight.shape[0]))
     return _TokenLogprobs.apply(h, weight, target, temperature, chunk, with_entropy)
 
 
@@ -68,8 +80,13 @@ class _TokenLogprobs(torch.autograd.Function):
     What it keeps for the backward pass is h and one log-sum-exp per position; the backward recomputes
     each chunk's logits once. The output weight's gradient goes straight into Megatron's `main_grad` (in
     vocabulary blocks of at most WGRAD_BLOCK_BYTES), as Megatron's own gradient-accumulation fusion does,
-    instead of a whole [V / TP, h] gradient per chunk; the engine's DDP does not overlap the gradient
-    reduce, so no hook needs a gradient for the weight (without `main_grad`, the gradient is returned as usual).
+    instead of a whole [V / TP, h] gradient per chunk (without `main_grad`, the gradient is returned as
+    usual). Then, as that fusion does (megatron-core 0.16, `LinearWithGradAccumulationAndAsyncCommunication`),
+    the weight is marked `grad_added_to_main_grad` and gets an unused placeholder gradient: Megatron's DDP
+    counts a parameter ready for the overlapped data-parallel reduce when a gradient reaches it (its
+    backward post-hook), and adds what reaches it unless the mark is set. A weight Megatron marks
+    `zero_out_wgrad` (the input embedding's, on this stage) gets None instead: the embedding's own
+    gradient reaches the hook, which adds that one.
     """
 
     @staticmethod
@@ -101,6 +118,7 @@ class _TokenLogprobs(torch.autograd.Function):
             out[a : a + chunk] = picked - log_total
             if with_entropy:
                 entropy[a : a + chunk] = log_total - e_dot_s / total
+            del logits, shifted, e  # before the next chunk's: at most two chunks' logits at a time
         ctx.save_for_backward(hidden, weight, target, lse)
         ctx.temperature, ctx.chunk, ctx.first = temperature, chunk, first
         if with_entropy:
@@ -119,14 +137,20 @@ class _TokenLogprobs(torch.autograd.Function):
             h = hidden[a : a + chunk].to(weight.dtype)
             probs = (h @ weight.t()).float().div_(t).sub_(lse[a : a + chunk, None]).exp_()  # softmax [c, V/TP]
             local, inside = _local_target(target[a : a + chunk], first, weight.shape[0])
-            rows = inside.nonzero().squeeze(1)
-            probs[rows, local[rows]] -= 1.0
+            # minus one at each target on this rank's slice (a scatter that adds -0 elsewhere: indexing
+            # the rows inside would wait for the device every chunk)
+            probs.scatter_add_(1, local[:, None], inside.to(probs.dtype).neg_()[:, None])
             # d logp / d logits = onehot - softmax; times the upstream gradient, over T
             dlogits = probs.mul_((-grad[a : a + chunk] / t)[:, None]).to(weight.dtype)
             grad_hidden[a : a + chunk] = (dlogits @ weight).to(hidden.dtype)
             for v in range(0, weight.shape[0], block):
                 grad_weight[v : v + block] += dlogits[:, v : v + block].t() @ h
-        return grad_hidden, (None if main_grad is not None else grad_weight.to(weight.dtype)), None, None, None, None
+            del probs, dlogits  # before the next chunk's logits
+        if main_grad is None:
+            return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+        weight.grad_added_to_main_grad = True
+        placeholder = None if getattr(weight, "zero_out_wgrad", False) else torch.empty_like(weight)
+        return grad_hidden, placeholder, None, None, None, None
 
 
 def _local_target(target: torch.Tensor, first: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:

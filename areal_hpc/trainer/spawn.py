@@ -38,10 +38,13 @@ def free_port() -> int:
 
 
 def _entry(rank, world, tp, pp, port, device, out_dir, fn, args):
+    from areal_hpc.trainer.cuda_allocator import expandable_segments
     from areal_hpc.trainer.engine import init_parallel, shutdown_parallel
 
     if device == "cpu":
         torch.set_num_threads(1)  # several ranks share this machine's cores
+    else:
+        expandable_segments()  # as a run's trainer rank has it (areal_hpc.main)
     try:
         par = init_parallel(rank, world, tp, pp, "127.0.0.1", port, device, timeout_s=120)
         result = fn(par, *args)
