@@ -250,7 +250,7 @@ def log_cpus(name: str, role: Role, group: int, pinned: bool) -> None:
     may run on, at most the ones Slurm gave it (a node that binds no task lets every task run on
     all of them), since torch's default is the whole host's cores. A generator leaves it to vLLM, which
     sizes its workers' threads from the same affinity (and cgroup quota) when the variable is unset,
-    shares them among its TP workers and serves with one thread on GPU; set, it would give each
+    shares them among its TP workers at gen_tp > 1 and serves with one thread on GPU; set, it would give each
     worker all of them (vllm/v1/executor/multiproc_executor.py, set_multiprocessing_worker_envs)."""
     variable = f"SLURM_CPUS_PER_TASK_HET_GROUP_{group}" if "SLURM_HET_SIZE" in os.environ else "SLURM_CPUS_PER_TASK"
     given = os.environ.get(variable)

@@ -130,17 +130,18 @@ def _best_fit_decreasing(order: list[int], lens: list[int], budget: int) -> list
 
 
 def _balanced(order: list[int], lens: list[int], budget: int, k: int) -> list[list[int]] | None:
-    """Longest first into the least-loaded of k micro-batches; None if one would overflow."""
+    """Longest first into the least-loaded of k micro-batches (of those, the one with the fewest
+    sequences: zero-length ones spread too); None if one would overflow."""
     bins: list[list[int]] = [[] for _ in range(k)]
-    heap = list(range(k))  # keys: load << _SHIFT | bin (all loads 0: already a heap)
+    heap = list(range(k))  # keys: (load << _SHIFT | count) << _SHIFT | bin (all 0: already a heap)
     for i in order:
         key = heap[0]
-        load, b = key >> _SHIFT, key & _INDEX
+        load, b = key >> (2 * _SHIFT), key & _INDEX
         n = lens[i]
         if load + n > budget and load > 0:
             return None
         bins[b].append(i)
-        heapq.heapreplace(heap, (load + n) << _SHIFT | b)
+        heapq.heapreplace(heap, ((load + n) << _SHIFT | len(bins[b])) << _SHIFT | b)
     return bins
 
 

@@ -25,7 +25,8 @@ NCCL's choice; the start-up check covers that choice too.
 NCCL's watchdog (torch's thread that ends the process when a collective outlives the group's limit)
 gets `watchdog_timeout_s`, longer than the wait in `broadcast`: the wait raises first, torch aborts
 that communicator, and the rank reports the named error to the controller well before the watchdog,
-which sees the aborted collective only after its own pause, ends the process.
+which sees the aborted collective only after its own pause, ends the process. (Read from torch's
+source, ProcessGroupNCCL's wait and watchdog; not yet observed on a GPU.)
 """
 
 from __future__ import annotations

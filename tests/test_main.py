@@ -92,7 +92,8 @@ def test_narrow_gpus_sets_the_variable_and_logs_role_host_gpus(monkeypatch, capl
 def test_each_rank_logs_its_cpus_and_omp_num_threads_follows(monkeypatch, caplog):
     cores = sorted(os.sched_getaffinity(0))
     for key in ("OMP_NUM_THREADS", "SLURM_CPUS_PER_TASK", "SLURM_HET_SIZE", "SLURM_LOCALID", PIN_ENV):
-        monkeypatch.delenv(key, raising=False)
+        monkeypatch.setenv(key, "")  # recorded first: monkeypatch's undo restores what the suite had,
+        monkeypatch.delenv(key)  # not what log_cpus sets below (a later test's jobs would inherit it)
     slurm = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "3", "SLURM_NODEID": "1", "SLURM_LOCALID": "0"}
 
     def logged(role=Role.TRAINER, pinned=False, **env):

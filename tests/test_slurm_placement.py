@@ -47,6 +47,7 @@ def _gpus(text: str) -> list[str]:
 def test_each_rank_logs_and_takes_the_gpus_the_layout_gives_it(slurm_cluster, tmp_path, monkeypatch):
     # only because the fake nodes share one host: OpenMPI's shared-memory segments collide
     monkeypatch.setenv("OMPI_MCA_btl", "self,tcp")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the job inherits this shell's environment
     beside = subprocess.run(
         ["sbatch", "--parsable", "-N4", "--ntasks-per-node=1", "--gpus-per-node=2", "--time=5", "-o", "/dev/null"]
         + ["--wrap", "sleep 300"],

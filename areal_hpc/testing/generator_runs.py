@@ -14,7 +14,7 @@ where k1 and k2 are its lengths when the loads interrupted it (`engine.partial()
 against transformers is measured apart for the tokens before and after a resubmission: a stale KV
 cache, a token sampled under the old weights but returned after the load, or a load that did not
 reach every tensor shows in the second only. tests/test_generator.py runs it on the CPU in fp32; the
-GPU check (areal_hpc.testing.run_checks) with many more requests in flight, bf16, on cuda.
+GPU check (areal_hpc.testing.gpu_checks) with many more requests in flight, bf16, on cuda.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Whole runs as a user starts them (`areal-hpc run CONFIG key=value ...`), and what they are judged by:
 the e2e tests (tests/test_e2e.py, the tiny model on this machine's CPU) and the GPU check
-(areal_hpc.testing.run_checks, configs/gpu-smoke.yaml) start and judge runs with the same functions.
+(areal_hpc.testing.gpu_checks, configs/gpu-smoke.yaml) start and judge runs with the same functions.
 
     RunProcess            one `areal-hpc run` in the background, its output collected
     metrics_problems      metrics.jsonl of a run: every step there, finite, generator and trainer agreeing

@@ -64,7 +64,7 @@ sync = setup_weight_sync(ctx)
 rank, role = world.Get_rank(), layout.role_of(world.Get_rank())
 if sync is not None:
     for line in [sync.connect()] if role == Role.TRAINER else sync.connect():
-        print("JOINED", line, flush=True)
+        print(f"JOINED {line}", flush=True)  # one write: mpirun may interleave the ranks
 state = torch.load(os.environ["AREAL_TEST_STATE"])  # a Hugging Face Qwen2 state dict, saved by the test
 names = sorted(state)
 # stage 0 sends the embedding and layer 0, stage 1 the rest (as a pipeline would).
