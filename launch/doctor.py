@@ -3,7 +3,8 @@
 ```
  on this host     slurm          Slurm >= 20.02 and heterogeneous jobs allowed (backfill, hetjob steps)
                   pmix           `srun --mpi=list` has pmix
-                  partitions     they exist, are up, and hold the nodes and GPUs the job asks for
+                  partitions     they exist, are up, and hold the nodes, GPUs and CPUs the job asks for
+                                 (cluster.cpus_per_node, or for 0 the CPU count sinfo gives the partition)
                   preemption     a preemptible partition's GraceTime covers cluster.grace_s
  one probe job    run directory  every rank reads a file this host wrote there and writes its own back
  (the run's own   python         torch, vllm, megatron.core, mpi4py import on every node, at this host's versions
@@ -82,7 +83,7 @@ def doctor(cfg: Config, python: str | None = None, wait_s: float = 600, say=prin
         for name in ("run directory", "python", "mpi", "gpus", "all-reduce", "weight sync"):
             add(Check(name, "SKIP", "not run: the probe job needs the checks above to pass"))
         return checks
-    cfg = resolve_cpus(cfg, partitions())  # the partitions check passed: sinfo answers
+    cfg = resolve_cpus(cfg, partitions())  # the partitions check resolved it
     for check in probe(cfg, python or _default_python(cfg), wait_s, say):
         add(check)
     return checks
@@ -137,6 +138,7 @@ def check_partitions(cfg: Config) -> Check:
         return Check("partitions", "FAIL", "sinfo lists no partition", "run doctor on a login node of the cluster")
     try:
         check_cluster(cfg, available)
+        cfg = resolve_cpus(cfg, available)  # cluster.cpus_per_node 0: the fewest CPUs of a node, from sinfo
     except LaunchError as e:
         return Check(
             "partitions",

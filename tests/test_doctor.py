@@ -67,6 +67,13 @@ def test_each_broken_setup_is_named(slurm_cluster, tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 1 and statuses(out)["partitions"] == "FAIL"
     assert "cluster.cpus_per_node (16) exceeds the 8 CPUs of the largest node of partition 'debug'" in out
+    # cluster.cpus_per_node 0, read from sinfo: nodes with fewer CPUs than a trainer node's tasks
+    few = ["cluster.device=cpu", "cluster.gpus_per_node=16"]
+    code = cli_main(["doctor", str(TINY), "--nodes", "3", f"experiment.root={tmp_path}", *few])
+    out = capsys.readouterr().out
+    assert code == 1 and statuses(out)["partitions"] == "FAIL", out
+    assert "partition 'debug' has nodes of 8 CPUs, fewer than the 16 tasks of a trainer node" in out
+    assert statuses(out)["run directory"] == "SKIP", "no probe job"
 
     # a run directory on the nodes' local disk (tools/local_slurm.sh: a tmpfs of each node's own)
     local = Path(os.environ["SLURM_CONF"]).parent.parent / "local" / tmp_path.name
