@@ -17,6 +17,8 @@ member says which network the members share, where the controller's host (one mo
 sit on another one (CPU nodes). With several networks between the nodes, the route picks one that
 works, not necessarily the fastest: set cluster.network_interface for that. Every group checks the
 address at start (weight_sync's start-up broadcast, `areal-hpc doctor`), so a wrong one fails there.
+One rank picks where a rendezvous meets and broadcasts it (`offer`); when it cannot, its error reaches
+every rank of the rendezvous instead, so none waits for an address that never comes.
 
 Hand-written: no well-kept library answers "which of my addresses do these peers reach"; psutil (a
 dependency of vLLM) only lists the interfaces.
@@ -27,15 +29,18 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from areal_hpc.errors import ConfigError
 
 LOOPBACK = "127.0.0.1"
+T = TypeVar("T")
 
 
 class AddressError(RuntimeError):
-    """No usable address toward the peers from this node; the message names the peer and the fix."""
+    """No usable address toward the peers from this node, or (`offer`) none from the rank that offers
+    it; the message names the peer or that rank, and the fix."""
 
 
 def interfaces() -> dict[str, list[str]]:
@@ -107,23 +112,53 @@ def interface_of(addr: str) -> str | None:
     return next((name for name, addrs in interfaces().items() if addr in addrs), None)
 
 
+def offer(comm, make: Callable[[], T], offerer: str) -> T:
+    """Rank 0's `make()` (where to meet: an address, a port), broadcast to every rank of `comm`
+    (collective over MPI). When `make` raises there, every rank raises: rank 0 its own error, the others
+    an AddressError with its text, naming `offerer` (rank 0, as errors name it): none waits for ever in
+    a broadcast that rank 0 never reaches."""
+    made, failed = None, None
+    if comm.Get_rank() == 0:
+        try:
+            made = make()
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it
+            failed = e
+    sent = (True, made) if failed is None else (False, f"{type(failed).__name__}: {failed}")
+    ok, value = comm.bcast(sent, root=0)
+    if failed is not None:
+        raise failed
+    if not ok:
+        raise AddressError(f"{offerer} offered no address to meet at: {value}")
+    return value
+
+
 def rendezvous(comm, interface: str) -> tuple[str, int]:
     """(address, port) for a torch.distributed world of `comm`'s ranks (collective over MPI): rank 0's
-    address (`address`) and a free port on it, broadcast. Every rank also points gloo at its own
-    interface toward that address (GLOO_SOCKET_IFNAME, unless set: gloo's default is the host name),
-    for the process groups torch and Megatron create in that world."""
+    address (`address`) and a free port on it, offered to all (`offer`). Every rank also points gloo at
+    its own interface toward that address (GLOO_SOCKET_IFNAME, unless set: gloo's default is the host
+    name), for the process groups torch and Megatron create in that world."""
     hosts = comm.allgather(socket.gethostname())
-    offer = None
-    if comm.Get_rank() == 0:
+
+    def free_port() -> tuple[str, int]:
         addr = address(interface, hosts)
         with socket.socket() as s:
             s.bind((addr, 0))
-            offer = (addr, s.getsockname()[1])
-    addr, port = comm.bcast(offer, root=0)
+            return addr, s.getsockname()[1]
+
+    addr, port = offer(comm, free_port, f"rank 0 of this torch.distributed world, on host {hosts[0]},")
     gloo = interface_of(own_address(interface, addr))
     if gloo:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", gloo)
     return addr, port
 
 
-__all__ = ["AddressError", "address", "check_interface", "interface_address", "own_address", "peer_of", "rendezvous"]
+__all__ = [
+    "AddressError",
+    "address",
+    "check_interface",
+    "interface_address",
+    "offer",
+    "own_address",
+    "peer_of",
+    "rendezvous",
+]

@@ -17,7 +17,8 @@ Order at start, so that a wrong address or a blocked port fails before the first
   1. `setup_weight_sync` (a collective over the MPI world, before any engine exists): each group's
      members check that they resolved the same device; the source opens the group's TCPStore on a
      free port at its address (areal_hpc.network: cluster.network_interface's, else the interface
-     that routes to the group's members; 127.0.0.1 when they all share its host) and shares it over MPI.
+     that routes to the group's members; 127.0.0.1 when they all share its host) and shares it over MPI
+     (`network.offer`: when it cannot, every member of the group raises its error, not only the source).
   2. A trainer source joins right after its engine is built (`WeightSender.connect`); a generator
      right after its engine exists, inside vLLM's workers (`WeightReceiver.connect`, every stage in
      index order). A join is the rendezvous (each member reaches the store and says so; the source
@@ -66,7 +67,7 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -270,45 +271,74 @@ def setup_weight_sync(ctx: RankContext) -> WeightSender | WeightReceiver | None:
     `WeightReceiver` on generator ranks, None on the controller and reward workers; the joins come
     later, once the engines exist (module docstring), by `join_by` = now + train.startup_timeout_s.
 
-    For each stage s, the members ([stage_source_rank(s)] + generators) split off the world and
-    `open_group`.
+    The groups: `open_groups` of the stages' sources (`layout.stage_source_rank`) and the generators.
     """
-    from mpi4py import MPI
-
     from areal_hpc.layout import Role
 
     layout, world, rank, cfg = ctx.layout, ctx.world, ctx.world.Get_rank(), ctx.cfg
     role = layout.role_of(rank)
     join_by = time.monotonic() + float(cfg.train.startup_timeout_s)
-    specs, my_stage, master = [], None, None
-    for stage in range(layout.train_pp):
-        source = layout.stage_source_rank(stage)
-        member = rank == source or role == Role.GENERATOR
-        comm = world.Split(MPI.UNDEFINED if not member else 0, 0 if rank == source else 1 + rank)
-        if comm == MPI.COMM_NULL:
-            continue
-        spec, store = open_group(
-            comm,
-            f"areal-ws-{stage}",
-            stage,
-            rank,
-            ctx.device,
-            layout.weight_sync_ranks,
-            layout.describe_rank,
-            cfg.cluster.network_interface,
-            float(cfg.train.collective_timeout_s),
-        )
-        comm.Free()
-        if rank == source:
-            my_stage, master = stage, store
-        specs.append(spec)
+    specs, master = open_groups(
+        world,
+        "areal-ws",
+        [layout.stage_source_rank(stage) for stage in range(layout.train_pp)],
+        layout.ranks(Role.GENERATOR),
+        ctx.device,
+        layout.weight_sync_ranks,
+        layout.describe_rank,
+        cfg.cluster.network_interface,
+        float(cfg.train.collective_timeout_s),
+    )
     if role == Role.GENERATOR:
         return WeightReceiver(specs, layout.weight_sync_ranks(rank), join_by)
     if role == Role.TRAINER:
-        if my_stage is not None:
-            return WeightSender(my_stage, True, specs[0], join_by, master)
+        if specs:  # a stage's source: its own group only
+            return WeightSender(specs[0].stage, True, specs[0], join_by, master)
         return WeightSender(layout.trainer_coords(rank).pp, False)
     return None
+
+
+def open_groups(
+    world,
+    prefix: str,
+    sources: Sequence[int],
+    receivers: Container[int],
+    device: str,
+    ranks_of: Callable[[int], tuple[int, ...]],
+    describe: Callable[[int], str],
+    interface: str,
+    timeout_s: float,
+) -> tuple[list[GroupSpec], object | None]:
+    """Collective over `world`: for each stage s in index order, its members (the source, world rank
+    `sources[s]`, first, then every rank of `receivers`) split off and `open_group` "{prefix}-{s}".
+    Returns this rank's specs (a receiver's: every stage's; a source's: its own; none on the others)
+    and, on a source, its group's store. A stage whose group fails to open fails on all its members
+    (`open_group`), who still open the later stages' groups, so no rank waits in their collectives;
+    then the first error is raised."""
+    from mpi4py import MPI
+
+    rank = world.Get_rank()
+    specs, master, failed = [], None, None
+    for stage, source in enumerate(sources):
+        member = rank == source or rank in receivers
+        comm = world.Split(0 if member else MPI.UNDEFINED, 0 if rank == source else 1 + rank)
+        if comm == MPI.COMM_NULL:
+            continue
+        try:
+            spec, store = open_group(
+                comm, f"{prefix}-{stage}", stage, rank, device, ranks_of, describe, interface, timeout_s
+            )
+        except Exception as e:  # noqa: BLE001 - raised once every group is open
+            failed = failed or e
+            continue
+        finally:
+            comm.Free()
+        if rank == source:
+            master = store
+        specs.append(spec)
+    if failed is not None:
+        raise failed
+    return specs, master
 
 
 def open_group(
@@ -324,9 +354,10 @@ def open_group(
 ) -> tuple[GroupSpec, object | None]:
     """Collective over `comm`, a group's members with the source first (world rank `me` each, on
     `device`): every member's host and device are shared and checked, the source opens the group's
-    TCPStore at its address (areal_hpc.network) and broadcasts it. Returns the spec, and on the source
-    the store (it must live as long as the group). `ranks_of(world rank)`: a receiver's group ranks, one
-    per engine worker; `describe(world rank)`: how errors name it."""
+    TCPStore at its address and offers it (areal_hpc.network). Returns the spec, and on the source the
+    store (it must live as long as the group); or raises on every member, the same check failing or the
+    source's error offered to all. `ranks_of(world rank)`: a receiver's group ranks, one per engine
+    worker; `describe(world rank)`: how errors name it."""
     from areal_hpc.device import backend
 
     members = comm.allgather((me, socket.gethostname(), device))
@@ -337,15 +368,18 @@ def open_group(
         ranks = ranks_of(rank)
         for tp, group_rank in enumerate(ranks):
             who[group_rank] = f"{describe(rank)}{f' worker tp {tp}' if len(ranks) > 1 else ''} on host {h}"
-    info, master = None, None
-    if comm.Get_rank() == 0:
+    master = None
+
+    def open_store() -> tuple[str, int]:
+        nonlocal master
         host = network.address(interface, [h for _, h, _ in members])
         # Its waits are the join's from then on (`SyncGroup`).
         master = dist.TCPStore(
             host, 0, len(who), True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
         )
-        info = (host, master.port)
-    host, port = comm.bcast(info, root=0)
+        return host, master.port
+
+    host, port = network.offer(comm, open_store, f"weight-sync group {name} (stage {stage}): its source {who[0]}")
     members_text = tuple(who[r] for r in range(len(who)))
     spec = GroupSpec(name, stage, host, port, len(who), backend(device), timeout_s, interface, source, members_text)
     return spec, master
@@ -384,5 +418,6 @@ __all__ = [
     "WeightReceiver",
     "WeightSender",
     "open_group",
+    "open_groups",
     "setup_weight_sync",
 ]

@@ -3,7 +3,8 @@
 ```
  on this host     slurm          Slurm >= 20.02 and heterogeneous jobs allowed (backfill, hetjob steps)
                   pmix           `srun --mpi=list` has pmix
-                  partitions     they exist, are up, and hold the nodes and GPUs the job asks for
+                  partitions     they exist, are up, and hold the nodes, GPUs and CPUs the job asks for
+                                 (cluster.cpus_per_node, or for 0 the CPU count sinfo gives the partition)
                   preemption     a preemptible partition's GraceTime covers cluster.grace_s
  one probe job    run directory  every rank reads a file this host wrote there and writes its own back
  (the run's own   python         torch, vllm, megatron.core, mpi4py import on every node, at this host's versions
@@ -12,8 +13,9 @@
   resources)      gpus           each GPU rank sees its node's GPUs (cuda)
                   all-reduce     torch.distributed across the nodes of each GPU component, with the run's
                                  backend: NCCL on cuda, gloo on cpu
-                  weight sync    the run's start-up weight-sync broadcast, from the trainer component's
-                                 first rank to every generator rank, joined and checked as a run does
+                  weight sync    the run's start-up weight-sync broadcasts, from each pipeline stage's
+                                 source to every generator rank (one group per stage, as a run opens,
+                                 joins and checks them); a FAIL names the stages that did not get through
 ```
 
 Each check is PASS, FAIL (with what to do), or SKIP when it does not apply (GPUs on a CPU config: a
@@ -82,7 +84,7 @@ def doctor(cfg: Config, python: str | None = None, wait_s: float = 600, say=prin
         for name in ("run directory", "python", "mpi", "gpus", "all-reduce", "weight sync"):
             add(Check(name, "SKIP", "not run: the probe job needs the checks above to pass"))
         return checks
-    cfg = resolve_cpus(cfg, partitions())  # the partitions check passed: sinfo answers
+    cfg = resolve_cpus(cfg, partitions())  # the partitions check resolved it
     for check in probe(cfg, python or _default_python(cfg), wait_s, say):
         add(check)
     return checks
@@ -137,6 +139,7 @@ def check_partitions(cfg: Config) -> Check:
         return Check("partitions", "FAIL", "sinfo lists no partition", "run doctor on a login node of the cluster")
     try:
         check_cluster(cfg, available)
+        cfg = resolve_cpus(cfg, available)  # cluster.cpus_per_node 0: the fewest CPUs of a node, from sinfo
     except LaunchError as e:
         return Check(
             "partitions",
@@ -211,7 +214,9 @@ def probe(cfg: Config, python: str, wait_s: float, say) -> list[Check]:
     token = uuid.uuid4().hex
     (reports / "token").write_text(token)
     starts = ",".join(str(c.first_rank) for c in layout.components)
-    command = [python, "-u", str(PROBE), str(reports), cfg.cluster.device, starts, cfg.cluster.network_interface]
+    sources = ",".join(str(r) for r in stage_sources(layout))
+    interface = cfg.cluster.network_interface
+    command = [python, "-u", str(PROBE), str(reports), cfg.cluster.device, starts, sources, interface]
     script = render_sbatch(pcfg, workdir=Path.cwd(), python=python, command=command)
     try:
         job = HetSlurmExecutor(pcfg.run_dir / "slurm", script).submit_script()
@@ -404,13 +409,16 @@ def evaluate(cfg: Config, layout: Layout, reports: dict, token: str, login: dict
 
 
 def check_weight_sync(cfg: Config, layout: Layout, reports: dict) -> Check:
-    """The start-up broadcast from the trainer component's first rank to every generator rank
-    (launch/doctor_probe.py `weight_sync_check`): PASS when every member joined and checked it."""
-    source = layout.ranks(Role.TRAINER).start
-    members = [source, *layout.ranks(Role.GENERATOR)]
+    """The start-up broadcasts from each pipeline stage's source to every generator rank, one group per
+    stage (launch/doctor_probe.py `weight_sync_check`): PASS when every member joined and checked every
+    group it belongs to; a FAIL names the stages whose source did not get through, and every error."""
+    sources, generators = stage_sources(layout), list(layout.ranks(Role.GENERATOR))
+    members = [*sources, *generators]
     done = {r: reports[r]["weight_sync"] for r in members if "weight_sync" in reports.get(r, {})}
     if len(done) == len(members) and all(d["ok"] for d in done.values()):
-        kind, at = done[source]["backend"], done[source]["at"]
+        kind = done[sources[0]]["backend"]
+        at = ", ".join(at for r in sources for _, at in done[r]["joined"])
+        stages = f", the sources of stages 0-{len(sources) - 1}," if len(sources) > 1 else ""
         note = (
             ""
             if cfg.cluster.device == "cuda"
@@ -418,16 +426,28 @@ def check_weight_sync(cfg: Config, layout: Layout, reports: dict) -> Check:
         )
         return Check(
             "weight sync", "PASS",
-            f"{kind} from {_ranks_text(layout, [source])} to {_ranks_text(layout, members[1:])} at {at}, "
+            f"{kind} from {_ranks_text(layout, sources)}{stages} to {_ranks_text(layout, generators)} at {at}, "
             f"checked by every receiver{note}",
         )  # fmt: skip
     errors = sorted({reports[r]["weight_sync_error"] for r in members if "weight_sync_error" in reports.get(r, {})})
     bad = [r for r in members if r not in done]
+    failed = [s for s, r in enumerate(sources) if r not in done]
+    where = (
+        f"stage{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} of {len(sources)} (from "
+        f"{_ranks_text(layout, [sources[s] for s in failed])}) not checked; "
+        if failed
+        else ""
+    )
     return Check(
-        "weight sync", "FAIL", f"{_ranks_text(layout, bad)}: " + ("; ".join(e.split("; the address is")[0] for e in errors) or "no result"),
+        "weight sync", "FAIL", where + f"{_ranks_text(layout, bad)}: " + ("; ".join(e.split("; the address is")[0] for e in errors) or "no result"),
         "set cluster.network_interface to an interface every node has (the weight-sync address, NCCL_SOCKET_IFNAME, "
         "GLOO_SOCKET_IFNAME) and let the nodes reach each other's ports; cluster.env NCCL_DEBUG=INFO shows NCCL's side",
     )  # fmt: skip
+
+
+def stage_sources(layout: Layout) -> list[int]:
+    """World rank of each pipeline stage's weight-sync source, stages in index order."""
+    return [layout.stage_source_rank(stage) for stage in range(layout.train_pp)]
 
 
 def _ranks_text(layout: Layout, ranks: list[int]) -> str:

@@ -1,4 +1,4 @@
-"""What `areal-hpc doctor` runs on every rank of its probe job: `python doctor_probe.py DIR DEVICE STARTS IFACE`.
+"""What `areal-hpc doctor` runs on every rank of its probe job: `python doctor_probe.py DIR DEVICE STARTS SOURCES IFACE`.
 
 ```
  every rank   DIR/token readable? (the login node wrote it)   -> DIR/rank<r>.json   (before anything can hang)
@@ -8,14 +8,18 @@
  every rank   MPI: allreduce over the world                    -> DIR/rank<r>.json again, with the result
  GPU ranks    GPUs they see; all-reduce of their component's ranks over torch.distributed with the
    (comps 1+) run's backend (nccl on cuda, gloo on cpu)        -> DIR/rank<r>.json again
- trainer 0 +  the run's start-up weight-sync broadcast: the trainer component's first rank to every
- generators   generator rank, joined and checked as a run does (areal_hpc.weight_sync)
+ stage        the run's start-up weight-sync broadcasts: each pipeline stage's source to every
+   sources +  generator rank, one group per stage, opened, joined and checked as a run does
+ generators   (areal_hpc.weight_sync: open_groups, then each end's connect)
                                                                -> DIR/rank<r>.json again
 ```
 
 Only the standard library at import: on a node where the environment is broken this still runs and says
 so. The versions come from a child process so that vLLM is imported before MPI is initialised in no
-process (a generator rank never sees that order either). STARTS: the first world rank of each component.
+process (a generator rank never sees that order either). STARTS: the first world rank of each component;
+SOURCES: the world rank of each pipeline stage's source (`Layout.stage_source_rank`). A check that fails
+on one rank fails on every rank taking part (areal_hpc.network.offer, `agree`), which all go on to the
+next check: the probe ends and every rank writes its report.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ def versions() -> dict[str, str]:
     return found
 
 
-def main(out: Path, device: str, starts: list[int], interface: str) -> None:
+def main(out: Path, device: str, starts: list[int], sources: list[int], interface: str) -> None:
     rank = int(os.environ.get("SLURM_PROCID", "0"))
     component = max(i for i, s in enumerate(starts) if s <= rank)
     report = {"rank": rank, "component": component, "host": os.environ.get("SLURMD_NODENAME", socket.gethostname())}
@@ -92,7 +96,7 @@ def main(out: Path, device: str, starts: list[int], interface: str) -> None:
             report["allreduce_error"] = traceback.format_exc(limit=3)[-2000:]
         write()
     try:
-        checked = weight_sync_check(world, starts, device, interface)
+        checked = weight_sync_check(world, starts, sources, device, interface)
         if checked is not None:
             report["weight_sync"] = checked
     except Exception as e:  # noqa: BLE001 - a WeightSyncError names both ends
@@ -105,19 +109,28 @@ def gpus_and_allreduce(comm, device: str, interface: str) -> tuple[dict, dict]:
     """The GPUs this rank sees, and an all-reduce over this component's ranks with the run's backend:
     the same device decision (areal_hpc.device) and the same rendezvous over MPI as the trainers'."""
     sys.path.insert(0, REPO)
+    gpus = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+    def on_device() -> str:
+        import torch
+
+        from areal_hpc.device import resolve_device
+
+        dev = resolve_device(device, gpus=True)
+        if dev == "cuda":
+            gpus["torch"] = torch.cuda.device_count()
+            torch.cuda.set_device(int(os.environ.get("SLURM_LOCALID", "0")) % gpus["torch"])
+        return dev
+
+    dev = agree(comm, on_device)
     import datetime
 
     import torch
     import torch.distributed as dist
 
-    from areal_hpc.device import backend, resolve_device
+    from areal_hpc.device import backend
     from areal_hpc.network import rendezvous
 
-    gpus = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}
-    dev = resolve_device(device, gpus=True)
-    if dev == "cuda":
-        gpus["torch"] = torch.cuda.device_count()
-        torch.cuda.set_device(int(os.environ.get("SLURM_LOCALID", "0")) % gpus["torch"])
     addr, port = rendezvous(comm, interface)
     kind = backend(dev)
     dist.init_process_group(
@@ -134,52 +147,74 @@ def gpus_and_allreduce(comm, device: str, interface: str) -> tuple[dict, dict]:
     return gpus, {"backend": kind, "ranks": comm.Get_size(), "ok": ok}
 
 
-def weight_sync_check(world, starts: list[int], device: str, interface: str) -> dict | None:
-    """A run's start-up weight-sync broadcast, made as a run makes it (`open_group`, then each end's
-    `connect`: the rendezvous, then the source's start-up check, checked by every receiver): from the
-    trainer component's first rank (STARTS[2]) to every rank of the generator component, one group rank
-    each, on its current GPU. Collective over the world; None on the ranks that are not members."""
+def agree(comm, step):
+    """`step()` on every rank of `comm`, then together (collective): when it raised on some rank, every
+    rank raises, that rank its own error and the others one naming it, so that none goes on alone into
+    a collective the failed rank never reaches."""
+    try:
+        result, failed = step(), None
+    except Exception as e:  # noqa: BLE001 - the others must hear of it
+        result, failed = None, e
+    me = int(os.environ.get("SLURM_PROCID", "0"))
+    first = [r for r in comm.allgather(None if failed is None else me) if r is not None]
+    if failed is not None:
+        raise failed
+    if first:
+        raise RuntimeError(f"not run: world rank(s) {', '.join(map(str, first))} failed first (see their reports)")
+    return result
+
+
+def weight_sync_check(world, starts: list[int], sources: list[int], device: str, interface: str) -> dict | None:
+    """The run's start-up weight-sync broadcasts, made as a run makes them (`open_groups`, then each
+    end's `connect`: the rendezvous, then the source's start-up check, checked by every receiver): from
+    each pipeline stage's source (SOURCES) to every rank of the generator component, one group rank
+    each, on its current GPU, every stage's group in index order. Collective over the world; None on
+    the ranks that are not members."""
     sys.path.insert(0, REPO)
-    from mpi4py import MPI
+    rank, generators = world.Get_rank(), range(starts[1], starts[2])
 
-    from areal_hpc.device import resolve_device
-    from areal_hpc.weight_sync import WeightReceiver, WeightSender, open_group
+    def on_device() -> str:
+        from areal_hpc.device import resolve_device
+        from areal_hpc.weight_sync import open_groups  # noqa: F401 - imports on every rank, or none goes on
 
-    rank, source, generators = world.Get_rank(), starts[2], range(starts[1], starts[2])
-    member = rank == source or rank in generators
-    comm = world.Split(0 if member else MPI.UNDEFINED, 0 if rank == source else 1 + rank)
-    if comm == MPI.COMM_NULL:
+        if rank not in sources and rank not in generators:
+            return "cpu"  # not a member: opens no group
+        try:
+            return resolve_device(device, gpus=True)
+        except RuntimeError:
+            return "cpu"  # every member then refuses the group, naming this rank as on cpu
+
+    dev = agree(world, on_device)
+    from areal_hpc.weight_sync import WeightReceiver, WeightSender, open_groups
+
+    specs, master = open_groups(
+        world,
+        "areal-probe",
+        sources,
+        generators,
+        dev,
+        lambda r: (1 + r - starts[1],),
+        lambda r: f"world rank {r} ({'trainer' if r >= starts[2] else 'generator'})",
+        interface,
+        JOIN_S,
+    )
+    if not specs:
         return None
-    try:
-        dev = resolve_device(device, gpus=True)
-    except RuntimeError:
-        dev = "cpu"  # every member then refuses the group, naming this rank as on cpu
-    try:
-        spec, master = open_group(
-            comm,
-            "areal-probe",
-            0,
-            rank,
-            dev,
-            lambda r: (1 + r - starts[1],),
-            lambda r: f"world rank {r} ({'trainer' if r >= source else 'generator'})",
-            interface,
-            JOIN_S,
-        )
-    finally:
-        comm.Free()
-    if rank == source:
-        end = WeightSender(0, True, spec, _master_store=master)
-        line = end.connect(JOIN_S)
+    if rank in sources:
+        end = WeightSender(specs[0].stage, True, specs[0], _master_store=master)
     else:
-        end = WeightReceiver([spec], (1 + rank - starts[1],))
-        line = end.connect(0, JOIN_S)[0]
-    end.close()
-    return {"backend": spec.backend, "at": f"{spec.host}:{spec.port}", "ok": True, "line": line}
+        end = WeightReceiver(specs, (1 + rank - starts[1],))
+    try:
+        lines = [end.connect(JOIN_S)] if rank in sources else end.connect(0, JOIN_S)
+    finally:
+        end.close()
+    joined = [[spec.stage, f"{spec.host}:{spec.port}"] for spec in specs]
+    return {"backend": specs[0].backend, "joined": joined, "ok": True, "lines": lines}
 
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--versions"]:
         print(json.dumps(versions()))
     else:
-        main(Path(sys.argv[1]), sys.argv[2], [int(s) for s in sys.argv[3].split(",")], sys.argv[4])
+        starts, sources = ([int(s) for s in arg.split(",")] for arg in sys.argv[3:5])
+        main(Path(sys.argv[1]), sys.argv[2], starts, sources, sys.argv[5])

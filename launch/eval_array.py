@@ -1,7 +1,8 @@
 """`areal-hpc eval RUN_DIR --steps 100,200,300 --submit`: one Slurm job array, one task per checkpoint.
 
 ```
- #SBATCH --array=0-(n-1)   one node, allocation.gen_tp GPUs, the cluster section's partition, account, ...
+ #SBATCH --array=0-(n-1)   one node, allocation.gen_tp GPUs and the run's engine's CPUs, the cluster
+                           section's partition, account, ...
  steps=(100 200 300); step=${steps[$SLURM_ARRAY_TASK_ID]}
  [srun --container-image=...] python -m areal_hpc.cli eval RUN_DIR --data FILE --samples K [key=value ...] --step $step
 ```
@@ -10,6 +11,9 @@ Each task writes its own report (RUN_DIR/eval/step_N-DATA.json, as `areal-hpc ev
 RUN_DIR/eval/slurm/. The script is one pure function of the config and the arguments (`render_eval_array`),
 submitted by the same submitit executor as the run (`launch.slurm.HetSlurmExecutor`, which submits a
 given script text: only its job-state watcher is specific to heterogeneous jobs, and it is not used here).
+A task's CPUs are a run's engine's (`launch.sbatch.cpus_per_task`): cluster.cpus_per_node * gen_tp /
+gpus_per_node, cpus_per_node read from Slurm when 0 as `submit` reads it (`launch.slurm.resolve_cpus`);
+asked for on the allocation and again on the container's srun step, which does not inherit them.
 """
 
 from __future__ import annotations
@@ -19,15 +23,18 @@ import sys
 from pathlib import Path
 
 from areal_hpc.config import Config, ConfigError, load_config
-from launch.sbatch import _quote_opt, fill
+from launch.sbatch import _quote_opt, fill, require_cpus
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "slurm_templates" / "eval_array.sbatch"
 
 
 def render_eval_array(cfg: Config, run_dir: Path, steps: list[int], eval_args: list[str], python: str) -> str:
     """The array script: `eval_args` are the `areal-hpc eval` arguments every task shares (the run
-    directory first), `--step` is each task's own."""
+    directory first), `--step` is each task's own. `cfg`'s cluster.cpus_per_node is resolved."""
     c = cfg.cluster
+    require_cpus(c)
+    # A run's engine's share of its node: launch.sbatch.cpus_per_task of a generator node's tasks.
+    cpus = f"--cpus-per-task={c.cpus_per_node * cfg.allocation.gen_tp // c.gpus_per_node}"
     logs = run_dir / "eval" / "slurm"
     opts = [
         f"--job-name=areal-eval-{cfg.experiment.name}-{cfg.experiment.trial}",
@@ -38,6 +45,7 @@ def render_eval_array(cfg: Config, run_dir: Path, steps: list[int], eval_args: l
         f"--time={c.time}",
         "--nodes=1",
         "--ntasks=1",
+        cpus,
     ]
     if c.partition:
         opts.append(f"--partition={c.partition}")
@@ -52,7 +60,7 @@ def render_eval_array(cfg: Config, run_dir: Path, steps: list[int], eval_args: l
     if c.container:  # in the run's image, as its ranks are (launch/sbatch.py), the working tree mounted
         workdir = Path.cwd()
         image = [f"--container-image={c.container}", f"--container-mounts={workdir}", f"--container-workdir={workdir}"]
-        command = ["srun", "--ntasks=1", *image, *c.srun_args, *command]
+        command = ["srun", "--ntasks=1", cpus, *image, *c.srun_args, *command]
     values = {
         "target": str(run_dir),
         "steps": ",".join(map(str, steps)),
@@ -66,6 +74,8 @@ def render_eval_array(cfg: Config, run_dir: Path, steps: list[int], eval_args: l
 
 def eval_array_script(args) -> tuple[Path, str]:
     """(run directory, script) of `areal-hpc eval ... --submit`."""
+    from launch.slurm import partitions, resolve_cpus
+
     run_dir = Path(args.target).resolve()
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"--submit evaluates checkpoints of a run directory; {args.target} has no config.yaml")
@@ -76,7 +86,7 @@ def eval_array_script(args) -> tuple[Path, str]:
             "with --submit, name the checkpoints with --steps; each array task writes its own report "
             "(no --step, -o or --config: the run's config.yaml is used)"
         )
-    cfg = load_config(run_dir / "config.yaml", list(args.overrides))
+    cfg = resolve_cpus(load_config(run_dir / "config.yaml", list(args.overrides)), partitions())
     shared = [str(run_dir)]
     if args.data:
         shared += ["--data", str(Path(args.data).resolve())]

@@ -52,11 +52,7 @@ def render_sbatch(
     """
     layout = Layout.from_config(cfg)
     c = cfg.cluster
-    if not c.cpus_per_node:
-        raise ConfigError(
-            "cluster.cpus_per_node is 0: a launcher reads it from Slurm before the script is rendered "
-            "(launch.slurm.resolve_cpus), or the config sets it"
-        )
+    require_cpus(c)
     workdir = Path(workdir)
     run_dir = workdir / cfg.run_dir
     slurm_dir = run_dir / "slurm"
@@ -155,6 +151,15 @@ def cpus_per_task(c: ClusterConfig, comp: Component) -> int:
     return c.cpus_per_node // comp.ntasks_per_node
 
 
+def require_cpus(c: ClusterConfig) -> None:
+    """A script asks for CPUs out of `cluster.cpus_per_node`: it must be resolved (not 0) by then."""
+    if not c.cpus_per_node:
+        raise ConfigError(
+            "cluster.cpus_per_node is 0: a launcher reads it from Slurm before the script is rendered "
+            "(launch.slurm.resolve_cpus), or the config sets it"
+        )
+
+
 def _srun_cpus(cpus: int) -> str:
     return f" --cpus-per-task={cpus}" if cpus else ""
 
@@ -189,4 +194,4 @@ def _quote_opt(opt: str) -> str:
     return f"{key}={shlex.quote(value)}" if sep else opt
 
 
-__all__ = ["TEMPLATE", "cpus_per_task", "render_sbatch", "tasks_text"]
+__all__ = ["TEMPLATE", "cpus_per_task", "render_sbatch", "require_cpus", "tasks_text"]

@@ -14,7 +14,7 @@ import pytest
 from areal_hpc.cli import main as cli_main
 from areal_hpc.config import load_config
 from areal_hpc.layout import Layout
-from launch.doctor import doctor, evaluate
+from launch.doctor import check_weight_sync, doctor, evaluate, stage_sources
 from tests.helpers import MPI_PROGRAMS, TINY
 
 CHECKS = [
@@ -67,6 +67,13 @@ def test_each_broken_setup_is_named(slurm_cluster, tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 1 and statuses(out)["partitions"] == "FAIL"
     assert "cluster.cpus_per_node (16) exceeds the 8 CPUs of the largest node of partition 'debug'" in out
+    # cluster.cpus_per_node 0, read from sinfo: nodes with fewer CPUs than a trainer node's tasks
+    few = ["cluster.device=cpu", "cluster.gpus_per_node=16"]
+    code = cli_main(["doctor", str(TINY), "--nodes", "3", f"experiment.root={tmp_path}", *few])
+    out = capsys.readouterr().out
+    assert code == 1 and statuses(out)["partitions"] == "FAIL", out
+    assert "partition 'debug' has nodes of 8 CPUs, fewer than the 16 tasks of a trainer node" in out
+    assert statuses(out)["run directory"] == "SKIP", "no probe job"
 
     # a run directory on the nodes' local disk (tools/local_slurm.sh: a tmpfs of each node's own)
     local = Path(os.environ["SLURM_CONF"]).parent.parent / "local" / tmp_path.name
@@ -104,7 +111,7 @@ def test_gpu_checks_from_reports_on_a_cuda_config(tmp_path):
         reports[r]["gpus"] = {"CUDA_VISIBLE_DEVICES": "0,1", "torch": 2}
         reports[r]["allreduce"] = {"backend": "nccl", "ranks": 2, "ok": True}
     for r in (2, 3, 4):  # the start-up broadcast: trainer 0 to both generators
-        reports[r]["weight_sync"] = {"backend": "nccl", "at": "10.0.0.3:4711", "ok": True, "line": "..."}
+        reports[r]["weight_sync"] = {"backend": "nccl", "joined": [[0, "10.0.0.3:4711"]], "ok": True, "lines": []}
     checks = {c.name: c for c in evaluate(cfg, layout, reports, "t", login, tmp_path)}
     assert all(c.status == "PASS" for c in checks.values()), checks
     assert checks["all-reduce"].detail == "nccl across the nodes of generator (1 node(s)), trainer (1 node(s))"
@@ -141,23 +148,65 @@ def test_gpu_checks_from_reports_on_a_cuda_config(tmp_path):
     assert checks["mpi"].detail == "cluster.network_interface 'ib0' is not an interface on host node3 (...)"
 
 
-@pytest.mark.mpi
-@pytest.mark.slow
-def test_the_probe_passes_in_an_mpi_world_with_the_runs_start_up_broadcast(run_mpi, tmp_path):
-    # the probe's own code, each rank where Slurm would start it: controller + reward | generator | trainer
-    cfg = load_config(TINY, ["cluster.nodes=2"])
+def test_the_weight_sync_check_covers_every_stage_and_names_the_one_that_failed():
+    cfg = load_config(
+        TINY, ["cluster.nodes=2", "cluster.device=cuda", "cluster.gpus_per_node=2", "allocation.train_pp=2"]
+    )
+    layout = Layout.from_config(cfg)  # 2 generators on node2 | stage 0's source rank 4, stage 1's rank 5 on node3
+    assert stage_sources(layout) == [4, 5]
+    reports = {r: {"rank": r, "host": "node2" if r < 4 else "node3"} for r in range(2, 6)}
+    for r, joined in [
+        (2, [[0, "a:1"], [1, "a:2"]]),
+        (3, [[0, "a:1"], [1, "a:2"]]),
+        (4, [[0, "a:1"]]),
+        (5, [[1, "a:2"]]),
+    ]:
+        reports[r]["weight_sync"] = {"backend": "nccl", "joined": joined, "ok": True, "lines": []}
+    check = check_weight_sync(cfg, layout, reports)
+    assert check.status == "PASS" and check.detail == (
+        "nccl from world ranks 4-5 (trainer), the sources of stages 0-1, to world ranks 2-3 (generator) at a:1, a:2, "
+        "checked by every receiver"
+    )
+    # stage 0 connects; stage 1's source is not reached by the generators, who joined stage 0 first
+    for r in (2, 3, 5):
+        reports[r].pop("weight_sync")
+        reports[r]["weight_sync_error"] = (
+            f"WeightSyncError: weight-sync group areal-probe-1 (stage 1): world rank {r} ..."
+        )
+    check = check_weight_sync(cfg, layout, reports)
+    assert check.status == "FAIL"
+    assert check.detail.startswith(
+        "stage 1 of 2 (from world rank 5 (trainer)) not checked; world ranks 2-3, 5 (generator, trainer): "
+        "WeightSyncError: weight-sync group areal-probe-1 (stage 1): world rank 2 ..."
+    ), check.detail
+
+
+def _probe(run_mpi, tmp_path, interface: str):
+    """The probe's own code, each rank where Slurm would start it, for tiny-cpu at PP 2: controller +
+    reward | generator | 2 trainers, the sources of stages 0 and 1. Returns (cfg, layout, reports)."""
+    cfg = load_config(TINY, ["cluster.nodes=3", "allocation.train_pp=2"])
     layout = Layout.from_config(cfg)
     (tmp_path / "token").write_text("t")
     starts = ",".join(str(c.first_rank) for c in layout.components)
-    proc = run_mpi(
-        MPI_PROGRAMS / "probe_world.py", n=layout.world_size, timeout=240, args=[str(tmp_path), "cpu", starts, ""]
-    )
+    sources = ",".join(map(str, stage_sources(layout)))
+    assert (layout.world_size, sources) == (5, "3,4")
+    args = [str(tmp_path), "cpu", starts, sources, interface]
+    proc = run_mpi(MPI_PROGRAMS / "probe_world.py", n=layout.world_size, timeout=240, args=args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    reports = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(layout.world_size)}
-    assert reports[3]["weight_sync"]["line"].startswith(
-        "weight-sync group areal-probe (stage 0): world rank 3 (trainer) on host "
-    ), reports[3]
-    assert "start-up check passed" in reports[2]["weight_sync"]["line"]
+    return cfg, layout, {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(layout.world_size)}
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_the_probe_passes_in_an_mpi_world_with_the_runs_start_up_broadcasts(run_mpi, tmp_path):
+    cfg, layout, reports = _probe(run_mpi, tmp_path, "")
+    for source, stage in [(3, 0), (4, 1)]:
+        assert reports[source]["weight_sync"]["lines"][0].startswith(
+            f"weight-sync group areal-probe-{stage} (stage {stage}): world rank {source} (trainer) on host "
+        ), reports[source]
+    lines = reports[2]["weight_sync"]["lines"]  # the generator joined both stages' groups, in index order
+    assert len(lines) == 2 and all("start-up check passed" in line for line in lines), lines
+    assert "(stage 0)" in lines[0] and "(stage 1)" in lines[1], lines
     assert "weight_sync" not in reports[0] and "weight_sync" not in reports[1]  # not members
     login = reports[0]["versions"]  # one host: the login node's are rank 0's
     checks = {c.name: c for c in evaluate(cfg, layout, reports, "t", login, tmp_path)}
@@ -165,5 +214,29 @@ def test_the_probe_passes_in_an_mpi_world_with_the_runs_start_up_broadcast(run_m
         "run directory": "PASS", "python": "PASS", "mpi": "PASS", "gpus": "SKIP", "all-reduce": "PASS", "weight sync": "PASS",
     }, checks  # fmt: skip
     assert checks["weight sync"].detail.startswith(
-        "gloo from world rank 3 (trainer) to world rank 2 (generator) at 127.0.0.1:"
+        "gloo from world ranks 3-4 (trainer), the sources of stages 0-1, to world rank 2 (generator) at 127.0.0.1:"
     )
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_a_probe_whose_address_cannot_be_picked_reports_it_on_every_rank(run_mpi, tmp_path):
+    # The rank that picks each rendezvous's address fails there (no such interface): every other rank of
+    # that rendezvous gets its error instead of waiting in the broadcast, and the probe ends with reports.
+    cfg, layout, reports = _probe(run_mpi, tmp_path, "nosuch0")
+    missing = "ConfigError: cluster.network_interface 'nosuch0' is not an interface on host"
+    assert missing in reports[3]["allreduce_error"].strip().splitlines()[-1]  # the trainers' rank 0: a traceback
+    offered = "rank 0 of this torch.distributed world, on host "
+    assert (
+        offered in reports[4]["allreduce_error"]
+        and "offered no address to meet at: " + missing in (reports[4]["allreduce_error"])
+    )
+    for r in (3, 4):  # each stage's source: its own error
+        assert reports[r]["weight_sync_error"].startswith(missing), reports[r]
+    generator = reports[2]["weight_sync_error"]  # stage 0's source's, offered to it
+    assert generator.startswith("AddressError: weight-sync group areal-probe-0 (stage 0): its source world rank 3")
+    assert "offered no address to meet at: " + missing in generator
+    checks = {c.name: c for c in evaluate(cfg, layout, reports, "t", reports[0]["versions"], tmp_path)}
+    assert checks["mpi"].status == "FAIL" and "'nosuch0' is not an interface" in checks["mpi"].detail
+    assert checks["weight sync"].status == "FAIL"
+    assert checks["weight sync"].detail.startswith("stages 0, 1 of 2 (from world ranks 3-4 (trainer)) not checked; ")

@@ -218,16 +218,21 @@ def test_eval_array_script(tmp_path):
     lines = script.splitlines()
     for want in ["#SBATCH --array=0-2", "#SBATCH --nodes=1", "#SBATCH --gpus-per-node=1", "#SBATCH --partition=gpu"]:
         assert want in lines
+    assert "#SBATCH --cpus-per-task=14" in lines, "a run's engine's share: 112 CPUs of a node over its 8 engines"
     assert "#SBATCH --account=rl" in lines and f"#SBATCH --output={run_dir}/eval/slurm/%A_%a.out" in lines
     assert "steps=(100 200 300)" in lines
     command = next(line for line in lines if line.startswith("exec "))
     assert f"-m areal_hpc.cli eval {run_dir} --data {Path.cwd() / 'aime.jsonl'} --samples 8" in command
     assert command.endswith('rollout.temperature=0.6 --step "$step"')
+    args.overrides = ["allocation.gen_tp=2"]
+    assert "#SBATCH --cpus-per-task=28" in eval_array_script(args)[1].splitlines(), "2 GPUs' share of the node"
     args.overrides = []
     cfg_file = run_dir / "config.yaml"
     cfg_file.write_text(cfg_file.read_text().replace("container: ''", "container: nvcr.io/areal:1"))
     command = next(line for line in eval_array_script(args)[1].splitlines() if line.startswith("exec "))
-    assert command.startswith("exec srun --ntasks=1 --container-image=nvcr.io/areal:1 ")
+    assert command.startswith("exec srun --ntasks=1 --cpus-per-task=14 --container-image=nvcr.io/areal:1 "), (
+        "the step asks again: srun does not take --cpus-per-task from the allocation"
+    )
     assert " python -u -m areal_hpc.cli eval " in command, "the image's python"
     for bad, message in [(["--step", "3"], "no --step"), ([], "needs --steps")]:
         args = eval_args(str(run_dir), "--submit", *bad, *(["--steps", "1"] if bad else []))

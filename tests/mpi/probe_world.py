@@ -2,7 +2,7 @@
 each rank takes the place Slurm would give it (SLURM_PROCID, SLURM_LOCALID: one task per node) and runs the
 probe's main, which writes OUT_DIR/rank<r>.json.
 
-    mpirun -n 4 python tests/mpi/probe_world.py OUT_DIR DEVICE STARTS INTERFACE
+    mpirun -n 5 python tests/mpi/probe_world.py OUT_DIR DEVICE STARTS SOURCES INTERFACE
 """
 
 import os
@@ -16,4 +16,5 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from launch.doctor_probe import main  # noqa: E402 - after the stand-in Slurm variables
 
-main(Path(sys.argv[1]), sys.argv[2], [int(s) for s in sys.argv[3].split(",")], sys.argv[4])
+starts, sources = ([int(s) for s in arg.split(",")] for arg in sys.argv[3:5])
+main(Path(sys.argv[1]), sys.argv[2], starts, sources, sys.argv[5])
