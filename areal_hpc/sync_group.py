@@ -97,7 +97,7 @@ def use_device(device: torch.device) -> None:
 
 
 class SyncGroup:
-    """One member's end of a weight-sync group: joined and checked when made, then `broadcast`, `close`."""
+    """One member's end of a weight-sync group: joined and checked when made, then `broadcast`, `leave`."""
 
     def __init__(self, spec: GroupSpec, rank: int, device: torch.device, join_timeout_s: float, master_store=None):
         self.spec, self.rank, self.device = spec, rank, device
@@ -145,7 +145,7 @@ class SyncGroup:
         except Exception as e:
             raise self._error(f"broadcast of the {what} did not complete within {_s(timeout_s)} s", e) from e
 
-    def close(self) -> None:
+    def leave(self) -> None:
         """Release this end: NCCL's communicator is finalized and destroyed (as `destroy_process_group`
         does), gloo's pairs go with the object."""
         self.pg.shutdown()

@@ -10,7 +10,7 @@
 One process group per pipeline stage s: group rank 0 is `layout.stage_source_rank(s)`; the engine
 workers of generator g take the group ranks `layout.weight_sync_ranks(g)`, one per tensor-parallel
 rank. A generator's receive runs where its model lives: inside the vLLM worker (the engine's worker
-extension calls `WeightReceiver.connect` and `receive`), which on CPU with gen_tp 1 is the generator
+extension calls `WeightReceiver.join` and `receive`), which on CPU with gen_tp 1 is the generator
 rank itself; with gen_tp > 1 each worker process joins the group with its own rank.
 
 Order at start, so that a wrong address or a blocked port fails before the first prompt:
@@ -19,15 +19,15 @@ Order at start, so that a wrong address or a blocked port fails before the first
      free port at its address (areal_hpc.network: cluster.network_interface's, else the interface
      that routes to the group's members; 127.0.0.1 when they all share its host) and shares it over MPI
      (`network.offer`: when it cannot, every member of the group raises its error, not only the source).
-  2. A trainer source joins right after its engine is built (`WeightSender.connect`); a generator
-     right after its engine exists, inside vLLM's workers (`WeightReceiver.connect`, every stage in
+  2. A trainer source joins right after its engine is built (`WeightSender.join`); a generator
+     right after its engine exists, inside vLLM's workers (`WeightReceiver.join`, every stage in
      index order). A join is the rendezvous (each member reaches the store and says so; the source
      waits for all of them, then the process group connects) and one small broadcast from the
      source, int64 [stage, source world rank, STARTUP_CHECK], which every receiver checks. All of it
      within `train.startup_timeout_s` of step 1 (engine start takes minutes); the error names both
      ends (`layout.describe_rank`), their hosts and the address tried.
   3. Each sync: the buckets (wire format below), every collective within `train.collective_timeout_s`.
-  4. On Stop, every member closes its end (`close`).
+  4. On Stop, every member leaves its end (`leave`).
 A rank's errors go to the controller as `Failure` from its serve loop, which the start-up path is in;
 the controller's limit for a rank's first answer is `train.startup_timeout_s` plus
 `train.collective_timeout_s` (areal_hpc.controller), so the rank's named error arrives first.
@@ -101,7 +101,7 @@ class WeightSender:
     _master_store: object = field(default=None, repr=False)
     _group: SyncGroup | None = field(default=None, repr=False)
 
-    def connect(self, timeout_s: float | None = None) -> str | None:
+    def join(self, timeout_s: float | None = None) -> str | None:
         """Join the stage's group (waiting up to `timeout_s`, default: until `join_by`, for every member)
         and send the start-up check; returns the log line. A rank that is no source has nothing to join."""
         if not self.is_source:
@@ -111,9 +111,9 @@ class WeightSender:
             self._group = SyncGroup(self.spec, 0, own_device(self.spec.backend), timeout_s, self._master_store)
         return self._group.joined
 
-    def close(self) -> None:
+    def leave(self) -> None:
         if self._group is not None:
-            self._group.close()
+            self._group.leave()
         self._group = self._master_store = None
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> dict:
@@ -122,7 +122,7 @@ class WeightSender:
         if not self.is_source:
             raise RuntimeError(f"this trainer rank is not the weight-sync source of stage {self.stage}")
         if self._group is None:
-            raise WeightSyncError(f"the source of stage {self.stage} sends before joining its group (connect)")
+            raise WeightSyncError(f"the source of stage {self.stage} sends before joining its group (join)")
         t0 = time.perf_counter()
         stats = {"bytes": 0, "buckets": 0, "tensors": 0}
         bucket: list[tuple[str, torch.Tensor]] = []
@@ -183,7 +183,7 @@ class WeightReceiver:
         """Seconds left for the joins (handed to vLLM's workers, whose clocks are their own)."""
         return until(self.join_by, MIN_JOIN_S)
 
-    def connect(self, tp_rank: int = 0, timeout_s: float | None = None) -> list[str]:
+    def join(self, tp_rank: int = 0, timeout_s: float | None = None) -> list[str]:
         """Join every stage's group as the worker of tensor-parallel rank `tp_rank`, stages in index
         order, each ending with the source's start-up check, all within `timeout_s` (default: until
         `join_by`); returns a log line per group. Called once per process, at start."""
@@ -194,9 +194,9 @@ class WeightReceiver:
                 self._groups[spec.stage] = SyncGroup(spec, self.group_ranks[tp_rank], device, until(deadline))
         return [g.joined for _, g in sorted(self._groups.items())]
 
-    def close(self) -> None:
+    def leave(self) -> None:
         for group in self._groups.values():
-            group.close()
+            group.leave()
         self._groups.clear()
 
     def receive(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -204,7 +204,7 @@ class WeightReceiver:
         docstring), until all stages have sent their end marker. One thread receives, in that order;
         the caller consumes a bucket while the next ones arrive (at most 2 waiting)."""
         if not self._groups:
-            raise WeightSyncError("weight sync: this generator receives before joining its groups (connect)")
+            raise WeightSyncError("weight sync: this generator receives before joining its groups (join)")
         out: queue.Queue = queue.Queue(maxsize=2)
         done = object()
 

@@ -10,7 +10,7 @@
    (comps 1+) run's backend (nccl on cuda, gloo on cpu)        -> DIR/rank<r>.json again
  stage        the run's start-up weight-sync broadcasts: each pipeline stage's source to every
    sources +  generator rank, one group per stage, opened, joined and checked as a run does
- generators   (areal_hpc.weight_sync: open_groups, then each end's connect)
+ generators   (areal_hpc.weight_sync: open_groups, then each end's join)
                                                                -> DIR/rank<r>.json again
 ```
 
@@ -166,7 +166,7 @@ def agree(comm, step):
 
 def weight_sync_check(world, starts: list[int], sources: list[int], device: str, interface: str) -> dict | None:
     """The run's start-up weight-sync broadcasts, made as a run makes them (`open_groups`, then each
-    end's `connect`: the rendezvous, then the source's start-up check, checked by every receiver): from
+    end's `join`: the rendezvous, then the source's start-up check, checked by every receiver): from
     each pipeline stage's source (SOURCES) to every rank of the generator component, one group rank
     each, on its current GPU, every stage's group in index order. Collective over the world; None on
     the ranks that are not members."""
@@ -205,9 +205,9 @@ def weight_sync_check(world, starts: list[int], sources: list[int], device: str,
     else:
         end = WeightReceiver(specs, (1 + rank - starts[1],))
     try:
-        lines = [end.connect(JOIN_S)] if rank in sources else end.connect(0, JOIN_S)
+        lines = [end.join(JOIN_S)] if rank in sources else end.join(0, JOIN_S)
     finally:
-        end.close()
+        end.leave()
     joined = [[spec.stage, f"{spec.host}:{spec.port}"] for spec in specs]
     return {"backend": specs[0].backend, "joined": joined, "ok": True, "lines": lines}
 

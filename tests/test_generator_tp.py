@@ -55,7 +55,7 @@ def test_tp2_workers_receive_and_load_their_shards(tmp_path):
         spec = GroupSpec("areal-ws-tp", 0, "127.0.0.1", master.port, 3, "gloo", 60.0)
         sender = WeightSender(0, True, spec, _master_store=master)
         receiver = WeightReceiver([spec], (1, 2))  # group ranks of TP workers 0 and 1
-        th = threading.Thread(target=sender.connect, args=(60,))
+        th = threading.Thread(target=sender.join, args=(60,))
         th.start()
         joined = engine.join_weight_sync(receiver, 60)  # as at start: each worker joins with its own rank
         th.join(60)

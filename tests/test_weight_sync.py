@@ -42,10 +42,10 @@ def _local_group(size: int, timeout_s: float = 20.0, name: str = "t", source_ran
 def _connect_all(sender: WeightSender, receivers: list[WeightReceiver], timeout_s: float = 20.0) -> list[str]:
     """Join as at start: every receiver in its own thread, the source here."""
     lines = []
-    threads = [threading.Thread(target=lambda r=r: lines.extend(r.connect(0, timeout_s))) for r in receivers]
+    threads = [threading.Thread(target=lambda r=r: lines.extend(r.join(0, timeout_s))) for r in receivers]
     for th in threads:
         th.start()
-    lines.append(sender.connect(timeout_s))
+    lines.append(sender.join(timeout_s))
     for th in threads:
         th.join(timeout_s)
     return lines
@@ -121,7 +121,7 @@ def test_a_port_nobody_listens_on_fails_the_join_naming_both_ends():
     spec = GroupSpec("areal-ws-0", 0, "127.0.0.1", port, 3, "gloo", 5.0, "", 4, MEMBERS)
     t0 = time.monotonic()
     with pytest.raises(WeightSyncError) as e:
-        WeightReceiver([spec], (2,)).connect(0, timeout_s=1.0)
+        WeightReceiver([spec], (2,)).join(0, timeout_s=1.0)
     assert time.monotonic() - t0 < 20  # the store client retries once after its limit
     text = str(e.value)
     assert text.startswith(
@@ -134,11 +134,11 @@ def test_a_port_nobody_listens_on_fails_the_join_naming_both_ends():
 def test_the_source_names_the_members_that_never_came():
     sender, spec = _local_group(3, timeout_s=5.0, name="absent")
     receiver = WeightReceiver([spec], (1,))  # generator 0 comes, generator 1 never does
-    th = threading.Thread(target=lambda: pytest.raises(WeightSyncError, receiver.connect, 0, 2.0))
+    th = threading.Thread(target=lambda: pytest.raises(WeightSyncError, receiver.join, 0, 2.0))
     th.start()
     t0 = time.monotonic()
     with pytest.raises(WeightSyncError) as e:
-        sender.connect(timeout_s=1.5)
+        sender.join(timeout_s=1.5)
     assert time.monotonic() - t0 < 10
     assert (
         f"trainer 0 (world rank 4) on host a waited 1.5 s at 127.0.0.1:{spec.port} for generator 1 (world rank 3) "
@@ -150,7 +150,7 @@ def test_the_source_names_the_members_that_never_came():
 def test_a_source_that_never_joins_is_named_by_its_receivers():
     _, spec = _local_group(2, timeout_s=5.0, name="late")  # the store is up, its source never joins
     with pytest.raises(WeightSyncError) as e:
-        WeightReceiver([spec], (1,)).connect(0, timeout_s=1.0)
+        WeightReceiver([spec], (1,)).join(0, timeout_s=1.0)
     assert (
         "generator 0 (world rank 2) on host b (with the source trainer 0 (world rank 4) on host a) waited 1 s at "
         f"127.0.0.1:{spec.port} for the source, which never joined (train.startup_timeout_s)"
@@ -160,10 +160,10 @@ def test_a_source_that_never_joins_is_named_by_its_receivers():
 def test_a_start_up_broadcast_from_another_source_is_refused():
     sender, spec = _local_group(2, name="other", source_rank=4)
     receiver = WeightReceiver([dataclasses.replace(spec, source_rank=9)], (1,))
-    th = threading.Thread(target=sender.connect, args=(20.0,))  # its own end sees nothing wrong
+    th = threading.Thread(target=sender.join, args=(20.0,))  # its own end sees nothing wrong
     th.start()
     with pytest.raises(WeightSyncError, match=rf"start-up broadcast brought \[0, 4, {STARTUP_CHECK}\], not \[0, 9, "):
-        receiver.connect(0, 20.0)
+        receiver.join(0, 20.0)
     th.join(20)
 
 
@@ -175,8 +175,8 @@ def test_sending_or_receiving_before_joining_is_an_error_and_close_releases():
     with pytest.raises(WeightSyncError, match="before joining"):
         list(receiver.receive())
     _connect_all(sender, [receiver])
-    sender.close()
-    receiver.close()
+    sender.leave()
+    receiver.leave()
     assert sender._group is None and not receiver._groups
 
 

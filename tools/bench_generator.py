@@ -104,7 +104,7 @@ def child(size: str, args) -> dict:
     master = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=120), wait_for_workers=False)
     spec = GroupSpec("bench", 0, "127.0.0.1", master.port, 2, "gloo", 120.0)
     sender, receiver = WeightSender(0, True, spec, _master_store=master), WeightReceiver([spec], (1,))
-    joining = threading.Thread(target=sender.connect, args=(120.0,))
+    joining = threading.Thread(target=sender.join, args=(120.0,))
     joining.start()
     gen.join_weight_sync(receiver, 120.0)
     joining.join()

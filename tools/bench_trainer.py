@@ -347,7 +347,7 @@ def _export_rank(par, model_dir, port, bucket_mb, repeats):
         sender = WeightSender(
             0, True, GroupSpec("bench-ws", 0, "127.0.0.1", port, 2, "gloo", 120.0), _master_store=store
         )
-        sender.connect(120.0)
+        sender.join(120.0)
         for _ in range(2):  # the second, as every sync after a run's first
             sent = sender.send(engine.export(), bucket_mb << 20)
     else:
@@ -362,7 +362,7 @@ def _receive(port, out):
     from areal_hpc.weight_sync import WeightReceiver
 
     receiver = WeightReceiver([GroupSpec("bench-ws", 0, "127.0.0.1", port, 2, "gloo", 120.0)], (1,))
-    receiver.connect(0, 120.0)
+    receiver.join(0, 120.0)
     for _ in range(2):
         n = sum(t.numel() * t.element_size() for bucket in receiver.receive() for _, t in bucket)
     Path(out).write_text(str(n))

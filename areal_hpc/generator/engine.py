@@ -138,11 +138,11 @@ class WeightLoader:
                 yield "lm_head.weight", tensor
 
     def areal_join_weight_sync(self, receiver, timeout_s: float) -> list[str]:
-        """Join every stage's weight-sync group as this worker's rank (`WeightReceiver.connect`: the
+        """Join every stage's weight-sync group as this worker's rank (`WeightReceiver.join`: the
         rendezvous and the start-up check, within `timeout_s`); keeps the connected receiver here."""
         from vllm.distributed import get_tensor_model_parallel_rank
 
-        joined = receiver.connect(get_tensor_model_parallel_rank(), timeout_s)
+        joined = receiver.join(get_tensor_model_parallel_rank(), timeout_s)
         self._areal_receiver = receiver  # in a worker process, its own unpickled copy holds the groups
         return joined
 
@@ -165,7 +165,7 @@ class WeightLoader:
     def areal_leave_weight_sync(self) -> None:
         receiver = getattr(self, "_areal_receiver", None)
         if receiver is not None:
-            receiver.close()
+            receiver.leave()
         self._areal_receiver = None
 
 
@@ -305,7 +305,7 @@ class GenerationEngine:
         return [line for worker in joined for line in worker]
 
     def leave_weight_sync(self) -> None:
-        """Every worker closes its ends of the weight-sync groups (at Stop)."""
+        """Every worker leaves its ends of the weight-sync groups (at Stop)."""
         self.engine.collective_rpc("areal_leave_weight_sync")
 
     def close(self) -> None:

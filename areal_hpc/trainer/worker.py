@@ -75,7 +75,7 @@ def serve(ctx, sync) -> None:
     try:
         engine = build_engine(ctx)
         if sync is not None and sync.is_source:
-            log.info("%s", sync.connect())  # the generators join once their engines exist
+            log.info("%s", sync.join())  # the generators join once their engines exist
         replica = ctx.layout.split_replica(ctx.role_comm)
         inbox = ReplicaRelay(box, replica, CONTROLLER_RANK, ctx.cfg.train.collective_timeout_s)
         step_cfg = StepConfig.from_config(ctx.cfg)
@@ -98,7 +98,7 @@ def serve(ctx, sync) -> None:
                     box.send(CONTROLLER_RANK, Saved(msg.version))
                 elif isinstance(msg, Stop):
                     if sync is not None:
-                        sync.close()
+                        sync.leave()
                     box.flush()
                     shutdown_parallel()
                     return

@@ -53,7 +53,7 @@ if role == Role.GENERATOR:
 
     serve(ctx, sync)
 elif role == Role.TRAINER:
-    sync.connect()  # as the trainer's serve does once its engine is built
+    sync.join()  # as the trainer's serve does once its engine is built
     state = torch.load(os.environ["WEIGHTS_B"])
     while not isinstance(msg := mb.recv(source=0, timeout_s=300).msg, Stop):
         assert isinstance(msg, WeightSync)

@@ -62,7 +62,7 @@ def main(out: Path) -> None:
 
         serve(ctx, sync)
     elif role == Role.GENERATOR:
-        sync.connect()  # as a generator does once its engine exists
+        sync.join()  # as a generator does once its engine exists
         wait(WeightSync, 0)
         got = {n: t.clone() for bucket in sync.receive() for n, t in bucket}
         torch.save(got, out / f"gen{rank}.pt")

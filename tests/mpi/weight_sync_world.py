@@ -63,7 +63,7 @@ ctx = RankContext(cfg, layout, world, layout.split(world), run_dir=".", model_pa
 sync = setup_weight_sync(ctx)
 rank, role = world.Get_rank(), layout.role_of(world.Get_rank())
 if sync is not None:
-    for line in [sync.connect()] if role == Role.TRAINER else sync.connect():
+    for line in [sync.join()] if role == Role.TRAINER else sync.join():
         print(f"JOINED {line}", flush=True)  # one write: mpirun may interleave the ranks
 state = torch.load(os.environ["AREAL_TEST_STATE"])  # a Hugging Face Qwen2 state dict, saved by the test
 names = sorted(state)
