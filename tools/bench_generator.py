@@ -5,7 +5,7 @@
     python tools/bench_generator.py --sizes S --groups 16
 
 1. Throughput: the same prompts (G groups x n trajectories, up to --max-new tokens each, temperature 1)
-   through `GenerationEngine` (per-step DELTA outputs, behaviour logprobs, versions) and through
+   through `GenerationEngine` (FINAL_ONLY outputs, behaviour logprobs, versions) and through
    plain `LLM.generate` on the same engine, with and without logprobs; best of --repeats interleaved
    runs each (the best run is the one least disturbed by other work on a shared machine).
    Target: the wrapper within 10% of plain vLLM with logprobs.
