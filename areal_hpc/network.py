@@ -107,6 +107,13 @@ def address(interface: str, hosts: Sequence[str]) -> str:
     return own_address(interface, peer_of(hosts))
 
 
+def free_port(host: str = LOOPBACK) -> int:
+    """A port on `host` that nothing listens on now (the OS's pick; free until someone binds it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def interface_of(addr: str) -> str | None:
     """The name of this node's interface holding `addr`, or None."""
     return next((name for name, addrs in interfaces().items() if addr in addrs), None)
@@ -139,13 +146,11 @@ def rendezvous(comm, interface: str) -> tuple[str, int]:
     name), for the process groups torch and Megatron create in that world."""
     hosts = comm.allgather(socket.gethostname())
 
-    def free_port() -> tuple[str, int]:
+    def meeting_point() -> tuple[str, int]:
         addr = address(interface, hosts)
-        with socket.socket() as s:
-            s.bind((addr, 0))
-            return addr, s.getsockname()[1]
+        return addr, free_port(addr)
 
-    addr, port = offer(comm, free_port, f"rank 0 of this torch.distributed world, on host {hosts[0]},")
+    addr, port = offer(comm, meeting_point, f"rank 0 of this torch.distributed world, on host {hosts[0]},")
     gloo = interface_of(own_address(interface, addr))
     if gloo:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", gloo)
@@ -156,6 +161,7 @@ __all__ = [
     "AddressError",
     "address",
     "check_interface",
+    "free_port",
     "interface_address",
     "offer",
     "own_address",

@@ -38,10 +38,11 @@ import torch.multiprocessing as mp
 from areal_hpc.arch import model_arch
 from areal_hpc.config import ModelConfig, PPOConfig
 from areal_hpc.device import visible_gpus
+from areal_hpc.network import free_port
 from areal_hpc.packing import pack_microbatches
 from areal_hpc.protocol import TrainBatch
 from areal_hpc.tiny import build_tiny_model
-from areal_hpc.trainer.spawn import default_device, free_port, run_ranks
+from areal_hpc.trainer.spawn import default_device, run_ranks
 
 MODELS = {
     "cpu": (

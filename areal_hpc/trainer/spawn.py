@@ -14,7 +14,6 @@ ranks on one GPU).
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -24,17 +23,12 @@ import torch
 import torch.multiprocessing as mp
 
 from areal_hpc.device import resolve_device, visible_gpus
+from areal_hpc.network import free_port
 
 
 def default_device() -> str:
     """The device of trainer tests and checks: AREAL_DEVICE (auto, cpu, cuda), resolved."""
     return resolve_device(os.environ.get("AREAL_DEVICE", "auto"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank, world, tp, pp, port, device, out_dir, fn, args):
