@@ -1,4 +1,4 @@
-"""One member's end of a weight-sync group (areal_hpc.weight_sync): its join, its broadcasts, its close.
+"""One member's end of a weight-sync group (areal_hpc.weight_sync): its join, its broadcasts, its leave.
 
 ```
  SyncGroup(spec, rank, device, join_timeout_s)       (all within join_timeout_s)
@@ -7,7 +7,7 @@
    ProcessGroup{Gloo,NCCL}(PrefixStore(name, store), rank, size, options), bound to the device
    start-up check: int64 [stage, source world rank, STARTUP_CHECK] from the source, checked by all
  broadcast(tensor, what)                             within spec.timeout_s (train.collective_timeout_s)
- close()                                             this member's end only; nothing collective
+ leave()                                             this member's end only; nothing collective
 ```
 
 Every failure is a `WeightSyncError` naming the group, this member and the source (their world ranks

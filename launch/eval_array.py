@@ -11,9 +11,9 @@ Each task writes its own report (RUN_DIR/eval/step_N-DATA.json, as `areal-hpc ev
 RUN_DIR/eval/slurm/. The script is one pure function of the config and the arguments (`render_eval_array`),
 submitted by the same submitit executor as the run (`launch.slurm.HetSlurmExecutor`, which submits a
 given script text: only its job-state watcher is specific to heterogeneous jobs, and it is not used here).
-A task's CPUs are a run's engine's (`launch.sbatch.cpus_per_task`): cluster.cpus_per_node * gen_tp /
-gpus_per_node, cpus_per_node read from Slurm when 0 as `submit` reads it (`launch.slurm.resolve_cpus`);
-asked for on the allocation and again on the container's srun step, which does not inherit them.
+A task's CPUs are a run's engine's (`launch.sbatch.cpus_per_task` of the layout's generator nodes:
+cluster.cpus_per_node * gen_tp / gpus_per_node), cpus_per_node read from Slurm when 0 as `submit`
+reads it (`launch.slurm.resolve_cpus`); asked for on the allocation and again on the container's srun step, which does not inherit them.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import sys
 from pathlib import Path
 
 from areal_hpc.config import Config, ConfigError, load_config
-from launch.sbatch import _quote_opt, fill, require_cpus
+from areal_hpc.layout import Layout
+from launch.sbatch import _quote_opt, cpus_per_task, fill, require_cpus
 
 TEMPLATE = Path(__file__).resolve().parent.parent / "slurm_templates" / "eval_array.sbatch"
 
@@ -33,8 +34,8 @@ def render_eval_array(cfg: Config, run_dir: Path, steps: list[int], eval_args: l
     directory first), `--step` is each task's own. `cfg`'s cluster.cpus_per_node is resolved."""
     c = cfg.cluster
     require_cpus(c)
-    # A run's engine's share of its node: launch.sbatch.cpus_per_task of a generator node's tasks.
-    cpus = f"--cpus-per-task={c.cpus_per_node * cfg.allocation.gen_tp // c.gpus_per_node}"
+    generators = next(comp for comp in Layout.from_config(cfg).components if comp.name == "generator")
+    cpus = f"--cpus-per-task={cpus_per_task(c, generators)}"  # a run's engine's share of its node
     logs = run_dir / "eval" / "slurm"
     opts = [
         f"--job-name=areal-eval-{cfg.experiment.name}-{cfg.experiment.trial}",

@@ -8,7 +8,7 @@ passes it on to the replica's other TP x PP ranks (`protocol.ReplicaRelay`).
     WeightSync(v)   -> each stage's (dp 0, tp 0) rank sends the stage's HF-named weights through the
                        weight-sync handle; its TP peers take part in the gather; other ranks skip
     Save(v, path)   -> every rank writes its part under path/trainer/ (atomic) and replies Saved(v)
-    Stop            -> close the weight-sync group (a source), flush and exit
+    Stop            -> leave the weight-sync group (a source), flush and exit
 
 Every trainer rank receives the same messages in the same order from the controller (MPI keeps the
 order between two ranks, and the relay keeps it), so the collectives inside each handler line up
