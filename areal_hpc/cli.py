@@ -32,6 +32,18 @@ def _add_nodes(p: argparse.ArgumentParser, required: bool) -> None:
     )
 
 
+def _add_allow_change(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--allow-change",
+        action="append",
+        default=[],
+        metavar="FIELD",
+        help="on resume, let this training field (e.g. ppo.lr), or every training field of a section (ppo), "
+        "change; recorded in RUN_DIR/config_history.jsonl with the step. Repeatable. Operational fields "
+        "change without it, identity fields never (`areal-hpc --config-help` gives each field's kind)",
+    )
+
+
 def _config(args) -> Config:
     overrides = list(args.overrides)
     if getattr(args, "nodes", None) is not None:
@@ -42,7 +54,7 @@ def _config(args) -> Config:
 def cmd_run(args) -> int:
     from launch.local import run_local
 
-    return run_local(_config(args), fresh=args.fresh)
+    return run_local(_config(args), fresh=args.fresh, allow_change=args.allow_change)
 
 
 def cmd_plan(args) -> int:
@@ -78,7 +90,7 @@ def cmd_submit(args) -> int:
     from launch import get_launcher
 
     cfg = _config(args)
-    return get_launcher("dry-run" if args.dry_run else "slurm").launch(cfg)
+    return get_launcher("dry-run" if args.dry_run else "slurm").launch(cfg, allow_change=args.allow_change)
 
 
 def cmd_render(args) -> int:
@@ -93,7 +105,7 @@ def cmd_render(args) -> int:
     holder = Holder.this_process()
     lock_run_dir(cfg.run_dir, holder, job_active)  # not while a run or job uses the directory
     try:
-        run_dir = prepare_run_dir(cfg)  # the ranks read RUN_DIR/config.yaml
+        run_dir = prepare_run_dir(cfg, allow_change=args.allow_change)  # the ranks read RUN_DIR/config.yaml
     finally:
         unlock_run_dir(cfg.run_dir, holder)
     Path(args.output).write_text(script)
@@ -170,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_args(p)
     p.add_argument("--fresh", action="store_true", help="start the trial afresh, ignoring its checkpoints")
+    _add_allow_change(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser(
@@ -182,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     _add_nodes(p, required=True)
     p.add_argument("--dry-run", action="store_true", help="print the sbatch script and submit nothing")
+    _add_allow_change(p)
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser(
@@ -194,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     _add_nodes(p, required=True)
     p.add_argument("-o", "--output", required=True, help="file to write the script to")
+    _add_allow_change(p)
     p.set_defaults(func=cmd_render)
 
     p = sub.add_parser(

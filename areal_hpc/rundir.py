@@ -4,7 +4,8 @@ and the job record.
 
 ```
  RUN_DIR/LOCK                       who uses the directory now: a local run (host, pid) or a Slurm job
- RUN_DIR/config.yaml                the resolved config; resuming with another one is refused, naming the fields
+ RUN_DIR/config.yaml                the resolved config; what a resume may change: areal_hpc.config.kinds
+ RUN_DIR/config_history.jsonl       each change a resume made, with the step it took effect after
  RUN_DIR/STOP                       the local launcher asks the controller to checkpoint and stop
  RUN_DIR/logs/<role>-<i>.log        one log per rank
  RUN_DIR/checkpoints/step_<v>/      areal_hpc.checkpoint
@@ -25,13 +26,16 @@ import logging
 import os
 import shutil
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
 
-from areal_hpc.config import Config, ConfigError, load_config, save_config
+from areal_hpc.checkpoint.files import checkpoint_version, latest_checkpoint
+from areal_hpc.config import IDENTITY, TRAINING, Config, ConfigError, allowed_fields, kind_of, load_config, save_config
+from areal_hpc.jsonl import read_jsonl
 from areal_hpc.layout import Layout
 
 log = logging.getLogger("areal_hpc.rundir")
@@ -40,20 +44,43 @@ LOCK = "LOCK"
 STOP_FILE = "STOP"
 """A file the local launcher creates in the run directory to ask the controller to checkpoint and stop
 (beside the signals, which do the same)."""
-RESUMABLE = ("experiment.resume", "train.total_steps", "cluster.cpus_per_node")
-"""Fields a resumed run may change: a finished run can be extended, and its tasks' CPUs follow the nodes it
-runs on (0 locally, read from Slurm at submit)."""
+HISTORY = "config_history.jsonl"
+"""Every setting a resume changed: one line a field, {"step", "time", "field", "kind", "old", "new"}, with
+"allowed_by" (the --allow-change argument) for a training field. `step` is the checkpoint the run resumed
+from: step + 1 is the first step trained with the new value."""
 
 
-def prepare_run_dir(cfg: Config, fresh: bool = False) -> Path:
+@dataclass(frozen=True)
+class Change:
+    """A field whose value differs between the run directory's config.yaml and the one resuming it."""
+
+    field: str
+    old: Any
+    new: Any
+
+    @property
+    def kind(self) -> str:
+        return kind_of(self.field)
+
+    def __str__(self) -> str:
+        def show(v) -> str:
+            return v if isinstance(v, str) else repr(v)
+
+        return f"{self.field}: {show(self.old)} -> {show(self.new)}"
+
+
+def prepare_run_dir(cfg: Config, fresh: bool = False, allow_change: Sequence[str] = ()) -> Path:
     """Create (or reuse) the run directory and save the resolved config in it.
 
-    Resuming a trial whose saved config differs from this one is refused unless `fresh`, naming each
-    changed field with both values: a resumed run must continue the same experiment (the RESUMABLE
-    fields may change). `fresh` (or `experiment.resume=false`) removes the trial's previous contents
-    first, all but the lock of whoever is preparing it.
+    Resuming a trial with a config that differs from its saved one (areal_hpc.config.kinds): an
+    operational field changes; a training field only if `allow_change` names it or its section; an
+    identity field never. A refusal names each refused field with both values and what to do; the
+    changes made are logged and appended to RUN_DIR/config_history.jsonl with the step resumed from.
+    `fresh` (or `experiment.resume=false`) removes the trial's previous contents first, all but the
+    lock of whoever is preparing it.
     """
     Layout.from_config(cfg)  # refuses a config whose node split is unresolved: config.yaml records it as a number
+    allowed = allowed_fields(list(allow_change))  # a misspelt permission is refused before anything changes
     run_dir = cfg.run_dir
     saved = run_dir / "config.yaml"
     if fresh or not cfg.experiment.resume:
@@ -62,12 +89,25 @@ def prepare_run_dir(cfg: Config, fresh: bool = False) -> Path:
                 if p.name != LOCK:
                     shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
     elif saved.exists():
+        checkpoint = latest_checkpoint(run_dir)
+        step = checkpoint_version(checkpoint) if checkpoint else 0
         changes = config_changes(load_config(saved), cfg)
-        if changes:
+        refused = [c for c in changes if c.kind == IDENTITY or (c.kind == TRAINING and c.field not in allowed)]
+        if refused:
             raise ConfigError(
                 f"{saved} holds a different config for this trial:\n  "
-                + "\n  ".join(changes)
+                + "\n  ".join(f"{c}  ({_why_refused(c, step)})" for c in refused)
                 + "\nresume with the same config, pick another experiment.trial, or start afresh with --fresh"
+            )
+        if changes:
+            _record(run_dir, step, changes, allowed)
+        if step >= cfg.train.total_steps:
+            log.warning(
+                "%s: this run trains nothing: its checkpoint step_%d has reached train.total_steps (%d); "
+                "raise train.total_steps to train on",
+                run_dir,
+                step,
+                cfg.train.total_steps,
             )
     for sub in ("tensorboard", "checkpoints", "logs"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
@@ -76,29 +116,53 @@ def prepare_run_dir(cfg: Config, fresh: bool = False) -> Path:
     return run_dir
 
 
-def config_changes(previous: Config, cfg: Config) -> list[str]:
-    """'ppo.lr: 0.0003 -> 0.1' for every field that differs, but the RESUMABLE ones. The `model.*` shape
-    fields count through the architecture they give (`arch.model_arch`): a run directory whose config
-    wrote them out (or left them to config.json) resumes while the model is the same. A run directory
-    from before launchers recorded the node split (`allocation.gen_nodes` null there) took its split from
-    the same `allocation.gen_share`, which is compared."""
+def _why_refused(change: Change, step: int) -> str:
+    if change.kind == IDENTITY:
+        return "identity: another experiment"
+    return f"training: --allow-change {change.field} changes it from step {step + 1} on"
+
+
+def _record(run_dir: Path, step: int, changes: list[Change], allowed: dict[str, str]) -> None:
+    """Append the changes to HISTORY and log them (the launcher's console shows warnings)."""
+    time = _now()
+    with open(run_dir / HISTORY, "a") as f:
+        for c in changes:
+            row = {"step": step, "time": time, "field": c.field, "kind": c.kind, "old": c.old, "new": c.new}
+            if c.kind == TRAINING:
+                row["allowed_by"] = f"--allow-change {allowed[c.field]}"
+            f.write(json.dumps(row) + "\n")
+    log.warning(
+        "%s: resuming from step %d with changed settings (recorded in %s):\n  %s",
+        run_dir,
+        step,
+        HISTORY,
+        "\n  ".join(f"{c}  ({c.kind})" for c in changes),
+    )
+
+
+def changes_at(run_dir: str | Path, step: int) -> list[str]:
+    """The settings HISTORY says changed when the run resumed from checkpoint `step` (what a resumed
+    controller logs): 'cluster.time: 04:00:00 -> 08:00:00 (operational)'."""
+    path = Path(run_dir) / HISTORY
+    if not path.exists():
+        return []
+    rows = [row for _, _, row in read_jsonl(path, torn_ok=True) if row["step"] == step]
+    return [f"{Change(r['field'], r['old'], r['new'])}  ({r['kind']})" for r in rows]
+
+
+def config_changes(previous: Config, cfg: Config) -> list[Change]:
+    """Every field that differs between two configs. The `model.*` shape fields count through the
+    architecture they give (`arch.model_arch`): a run directory whose config wrote them out (or left them
+    to config.json) resumes while the model is the same."""
     from areal_hpc.arch import SHAPE_FIELDS, model_arch
 
     old = _flat(OmegaConf.to_container(OmegaConf.structured(previous)))
     new = _flat(OmegaConf.to_container(OmegaConf.structured(cfg)))
-    if old.get("allocation.gen_nodes") is None:
-        old["allocation.gen_nodes"] = new.get("allocation.gen_nodes")
     if model_arch(previous.model) == model_arch(cfg.model):
         for key in (f"model.{f}" for f in SHAPE_FIELDS):
             old.pop(key, None), new.pop(key, None)
-
-    def show(v) -> str:
-        return v if isinstance(v, str) else repr(v)
-
     return [
-        f"{key}: {show(old.get(key))} -> {show(new.get(key))}"
-        for key in sorted(set(old) | set(new))
-        if key not in RESUMABLE and old.get(key) != new.get(key)
+        Change(key, old.get(key), new.get(key)) for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)
     ]
 
 

@@ -13,6 +13,7 @@ special case. What differs (blocking run vs. a queued job) stays behind `launch`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from launch.errors import LaunchError
@@ -24,20 +25,21 @@ if TYPE_CHECKING:
 class Launcher(Protocol):
     name: str
 
-    def launch(self, cfg: Config, fresh: bool = False) -> int:
-        """Start the run of `cfg` (afresh when `fresh`); return the exit code for the command line."""
+    def launch(self, cfg: Config, fresh: bool = False, allow_change: Sequence[str] = ()) -> int:
+        """Start the run of `cfg` (afresh when `fresh`; on resume, the training fields `allow_change` names
+        may change: `rundir.prepare_run_dir`); return the exit code for the command line."""
         ...
 
 
 class LocalLauncher:
-    """The whole system on this machine: `launch.local.run_local(cfg, fresh)` (blocks until the run ends)."""
+    """The whole system on this machine: `launch.local.run_local` (blocks until the run ends)."""
 
     name = "local"
 
-    def launch(self, cfg: Config, fresh: bool = False) -> int:
+    def launch(self, cfg: Config, fresh: bool = False, allow_change: Sequence[str] = ()) -> int:
         from launch.local import run_local
 
-        return run_local(cfg, fresh=fresh)
+        return run_local(cfg, fresh=fresh, allow_change=allow_change)
 
 
 def get_launcher(kind: str, **kwargs) -> Launcher:

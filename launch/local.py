@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 from areal_hpc import planner
@@ -70,19 +71,20 @@ def mpirun_command(layout: Layout, run_dir: Path, python: str = sys.executable) 
     return cmd
 
 
-def run_local(cfg: Config, fresh: bool = False) -> int:
+def run_local(cfg: Config, fresh: bool = False, allow_change: Sequence[str] = ()) -> int:
     """The run, holding the run directory's lock while it lasts (a second run on it is refused).
-    Every rank runs on this machine: a cluster.network_interface it lacks is refused before any starts."""
+    Every rank runs on this machine: a cluster.network_interface it lacks is refused before any starts.
+    `fresh` and `allow_change`: `rundir.prepare_run_dir`'s."""
     check_interface(cfg.cluster.network_interface)
     holder = Holder.this_process()
     lock_run_dir(cfg.run_dir, holder, job_active)
     try:
-        return _run(cfg, fresh)
+        return _run(cfg, fresh, allow_change)
     finally:
         unlock_run_dir(cfg.run_dir, holder)
 
 
-def _run(cfg: Config, fresh: bool) -> int:
+def _run(cfg: Config, fresh: bool, allow_change: Sequence[str]) -> int:
     from areal_hpc.sft import initial_model
 
     cfg, why = planner.resolve_split(cfg)  # the run directory's config.yaml records the split
@@ -90,7 +92,7 @@ def _run(cfg: Config, fresh: bool) -> int:
     on_cpu = cfg.cluster.device == "cpu" or (cfg.cluster.device == "auto" and not visible_gpus())
     # before the run directory changes: a config that cannot fit is refused with the settings to change
     fits = planner.check_host_fits(cfg) if on_cpu else planner.check_fits(cfg)
-    run_dir = prepare_run_dir(cfg, fresh=fresh).resolve()
+    run_dir = prepare_run_dir(cfg, fresh=fresh, allow_change=allow_change).resolve()
     print(layout.table(why))
     if fits:
         print(fits)

@@ -20,6 +20,7 @@ import datetime as dt
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -232,28 +233,30 @@ class SlurmLauncher:
             planner.check_fits(cfg)
         return render_sbatch(cfg, workdir=Path.cwd(), python=self.python or _default_python(cfg), command=self.command)
 
-    def launch(self, cfg: Config, fresh: bool = False) -> int:
+    def launch(self, cfg: Config, fresh: bool = False, allow_change: Sequence[str] = ()) -> int:
         cfg, _ = planner.resolve_split(cfg)  # the run directory's config.yaml records the split
         available = partitions()
         check_cluster(cfg, available)
         cfg = resolve_cpus(cfg, available)  # and the CPUs of a GPU node
-        job_id = self.submit(cfg, fresh=fresh)
+        job_id = self.submit(cfg, fresh=fresh, allow_change=allow_change)
         run_dir = Path.cwd() / cfg.run_dir
         print(f"submitted job {job_id}: {describe_request(cfg)}")
         print(f"  follow it:  areal-hpc status {run_dir}")
         print(f"  cancel it:  areal-hpc cancel {run_dir}")
         return 0
 
-    def submit(self, cfg: Config, fresh: bool = False) -> str:
+    def submit(self, cfg: Config, fresh: bool = False, allow_change: Sequence[str] = ()) -> str:
         """Prepare the run directory, submit the job, write RUN_DIR/job.json; returns the job id. The
         job holds the run directory's lock from then on (stale once Slurm no longer runs it). `cfg`'s node
-        split and CPUs are resolved and checked against the cluster (`launch` does both)."""
+        split and CPUs are resolved and checked against the cluster (`launch` does both). A resume's
+        changed settings are checked and recorded here, once (`rundir.prepare_run_dir`): a requeued job
+        runs the saved config.yaml as it is."""
         script = self.script(cfg)  # before touching the run directory: a config error changes nothing
         executor = HetSlurmExecutor(cfg.run_dir.resolve() / "slurm", script)
         holder = Holder.this_process()
         lock_run_dir(cfg.run_dir, holder, job_active)  # two runs must never write one run directory
         try:
-            run_dir = prepare_run_dir(cfg, fresh=fresh).resolve()
+            run_dir = prepare_run_dir(cfg, fresh=fresh, allow_change=allow_change).resolve()
             job = executor.submit_script()
         except LaunchError as e:
             unlock_run_dir(cfg.run_dir, holder)
@@ -281,7 +284,7 @@ class DryRunLauncher:
         self.slurm = SlurmLauncher(**slurm_kwargs)
         self.out = out
 
-    def launch(self, cfg: Config, fresh: bool = False) -> int:
+    def launch(self, cfg: Config, fresh: bool = False, allow_change: Sequence[str] = ()) -> int:
         cfg, _ = planner.resolve_split(cfg)
         cfg = resolve_cpus(cfg, partitions())  # off the cluster: the config must set cluster.cpus_per_node
         print(self.slurm.script(cfg), end="", file=self.out or sys.stdout)

@@ -6,7 +6,20 @@ import sys
 
 import pytest
 
-from areal_hpc.config import Config, ConfigError, describe_config, field_docs, load_config, save_config
+from areal_hpc.config import (
+    IDENTITY,
+    KINDS,
+    OPERATIONAL,
+    TRAINING,
+    Config,
+    ConfigError,
+    describe_config,
+    field_docs,
+    kind_of,
+    load_config,
+    save_config,
+)
+from areal_hpc.config.kinds import config_fields, kinds_of
 from areal_hpc.layout import Layout
 from areal_hpc.planner import resolve_split
 from tests.helpers import REPO, TINY
@@ -48,6 +61,8 @@ def test_override_changes_a_field():
         (["model.architecture=llama"], "model.architecture must be qwen2 or qwen3"),
         (["model.num_attention_heads=6"], "(6) must divide model.hidden_size (128), or set model.head_dim"),
         (["ppo.minibatches=9"], "ppo.minibatches (9) must not exceed rollout.prompts_per_step (8)"),
+        (["rollout.group_size=1"], "rollout.group_size is 1: every advantage is 0"),
+        (["rollout.group_size=0"], "so the run would learn nothing; set rollout.group_size >= 2"),
     ],
 )
 def test_config_errors_name_the_key(overrides, message):
@@ -117,6 +132,20 @@ def test_every_field_is_documented():
         missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
         assert not missing, f"{section.name}: fields without a docstring: {missing}"
     assert "Bound eta on policy staleness" in describe_config()
+
+
+def test_every_field_is_of_exactly_one_kind():
+    """A field added to a section whose fields differ in kind (or a new section) must be placed in
+    areal_hpc.config.kinds; a key there must name a section or a field."""
+    fields = config_fields()
+    misplaced = {f: kinds_of(f) for f in fields if len(kinds_of(f)) != 1}
+    assert not misplaced, f"fields in no kind or in several (areal_hpc.config.kinds.KINDS): {misplaced}"
+    sections = {f.split(".")[0] for f in fields}
+    stale = [key for keys in KINDS.values() for key in keys if key not in sections and key not in fields]
+    assert not stale, f"keys of KINDS that name no section or field: {stale}"
+    assert (kind_of("cluster.time"), kind_of("ppo.lr"), kind_of("model.path")) == (OPERATIONAL, TRAINING, IDENTITY)
+    assert kind_of("cluster.env.NCCL_DEBUG") == OPERATIONAL  # an entry of a mapping field: its field's kind
+    assert "  lr = 2e-05  [training]" in describe_config() and "  time = '04:00:00'  [operational]" in describe_config()
 
 
 def test_qwen32b_plan_adds_up_to_16_nodes_of_8_gpus():

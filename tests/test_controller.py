@@ -9,6 +9,7 @@ without training on the same prompts again, and a rank that stops answering ends
 """
 
 import json
+import logging
 import pickle
 from collections import Counter
 
@@ -257,3 +258,27 @@ def test_bad_training_data_fails_the_controller_with_the_loaders_error(tmp_path)
     ctx = RankContext(cfg, layout, None, None, run_dir, tok_dir, None)
     with pytest.raises(ConfigError, match=f"{bad}:2: field 'answer'"):
         Controller(ctx, mailbox=World(layout, build_tokenizer()))
+
+
+@pytest.mark.slow  # about 3 s
+def test_a_resume_with_other_operational_settings_goes_on_and_the_controller_says_so(tmp_path, caplog):
+    """Issue 32's case: stopped at step 7, resumed saving every 4 steps (not 5), printing every 3, for
+    longer: the run goes on from step_7 with the new cadence, and the controller's log names each change."""
+    cfg, layout, run_dir, tok_dir = make(tmp_path)
+    tok = build_tokenizer()
+    c, code = run(cfg, layout, run_dir, tok_dir, World(layout, tok, seed=1), Prompts(), stop_at=7)
+    assert code == EXIT_STOPPED and latest_checkpoint(run_dir).name == "step_7"
+    cfg2, layout, run_dir, tok_dir = make(
+        tmp_path, "train.save_every=4", "logging.progress_every=3", "cluster.time=02:00:00"
+    )
+    second = World(layout, tok, seed=2)
+    second.trainer_version = 7
+    with caplog.at_level(logging.INFO, logger="areal_hpc.controller"):
+        c2, code = run(cfg2, layout, run_dir, tok_dir, second, Prompts())
+    assert code == EXIT_DONE
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, 13))
+    said = [r.getMessage() for r in caplog.records if "settings changed since this checkpoint" in r.getMessage()]
+    assert len(said) == 1
+    for change in ("train.save_every: 5 -> 4", "logging.progress_every: 10 -> 3", "cluster.time: 00:30:00 -> 02:00:00"):
+        assert f"{change}  (operational)" in said[0]
+    assert (run_dir / "checkpoints" / "step_8" / "COMPLETE").exists()  # saved at the new cadence

@@ -173,7 +173,7 @@ def test_a_run_that_filters_everything_says_so(tmp_path, caplog):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["rollout.filter_uniform_groups=true", "rollout.group_size=1"], "needs rollout.group_size >= 2"),
+        (["rollout.filter_uniform_groups=true", "rollout.group_size=1"], "set rollout.group_size >= 2"),
         (["reward.overlong_penalty=1.0"], "needs reward.overlong_buffer in [1, rollout.max_new_tokens (12)]"),
         (["reward.overlong_penalty=1.0", "reward.overlong_buffer=13"], "(got 13)"),
         (["reward.overlong_penalty=-1"], "reward.overlong_penalty must be >= 0"),

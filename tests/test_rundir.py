@@ -1,5 +1,5 @@
 """The run directory (areal_hpc/rundir.py) and its checkpoints (areal_hpc/checkpoint/files.py): the config
-check on resume, the lock, and checkpoints that can be trusted (the file record, the resume-time check,
+check on resume (what each kind of setting may do, and the record of changes), the lock, and checkpoints that can be trusted (the file record, the resume-time check,
 retention). Files and processes only; no MPI."""
 
 import json
@@ -24,7 +24,17 @@ from areal_hpc.checkpoint.files import (
 )
 from areal_hpc.cli import main as cli_main
 from areal_hpc.config import ConfigError, load_config
-from areal_hpc.rundir import Holder, RunDirInUse, lock_run_dir, prepare_run_dir, read_lock, unlock_run_dir
+from areal_hpc.rundir import (
+    HISTORY,
+    Change,
+    Holder,
+    RunDirInUse,
+    changes_at,
+    lock_run_dir,
+    prepare_run_dir,
+    read_lock,
+    unlock_run_dir,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "configs" / "tiny-cpu.yaml"
@@ -34,15 +44,118 @@ def tiny(tmp_path, *overrides):
     return load_config(TINY, [f"experiment.root={tmp_path}", *overrides])
 
 
-def test_resume_with_another_config_names_each_change(tmp_path):
-    prepare_run_dir(tiny(tmp_path))
+def test_a_resume_refuses_identity_and_unpermitted_training_changes_naming_each(tmp_path):
+    run_dir = prepare_run_dir(tiny(tmp_path))
+    make_checkpoint(run_dir, 4)
     with pytest.raises(ConfigError) as e:
-        prepare_run_dir(tiny(tmp_path, "ppo.lr=0.1", "rollout.max_staleness=4"))
-    assert "ppo.lr: 0.0003 -> 0.1" in str(e.value) and "rollout.max_staleness: 2 -> 4" in str(e.value)
-    assert "train.total_steps" not in str(e.value)
-    prepare_run_dir(tiny(tmp_path, "train.total_steps=900"))  # extending a run is a resume
-    prepare_run_dir(tiny(tmp_path, "train.total_steps=900", "cluster.cpus_per_node=8"))  # on Slurm's nodes
-    assert (tmp_path / "tiny-cpu/trial0/config.yaml").read_text().count("total_steps: 900") == 1
+        prepare_run_dir(tiny(tmp_path, "ppo.lr=0.1", "rollout.max_staleness=4", "train.save_every=5"))
+    lines = [line.strip() for line in str(e.value).splitlines()]
+    assert "ppo.lr: 0.0003 -> 0.1  (training: --allow-change ppo.lr changes it from step 5 on)" in lines
+    assert "rollout.max_staleness: 2 -> 4  (identity: another experiment)" in lines
+    assert "save_every" not in str(e.value)  # operational: not refused
+    with pytest.raises(ConfigError, match="rollout.max_staleness: 2 -> 4"):  # no permission lets identity change
+        prepare_run_dir(tiny(tmp_path, "ppo.lr=0.1", "rollout.max_staleness=4"), allow_change=["ppo", "rollout"])
+    with pytest.raises(ConfigError, match="--allow-change rollout.group_size: .* is identity"):
+        prepare_run_dir(tiny(tmp_path), allow_change=["rollout.group_size"])
+    with pytest.raises(ConfigError, match="--allow-change ppo.lrr: no such config field or section"):
+        prepare_run_dir(tiny(tmp_path), allow_change=["ppo.lrr"])
+    assert not (run_dir / HISTORY).exists() and load_config(run_dir / "config.yaml") == tiny(tmp_path)
+
+
+def test_operational_changes_resume_and_the_run_says_what_changed(tmp_path, caplog):
+    """The issue's case: resubmitted where there is room, for longer, saving and printing at another
+    cadence, on another node split."""
+    run_dir = prepare_run_dir(tiny(tmp_path))
+    make_checkpoint(run_dir, 4)
+    changed = tiny(
+        tmp_path,
+        "train.save_every=5",
+        "cluster.time=08:00:00",
+        "logging.progress_every=1",
+        "cluster.nodes=4",
+        "allocation.gen_nodes=2",
+        "allocation.train_tp=2",
+        "train.total_steps=900",
+    )
+    with caplog.at_level(logging.WARNING, logger="areal_hpc.rundir"):
+        prepare_run_dir(changed)
+    said = caplog.text
+    assert "resuming from step 4 with changed settings (recorded in config_history.jsonl)" in said
+    for line in ("train.save_every: 100 -> 5  (operational)", "cluster.time: 00:30:00 -> 08:00:00  (operational)"):
+        assert line in said
+    assert load_config(run_dir / "config.yaml") == changed
+    rows = history(run_dir)
+    assert {r["field"]: (r["old"], r["new"]) for r in rows} == {
+        "train.save_every": (100, 5),
+        "cluster.time": ("00:30:00", "08:00:00"),
+        "logging.progress_every": (10, 1),
+        "cluster.nodes": (2, 4),
+        "allocation.gen_nodes": (1, 2),
+        "allocation.train_tp": (1, 2),
+        "train.total_steps": (600, 900),
+    }
+    assert {(r["step"], r["kind"]) for r in rows} == {(4, "operational")}
+    assert changes_at(run_dir, 4) == [f"{Change(r['field'], r['old'], r['new'])}  (operational)" for r in rows]
+    assert changes_at(run_dir, 8) == []  # a later checkpoint was trained with these settings
+
+
+def test_a_training_change_needs_permission_and_is_recorded_with_it(tmp_path, caplog):
+    run_dir = prepare_run_dir(tiny(tmp_path))
+    make_checkpoint(run_dir, 6)
+    with pytest.raises(ConfigError, match="--allow-change ppo.lr changes it from step 7 on"):
+        prepare_run_dir(tiny(tmp_path, "ppo.lr=0.0001"))
+    prepare_run_dir(tiny(tmp_path, "ppo.lr=0.0001"), allow_change=["ppo.lr"])
+    [row] = history(run_dir)
+    assert row["step"] == 6 and row["time"].endswith("Z")
+    assert {k: row[k] for k in ("field", "kind", "old", "new", "allowed_by")} == {
+        "field": "ppo.lr",
+        "kind": "training",
+        "old": 0.0003,
+        "new": 0.0001,
+        "allowed_by": "--allow-change ppo.lr",
+    }
+    # The same command again (a resubmission), or the job's requeue (it runs the saved config.yaml): the
+    # change is made already, nothing is refused or recorded twice.
+    prepare_run_dir(tiny(tmp_path, "ppo.lr=0.0001"))
+    assert len(history(run_dir)) == 1
+    # A section's permission covers its training fields.
+    make_checkpoint(run_dir, 8)
+    prepare_run_dir(tiny(tmp_path, "ppo.lr=0.0001", "ppo.kl_coef=0.01", "ppo.minibatches=2"), allow_change=["ppo"])
+    assert [(r["step"], r["field"], r["allowed_by"]) for r in history(run_dir)[1:]] == [
+        (8, "ppo.kl_coef", "--allow-change ppo"),
+        (8, "ppo.minibatches", "--allow-change ppo"),
+    ]
+
+
+def test_resuming_a_finished_run_warns_that_it_trains_nothing(tmp_path, caplog):
+    run_dir = prepare_run_dir(tiny(tmp_path, "train.total_steps=4"))
+    make_checkpoint(run_dir, 4)
+    with caplog.at_level(logging.WARNING, logger="areal_hpc.rundir"):
+        prepare_run_dir(tiny(tmp_path, "train.total_steps=4"))
+    assert "trains nothing: its checkpoint step_4 has reached train.total_steps (4)" in caplog.text
+
+
+def test_a_cli_resume_says_what_changed_and_refuses_a_training_change(tmp_path, caplog, capsys):
+    """Through the command line: `render` prepares the run directory as `submit` does; `run` refuses
+    before anything starts."""
+    out, root = tmp_path / "job.sbatch", tmp_path / "runs"
+    render = ["render", str(TINY), "-o", str(out), f"experiment.root={root}", "cluster.cpus_per_node=8"]
+    assert cli_main([*render, "--nodes", "3"]) == 0
+    make_checkpoint(root / "tiny-cpu/trial0", 2)
+    with caplog.at_level(logging.WARNING, logger="areal_hpc.rundir"):
+        assert cli_main([*render, "--nodes", "4", "cluster.time=08:00:00", "logging.progress_every=5"]) == 0
+    assert "cluster.nodes: 3 -> 4  (operational)" in caplog.text
+    assert "logging.progress_every: 10 -> 5  (operational)" in caplog.text
+    run = ["run", str(TINY), f"experiment.root={root}", "cluster.nodes=4", "cluster.cpus_per_node=8"]
+    assert cli_main([*run, "cluster.time=08:00:00", "logging.progress_every=5", "ppo.lr=0.001"]) == 2
+    assert "ppo.lr: 0.0003 -> 0.001  (training: --allow-change ppo.lr" in capsys.readouterr().err
+    over = ["cluster.time=08:00:00", "logging.progress_every=5", "ppo.lr=0.001", "--allow-change", "ppo.lr"]
+    assert cli_main([*render, "--nodes", "4", *over]) == 0
+    assert [r["field"] for r in history(root / "tiny-cpu/trial0")][-1] == "ppo.lr"
+
+
+def history(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / HISTORY).read_text().splitlines()]
 
 
 def test_resume_compares_the_models_shape_not_how_it_was_written(tmp_path):
@@ -54,19 +167,9 @@ def test_resume_compares_the_models_shape_not_how_it_was_written(tmp_path):
         prepare_run_dir(tiny(tmp_path, "model.num_layers=4"))
 
 
-def test_a_run_directory_from_before_the_recorded_split_resumes(tmp_path):
-    """Launchers record the node split as allocation.gen_nodes; an older run directory left it null (the
-    split came from allocation.gen_share, which is still compared)."""
+def test_a_run_directory_records_its_node_split(tmp_path):
     with pytest.raises(ConfigError, match="allocation.gen_nodes is not set"):  # config.yaml records a number
         prepare_run_dir(tiny(tmp_path, "cluster.nodes=4", "allocation.gen_nodes=null"))
-    saved = prepare_run_dir(tiny(tmp_path, "cluster.nodes=4", "allocation.gen_nodes=3")) / "config.yaml"
-    saved.write_text(saved.read_text().replace("gen_nodes: 3", "gen_nodes: null"))  # as run directories were
-    prepare_run_dir(tiny(tmp_path, "cluster.nodes=4", "allocation.gen_nodes=3"))
-    assert load_config(tmp_path / "tiny-cpu/trial0/config.yaml").allocation.gen_nodes == 3
-    with pytest.raises(ConfigError, match="allocation.gen_nodes: 3 -> 2"):
-        prepare_run_dir(tiny(tmp_path, "cluster.nodes=4", "allocation.gen_nodes=2"))
-    with pytest.raises(ConfigError, match="allocation.gen_share: 0.75 -> 0.5"):
-        prepare_run_dir(tiny(tmp_path, "cluster.nodes=4", "allocation.gen_nodes=3", "allocation.gen_share=0.5"))
 
 
 def test_a_second_run_is_refused_naming_the_holder_and_a_dead_holders_lock_is_stale(tmp_path, capsys):

@@ -5,6 +5,7 @@
  load.py      YAML file + `section.field=value` overrides -> a validated Config; writing one back
  validate.py  the rules across fields (the parallel sizes: areal_hpc.parallel; the model's shape:
               areal_hpc.arch), and the fields with a fixed set of values (CHOICES)
+ kinds.py     each field's kind on resume: operational, training (--allow-change) or identity
  help.py      the field docs read from the source: `areal-hpc --config-help`
 ```
 
@@ -14,6 +15,7 @@ is what the rest of the project imports the configuration from.
 """
 
 from areal_hpc.config.help import describe_config, field_docs
+from areal_hpc.config.kinds import IDENTITY, KINDS, OPERATIONAL, TRAINING, allowed_fields, kind_of
 from areal_hpc.config.load import load_config, save_config
 from areal_hpc.config.schema import (
     AllocationConfig,
@@ -35,6 +37,10 @@ from areal_hpc.errors import ConfigError
 
 __all__ = [
     "CHOICES",
+    "IDENTITY",
+    "KINDS",
+    "OPERATIONAL",
+    "TRAINING",
     "AllocationConfig",
     "ClusterConfig",
     "Config",
@@ -49,8 +55,10 @@ __all__ = [
     "RolloutConfig",
     "SFTConfig",
     "TrainConfig",
+    "allowed_fields",
     "describe_config",
     "field_docs",
+    "kind_of",
     "load_config",
     "save_config",
     "validate",

@@ -1,5 +1,6 @@
 """The config's documentation, read from its source: the docstring under each field (`field_docs`), and
-every section and field with its default (`describe_config`, what `areal-hpc --config-help` prints).
+every section and field with its default and its kind on resume (`describe_config`, what `areal-hpc
+--config-help` prints).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import inspect
 import textwrap
 from functools import cache
 
+from areal_hpc.config.kinds import kind_of
 from areal_hpc.config.schema import Config, section_class
 from areal_hpc.config.validate import CHOICES
 
@@ -33,8 +35,9 @@ def field_docs(cls) -> dict[str, str]:
 
 
 def describe_config() -> str:
-    """Every section and field with its default and documentation (`areal-hpc --config-help`)."""
-    lines = []
+    """Every section and field with its default, its kind on resume (areal_hpc.config.kinds) and its
+    documentation (`areal-hpc --config-help`)."""
+    lines = ["Kind of each field on resume: operational changes freely; training with --allow-change; identity never."]
     defaults = Config()
     for section in dataclasses.fields(Config):
         cls = section_class(section)
@@ -42,7 +45,7 @@ def describe_config() -> str:
         docs = field_docs(cls)
         for f in dataclasses.fields(cls):
             value = getattr(getattr(defaults, section.name), f.name)
-            lines.append(f"  {f.name} = {value!r}")
+            lines.append(f"  {f.name} = {value!r}  [{kind_of(f'{section.name}.{f.name}')}]")
             doc = docs.get(f.name, "")
             if f"{section.name}.{f.name}" in CHOICES:
                 doc += f" One of: {', '.join(CHOICES[f'{section.name}.{f.name}'])}."

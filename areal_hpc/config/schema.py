@@ -138,7 +138,8 @@ class RolloutConfig:
     max_concurrent: int = 64
     """Most prompt groups in flight on the generators at once."""
     group_size: int = 8
-    """Trajectories sampled per prompt (the GRPO group)."""
+    """Trajectories sampled per prompt (the GRPO group), at least 2: an advantage is a reward against its
+    group's mean."""
     prompts_per_step: int = 8
     """Prompt groups consumed per training step (B)."""
     max_new_tokens: int = 32

@@ -3,6 +3,7 @@
 Which parallel sizes the model and the cluster allow is `areal_hpc.parallel`'s to say; the model's
 shape rules are `areal_hpc.arch.model_arch`'s. Validation reads numbers only: it never builds the rank
 map or runs the planner (the node split of `allocation.gen_share` is resolved when a run is launched).
+A setting that would make the run learn nothing (rollout.group_size 1: every advantage 0) is an error.
 """
 
 from __future__ import annotations
@@ -62,7 +63,6 @@ def validate(cfg: Config) -> None:
         ("allocation.reward_workers", a.reward_workers),
         ("allocation.reward_nodes", a.reward_nodes),
         ("rollout.max_concurrent", r.max_concurrent),
-        ("rollout.group_size", r.group_size),
         ("rollout.prompts_per_step", r.prompts_per_step),
         ("rollout.max_new_tokens", r.max_new_tokens),
         ("ppo.max_tokens_per_mb", p.max_tokens_per_mb),
@@ -90,6 +90,11 @@ def validate(cfg: Config) -> None:
         f"allocation.reward_nodes ({a.reward_nodes}) must not exceed the controller and reward worker ranks "
         f"(1 + allocation.reward_workers = {1 + a.reward_workers}): every node gets one",
     )
+    need(
+        r.group_size >= 2,
+        f"rollout.group_size is {r.group_size}: every advantage is 0 (each ppo.adv_norm centres a reward on its "
+        "group's mean), so the run would learn nothing; set rollout.group_size >= 2",
+    )
     need(r.max_staleness >= 0, f"rollout.max_staleness must be >= 0 (got {r.max_staleness}); 0 is synchronous RL")
     need(r.temperature > 0, f"rollout.temperature must be > 0 (got {r.temperature})")
     need(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1] (got {r.top_p})")
@@ -112,11 +117,6 @@ def validate(cfg: Config) -> None:
     need(
         r.max_new_tokens < m.max_position_embeddings,
         f"rollout.max_new_tokens ({r.max_new_tokens}) must be below model.max_position_embeddings ({m.max_position_embeddings})",
-    )
-    need(
-        not r.filter_uniform_groups or r.group_size >= 2,
-        "rollout.filter_uniform_groups needs rollout.group_size >= 2 (one trajectory is always a uniform group: "
-        "every group would be left out)",
     )
     d = cfg.data
     need(

@@ -90,6 +90,7 @@ from areal_hpc.protocol import (
 )
 from areal_hpc.reward import overlong_penalty
 from areal_hpc.rollouts import Rollouts
+from areal_hpc.rundir import changes_at
 from areal_hpc.timeline import Timeline
 
 __all__ = ["Controller", "install_stop_signals", "serve"]  # main.py: install_stop_signals(), then serve(ctx)
@@ -296,6 +297,9 @@ class Controller:
         if self.version < self.cfg.train.total_steps:
             self.trainers.sync(self.version)  # the generators start from the initial weights
         log.info("resumed from %s at version %d", path, self.version)
+        changed = changes_at(self.ctx.run_dir, self.version)
+        if changed:
+            log.info("settings changed since this checkpoint:\n  %s", "\n  ".join(changed))
 
     def check_stop(self) -> None:
         """A stop asked for (controller/stop.py): no new step; checkpoint once the running one is back,
