@@ -24,6 +24,7 @@ setup(
         "mpi4py>=4",
         "submitit==1.5.4",
         "tensorboard",
+        "wandb==0.31.0",  # logging.wandb: areal_hpc.wandb_log reads its credentials, the tests its offline files
         "math-verify",
         "datasets",  # data sets saved with save_to_disk, and parquet (pyarrow) for areal_hpc.data
         "pyyaml",

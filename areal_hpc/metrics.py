@@ -24,6 +24,7 @@ import os
 import time
 from pathlib import Path
 
+from areal_hpc.config.schema import Config
 from areal_hpc.jsonl import read_jsonl
 
 REQUIRED = (
@@ -39,11 +40,17 @@ REQUIRED = (
 
 
 class MetricsWriter:
-    """Appends one JSON line per step (flushed at once, so `tail -f` and the launcher see it) and
-    mirrors every numeric value as a TensorBoard scalar."""
+    """Appends one JSON line per step (flushed at once, so `tail -f` and the launcher see it), mirrors
+    every numeric value as a TensorBoard scalar and, given `wandb` (the run's config, `logging.wandb`
+    on), logs the whole row to W&B (areal_hpc.wandb_log)."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, wandb: Config | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
+        self._wandb = None
+        if wandb is not None:  # first: a W&B that cannot start stops the run before anything is written
+            from areal_hpc.wandb_log import WandbLog
+
+            self._wandb = WandbLog(wandb, run_dir)
         self._file = open(self.path, "a")
         self._tb = None
         if tensorboard:
@@ -60,11 +67,15 @@ class MetricsWriter:
                 if k != "step" and isinstance(v, int | float) and math.isfinite(v):
                     self._tb.add_scalar(k, v, step)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(row)
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.close()
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

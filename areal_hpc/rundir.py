@@ -9,6 +9,7 @@ and the job record.
  RUN_DIR/STOP                       the local launcher asks the controller to checkpoint and stop
  RUN_DIR/logs/<role>-<i>.log        one log per rank
  RUN_DIR/checkpoints/step_<v>/      areal_hpc.checkpoint
+ RUN_DIR/wandb/, RUN_DIR/wandb_id   with logging.wandb: areal_hpc.wandb_log
 ```
 
 Lock. `run` and `submit` take `LOCK` before they touch anything: a second one on a directory in use is

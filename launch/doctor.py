@@ -6,6 +6,7 @@
                   partitions     they exist, are up, and hold the nodes, GPUs and CPUs the job asks for
                                  (cluster.cpus_per_node, or for 0 the CPU count sinfo gives the partition)
                   preemption     a preemptible partition's GraceTime covers cluster.grace_s
+                  wandb          with logging.wandb: the client imports and, online, has credentials
  one probe job    run directory  every rank reads a file this host wrote there and writes its own back
  (the run's own   python         torch, vllm, megatron.core, mpi4py import on every node, at this host's versions
   sbatch script,  mpi            one MPI world across the components (an allreduce); every node has
@@ -37,9 +38,10 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from areal_hpc.config import Config
+from areal_hpc.config import Config, ConfigError
 from areal_hpc.layout import Layout, Role
 from areal_hpc.planner import resolve_split
+from areal_hpc.wandb_log import check_wandb
 from launch import LaunchError
 from launch.record import ACTIVE, query_states
 from launch.sbatch import render_sbatch
@@ -78,7 +80,7 @@ def doctor(cfg: Config, python: str | None = None, wait_s: float = 600, say=prin
         checks.append(check)
         say(str(check))
 
-    for check in (check_slurm, check_pmix, check_partitions, check_preemption):
+    for check in (check_slurm, check_pmix, check_partitions, check_preemption, check_wandb_client):
         add(check(cfg))
     if any(c.status == "FAIL" for c in checks if c.name in ("slurm", "partitions")):
         for name in ("run directory", "python", "mpi", "gpus", "all-reduce", "weight sync"):
@@ -118,6 +120,15 @@ def check_slurm(cfg: Config) -> Check:
     return Check(
         "slurm", "PASS", f"Slurm {m.group(0)}; heterogeneous jobs and steps allowed ({sched and sched.group(1)})"
     )
+
+
+def check_wandb_client(cfg: Config) -> Check:
+    if not cfg.logging.wandb:
+        return Check("wandb", "SKIP", "logging.wandb is false")
+    try:
+        return Check("wandb", "PASS", check_wandb(cfg.logging))
+    except ConfigError as e:
+        return Check("wandb", "FAIL", str(e))
 
 
 def check_pmix(cfg: Config) -> Check:

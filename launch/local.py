@@ -40,6 +40,7 @@ from areal_hpc.layout import Layout, Role
 from areal_hpc.metrics import progress_line
 from areal_hpc.network import check_interface
 from areal_hpc.rundir import STOP_FILE, Holder, lock_run_dir, prepare_run_dir, unlock_run_dir
+from areal_hpc.wandb_log import check_wandb
 from launch.record import job_active
 
 TOKEN_ENV = "AREAL_RUN_TOKEN"
@@ -73,9 +74,10 @@ def mpirun_command(layout: Layout, run_dir: Path, python: str = sys.executable) 
 
 def run_local(cfg: Config, fresh: bool = False, allow_change: Sequence[str] = ()) -> int:
     """The run, holding the run directory's lock while it lasts (a second run on it is refused).
-    Every rank runs on this machine: a cluster.network_interface it lacks is refused before any starts.
-    `fresh` and `allow_change`: `rundir.prepare_run_dir`'s."""
+    Every rank runs on this machine: a cluster.network_interface it lacks is refused before any starts, and
+    so is a `logging.wandb` the controller could not open. `fresh` and `allow_change`: `rundir.prepare_run_dir`'s."""
     check_interface(cfg.cluster.network_interface)
+    check_wandb(cfg.logging)
     holder = Holder.this_process()
     lock_run_dir(cfg.run_dir, holder, job_active)
     try:

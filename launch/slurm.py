@@ -31,6 +31,7 @@ from areal_hpc import planner
 from areal_hpc.config import Config
 from areal_hpc.layout import Layout
 from areal_hpc.rundir import Holder, lock_run_dir, prepare_run_dir, relock_run_dir, unlock_run_dir
+from areal_hpc.wandb_log import check_wandb
 from launch.errors import LaunchError
 from launch.record import ACTIVE, JobRecord, job_active, parse_squeue, squeue_command
 from launch.sbatch import cpus_per_task, render_sbatch, tasks_text
@@ -252,6 +253,7 @@ class SlurmLauncher:
         changed settings are checked and recorded here, once (`rundir.prepare_run_dir`): a requeued job
         runs the saved config.yaml as it is."""
         script = self.script(cfg)  # before touching the run directory: a config error changes nothing
+        check_wandb(cfg.logging)  # sbatch passes this environment (WANDB_*) on to the job
         executor = HetSlurmExecutor(cfg.run_dir.resolve() / "slurm", script)
         holder = Holder.this_process()
         lock_run_dir(cfg.run_dir, holder, job_active)  # two runs must never write one run directory

@@ -11,7 +11,9 @@ controller, a reward worker, a vLLM generator and a Megatron trainer, on the tin
   names the engine's resolved settings (worker start method, model runner, ...);
 - kill -9 of a rank ends the whole run in bounded time, the error names the rank by its role, and
   nothing is left running;
-- a rank that stops answering (SIGSTOP) is named by the controller, which ends the run.
+- a rank that stops answering (SIGSTOP) is named by the controller, which ends the run;
+- `WANDB_MODE=offline ... logging.wandb=true` writes an offline W&B run with every step's metrics, and the
+  run resumed from an earlier checkpoint continues it, the step trained again included.
 """
 
 import os
@@ -22,8 +24,10 @@ from pathlib import Path
 
 import pytest
 
+from areal_hpc.checkpoint.files import COMPLETE
 from areal_hpc.testing.generator_log import engine_start, startup_verdict
 from areal_hpc.testing.runs import RunProcess, left_running, metrics_problems, stop_and_resume, stop_resume_problems
+from areal_hpc.testing.wandb_files import offline_runs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.mpi, pytest.mark.vllm, pytest.mark.megatron, pytest.mark.slow]
 
@@ -142,3 +146,31 @@ def test_a_rank_that_stops_answering_is_named_and_the_run_ends(root):
             pass
     assert "reward 0 (world rank 1) has not answered" in hung.output, hung.output
     assert not left_running(hung.run_dir)
+
+
+def test_wandb_offline_logs_every_step_and_a_resumed_run_continues_it(root, tmp_path, monkeypatch):
+    for name in [k for k in os.environ if k.startswith("WANDB_")]:  # nothing of this machine's W&B set-up
+        monkeypatch.delenv(name)
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / name.lower()))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logged = ("logging.wandb=true", "train.save_every=2")
+    first = run(root, "wandb", *logged, "train.total_steps=3")
+    assert first.wait(timeout=300) == 0, first.output
+    # Checkpoint 3 lost (as in a crash before it completed): the resumed run starts from 2, trains 3 again.
+    (first.run_dir / "checkpoints" / "step_3" / COMPLETE).unlink()
+    second = run(root, "wandb", *logged, "train.total_steps=4")
+    assert second.wait(timeout=300) == 0, second.output
+    assert "checkpoints/step_2" in second.output
+
+    w1, w2 = offline_runs(first.run_dir)
+    assert w1.run_id == w2.run_id and (w1.resumed, w2.resumed) == (False, True)
+    assert [r["step"] for r in w1.history] == [1, 2, 3] and [r["step"] for r in w2.history] == [3, 4]
+    assert w2.config["run_dir"] == str(first.run_dir) and w2.config["train"]["total_steps"] == 4
+    rows = second.rows()
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    # Every metric of every metrics.jsonl row, at its step: what W&B holds last for each step.
+    last = {r["step"]: r for r in w1.history + w2.history}
+    for row in rows:
+        assert {k: last[row["step"]][k] for k in row} == row

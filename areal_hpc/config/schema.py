@@ -329,6 +329,19 @@ class LoggingConfig:
     """Write TensorBoard scalars under the run directory's `tensorboard/`."""
     progress_every: int = 1
     """Print a progress line every this many steps."""
+    wandb: bool = False
+    """Log every metrics.jsonl row at its step to Weights & Biases too (from the controller), with the resolved
+    config and the run directory; one W&B run per trial, continued on resume (its id in RUN_DIR/wandb_id).
+    The x axis is the metric `step` (the training step), W&B's own `_step` only counting rows, so the steps a
+    run resumed from an earlier checkpoint trains again are logged again, not dropped. Its files go under
+    RUN_DIR/wandb/; with WANDB_MODE=offline `wandb sync RUN_DIR/wandb/offline-run-*` uploads them later.
+    Online it needs WANDB_API_KEY or `wandb login`."""
+    wandb_project: str = "areal-hpc"
+    """The W&B project of the run."""
+    wandb_entity: str = ""
+    """The W&B entity (user or team) of the run; empty: the default entity of the credentials."""
+    wandb_group: str = ""
+    """The W&B group of the run; empty: `experiment.name` (the trials of an experiment side by side)."""
 
 
 @dataclass

@@ -133,7 +133,7 @@ class Controller:
         )
 
         generators = len(layout.ranks(Role.GENERATOR))
-        self.metrics = StepMetrics(ctx.run_dir, cfg.logging.tensorboard, ctx.resume_from, generators)
+        self.metrics = StepMetrics(ctx.run_dir, cfg, ctx.resume_from, generators)
         self.timeline = Timeline(ctx.run_dir)  # phases of every role, for tools/plot_run.py
         # A rank's start (engine, weight-sync joins) ends by train.startup_timeout_s, its start-up broadcast
         # within collective_timeout_s more; its own error, naming what it waited for, comes before this limit.

@@ -12,14 +12,15 @@ from pathlib import Path
 
 from areal_hpc.batch import BatchInfo
 from areal_hpc.checkpoint.files import checkpoint_version
+from areal_hpc.config import Config
 from areal_hpc.metrics import IdleClock, MetricsWriter, drop_rows_after
 
 
 class StepMetrics:
-    def __init__(self, run_dir: str | Path, tensorboard: bool, resume_from: Path | None, generators: int):
+    def __init__(self, run_dir: str | Path, cfg: Config, resume_from: Path | None, generators: int):
         if resume_from is not None:  # steps after the checkpoint run again: their old lines go
             drop_rows_after(Path(run_dir) / "metrics.jsonl", checkpoint_version(resume_from))
-        self.writer = MetricsWriter(run_dir, tensorboard)
+        self.writer = MetricsWriter(run_dir, cfg.logging.tensorboard, wandb=cfg if cfg.logging.wandb else None)
         self.gen_idle = IdleClock(generators)
         self.train_idle = IdleClock(1)
         self.reward_errors = 0
