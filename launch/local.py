@@ -30,6 +30,7 @@ import uuid
 from pathlib import Path
 
 from areal_hpc import planner
+from areal_hpc.checkpoint.controller import read_summary
 from areal_hpc.checkpoint.files import latest_checkpoint
 from areal_hpc.config import Config
 from areal_hpc.device import visible_gpus
@@ -96,7 +97,11 @@ def _run(cfg: Config, fresh: bool) -> int:
         print(fits)
     print(f"run directory: {run_dir}")
     resume = latest_checkpoint(run_dir)
-    print(f"resuming from {resume}" if resume else "starting afresh")
+    if resume is None:
+        print("starting afresh")
+    else:
+        written = read_summary(resume)["layout"]
+        print(f"resuming from {resume}" + ("" if written == layout.summary() else f", written on {written}"))
     t0 = time.monotonic()
     model = initial_model(cfg)
     print(f"initial model: {model} ({time.monotonic() - t0:.1f} s)", flush=True)
