@@ -261,6 +261,14 @@ class Layout:
         rank = self.ranks(Role.TRAINER).start + role_comm.Get_rank()
         return role_comm.Split(color=self.replica_of(rank), key=rank)
 
+    def summary(self) -> str:
+        """The split in one line: what a checkpoint records of the layout it was written at, and how a resumed
+        run names both ('2 nodes: 2 generator(s) at TP 1, 2 trainer rank(s) at TP 2 x PP 1 x DP 1')."""
+        return (
+            f"{self.nodes} nodes: {self.generators} generator(s) at TP {self.gen_tp}, "
+            f"{self.trainers} trainer rank(s) at TP {self.train_tp} x PP {self.train_pp} x DP {self.train_dp}"
+        )
+
     def describe_rank(self, rank: int) -> str:
         """'generator 2 (world rank 5)': how errors and logs name a rank."""
         role = self.role_of(rank)

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from areal_hpc import planner
+from areal_hpc.checkpoint.controller import read_summary
 from areal_hpc.checkpoint.files import latest_checkpoint
 from areal_hpc.config import Config
 from areal_hpc.device import visible_gpus
@@ -100,7 +101,11 @@ def _run(cfg: Config, fresh: bool, allow_change: Sequence[str]) -> int:
         print(fits)
     print(f"run directory: {run_dir}")
     resume = latest_checkpoint(run_dir)
-    print(f"resuming from {resume}" if resume else "starting afresh")
+    if resume is None:
+        print("starting afresh")
+    else:
+        written = read_summary(resume)["layout"]
+        print(f"resuming from {resume}" + ("" if written == layout.summary() else f", written on {written}"))
     t0 = time.monotonic()
     model = initial_model(cfg)
     print(f"initial model: {model} ({time.monotonic() - t0:.1f} s)", flush=True)

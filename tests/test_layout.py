@@ -90,6 +90,13 @@ def test_table_explains_the_choice():
     assert layout.gen_nodes == 6
 
 
+def test_summary_names_the_split_in_one_line():
+    layout = Layout.from_config(
+        load_config(TINY, ["cluster.nodes=5", "allocation.gen_nodes=1", "allocation.train_pp=2"])
+    )
+    assert layout.summary() == "5 nodes: 1 generator(s) at TP 1, 4 trainer rank(s) at TP 1 x PP 2 x DP 2"
+
+
 def check_placement(layout: Layout) -> None:
     """The placement invariants: ranks fill each component's nodes in order (srun's block
     distribution), within a node no two ranks share a GPU and every GPU is used, a generator holds

@@ -1,7 +1,8 @@
 """The whole system as one heterogeneous Slurm job: `areal-hpc submit configs/tiny-cpu.yaml --nodes 3` on
 the local test cluster (controller + reward worker on node1, the generator on node2, two trainers on
 node3-4): a run to the end, then `areal-hpc status` reads its metrics; and a run stopped by the
-time-limit signal, requeued, resumed from the controller's checkpoint, repeating no step."""
+time-limit signal, requeued, resumed from the controller's checkpoint, repeating no step; a run resubmitted
+with another `--nodes`, resumed at another layout."""
 
 import json
 import os
@@ -40,8 +41,8 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("slurm-e2e")  # the tiny model and its warm start are built once here
 
 
-def submit(root: Path, trial: str, *overrides: str) -> Path:
-    cmd = [sys.executable, "-m", "areal_hpc.cli", "submit", "configs/tiny-cpu.yaml", "--nodes", "3"]
+def submit(root: Path, trial: str, *overrides: str, nodes: int = 3) -> Path:
+    cmd = [sys.executable, "-m", "areal_hpc.cli", "submit", "configs/tiny-cpu.yaml", "--nodes", str(nodes)]
     cmd += [f"experiment.root={root}", f"experiment.trial={trial}", *SMALL, *overrides]
     out = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -138,3 +139,25 @@ def test_preempted_run_requeues_resumes_and_finishes(slurm_cluster, root, tmp_pa
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6], "every step exactly once across the preemption"
     assert max(r["staleness/max"] for r in rows) <= 1  # rollout.max_staleness of SMALL
+
+
+def test_a_run_resubmitted_with_fewer_nodes_resumes_there(slurm_cluster, root):
+    """--nodes 3 (1 generator, 2 trainer ranks at DP 2) to its end at step 2, then the same run submitted with
+    --nodes 2 for 2 more steps: 1 trainer rank, the checkpoint's state resharded, the controller's carried
+    over, every step once."""
+    for nodes, steps in ((3, 2), (2, 4)):
+        run_dir = submit(root, "fewer-nodes", f"train.total_steps={steps}", nodes=nodes)
+        try:
+            assert wait_done(run_dir, 480) == "COMPLETED"
+        finally:
+            subprocess.run(["scancel", JobRecord.load(run_dir).job_id], capture_output=True)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4], "every step once across the two jobs"
+    log = (run_dir / "logs" / "controller-0.log").read_text()
+    was = "3 nodes: 1 generator(s) at TP 1, 2 trainer rank(s) at TP 1 x PP 1 x DP 2"
+    now = "2 nodes: 1 generator(s) at TP 1, 1 trainer rank(s) at TP 1 x PP 1 x DP 1"
+    assert f"step_2 at version 2, written on {was}, now on {now}" in log, log
+    steps = [(int(s), json.loads(p)) for s, p in re.findall(r"step (\d+) trains prompts (\[.*\])", log)]
+    assert [s for s, _ in steps] == [1, 2, 3, 4]
+    prompts = [i for _, indices in steps for i in indices]
+    assert len(prompts) == len(set(prompts)), "no prompt trained twice across the two jobs"

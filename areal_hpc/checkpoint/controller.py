@@ -101,11 +101,28 @@ def write_state(path: Path, state: dict) -> None:
     with open(path / "controller.pkl.tmp", "wb") as f:
         pickle.dump(state, f)
     (path / "controller.pkl.tmp").rename(path / "controller.pkl")
+    (path / "controller.json").write_text(json.dumps(state_summary(state), indent=1))
+
+
+def state_summary(state: dict) -> dict:
+    """What `controller.json` shows of a state, and a resumed controller logs as carried over: the version,
+    the gate's counts, the next group id, how many groups are buffered and how many prompts are to be
+    generated again, and the layout it was written at (`Layout.summary`). None of it depends on the
+    layout: buffered groups are whole, running ones are prompts again, so a run resumes at any number of
+    generators and trainer ranks."""
     summary = {k: state[k] for k in ("version", "gate", "next_group_id")}
     summary["buffered_groups"], summary["requeued_prompts"] = len(state["buffer"]), len(state["requeued"])
-    (path / "controller.json").write_text(json.dumps(summary, indent=1))
+    summary["layout"] = state.get("layout", "not recorded")  # checkpoints from before it was
+    return summary
 
 
 def read_state(path: Path) -> dict:
     with open(Path(path) / "controller.pkl", "rb") as f:
         return pickle.load(f)
+
+
+def read_summary(path: Path) -> dict:
+    """`controller.json` of the checkpoint at `path` (`state_summary`): what a launcher shows without
+    unpickling the state."""
+    summary = json.loads((Path(path) / "controller.json").read_text())
+    return {"layout": "not recorded", **summary}

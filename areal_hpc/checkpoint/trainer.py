@@ -123,12 +123,14 @@ def manifest(ckpt_dir: str | Path) -> dict:
     return json.loads((ckpt_dir / MANIFEST).read_text())
 
 
-def load(engine, ckpt_dir: str | Path) -> None:
-    """Restore the model and optimizer state from a `trainer/` directory written at any TP/PP/DP."""
+def load(engine, ckpt_dir: str | Path) -> dict:
+    """Restore the model and optimizer state from a `trainer/` directory written at any TP/PP/DP; returns
+    its manifest (the parallel sizes it was written at, for the log)."""
     from megatron.core import dist_checkpointing
 
     ckpt_dir = Path(ckpt_dir)
-    saved = manifest(ckpt_dir)["arch"]
+    written = manifest(ckpt_dir)
+    saved = written["arch"]
     current = asdict(engine.arch)
     # Fields added since a checkpoint was written are absent from its manifest: they were Qwen2's then.
     changed = {k: (v, current.get(k)) for k, v in saved.items() if current.get(k) != v}
@@ -150,6 +152,7 @@ def load(engine, ckpt_dir: str | Path) -> None:
     for p, state in adam.state.items():
         state["step"] = adam_step(steps[p].item(), p)
     engine.resumed_from = ckpt_dir
+    return written
 
 
 def load_model(stage, ckpt_dir: str | Path) -> None:

@@ -60,13 +60,14 @@ Who keeps what (the controller routes between them):
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from functools import partial
 
 import numpy as np
 
-from areal_hpc.checkpoint.controller import Checkpoints, read_state
+from areal_hpc.checkpoint.controller import Checkpoints, read_state, state_summary
 from areal_hpc.checkpoint.files import checkpoint_version
 from areal_hpc.controller.dispatch import Dispatch
 from areal_hpc.controller.step_metrics import StepMetrics
@@ -282,7 +283,13 @@ class Controller:
 
     def state(self) -> dict:
         """Everything a resumed controller needs to go on as if uninterrupted."""
-        return {"version": self.version, "prompts": self.prompts.state_dict(), **self.rollouts.state_dict()}
+        layout = self.layout.summary()  # for the resumed run's log: a run may resume at another one
+        return {
+            "version": self.version,
+            "prompts": self.prompts.state_dict(),
+            "layout": layout,
+            **self.rollouts.state_dict(),
+        }
 
     def restore(self) -> None:
         path = self.ctx.resume_from
@@ -296,7 +303,15 @@ class Controller:
         self.rollouts.load_state_dict(state)
         if self.version < self.cfg.train.total_steps:
             self.trainers.sync(self.version)  # the generators start from the initial weights
-        log.info("resumed from %s at version %d", path, self.version)
+        carried = state_summary(state)
+        log.info(
+            "resumed from %s at version %d, written on %s, now on %s",
+            path,
+            self.version,
+            carried.pop("layout"),
+            self.layout.summary(),
+        )
+        log.info("carried over: %s", json.dumps(carried))
         changed = changes_at(self.ctx.run_dir, self.version)
         if changed:
             log.info("settings changed since this checkpoint:\n  %s", "\n  ".join(changed))

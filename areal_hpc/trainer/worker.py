@@ -52,8 +52,12 @@ def build_engine(ctx) -> Engine:
     )
     engine = Engine(ctx.model_path, par, cfg.ppo, getattr(torch, cfg.model.dtype), cfg.train.total_steps)
     if ctx.resume_from is not None:
-        trainer_checkpoint.load(engine, Path(ctx.resume_from) / "trainer")
-        log.info("trainer rank %d resumed from %s", par.rank, ctx.resume_from)
+        was = trainer_checkpoint.load(engine, Path(ctx.resume_from) / "trainer")
+        now = par.grid
+        log.info(
+            "trainer rank %d resumed from %s, written at TP %d x PP %d x DP %d, loaded at TP %d x PP %d x DP %d",
+            *(par.rank, ctx.resume_from, was["tp"], was["pp"], was["dp"], now.tp, now.pp, now.dp),
+        )
     return engine
 
 
