@@ -1,6 +1,6 @@
 """The address a rank gives its peers to connect to: one rule for every rendezvous, never the host name.
 
-Two rendezvous use it: the trainers' torch.distributed world (`rendezvous`, trainer 0's address) and
+Two rendezvous use it: the trainers' torch.distributed world (`world_store`, trainer 0's address) and
 each weight-sync group (its source's address, and each member's own end of the group's connections,
 areal_hpc.weight_sync). The host name is no answer: `gethostbyname(getfqdn())` is 127.0.1.1 on
 Debian-style hosts and a management address elsewhere, and gloo's default device makes the same guess.
@@ -18,7 +18,9 @@ sit on another one (CPU nodes). With several networks between the nodes, the rou
 works, not necessarily the fastest: set cluster.network_interface for that. Every group checks the
 address at start (weight_sync's start-up broadcast, `areal-hpc doctor`), so a wrong one fails there.
 One rank picks where a rendezvous meets and broadcasts it (`offer`); when it cannot, its error reaches
-every rank of the rendezvous instead, so none waits for an address that never comes.
+every rank of the rendezvous instead, so none waits for an address that never comes. It offers a store
+it has already opened, at a port the OS picked: a port picked first and bound later can be taken in
+between by another process of the node (seen: EADDRINUSE at a trainer's init on a busy node).
 
 Hand-written: no well-kept library answers "which of my addresses do these peers reach"; psutil (a
 dependency of vLLM) only lists the interfaces.
@@ -107,13 +109,6 @@ def address(interface: str, hosts: Sequence[str]) -> str:
     return own_address(interface, peer_of(hosts))
 
 
-def free_port(host: str = LOOPBACK) -> int:
-    """A port on `host` that nothing listens on now (the OS's pick; free until someone binds it)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def interface_of(addr: str) -> str | None:
     """The name of this node's interface holding `addr`, or None."""
     return next((name for name, addrs in interfaces().items() if addr in addrs), None)
@@ -139,32 +134,42 @@ def offer(comm, make: Callable[[], T], offerer: str) -> T:
     return value
 
 
-def rendezvous(comm, interface: str) -> tuple[str, int]:
-    """(address, port) for a torch.distributed world of `comm`'s ranks (collective over MPI): rank 0's
-    address (`address`) and a free port on it, offered to all (`offer`). Every rank also points gloo at
-    its own interface toward that address (GLOO_SOCKET_IFNAME, unless set: gloo's default is the host
-    name), for the process groups torch and Megatron create in that world."""
+def world_store(comm, interface: str, timeout_s: float):
+    """The TCPStore of a torch.distributed world of `comm`'s ranks (collective over MPI): rank 0 opens it
+    at its address (`address`) on a port the OS picks and offers both to all (`offer`); the others
+    connect to it. Every rank also points gloo at its own interface toward that address
+    (GLOO_SOCKET_IFNAME, unless set: gloo's default is the host name), for the process groups torch and
+    Megatron create in that world."""
+    import datetime
+
+    import torch.distributed as dist
+
     hosts = comm.allgather(socket.gethostname())
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = None
 
-    def meeting_point() -> tuple[str, int]:
+    def open_store() -> tuple[str, int]:
+        nonlocal store
         addr = address(interface, hosts)
-        return addr, free_port(addr)
+        store = dist.TCPStore(addr, 0, comm.Get_size(), True, timeout=timeout, wait_for_workers=False)
+        return addr, store.port
 
-    addr, port = offer(comm, meeting_point, f"rank 0 of this torch.distributed world, on host {hosts[0]},")
+    addr, port = offer(comm, open_store, f"rank 0 of this torch.distributed world, on host {hosts[0]},")
+    if store is None:
+        store = dist.TCPStore(addr, port, comm.Get_size(), False, timeout=timeout)
     gloo = interface_of(own_address(interface, addr))
     if gloo:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", gloo)
-    return addr, port
+    return store
 
 
 __all__ = [
     "AddressError",
     "address",
     "check_interface",
-    "free_port",
     "interface_address",
     "offer",
     "own_address",
     "peer_of",
-    "rendezvous",
+    "world_store",
 ]

@@ -16,7 +16,7 @@ rank itself; with gen_tp > 1 each worker process joins the group with its own ra
 Order at start, so that a wrong address or a blocked port fails before the first prompt:
   1. `setup_weight_sync` (a collective over the MPI world, before any engine exists): each group's
      members check that they resolved the same device; the source opens the group's TCPStore on a
-     free port at its address (areal_hpc.network: cluster.network_interface's, else the interface
+     port the OS picks, at its address (areal_hpc.network: cluster.network_interface's, else the interface
      that routes to the group's members; 127.0.0.1 when they all share its host) and shares it over MPI
      (`network.offer`: when it cannot, every member of the group raises its error, not only the source).
   2. A trainer source joins right after its engine is built (`WeightSender.join`); a generator

@@ -129,13 +129,13 @@ def gpus_and_allreduce(comm, device: str, interface: str) -> tuple[dict, dict]:
     import torch.distributed as dist
 
     from areal_hpc.device import backend
-    from areal_hpc.network import rendezvous
+    from areal_hpc.network import world_store
 
-    addr, port = rendezvous(comm, interface)
+    store = world_store(comm, interface, 60.0)
     kind = backend(dev)
     dist.init_process_group(
         kind,
-        init_method=f"tcp://{addr}:{port}",
+        store=store,
         rank=comm.Get_rank(),
         world_size=comm.Get_size(),
         timeout=datetime.timedelta(seconds=60),

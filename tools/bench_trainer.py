@@ -38,7 +38,6 @@ import torch.multiprocessing as mp
 from areal_hpc.arch import model_arch
 from areal_hpc.config import ModelConfig, PPOConfig
 from areal_hpc.device import visible_gpus
-from areal_hpc.network import free_port
 from areal_hpc.packing import pack_microbatches
 from areal_hpc.protocol import TrainBatch
 from areal_hpc.tiny import build_tiny_model
@@ -344,10 +343,7 @@ def _export_rank(par, model_dir, port, bucket_mb, repeats):
         times.append(time.perf_counter() - t0)
     sent = None
     if par.rank == 0:
-        store = torch.distributed.TCPStore("127.0.0.1", port, 2, True, wait_for_workers=False)
-        sender = WeightSender(
-            0, True, GroupSpec("bench-ws", 0, "127.0.0.1", port, 2, "gloo", 120.0), _master_store=store
-        )
+        sender = WeightSender(0, True, GroupSpec("bench-ws", 0, "127.0.0.1", port, 2, "gloo", 120.0))
         sender.join(120.0)
         for _ in range(2):  # the second, as every sync after a run's first
             sent = sender.send(engine.export(), bucket_mb << 20)
@@ -383,7 +379,8 @@ def bench_export(args) -> None:
     with tempfile.TemporaryDirectory() as root:
         model_dir = str(build_tiny_model(model, root, seed=1))
         for tp in (1, 2):
-            port = free_port()
+            store = torch.distributed.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)  # the group's
+            port = store.port
             out = Path(root) / f"recv{tp}"
             recv = mp.get_context("spawn").Process(target=_receive, args=(port, str(out)))
             recv.start()

@@ -66,11 +66,10 @@ class Parallel:
         return self.rank == self.grid.stage_source(self.coords.pp)
 
 
-def init_parallel(
-    rank: int, world: int, tp: int, pp: int, addr: str, port: int, device: str, timeout_s: float = 300.0
-) -> Parallel:
+def init_parallel(rank: int, world: int, tp: int, pp: int, store, device: str, timeout_s: float = 300.0) -> Parallel:
     """torch.distributed (gloo on cpu, NCCL on cuda) + Megatron parallel state; checks the rank order.
 
+    `store`: the world's TCPStore (`areal_hpc.network.world_store` in a run, `spawn.run_ranks`'s here).
     `device` is the rank's resolved device, "cpu" or "cuda" (`areal_hpc.device.resolve_device`).
     """
     from megatron.core import parallel_state as ps
@@ -83,7 +82,7 @@ def init_parallel(
         torch.cuda.set_device(dev)
     dist.init_process_group(
         backend(device),
-        init_method=f"tcp://{addr}:{port}",
+        store=store,
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=timeout_s),

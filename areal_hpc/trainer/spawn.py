@@ -1,7 +1,7 @@
 """Run a function on N local trainer ranks (spawned processes): for tests, benchmarks, the GPU check and export.
 
-`run_ranks(fn, world, tp, pp, *args)` starts `world` processes; each calls `init_parallel` and then
-`fn(par, *args)`; what a rank returns (if not None) comes back in a dict rank -> value. A rank that
+`run_ranks(fn, world, tp, pp, *args)` opens the world's TCPStore (on a port the OS picks, bound from the
+start), starts `world` processes; each connects to it, calls `init_parallel` and then `fn(par, *args)`; what a rank returns (if not None) comes back in a dict rank -> value. A rank that
 fails fails the call with its traceback; nothing waits longer than `timeout_s`.
 
 The device is the one of `default_device()` unless given: AREAL_DEVICE (auto, cpu or cuda; auto when
@@ -13,6 +13,7 @@ ranks on one GPU).
 
 from __future__ import annotations
 
+import datetime
 import os
 import tempfile
 import time
@@ -23,7 +24,7 @@ import torch
 import torch.multiprocessing as mp
 
 from areal_hpc.device import resolve_device, visible_gpus
-from areal_hpc.network import free_port
+from areal_hpc.network import LOOPBACK
 
 
 def default_device() -> str:
@@ -40,7 +41,9 @@ def _entry(rank, world, tp, pp, port, device, out_dir, fn, args):
     else:
         expandable_segments()  # as a run's trainer rank has it (areal_hpc.main)
     try:
-        par = init_parallel(rank, world, tp, pp, "127.0.0.1", port, device, timeout_s=120)
+        timeout = datetime.timedelta(seconds=120)
+        store = torch.distributed.TCPStore(LOOPBACK, port, world, False, timeout=timeout)
+        par = init_parallel(rank, world, tp, pp, store, device, timeout_s=120)
         result = fn(par, *args)
         if result is not None:
             torch.save(result, Path(out_dir) / f"rank{rank}.pt")
@@ -58,7 +61,8 @@ def run_ranks(fn, world: int, tp: int, pp: int, *args, device: str | None = None
         raise RuntimeError(f"{world} trainer ranks need {world} GPUs; this process sees {len(gpus)} ({gpus})")
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="areal-ranks-") as out:
-        port = free_port()
+        store = torch.distributed.TCPStore(LOOPBACK, 0, world, True, wait_for_workers=False)
+        port = store.port
         procs = []
         saved = os.environ.get("CUDA_VISIBLE_DEVICES")
         try:

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from areal_hpc.checkpoint import trainer as trainer_checkpoint
-from areal_hpc.network import rendezvous
+from areal_hpc.network import world_store
 from areal_hpc.protocol import Failure, Mailbox, ReplicaRelay, Save, Saved, Stop, TrainBatch, TrainResult, WeightSync
 from areal_hpc.runtime import CONTROLLER_RANK
 from areal_hpc.trainer.engine import Engine, init_parallel, shutdown_parallel
@@ -39,16 +39,10 @@ def build_engine(ctx) -> Engine:
     """torch.distributed + Megatron state, the model from ctx.model_path, resumed when asked."""
     cfg = ctx.cfg
     comm = ctx.role_comm
-    addr, port = rendezvous(comm, cfg.cluster.network_interface)
+    timeout_s = cfg.train.collective_timeout_s
+    store = world_store(comm, cfg.cluster.network_interface, timeout_s)
     par = init_parallel(
-        comm.Get_rank(),
-        comm.Get_size(),
-        cfg.allocation.train_tp,
-        cfg.allocation.train_pp,
-        addr,
-        port,
-        ctx.device,
-        cfg.train.collective_timeout_s,
+        comm.Get_rank(), comm.Get_size(), cfg.allocation.train_tp, cfg.allocation.train_pp, store, ctx.device, timeout_s
     )
     engine = Engine(ctx.model_path, par, cfg.ppo, getattr(torch, cfg.model.dtype), cfg.train.total_steps)
     if ctx.resume_from is not None:
