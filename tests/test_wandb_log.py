@@ -46,6 +46,8 @@ def wandb_env(tmp_path, monkeypatch):
 
 
 def test_the_writer_logs_every_row_and_a_resumed_run_continues_it(tmp_path, wandb_env):
+    import wandb
+
     wandb_env.setenv("WANDB_MODE", "offline")
     cfg = load_config(TINY, ["logging.wandb=true", "logging.wandb_project=p", f"experiment.root={tmp_path}"])
     run_dir = tmp_path / "run"
@@ -54,6 +56,9 @@ def test_the_writer_logs_every_row_and_a_resumed_run_continues_it(tmp_path, wand
     for step in (1, 2, 3):
         writer.write(step, {"reward/mean": step / 10, "timing/step_s": 0.5})
     writer.close()
+    # A resumed run is another process, whose W&B service has ended first. `finish` does not wait for the
+    # service to close the run (write its file out, free its id); `teardown` waits for the service to end.
+    wandb.teardown()
     # Resumed from checkpoint 1: steps 2 and 3 are trained again, with other figures. An offline W&B run's
     # directory is named by the second it opened: the resumed one opens in the next.
     drop_rows_after(run_dir / "metrics.jsonl", 1)
@@ -62,6 +67,7 @@ def test_the_writer_logs_every_row_and_a_resumed_run_continues_it(tmp_path, wand
     for step in (2, 3, 4):
         writer.write(step, {"reward/mean": 1 + step / 10, "timing/step_s": 0.5})
     writer.close()
+    wandb.teardown()
 
     first, resumed = offline_runs(run_dir)
     assert first.run_id == resumed.run_id == (run_dir / ID_FILE).read_text().strip()

@@ -49,6 +49,11 @@ def read_offline_run(path: str | Path) -> OfflineRun:
             out.history.append({_key(i): json.loads(i.value_json) for i in record.history.item})
         elif kind == "summary":
             out.summary |= {_key(u): json.loads(u.value_json) for u in record.summary.update}
+    if not out.run_id:
+        raise ValueError(
+            f"{path} holds no run record: not written out yet? (W&B's service writes a run's file out when it "
+            "closes the run, after `finish` returns; `wandb.teardown()` or the process's end waits for that)"
+        )
     return out
 
 
