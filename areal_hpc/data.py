@@ -241,7 +241,7 @@ def load_prompts(cfg: Config, tokenizer, path: str | Path, setting: str = "data.
 
 
 def train_path(cfg: Config) -> Path:
-    """`data.train_path`, or the synthetic arithmetic task's training split built under the run root."""
+    """`data.train_path`, or the synthetic task's training split built under the run root."""
     if cfg.data.train_path:
         return Path(cfg.data.train_path)
     if cfg.reward.kind != "math":
@@ -260,10 +260,12 @@ def eval_path(cfg: Config) -> Path:
 
 
 def _synthetic(cfg: Config) -> Path:
-    from areal_hpc.tiny import build_arithmetic_data
+    from areal_hpc.tiny import build_synthetic_data
 
     d = cfg.data
-    return build_arithmetic_data(d.synthetic_size, cfg.experiment.root, cfg.experiment.seed, d.synthetic_max_operand)
+    return build_synthetic_data(
+        d.synthetic_size, cfg.experiment.root, cfg.experiment.seed, d.synthetic_task, d.synthetic_max_operand
+    )
 
 
 # --- the stream ---------------------------------------------------------------------------------

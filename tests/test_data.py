@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from areal_hpc.config import Config, ConfigError, load_config
 from areal_hpc.data import PromptStream, load_dataset, load_prompts
-from areal_hpc.tiny import arithmetic_rows, build_tokenizer
+from areal_hpc.synthetic import synthetic_rows
+from areal_hpc.tiny import build_tokenizer
 
 
 def write_jsonl(path, rows, raw_lines=()):
@@ -179,11 +180,12 @@ def test_from_config_builds_the_synthetic_task_with_a_held_out_split(tmp_path):
     test = [e.prompt for e in load_dataset(eval_path(cfg), "math")]
     assert len(test) == len(set(test)) == 200 // 5, "a fifth of the 200 problems, each once"
     assert not train & set(test), "a held-out problem is in the training split"
-    assert not {r["prompt"] for r in arithmetic_rows(2000, 7, 9)} & set(test)
+    assert not {r["prompt"] for r in synthetic_rows(2000, 7, max_operand=9)} & set(test)
     from areal_hpc.sft import sft_examples
 
     cfg.sft.examples = 2000  # the warm start stands in for pretraining: it sees every problem
-    assert set(test) < {tok.decode(p) for p, _ in sft_examples(cfg, tok)}, "the warm start skips held-out problems"
+    prompts = {tok.decode(ids[: mask.index(1)]) for ids, mask in sft_examples(cfg, tok)}
+    assert set(test) < prompts, "the warm start skips held-out problems"
     cfg.reward.kind = "code"
     with pytest.raises(ConfigError, match="needs data.train_path"):
         PromptStream.from_config(cfg, tok)
@@ -212,6 +214,7 @@ def test_prompt_format_plain_suffix_and_chat_template(tmp_path):
     (e,) = load_prompts(cfg, tok, cfg.data.train_path)
     assert tok.decode(e.prompt_ids) == "1+2=\n Box it." and e.prompt == "1+2="
     cfg, _ = config_with(tmp_path, rows, "data.chat_template=true", "data.system_prompt=Be brief.")
+    tok.chat_template = None  # the tiny tokenizer has one of its own
     with pytest.raises(ConfigError, match="has no chat template; set data.chat_template=false"):
         load_prompts(cfg, tok, cfg.data.train_path)
     tok.chat_template = CHAT
@@ -251,8 +254,8 @@ def test_warm_start_reads_through_the_loader(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         examples = sft_examples(cfg, tok)
     assert len(examples) == 4 and f"{path}:7 (15001 tokens)" in caplog.text
-    prompt, response = examples[0]
-    assert tok.decode(prompt) == "0+1=" and tok.decode(response) == "\\boxed{1}<|endoftext|>"
+    ids, mask = examples[0]
+    assert tok.decode(ids) == "0+1=\\boxed{1}<|endoftext|>" and mask == [0] * 4 + [1] * 4
     path.write_text(json.dumps(good[0]) + "\n" + '{"prompt": "2+2=", "answer": \n')
     with pytest.raises(ConfigError, match=f"{path}:2: not valid JSON"):
         sft_examples(cfg, tok)
@@ -272,12 +275,12 @@ def test_warm_start_leaves_the_unboxed_share_bare(tmp_path):
     tok = build_tokenizer()
     rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(400)]
     cfg, _ = config_with(tmp_path, rows, "sft.examples=400", "sft.unboxed=0.5")
-    responses = [tok.decode(r, skip_special_tokens=True) for _, r in sft_examples(cfg, tok)]
+    responses = [tok.decode(ids[mask.index(1) :], skip_special_tokens=True) for ids, mask in sft_examples(cfg, tok)]
     bare = [text for text, row in zip(responses, rows) if text == row["answer"]]
     boxed = [text for text, row in zip(responses, rows) if text == f"\\boxed{{{row['answer']}}}"]
     assert len(bare) + len(boxed) == 400 and 160 < len(bare) < 240
     assert math_reward(bare[0], bare[0]) == 0.0 and math_reward(boxed[0], boxed[0][7:-1]) == 1.0
-    assert [tok.decode(r) for _, r in sft_examples(cfg, tok)] == [tok.decode(r) for _, r in sft_examples(cfg, tok)]
+    assert sft_examples(cfg, tok) == sft_examples(cfg, tok)
     for bad in ("1", "-0.1"):
         with pytest.raises(ConfigError, match=f"sft.unboxed must be in \\[0, 1\\) \\(got {bad}"):
             config_with(tmp_path, rows, f"sft.unboxed={bad}")
@@ -297,3 +300,31 @@ def test_run_reports_bad_data_in_one_line(tmp_path):
     assert out.returncode == 2, out.stdout + out.stderr
     assert f"config error: {path}:2: not valid JSON" in out.stderr
     assert "Traceback" not in out.stdout + out.stderr
+
+
+def test_warm_start_calls_the_calculator_in_the_tool_share(tmp_path):
+    """`sft.tool_share`: that share of the multiplication warm start calls the calculator, in the tiny
+    tokenizer's tool syntax, with its answer as context (mask 0); no held-out problem is trained on."""
+    from areal_hpc.data import eval_path
+    from areal_hpc.sft import sft_examples
+
+    tok = build_tokenizer()
+    overrides = ["data.synthetic_task=multiplication", "sft.examples=400", "sft.tool_share=0.3"]
+    cfg = load_config(None, [f"experiment.root={tmp_path}", *overrides])
+    examples = sft_examples(cfg, tok)
+    calls = [(ids, mask) for ids, mask in examples if tok.convert_tokens_to_ids("<calc>") in ids]
+    assert len(examples) == 400 and 90 < len(calls) < 150
+    ids, mask = calls[0]
+    prompt = tok.decode(ids[: mask.index(1)])
+    a, b = map(int, prompt[:-1].split("*"))
+    assert tok.decode(ids) == f"{a}*{b}=<calc>{a}*{b}<|endoftext|><result>{a * b}\n\\boxed{{{a * b}}}<|endoftext|>"
+    trained = tok.decode([t for t, m in zip(ids, mask) if m])
+    assert trained == f"<calc>{a}*{b}<|endoftext|>\\boxed{{{a * b}}}<|endoftext|>", "the tool's answer is context"
+    test = {e.prompt for e in load_dataset(eval_path(cfg), "math")}
+    assert len(test) == 500 and not test & {tok.decode(i[: m.index(1)]) for i, m in examples}
+    with pytest.raises(ConfigError, match="sft.tool_share > 0 needs the synthetic multiplication task"):
+        load_config(None, [f"experiment.root={tmp_path}", "sft.tool_share=0.3"])
+    with pytest.raises(ConfigError, match=r"sft.tool_share must be in \[0, 1\] \(got 1.5\)"):
+        load_config(None, [f"experiment.root={tmp_path}", *overrides, "sft.tool_share=1.5"])
+    with pytest.raises(ConfigError, match="data.synthetic_task must be arithmetic or multiplication"):
+        load_config(None, [f"experiment.root={tmp_path}", "data.synthetic_task=division"])

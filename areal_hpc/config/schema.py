@@ -269,7 +269,7 @@ class DataConfig:
     """Training prompts: a JSONL file (one object a line), a JSON list, a parquet file, or a directory
     saved by Hugging Face `datasets` (`save_to_disk`); rows {prompt, answer} (math) or {prompt, tests}
     (code), see `tools/prepare_data.py` for other layouts. Empty: the synthetic arithmetic task built
-    under the run root."""
+    under the run root (`synthetic_task`)."""
     chat_template: bool = False
     """Format each prompt with the tokenizer's chat template (a user turn, then the assistant's start),
     as R1-distill and instruct models expect; false: the prompt text as it is."""
@@ -282,13 +282,17 @@ class DataConfig:
     """Prompts longer than this many tokens (after formatting) are skipped when the data is loaded,
     counted and the first few named in the log (0: model.max_position_embeddings -
     rollout.max_new_tokens, the longest prompt whose trajectory still fits)."""
+    synthetic_task: str = "arithmetic"
+    """The synthetic task when `train_path` is empty: arithmetic ('a+b=' and 'a-b=', which the tiny model
+    learns by itself) or multiplication ('a*b=', which it gets right mostly with the calculator tool)."""
     synthetic_size: int = 4096
     """Prompts in the synthetic task when `train_path` is empty, drawn with repeats from its training
-    problems; a fifth of the problems (at most 500) is held out of them as its test split (the warm
-    start sees every problem, as a base model's pretraining would), which `eval` uses
-    when `eval.data` is empty."""
+    problems; a fifth of the problems (at most 500) is held out of them as its test split, which `eval`
+    uses when `eval.data` is empty. The arithmetic warm start sees every problem, as a base model's
+    pretraining would; the multiplication one never sees the held-out problems."""
     synthetic_max_operand: int = 99
-    """Largest operand of the synthetic arithmetic task ('a+b=' and 'a-b=' with 0 <= a, b <= this)."""
+    """Largest operand of the synthetic task: arithmetic 0 <= a, b <= this; multiplication a and b of as
+    many digits as this (10..99 for 99)."""
 
 
 @dataclass
@@ -321,6 +325,11 @@ class SFTConfig:
     """Share of the warm-start examples whose response is the bare answer, without `\\boxed{}` (which the
     math reward scores 0): the warm-started model then boxes only part of its answers, as a base model
     follows an answer format only part of the time, and RL teaches it to box every one."""
+    tool_share: float = 0.0
+    """Share of the warm-start examples that call the calculator before answering
+    (`<calc>a*b<eos><result>p\\n\\boxed{p}<eos>`, the tiny tokenizer's tool syntax; the synthetic
+    multiplication task only): the warm-started model then calls it only part of the time, and RL
+    teaches it to call it every time."""
 
 
 @dataclass

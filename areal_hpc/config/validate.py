@@ -15,6 +15,7 @@ from areal_hpc.config.schema import Config
 from areal_hpc.device import CHOICES as DEVICES
 from areal_hpc.errors import ConfigError
 from areal_hpc.reward import REWARD_KINDS
+from areal_hpc.synthetic import SYNTHETIC_TASKS
 from areal_hpc.trainer.choices import LR_DECAYS, PROX_LOGPS, RECOMPUTES
 
 CHOICES = {
@@ -24,6 +25,7 @@ CHOICES = {
     "ppo.prox_logp": PROX_LOGPS,
     "ppo.recompute": RECOMPUTES,
     "ppo.lr_decay": LR_DECAYS,
+    "data.synthetic_task": SYNTHETIC_TASKS,
 }
 """Fields with a fixed set of values: `validate` refuses any other, `describe_config` lists them."""
 
@@ -144,6 +146,12 @@ def validate(cfg: Config) -> None:
         f"reward.kind is {cfg.reward.kind}: set sft.examples=0",
     )
     need(0 <= cfg.sft.unboxed < 1, f"sft.unboxed must be in [0, 1) (got {cfg.sft.unboxed})")
+    need(0 <= cfg.sft.tool_share <= 1, f"sft.tool_share must be in [0, 1] (got {cfg.sft.tool_share})")
+    need(
+        cfg.sft.tool_share == 0 or (not cfg.data.train_path and cfg.data.synthetic_task == "multiplication"),
+        "sft.tool_share > 0 needs the synthetic multiplication task (its calculator calls are the problems "
+        "themselves): set data.synthetic_task=multiplication with data.train_path empty, or sft.tool_share=0",
+    )
     need(
         a.gen_share == "auto" or (not isinstance(a.gen_share, str) and 0 < a.gen_share < 1),
         f"allocation.gen_share must be auto or strictly between 0 and 1 (got {a.gen_share!r})",
