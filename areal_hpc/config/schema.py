@@ -143,7 +143,7 @@ class RolloutConfig:
     prompts_per_step: int = 8
     """Prompt groups consumed per training step (B)."""
     max_new_tokens: int = 32
-    """Generation limit per trajectory, in tokens."""
+    """Generation limit per turn (per call to the policy), in tokens: a single-turn episode's answer."""
     temperature: float = 1.0
     """Sampling temperature."""
     top_p: float = 1.0
@@ -152,6 +152,23 @@ class RolloutConfig:
     """Dynamic filtering (DAPO): a group whose trajectories all got the same reward (all right or all wrong:
     every advantage is 0) is left out before training and another prompt takes its place; counted in
     `rollout/filtered`."""
+    workflow: str = "areal_hpc.workflow.builtin:SingleTurn"
+    """What one episode is (areal_hpc.workflow): a `Workflow` subclass, `package.module:Name` or
+    `path/to/file.py:Name`. The default asks the policy once for an answer to the prompt."""
+    max_turns: int = 8
+    """Most calls to the policy in one episode."""
+    max_episode_tokens: int = 0
+    """Most tokens in one episode, all its sequences together: prompt, sampled and tool tokens (0: the model's
+    context, `model.max_position_embeddings`). An episode that reaches it ends with finish reason 'length'."""
+    tool_format: str = "hermes"
+    """How tool calls are written in the model's output: hermes (Qwen's `<tool_call>{json}</tool_call>`,
+    parsed by vLLM's Hermes parser) or tiny (the tiny model's `<calc>expression`)."""
+    tool_timeout_s: float = 10.0
+    """Wall-clock limit of one tool call; past it the model gets an error message."""
+    tool_processes: int = 0
+    """Processes on each generator's node that run tool calls (0: one per CPU the rank may run on)."""
+    tool_output_chars: int = 2000
+    """A tool's output is cut to this many characters before it reaches the model."""
 
     @property
     def engine_seqs(self) -> int:

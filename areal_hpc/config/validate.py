@@ -17,6 +17,7 @@ from areal_hpc.errors import ConfigError
 from areal_hpc.reward import REWARD_KINDS
 from areal_hpc.synthetic import SYNTHETIC_TASKS
 from areal_hpc.trainer.choices import LR_DECAYS, PROX_LOGPS, RECOMPUTES
+from areal_hpc.workflow.tool_calls import FORMATS as TOOL_FORMATS
 
 CHOICES = {
     "cluster.device": DEVICES,
@@ -26,6 +27,7 @@ CHOICES = {
     "ppo.recompute": RECOMPUTES,
     "ppo.lr_decay": LR_DECAYS,
     "data.synthetic_task": SYNTHETIC_TASKS,
+    "rollout.tool_format": TOOL_FORMATS,
 }
 """Fields with a fixed set of values: `validate` refuses any other, `describe_config` lists them."""
 
@@ -67,6 +69,8 @@ def validate(cfg: Config) -> None:
         ("rollout.max_concurrent", r.max_concurrent),
         ("rollout.prompts_per_step", r.prompts_per_step),
         ("rollout.max_new_tokens", r.max_new_tokens),
+        ("rollout.max_turns", r.max_turns),
+        ("rollout.tool_output_chars", r.tool_output_chars),
         ("ppo.max_tokens_per_mb", p.max_tokens_per_mb),
         ("ppo.minibatches", p.minibatches),
         ("train.total_steps", cfg.train.total_steps),
@@ -120,6 +124,13 @@ def validate(cfg: Config) -> None:
         r.max_new_tokens < m.max_position_embeddings,
         f"rollout.max_new_tokens ({r.max_new_tokens}) must be below model.max_position_embeddings ({m.max_position_embeddings})",
     )
+    need(
+        0 <= r.max_episode_tokens <= m.max_position_embeddings,
+        f"rollout.max_episode_tokens must be in [0, model.max_position_embeddings ({m.max_position_embeddings})] "
+        f"(got {r.max_episode_tokens}); 0 is the model's context",
+    )
+    need(r.tool_timeout_s > 0, f"rollout.tool_timeout_s must be > 0 (got {r.tool_timeout_s})")
+    need(r.tool_processes >= 0, f"rollout.tool_processes must be >= 0 (got {r.tool_processes}); 0 is one per CPU")
     d = cfg.data
     need(
         not d.system_prompt or d.chat_template,
