@@ -209,6 +209,32 @@ def test_messages_that_do_not_extend_the_conversation_start_a_second_sequence():
     assert f["answer_ids"].tolist() == r2.token_ids
 
 
+def test_an_agent_whose_template_drops_earlier_think_blocks_trains_what_was_sampled():
+    """Item 3 through the client: the next call's template render lacks the earlier <think> block, the
+    trained sequence (and what the engine was given) keeps it."""
+    from tests.test_workflow_conversation import THINK_DROPPING
+
+    tok = chatml_tokenizer()
+    tok.chat_template = THINK_DROPPING
+    engine = Engine(tok, ["<think>plan</think>4", "yes"])
+    client = client_for(tok, engine)
+
+    async def agent():
+        messages = [{"role": "user", "content": "2+2?"}]
+        r1 = await client.chat.completions.create(messages=messages)
+        messages += [r1.choices[0].message, {"role": "user", "content": "sure?"}]
+        await client.chat.completions.create(messages=messages)
+        return messages
+
+    messages = run(agent())
+    assert "plan" not in tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    f = client.trajectory_fields()
+    trained = [t for t, m in zip(f["tokens"].tolist(), f["loss_mask"]) if m]
+    assert trained == engine.turns[0].token_ids + engine.turns[1].token_ids
+    assert "plan" in tok.decode(engine.calls[1][0]) and f["seq_lens"].tolist() == [len(f["tokens"])]
+    assert f["stats"]["template_rewrites"] == 1
+
+
 def test_sampling_settings_other_than_the_runs_are_refused():
     tok = chatml_tokenizer()
     engine = Engine(tok, ["ok"])
@@ -306,3 +332,43 @@ def test_the_calculator_agent_stops_at_max_turns():
     f = client.trajectory_fields()
     assert len(engine.calls) == 2 and f["finish_reason"] == "length"
     assert f["stats"]["tool_calls"] == 2 and tok.decode(f["answer_ids"]) == "<calc>2+2<|endoftext|>"
+
+
+@pytest.mark.slow  # the hermes parser imports vLLM: ~10 s here
+@pytest.mark.vllm
+@pytest.mark.skipif(not hasattr(tools, "TOOLS"), reason="workflow.tools.TOOLS comes with WP-D's branch")
+def test_the_code_interpreter_agent_chats_in_qwens_format():
+    from areal_hpc.workflow.builtin import CODE_INTERPRETER_PROMPT, CodeInterpreterMath
+    from tests.test_workflow_conversation import QWEN25_STYLE
+
+    tok = chatml_tokenizer()
+    tok.chat_template = QWEN25_STYLE
+    call = '<tool_call>\n{"name": "python", "arguments": {"code": "print(37*48)"}}\n</tool_call>'
+    engine = Engine(tok, [call, "It is \\boxed{1776}."])
+    seen = []
+
+    async def python(name, arguments):  # the sandbox is WP-D's: here only what the agent sends and reads
+        seen.append((name, arguments))
+        return "1776\n", True, 0.1
+
+    client = EpisodeClient(tok, RolloutConfig(max_new_tokens=64, tool_format="hermes"), 4096, engine, python)
+    run(CodeInterpreterMath().arun_episode(client, {"prompt": "What is 37*48?", "prompt_ids": []}))
+    assert seen == [("python", {"code": "print(37*48)"})]
+    schema = [tools.TOOLS["python"]]
+    messages = [
+        {"role": "system", "content": CODE_INTERPRETER_PROMPT},
+        {"role": "user", "content": "What is 37*48?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "python", "arguments": {"code": "print(37*48)"}}}],
+        },
+        {"role": "tool", "content": "1776\n"},
+    ]
+    first = tok.apply_chat_template(messages[:2], tools=schema, tokenize=False, add_generation_prompt=True)
+    second = tok.apply_chat_template(messages, tools=schema, tokenize=False, add_generation_prompt=True)
+    assert [c for c, _ in engine.calls] == [encode(tok, first), encode(tok, second)]
+    f = client.trajectory_fields()
+    assert f["tokens"].tolist() == encode(tok, second) + engine.turns[1].token_ids
+    assert tok.decode(f["answer_ids"]) == "It is \\boxed{1776}.<|im_end|>" and f["finish_reason"] == "stop"
+    assert f["stats"]["turns"] == 2 and f["stats"]["tool_calls"] == 1 and f["stats"]["template_rewrites"] == 0

@@ -25,6 +25,7 @@ engine, in the same event loop, and a server round trip would re-tokenize what w
 from __future__ import annotations
 
 import json
+import numbers
 import time
 import uuid
 from dataclasses import dataclass
@@ -267,5 +268,5 @@ def _strip_turn_end(ids: list[int], conversation: Conversation) -> list[int]:
 
 
 def _check_max_tokens(max_tokens) -> None:
-    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+    if max_tokens is not None and (not isinstance(max_tokens, numbers.Integral) or max_tokens < 1):
         raise ValueError(f"max_tokens must be a positive integer or None (rollout.max_new_tokens), got {max_tokens!r}")
