@@ -157,7 +157,7 @@ def test_max_turns_answers_an_empty_length_turn_without_the_engine():
 
 def test_max_episode_tokens_caps_a_turn_then_refuses_the_next():
     tok = chatml_tokenizer()
-    engine = Engine(tok, ["abc", "d"], cut={1})
+    engine = Engine(tok, ["abc", "de"])  # the second turn (2 + EOS) takes the last 3 tokens
     prompt = encode(tok, "<|im_start|>user\ngo<|im_end|>\n<|im_start|>assistant\n")
     user = encode(tok, "\n<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n")
     limit = len(prompt) + 4 + len(user) + 3  # the first turn (3 + EOS), the user message, 3 more tokens
@@ -176,17 +176,19 @@ def test_max_episode_tokens_caps_a_turn_then_refuses_the_next():
     assert len(engine.calls[1][0]) == limit - 3
     assert r3.choices[0].finish_reason == "length" and r3.token_ids == [] and len(engine.calls) == 2
     f = client.trajectory_fields()
-    assert f["finish_reason"] == "length" and f["answer_ids"].tolist() == encode(tok, "d")
-    assert len(f["tokens"]) == limit - 2, "the refused call's context is not trained"
+    assert f["finish_reason"] == "length" and f["answer_ids"].tolist() == engine.turns[1].token_ids
+    assert engine.turns[1].finish_reason == "stop"
+    assert len(f["tokens"]) == limit, "the refused call's context is not trained"
 
 
 def test_the_model_context_bounds_each_turn():
     tok = build_tokenizer()
     engine = Engine(tok, ["\\boxed{4}"], cut={0})
-    client = client_for(tok, engine, max_model_len=10)
+    client = client_for(tok, engine, max_model_len=10, max_episode_tokens=100)
     turn = run(client.generate(encode(tok, "2+2=")))
     assert engine.calls == [(encode(tok, "2+2="), 6)] and turn.finish_reason == "length"
-    assert run(client.generate(encode(tok, "123456789"))) == Turn([], [], [], "length")
+    assert run(client.generate(encode(tok, "1234567890"))) == Turn([], [], [], "length")
+    assert len(engine.calls) == 1
     assert client.trajectory_fields()["finish_reason"] == "length"
 
 
