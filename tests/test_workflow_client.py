@@ -252,8 +252,12 @@ def test_sampling_settings_other_than_the_runs_are_refused():
     with pytest.raises(ValueError, match="stop"):
         run(create(messages=messages, stop=["\n"]))
     assert engine.calls == []
-    r = run(create(messages=messages, temperature=1.0, top_p=0.9, n=1, max_tokens=4, seed=None))
+    kwargs = {"chat_template_kwargs": {"enable_thinking": False}}
+    r = run(create(messages=messages, temperature=1.0, top_p=0.9, n=1, max_tokens=4, seed=None, extra_body=kwargs))
     assert r.choices[0].message.content == "ok" and engine.calls[0][1] == 4
+    assert client.conversation.template_kwargs == {"enable_thinking": False}
+    with pytest.raises(ValueError, match="chat_template_kwargs.. must stay the same within an episode"):
+        run(create(messages=messages))
 
 
 def test_token_level_turns_build_the_sequence_and_extend_it():

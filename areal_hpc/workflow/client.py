@@ -63,7 +63,6 @@ class EpisodeClient:
         self.chat = _Chat(self)
         self.episode = EpisodeTokens()
         self.conversation: Conversation | None = None  # built at the first chat call (its template kwargs)
-        self._template_kwargs: dict = {}
         self._sample = sample
         self._tool = tool
         self._limited = False  # a call was refused by a limit: the episode ends as "length"
@@ -169,12 +168,11 @@ class EpisodeClient:
 
     def _conversation(self, template_kwargs: dict) -> Conversation:
         if self.conversation is None:
-            self._template_kwargs = dict(template_kwargs)
             self.conversation = Conversation(self.tokenizer, self.episode, template_kwargs=template_kwargs)
-        elif dict(template_kwargs) != self._template_kwargs:
+        elif dict(template_kwargs) != self.conversation.template_kwargs:
             raise ValueError(
                 f"extra_body['chat_template_kwargs'] must stay the same within an episode: the first call had "
-                f"{self._template_kwargs}, this one {template_kwargs}"
+                f"{self.conversation.template_kwargs}, this one {template_kwargs}"
             )
         return self.conversation
 
