@@ -227,3 +227,10 @@ def test_tool_pool_from_config_takes_the_rollout_settings():
         assert (pool.timeout_s, pool.output_chars) == (3.0, 77)
     finally:
         pool.close()
+
+
+def test_tool_pool_from_config_warns_when_this_node_has_no_bubblewrap(monkeypatch, caplog):
+    monkeypatch.setattr(tools.shutil, "which", lambda name: None)
+    pool = ToolPool.from_config(RolloutConfig(tool_processes=1))
+    pool.close()
+    assert "bubblewrap (bwrap) is not installed on this node" in caplog.text

@@ -24,13 +24,17 @@ threads: a call stuck in C is killed with its process, and each process has its 
 from __future__ import annotations
 
 import ast
+import logging
 import math
 import operator
+import shutil
 import time
 from typing import Any
 
 from areal_hpc.reward.code import SandboxLimits, run_program
 from areal_hpc.reward.pool import TaskPool, pool_size
+
+log = logging.getLogger(__name__)
 
 MAX_EXPRESSION_CHARS = 500
 """Longest expression the calculator parses (deeper nesting than this allows exhausts the parser)."""
@@ -218,7 +222,13 @@ class ToolPool(TaskPool):
 
     @classmethod
     def from_config(cls, rollout) -> ToolPool:
-        """The pool of `rollout.tool_processes` (0: one per CPU this rank may run on)."""
+        """The pool of `rollout.tool_processes` (0: one per CPU this rank may run on). Without bubblewrap
+        on this node it says so once: every python tool call will then answer an error."""
+        if shutil.which("bwrap") is None:
+            log.warning(
+                "bubblewrap (bwrap) is not installed on this node: every call of the python tool will answer "
+                "'error: bwrap (bubblewrap) is not installed' (tools/setup.sh says how to get it)"
+            )
         return cls(pool_size(rollout.tool_processes), rollout.tool_timeout_s, rollout.tool_output_chars)
 
     def submit(self, key: Any, name: str, arguments: dict) -> None:
