@@ -1,9 +1,11 @@
 """The controller's loop with episodes whose workflow raised (lost) or scored them itself, against the
 simulated world of tests/sim_world.py: a group trains on the episodes that came back, a group with none is
 left out and another prompt takes its place, more than half of a step's episodes lost ends the run with the
-first traceback, and a workflow's own reward wins over `reward.kind` (no reward request is sent for it).
+first traceback, and a workflow's own reward wins over `reward.kind` (no reward request is sent for it), in
+training and in the evaluation between steps.
 """
 
+import json
 import re
 from collections import Counter
 from types import SimpleNamespace
@@ -12,10 +14,13 @@ import numpy as np
 import pytest
 
 from areal_hpc.algo.staleness import StalenessGate
+from areal_hpc.controller import Controller
 from areal_hpc.data import Example
 from areal_hpc.exit_codes import EXIT_DONE
-from areal_hpc.protocol import Envelope, RewardRequest, RewardResult, Trajectory
+from areal_hpc.layout import Role
+from areal_hpc.protocol import Envelope, EvalTrajectory, RewardRequest, RewardResult, Trajectory
 from areal_hpc.rollouts import EpisodesLost, Rollouts, single_turn
+from areal_hpc.runtime import RankContext
 from areal_hpc.tiny import build_tokenizer
 from tests.sim_world import Prompts, World, lost, make, metrics, run
 
@@ -100,3 +105,23 @@ def test_lost_episodes_are_counted_a_steps_worth_at_a_time():
 def episode(group_id: int, index: int) -> Trajectory:
     """A one-turn episode: prompt [5], answer [7]."""
     return single_turn(group_id, index, np.array([5], np.int32), np.array([7], np.int32), [-0.1], [0], "stop")
+
+
+def test_an_eval_episode_scores_the_workflows_reward_or_0_when_lost(tmp_path):
+    """Between steps: an eval episode with its own reward is scored with it, a lost one 0 (counted as an
+    error), and only the others go to a reward worker."""
+    rows = [{"prompt": "1+1=", "answer": "2"}]
+    data = tmp_path / "eval.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg, layout, run_dir, tok_dir = make(tmp_path, "eval.every_steps=4", f"eval.data={data}", "eval.samples=3")
+    world = World(layout, build_tokenizer())
+    ctx = RankContext(cfg, layout, None, None, run_dir, tok_dir, None)
+    c = Controller(ctx, mailbox=world, prompts=Prompts())
+    c.start_eval()
+    gen = layout.ranks(Role.GENERATOR)[0]
+    answer = np.array([7], np.int32)
+    c.handle(gen, EvalTrajectory(0, 0, answer, 4, "stop", reward=0.5))
+    c.handle(gen, EvalTrajectory(0, 1, answer[:0], 0, "stop", error="Traceback ...\nKeyError: 'x'"))
+    assert world.reward_requests == 0 and c.evals.round.rewards == [[0.5, 0.0, None]]
+    c.handle(gen, EvalTrajectory(0, 2, answer, 5, "stop"))
+    assert world.reward_requests == 1 and c.evals.round.errors == 1
