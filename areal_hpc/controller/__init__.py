@@ -227,6 +227,10 @@ class Controller:
         if group.generated:  # the generator is done with this group
             self.dispatch.generated(src, traj)
         if traj.error:
+            last = traj.error.strip().splitlines()[-1] if traj.error.strip() else "(no message)"
+            log.warning(
+                "episode %d of group %d lost: %s (its traceback: the generator's log)", traj.index, traj.group_id, last
+            )
             return
         if math.isfinite(traj.reward):
             self.rollouts.add_reward(
