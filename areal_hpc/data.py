@@ -60,6 +60,11 @@ class Example:
     prompt_ids: np.ndarray | None = field(default=None, compare=False, repr=False)
     """The formatted prompt's tokens (`load_prompts`); None from `load_dataset` alone."""
 
+    @property
+    def row(self) -> dict:
+        """What a rollout workflow gets of the row besides `prompt_ids` (GenerateRequest.row, EvalRequest.row)."""
+        return {"prompt": self.prompt, "target": self.target, "kind": self.kind}
+
 
 # --- reading and checking rows -----------------------------------------------------------------
 

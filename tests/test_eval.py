@@ -152,15 +152,16 @@ def test_training_eval_rounds_by_hand():
     assert ev.start(1) == [], "not due"
     requests = ev.start(0)
     assert [(r.prompt_index, list(r.prompt_ids), r.n) for r in requests] == [(0, [5, 6], 2), (1, [6, 6], 2)]
+    assert requests[1].row == {"prompt": "p1", "target": "1", "kind": "math"}
     assert ev.start(2) == [], "the round of version 0 still runs: none of version 2"
-    trajs = [EvalTrajectory(i, j, np.full(j + 1, 7, np.int32), "stop") for i in range(2) for j in range(2)]
+    trajs = [EvalTrajectory(i, j, np.full(j + 1, 7, np.int32), j + 3, "stop") for i in range(2) for j in range(2)]
     assert [ev.arrived(t) for t in trajs] == [False, True, False, True], "a prompt's last trajectory ends its request"
     for t in trajs:
         assert ev.target(t) == "1" and ev.take_metrics() == {}
         ev.scored(t, float(t.prompt_index == 0), "ok")
     m = ev.take_metrics()
     assert m["eval/version"] == 0 and m["eval/pass@1"] == m["eval/pass@2"] == m["eval/reward_mean"] == 0.5
-    assert m["eval/trajectory_tokens"] == 1.5 and ev.take_metrics() == {}
+    assert m["eval/trajectory_tokens"] == 3.5 and ev.take_metrics() == {}  # the episodes' tokens (num_tokens)
     assert len(ev.start(4)) == 2 and ev.version == 4
 
 

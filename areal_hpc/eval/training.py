@@ -5,7 +5,8 @@ their scored trajectories add up to, for the controller's metrics.
  the controller, after the WeightSync of version v (and at the start):
    start(v)     -> an EvalRequest per eval prompt when a round is due (none while the last still runs)
  EvalTrajectory -> arrived (True: its prompt's last: the generator is done with that request);
-                   the controller sends it to a reward worker with target(traj)
+                   its reward: the workflow's own when finite (scored at once), 0 when lost (the
+                   workflow raised: counted as an error), else a reward worker's, against target(traj)
  RewardResult   -> scored; the round's last -> eval/* figures for the next step's metrics row
 ```
 
@@ -60,11 +61,12 @@ class TrainingEval:
             log.warning("evaluation of version %d still running: none of version %d", self.version, version)
             return []
         self.round, self.version = EvalRound(self.examples, self.samples), version
-        return [EvalRequest(i, e.prompt_ids, self.samples) for i, e in enumerate(self.examples)]
+        return [EvalRequest(i, e.prompt_ids, e.row, self.samples) for i, e in enumerate(self.examples)]
 
     def arrived(self, traj: EvalTrajectory) -> bool:
-        """Record a trajectory; True when it was the last of its prompt (its request is done)."""
-        self.round.arrived(traj.prompt_index, traj.index, len(traj.output_ids), traj.finish_reason == "length")
+        """Record an episode (its tokens, all sequences); True when it was the last of its prompt (its request
+        is done)."""
+        self.round.arrived(traj.prompt_index, traj.index, traj.num_tokens, traj.finish_reason == "length")
         return self.round.generated(traj.prompt_index)
 
     def target(self, traj: EvalTrajectory) -> str | list:

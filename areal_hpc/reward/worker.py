@@ -3,7 +3,7 @@ in parallel.
 
 ```
  loop (never blocks for long):
-   mailbox.poll(controller)  RewardRequest -> decode (the run's tokenizer) -> pool queue
+   mailbox.poll(controller)  RewardRequest -> decode its answer_ids (the run's tokenizer) -> pool queue
                              Stop -> answer what is left, flush, return
    pool.poll(few ms)         (request_id, reward, reason) -> RewardResult to the controller, as each finishes
 ```
@@ -59,7 +59,7 @@ def serve(ctx) -> int:
                 msg = env.msg
                 if isinstance(msg, RewardRequest):
                     pending[next_key] = msg.request_id
-                    pool.submit(next_key, msg.kind, response_text(tokenizer, msg.output_ids), msg.target)
+                    pool.submit(next_key, msg.kind, response_text(tokenizer, msg.answer_ids), msg.target)
                     next_key += 1
                 elif isinstance(msg, Stop):
                     stop = msg
