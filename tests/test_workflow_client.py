@@ -342,7 +342,6 @@ def test_the_calculator_agent_stops_at_max_turns():
 
 @pytest.mark.slow  # the hermes parser imports vLLM: ~10 s here
 @pytest.mark.vllm
-@pytest.mark.skipif(not hasattr(tools, "TOOLS"), reason="workflow.tools.TOOLS comes with WP-D's branch")
 def test_the_code_interpreter_agent_chats_in_qwens_format():
     from areal_hpc.workflow.builtin import CODE_INTERPRETER_PROMPT, CodeInterpreterMath
     from tests.test_workflow_conversation import QWEN25_STYLE
