@@ -225,7 +225,7 @@ class GenerationEngine:
         self.temperature, self.top_p = temperature, top_p
         self.version = 0
         """Policy version of the loaded weights (0: the initial model)."""
-        self._running: dict[str, EngineTurn] = {}  # vLLM request id -> its turn
+        self._running: dict[str, EngineTurn] = {}  # turn key -> the turn
 
     # --- construction ---
     @staticmethod
@@ -319,7 +319,7 @@ class GenerationEngine:
         turns in flight (the finished turn carries it)."""
         if max_tokens < 1:
             raise ValueError(f"turn {key!r}: max_tokens must be at least 1, got {max_tokens}")
-        if any(turn.key == key for turn in self._running.values()):
+        if key in self._running:
             raise ValueError(f"turn {key!r} is already in flight")
         self._submit(EngineTurn(key, [int(t) for t in token_ids], max_tokens))
 
@@ -327,9 +327,10 @@ class GenerationEngine:
         """One engine iteration; returns the turns that finished in it."""
         finished = []
         for out in self.engine.step():
-            turn = self._running.pop(out.request_id, None)
-            if turn is None:  # a request aborted by an interruption
+            turn = self._running.get(out.request_id.rpartition(".")[0])
+            if turn is None or turn.request_id != out.request_id:  # an attempt aborted by an interruption
                 continue
+            del self._running[turn.key]
             completion = out.outputs[0]
             # FINAL_ONLY: the whole attempt at once; flat logprobs with logprobs=0 hold exactly the
             # sampled token's logprob at each position. An attempt never spans a weight update.
@@ -346,24 +347,24 @@ class GenerationEngine:
     def partial(self) -> list[EngineTurn]:
         """A copy of each in-flight turn with everything it sampled so far."""
         out = []
-        for request_id, turn in self._running.items():
+        for turn in self._running.values():
             copy = dataclasses.replace(
                 turn,
                 output_ids=list(turn.output_ids),
                 behav_logprobs=list(turn.behav_logprobs),
                 versions=list(turn.versions),
             )
-            _extend(copy, *self._attempt_output(request_id), self.version)
+            _extend(copy, *self._attempt_output(turn.request_id), self.version)
             out.append(copy)
         return out
 
     def interrupt(self) -> list[EngineTurn]:
         """Abort every in-flight request, keeping what each turn sampled so far."""
         turns = list(self._running.values())
-        for request_id, turn in self._running.items():
-            _extend(turn, *self._attempt_output(request_id), self.version)
+        for turn in turns:
+            _extend(turn, *self._attempt_output(turn.request_id), self.version)
         if turns:
-            self.engine.abort_request(list(self._running))
+            self.engine.abort_request([turn.request_id for turn in turns])
         self._running.clear()
         return turns
 
@@ -421,7 +422,7 @@ class GenerationEngine:
         )
         prompt = {"prompt_token_ids": turn.context_ids + turn.output_ids}
         self.engine.add_request(turn.request_id, prompt, params)
-        self._running[turn.request_id] = turn
+        self._running[turn.key] = turn
 
 
 def _extend(turn: EngineTurn, token_ids, logprobs, version: int) -> None:
