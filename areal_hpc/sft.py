@@ -25,7 +25,8 @@ from areal_hpc.config import Config, ConfigError
 from areal_hpc.data import max_prompt_tokens
 from areal_hpc.synthetic import synthetic_rows
 from areal_hpc.tiny import BOXED, _build_atomically, _digest, build_tiny_model
-from areal_hpc.workflow.tools import calculator
+from areal_hpc.workflow.conversation import Conversation, EpisodeTokens
+from areal_hpc.workflow.tools import CALCULATOR_SCHEMA, calculator
 
 
 def initial_model(cfg: Config) -> Path:
@@ -85,40 +86,53 @@ def sft_examples(cfg: Config, tokenizer) -> list[tuple[list[int], list[int]]]:
     for prompt, prompt_ids, answer in rows[: cfg.sft.examples]:
         ids = [int(t) for t in prompt_ids]
         if cfg.sft.tool_share and calls.random() < cfg.sft.tool_share:
-            response, mask = _tool_response(tokenizer, prompt, answer)
-        else:
-            text = str(answer) if bare.random() < cfg.sft.unboxed else f"{BOXED}{answer}}}"
-            response = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-            mask = [1] * len(response)
-        out.append((ids + response, [0] * len(ids) + mask))
+            out.append(_tool_episode(tokenizer, prompt, answer))
+            continue
+        text = str(answer) if bare.random() < cfg.sft.unboxed else f"{BOXED}{answer}}}"
+        response = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        out.append((ids + response, [0] * len(ids) + [1] * len(response)))
     return out
 
 
-def _tool_response(tokenizer, prompt: str, answer: str) -> tuple[list[int], list[int]]:
-    """(ids, loss mask) of the turns after a synthetic prompt ('a*b=') that call the calculator on it
-    ('a*b'), read its result and answer it boxed; each message's ids are the text it adds to the chat
-    template's render of the messages before it."""
+def _tool_episode(tokenizer, prompt: str, answer: str) -> tuple[list[int], list[int]]:
+    """(ids, loss mask) of an episode that calls the calculator on a synthetic prompt ('a*b=' -> 'a*b'),
+    reads its result and answers it boxed, assembled by the rollouts' own `Conversation`: the prompt and
+    the tool's result are context exactly as an episode's chat calls add them, and the two assistant
+    turns are scripted sampled turns (the text the chat template writes for the assistant message)."""
     expression = prompt.removesuffix("=")
     call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
-    messages = [
-        {"role": "user", "content": prompt},
-        {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "content": calculator(expression)},
-        {"role": "assistant", "content": f"{BOXED}{answer}}}"},
+    turns = [
+        (
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": calculator(expression)},
+        ),
+        ({"role": "assistant", "content": f"{BOXED}{answer}}}"}, None),
     ]
-    ids, mask = [], []
-    for k in range(1, len(messages)):
-        before = tokenizer.apply_chat_template(messages[:k], tokenize=False)
-        after = tokenizer.apply_chat_template(messages[: k + 1], tokenize=False)
-        if not after.startswith(before):
-            raise ConfigError(
-                f"sft.tool_share needs a chat template that only appends: the render of a {messages[k]['role']} "
-                f"message rewrote the earlier ones ({before!r} -> {after!r})"
-            )
-        added = tokenizer(after[len(before) :], add_special_tokens=False)["input_ids"]
-        ids += added
-        mask += [int(messages[k]["role"] == "assistant")] * len(added)
-    return ids, mask
+    episode = EpisodeTokens()
+    chat = Conversation(tokenizer, episode)
+    messages = [{"role": "user", "content": prompt}]
+    for reply, result in turns:
+        chat.prompt_ids(messages, tools=[CALCULATOR_SCHEMA])
+        sampled = _assistant_ids(tokenizer, messages, reply)
+        chat.add_turn(sampled, [0.0] * len(sampled), [0] * len(sampled), reply)
+        messages += [reply, result] if result else [reply]
+    if len(episode.sequences) != 1:
+        raise ConfigError("sft.tool_share: the chat template's renders of the tool episode do not extend each other")
+    arrays = episode.arrays()
+    return arrays["tokens"].tolist(), arrays["loss_mask"].tolist()
+
+
+def _assistant_ids(tokenizer, messages: list[dict], reply: dict) -> list[int]:
+    """The ids of `reply` as the template writes it after the generation prompt of `messages`: what the
+    model samples for it, its turn end included."""
+    before = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    after = tokenizer.apply_chat_template([*messages, reply], tokenize=False)
+    if not after.startswith(before):
+        raise ConfigError(
+            f"sft.tool_share needs a chat template that only appends: the render of an assistant message "
+            f"rewrote the earlier ones ({before!r} -> {after!r})"
+        )
+    return tokenizer(after[len(before) :], add_special_tokens=False)["input_ids"]
 
 
 def warm_start(cfg: Config, base: Path) -> Path:

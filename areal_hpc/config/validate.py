@@ -11,7 +11,7 @@ from __future__ import annotations
 from areal_hpc import parallel
 from areal_hpc.algo.advantages import ADV_NORMS
 from areal_hpc.arch import DTYPE_BYTES, model_arch
-from areal_hpc.config.schema import Config
+from areal_hpc.config.schema import Config, RolloutConfig
 from areal_hpc.device import CHOICES as DEVICES
 from areal_hpc.errors import ConfigError
 from areal_hpc.reward import REWARD_KINDS
@@ -30,6 +30,8 @@ CHOICES = {
     "rollout.tool_format": TOOL_FORMATS,
 }
 """Fields with a fixed set of values: `validate` refuses any other, `describe_config` lists them."""
+SINGLE_TURN = RolloutConfig.workflow
+"""The default `rollout.workflow`: one turn per episode."""
 
 
 def validate(cfg: Config) -> None:
@@ -119,6 +121,29 @@ def validate(cfg: Config) -> None:
     need(
         p.max_tokens_per_mb >= r.max_new_tokens,
         f"ppo.max_tokens_per_mb ({p.max_tokens_per_mb}) must hold at least one trajectory of rollout.max_new_tokens ({r.max_new_tokens})",
+    )
+    # A micro-batch holds whole sequences (a longer one gets a micro-batch of its own, over the memory
+    # budget). An episode's sequence is bounded by max_episode_tokens, and without it, once the
+    # workflow may run several turns, only by the model's context.
+    if r.max_episode_tokens > 0:
+        longest, bound = r.max_episode_tokens, f"rollout.max_episode_tokens ({r.max_episode_tokens})"
+    elif r.workflow != SINGLE_TURN and r.max_turns > 1:
+        longest = m.max_position_embeddings
+        bound = (
+            f"the model's context ({longest}: rollout.max_episode_tokens is 0 and rollout.workflow "
+            f"{r.workflow} may run up to rollout.max_turns ({r.max_turns}) turns)"
+        )
+    else:
+        longest, bound = 0, ""  # a single turn: the rule above
+    need(
+        p.max_tokens_per_mb >= longest,
+        f"ppo.max_tokens_per_mb ({p.max_tokens_per_mb}) must hold one whole episode sequence, up to {bound} tokens: "
+        "raise ppo.max_tokens_per_mb or set a smaller rollout.max_episode_tokens",
+    )
+    need(
+        r.max_episode_tokens == 0 or r.max_episode_tokens > r.max_new_tokens,
+        f"rollout.max_episode_tokens ({r.max_episode_tokens}) must exceed rollout.max_new_tokens "
+        f"({r.max_new_tokens}): an episode holds its prompt and at least one whole turn (0: the model's context)",
     )
     need(
         r.max_new_tokens < m.max_position_embeddings,

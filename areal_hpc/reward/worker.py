@@ -17,12 +17,11 @@ is answered "error: cancelled (stop)". The controller counts the reasons in its 
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 from areal_hpc.protocol import Failure, Mailbox, RewardRequest, RewardResult, Stop
 from areal_hpc.reward import response_text
-from areal_hpc.reward.pool import ScorerPool
+from areal_hpc.reward.pool import ScorerPool, pool_size
 from areal_hpc.runtime import CONTROLLER_RANK
 
 log = logging.getLogger(__name__)
@@ -31,11 +30,6 @@ IDLE_WAIT_S = 0.01
 """Longest wait for a scorer while nothing is running (bounds how late a new request is noticed)."""
 BUSY_WAIT_S = 0.002
 """Wait for a scorer while requests are running."""
-
-
-def pool_size(processes: int) -> int:
-    """`reward.processes`, or one scorer per core this rank may run on when it is 0."""
-    return processes if processes > 0 else max(1, len(os.sched_getaffinity(0)))
 
 
 def serve(ctx) -> int:
