@@ -76,12 +76,13 @@ class Pool:
 
 class Scripted(Workflow):
     """Turn 1; the row's `wait`: wait for `gate`; the `fail`-th episode started raises here; a call of the
-    row's `tool`; turn 2 after prompt + turn 1 + TOOL_IDS; returns the row's `reward`."""
+    row's `tool` with its `arguments`; turn 2 after prompt + turn 1 + TOOL_IDS; returns the row's `reward`."""
 
     def __init__(self):
         self.gate: asyncio.Event | None = None  # made by the test, in the running loop
         self.waiting = 0
         self.started = 0
+        self.tool_outputs: list[str] = []
 
     async def arun_episode(self, client, row):
         self.started += 1
@@ -93,7 +94,7 @@ class Scripted(Workflow):
             self.waiting -= 1
         if me == row.get("fail"):
             raise RuntimeError("the workflow failed on purpose")
-        await client.run_tool(row.get("tool", "echo"), {"text": "x"})
+        self.tool_outputs.append(await client.run_tool(row.get("tool", "echo"), row.get("arguments", {"text": "x"})))
         await client.generate(row["prompt_ids"] + first.token_ids + TOOL_IDS)
         return row.get("reward")
 
@@ -126,7 +127,7 @@ def sampled_runs(t: Trajectory) -> list[tuple[int, int]]:
     return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
 
 
-def check_scripted(t: Trajectory, prompt: list[int]) -> tuple[list[int], list[int]]:
+def check_scripted(t: Trajectory, prompt: list[int], tool_s: float = 0.25) -> tuple[list[int], list[int]]:
     """The layout of a Scripted episode: prompt, turn 1, TOOL_IDS, turn 2 in one sequence, context tokens at
     version -1 and logprob 0; returns turn 1's and turn 2's tokens."""
     assert not t.error, t.error
@@ -138,7 +139,7 @@ def check_scripted(t: Trajectory, prompt: list[int]) -> tuple[list[int], list[in
     context = t.loss_mask == 0
     assert (t.versions[context] == -1).all() and (t.behav_logprobs[context] == 0).all()
     assert (t.versions[~context] >= 0).all()
-    assert t.stats["turns"] == 2 and t.stats["tool_calls"] == 1 and t.stats["tool_s"] == 0.25
+    assert t.stats["turns"] == 2 and t.stats["tool_calls"] == 1 and t.stats["tool_s"] == tool_s
     assert t.finish_reason == ("stop" if tokens[-1] == EOS else "length")
     return tokens[s1:e1], tokens[s2:]
 
@@ -253,6 +254,29 @@ def test_an_episode_waiting_on_a_tool_holds_up_nothing(setup):
         check_scripted(t, [20, 21] if t.group_id == 5 else [22, 23])
     assert pool.closed and not runner.episodes
     engine.interrupt()  # the cancelled episodes' turns
+
+
+def test_tool_calls_run_in_the_tool_pool(setup):
+    """With the real ToolPool (child processes): the calculator's answers reach the episodes, a failing call
+    answers an error that is counted, and the pool goes with the runner."""
+    from areal_hpc.workflow.tools import ToolPool
+
+    engine, tokenizer, _, _ = setup
+    workflow, pool = Scripted(), ToolPool(processes=1, timeout_s=10, output_chars=100)
+    runner = runner_of(engine, tokenizer, workflow, pool)
+    replies = runner.run(
+        [
+            request(50, [5, 6], n=2, tool="calculator", arguments={"expression": "6*7"}),
+            request(51, [5, 6], n=1, tool="calculator", arguments={"expression": "6*"}),
+        ]
+    )
+    runner.close()
+    assert workflow.tool_outputs.count("42") == 2
+    [error] = [text for text in workflow.tool_outputs if text != "42"]
+    assert error.startswith("error")
+    for t in replies:
+        check_scripted(t, [5, 6], tool_s=t.stats["tool_s"])
+        assert 0 < t.stats["tool_s"] < 10 and t.stats["tool_errors"] == (t.group_id == 51)
 
 
 def test_a_workflow_that_raises_loses_only_its_episode(setup, caplog):
