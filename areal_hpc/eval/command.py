@@ -34,9 +34,7 @@ from areal_hpc.protocol import EPISODE_STATS, EvalRequest, EvalTrajectory
 def table(report: dict) -> str:
     """The report as the terminal shows it."""
     lines = [f"model    {report['model']}", f"data     {report['data']}"]
-    lines.append(
-        f"prompts  {report['prompts']} x {report['samples']} trajectories (temperature {report['temperature']})"
-    )
+    lines.append(f"prompts  {report['prompts']} x {report['samples']} episodes (temperature {report['temperature']})")
     lines.append("")
     lines.append("  ".join(f"{'pass@' + k:>8}" for k in report["pass@k"]) + f"  {'reward':>8}")
     lines.append("  ".join(f"{v:8.3f}" for v in report["pass@k"].values()) + f"  {report['reward_mean']:8.3f}")
@@ -48,7 +46,7 @@ def table(report: dict) -> str:
     )
     lines.append(
         f"episodes ({report['workflow']}): turns {e['turns_mean']:.2f}, tool calls {e['tool_calls_mean']:.2f} "
-        f"({e['tool_errors']} failed, {e['tool_s_mean']:.2f} s each); lost (the workflow raised): {e['workflow_errors']}"
+        f"({e['tool_errors']} failed, {e['tool_s_mean']:.3f} s each); lost (the workflow raised): {e['workflow_errors']}"
     )
     return "\n".join(lines)
 
