@@ -22,6 +22,7 @@ from areal_hpc.config import (
 from areal_hpc.config.kinds import config_fields, kinds_of
 from areal_hpc.layout import Layout
 from areal_hpc.planner import resolve_split
+from areal_hpc.workflow import Workflow, load_workflow
 from tests.helpers import REPO, TINY
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -32,6 +33,11 @@ def test_shipped_configs_load_and_round_trip(path, tmp_path):
     cfg = load_config(path)
     save_config(cfg, tmp_path / "c.yaml")
     assert load_config(tmp_path / "c.yaml") == cfg
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_name_a_workflow_that_loads(path):
+    assert issubclass(load_workflow(load_config(path).rollout.workflow), Workflow)
 
 
 def test_override_changes_a_field():

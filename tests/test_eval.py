@@ -165,11 +165,28 @@ def test_training_eval_rounds_by_hand():
     assert len(ev.start(4)) == 2 and ev.version == 4
 
 
+TWO_TURNS = """
+from areal_hpc.workflow import Workflow
+
+
+class TwoTurns(Workflow):
+    async def arun_episode(self, client, row):
+        first = await client.generate(row["prompt_ids"], max_tokens=2)
+        if row["prompt"].startswith("1"):
+            raise RuntimeError("lost on purpose")
+        await client.generate([*row["prompt_ids"], *first.token_ids, *row["prompt_ids"]], max_tokens=3)
+        return 1.0
+"""
+
+
 @pytest.mark.vllm
 def test_evaluate_with_the_generator_engine_and_scorer_pool(tmp_path):
-    """One real evaluation: the tiny model's warm start (a few hundred examples) on held-out problems."""
+    """Real evaluations on one engine: the tiny model's warm start (a few hundred examples) on held-out
+    problems with the default workflow, scored by the reward workers' pool; then a workflow of two turns
+    that returns its own reward, and raises on some prompts."""
     from areal_hpc.data import eval_path, load_prompts
     from areal_hpc.eval.command import evaluate, table
+    from areal_hpc.generator.engine import GenerationEngine
     from areal_hpc.sft import initial_model
 
     overrides = [
@@ -181,18 +198,44 @@ def test_evaluate_with_the_generator_engine_and_scorer_pool(tmp_path):
     ]
     cfg = load_config("configs/tiny-cpu.yaml", overrides)
     model = initial_model(cfg)
-    report = evaluate(cfg, model, eval_path(cfg), samples=4, progress=lambda line: None)
-    n = len(load_prompts(cfg, build_tokenizer(), eval_path(cfg)))
-    assert report["prompts"] == n == 40 and report["samples"] == 4
-    assert [p["correct"] for p in report["per_prompt"]] and all(0 <= p["correct"] <= 4 for p in report["per_prompt"])
-    assert report["pass@k"]["1"] == pytest.approx(np.mean([p["correct"] / 4 for p in report["per_prompt"]]))
-    assert report["pass@k"]["1"] == pytest.approx(report["reward_mean"])  # math rewards are 0 or 1
-    assert report["pass@k"]["1"] <= report["pass@k"]["2"] <= report["pass@k"]["4"]
-    tokens = [t for p in report["per_prompt"] for t in p["tokens"]]
-    assert min(tokens) >= 1 and max(tokens) <= 8 and report["trajectory_tokens"]["max"] == max(tokens)
-    assert report["truncated_frac"] <= np.mean([t == 8 for t in tokens])
-    assert report["pass@k"]["4"] > 0, "the warm start answers some held-out problems right"
-    assert "pass@1" in table({**report, "step": 0})
+    engine = GenerationEngine.from_config(cfg, model, "cpu")
+    try:
+        report = evaluate(cfg, model, eval_path(cfg), samples=4, engine=engine, progress=lambda line: None)
+        n = len(load_prompts(cfg, build_tokenizer(), eval_path(cfg)))
+        assert report["prompts"] == n == 40 and report["samples"] == 4
+        assert [p["correct"] for p in report["per_prompt"]] and all(
+            0 <= p["correct"] <= 4 for p in report["per_prompt"]
+        )
+        assert report["pass@k"]["1"] == pytest.approx(np.mean([p["correct"] / 4 for p in report["per_prompt"]]))
+        assert report["pass@k"]["1"] == pytest.approx(report["reward_mean"])  # math rewards are 0 or 1
+        assert report["pass@k"]["1"] <= report["pass@k"]["2"] <= report["pass@k"]["4"]
+        prompt_tokens = {
+            i: len(e.prompt_ids) for i, e in enumerate(load_prompts(cfg, build_tokenizer(), eval_path(cfg)))
+        }
+        answers = [t - prompt_tokens[i] for i, p in enumerate(report["per_prompt"]) for t in p["tokens"]]
+        assert min(answers) >= 1 and max(answers) <= 8, "an episode of SingleTurn: the prompt and one answer"
+        assert report["truncated_frac"] <= np.mean([a == 8 for a in answers])
+        assert report["pass@k"]["4"] > 0, "the warm start answers some held-out problems right"
+        assert report["episodes"]["turns_mean"] == 1 and report["episodes"]["workflow_errors"] == 0
+        assert "pass@1" in table({**report, "step": 0})
+
+        workflow = tmp_path / "two_turns.py"
+        workflow.write_text(TWO_TURNS)
+        data = tmp_path / "held_out.jsonl"
+        prompts = ["1+1=", "2+5=", "13+4=", "7-3="]
+        data.write_text("".join(json.dumps({"prompt": p, "answer": "0"}) + "\n" for p in prompts))
+        cfg = load_config("configs/tiny-cpu.yaml", [*overrides, f"rollout.workflow={workflow}:TwoTurns"])
+        report = evaluate(cfg, model, data, samples=3, engine=engine, progress=lambda line: None)
+    finally:
+        engine.close()
+    lost = [p.startswith("1") for p in prompts]
+    # the workflow's 1.0 wins over reward.kind (every answer "0" is wrong); a lost episode scores 0
+    assert [p["correct"] for p in report["per_prompt"]] == [0 if x else 3 for x in lost]
+    assert report["episodes"]["workflow_errors"] == report["reward_errors"] == 3 * sum(lost)
+    assert "lost on purpose" in report["episodes"]["first_error"]
+    assert report["episodes"]["turns_mean"] == pytest.approx(2 * (len(prompts) - sum(lost)) / len(prompts))
+    assert all(t == 0 for p, x in zip(report["per_prompt"], lost) if x for t in p["tokens"]), "lost: no tokens"
+    assert "lost (the workflow raised): 6" in table({**report, "step": 0})
 
 
 def eval_args(*argv):
