@@ -116,8 +116,7 @@ def evaluate(cfg: Config, model_dir: Path, data: str | Path, samples: int, engin
     from areal_hpc.device import resolve_device
     from areal_hpc.generator.engine import GenerationEngine
     from areal_hpc.generator.episodes import EpisodeRunner
-    from areal_hpc.reward.pool import ScorerPool
-    from areal_hpc.reward.pool import pool_size
+    from areal_hpc.reward.pool import ScorerPool, pool_size
     from areal_hpc.workflow import load_workflow
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
