@@ -7,6 +7,7 @@ text's tokens are its characters) or its own template for the tiny agent task.""
 
 import asyncio
 import importlib.util
+import inspect
 import json
 from pathlib import Path
 
@@ -340,11 +341,29 @@ def test_the_calculator_agent_stops_at_max_turns():
     assert f["stats"]["tool_calls"] == 2 and tok.decode(f["answer_ids"]) == "<calc>2+2<|endoftext|>"
 
 
+def readme_workflow(tmp_path: Path):
+    """The README's example workflow ("Writing a workflow"), saved and loaded as a user would: the class and its
+    system prompt."""
+    from areal_hpc.workflow import load_workflow
+
+    section = (Path(__file__).resolve().parents[1] / "README.md").read_text().split("## Writing a workflow", 1)[1]
+    path = tmp_path / "math_agent.py"
+    path.write_text(section.split("```python\n", 1)[1].split("```", 1)[0])
+    cls = load_workflow(f"{path}:MathAgent")
+    return cls, inspect.getmodule(cls).SYSTEM
+
+
 @pytest.mark.slow  # the hermes parser imports vLLM: ~10 s here
 @pytest.mark.vllm
-def test_the_code_interpreter_agent_chats_in_qwens_format():
+@pytest.mark.parametrize("agent", ["builtin", "readme"])
+def test_the_code_interpreter_agent_chats_in_qwens_format(agent, tmp_path):
+    """CodeInterpreterMath, and the README's example agent (the same loop), in Qwen's format."""
     from areal_hpc.workflow.builtin import CODE_INTERPRETER_PROMPT, CodeInterpreterMath
     from tests.test_workflow_conversation import QWEN25_STYLE
+
+    workflow, system = (
+        (CodeInterpreterMath, CODE_INTERPRETER_PROMPT) if agent == "builtin" else readme_workflow(tmp_path)
+    )
 
     tok = chatml_tokenizer()
     tok.chat_template = QWEN25_STYLE
@@ -357,11 +376,11 @@ def test_the_code_interpreter_agent_chats_in_qwens_format():
         return "1776\n", True, 0.1
 
     client = EpisodeClient(tok, RolloutConfig(max_new_tokens=64, tool_format="hermes"), 4096, engine, python)
-    run(CodeInterpreterMath().arun_episode(client, {"prompt": "What is 37*48?", "prompt_ids": []}))
+    run(workflow().arun_episode(client, {"prompt": "What is 37*48?", "prompt_ids": []}))
     assert seen == [("python", {"code": "print(37*48)"})]
     schema = [tools.TOOLS["python"]]
     messages = [
-        {"role": "system", "content": CODE_INTERPRETER_PROMPT},
+        {"role": "system", "content": system},
         {"role": "user", "content": "What is 37*48?"},
         {
             "role": "assistant",
