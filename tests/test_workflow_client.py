@@ -46,6 +46,7 @@ class Engine:
 
     async def __call__(self, token_ids, max_tokens):
         self.calls.append((list(token_ids), max_tokens))
+        await asyncio.sleep(0)  # the turn is in flight, as on the engine: other tasks run meanwhile
         k = len(self.turns)
         cut = k in self.cut
         ids = encode(self.tok, self.texts[k]) + ([] if cut else [self.tok.eos_token_id])
@@ -275,6 +276,42 @@ def test_token_level_turns_build_the_sequence_and_extend_it():
     assert f["loss_mask"].tolist() == [0] * 4 + [1] * 5 + [0] * 3 + [1] * 4
     assert f["versions"].tolist() == [-1] * 4 + [5] * 5 + [-1] * 3 + [6] * 4
     assert f["answer_ids"].tolist() == t2.token_ids and f["stats"]["turns"] == 2
+
+
+def test_one_call_to_the_policy_at_a_time_per_episode():
+    """Two calls in flight on one client would record both turns into one sequence: the second raises,
+    the first completes as if alone."""
+    tok = chatml_tokenizer()
+    messages = [{"role": "user", "content": "q"}]
+    for second in ("generate", "chat"):
+        engine = Engine(tok, ["ab", "cd"])
+        client = client_for(tok, engine)
+
+        async def both(client, second):
+            first = asyncio.ensure_future(client.chat.completions.create(messages=messages))
+            await asyncio.sleep(0)  # the first call is now awaiting its turn
+            if second == "generate":
+                await client.generate(encode(tok, "q"))
+            else:
+                await client.chat.completions.create(messages=messages)
+            return await first
+
+        with pytest.raises(RuntimeError, match="one call to the policy at a time per episode"):
+            run(both(client, second))
+        assert len(engine.calls) == 1
+        f = client.trajectory_fields()
+        assert f["tokens"].tolist()[-3:] == engine.turns[0].token_ids and f["stats"]["turns"] == 1
+
+    engine = Engine(tok, ["ab", "cd"])
+    client = client_for(tok, engine)
+
+    async def gathered():
+        return await asyncio.gather(client.generate([1, 2]), client.generate([1, 2]), return_exceptions=True)
+
+    first, second = run(gathered())
+    assert isinstance(first, Turn) and isinstance(second, RuntimeError)
+    run(client.generate([1, 2]))  # after the first came back, the next call is free
+    assert client.trajectory_fields()["seq_lens"].tolist() == [5, 5], "each call its own sequence, none mixed"
 
 
 def test_tool_calls_are_counted_and_failures_reach_the_model_as_errors():

@@ -56,6 +56,9 @@ class Workflow(abc.ABC):
     Concurrency. Episodes run as asyncio tasks on the generator's event loop, next to the engine: an
     episode that awaits (a turn, a tool) holds up nothing, but a blocking call in `arun_episode` stops
     the engine and every other episode. Run blocking code with `await asyncio.to_thread(...)`.
+    One call to the policy at a time per episode: a second `generate` or chat call on the same client
+    while one is in flight raises RuntimeError (both would extend the same sequence); parallel samples
+    are separate episodes (`rollout.group_size`). Tool calls may run concurrently.
 
     Errors. An exception ends this episode only: it is counted in `rollout/workflow_errors` and its
     traceback goes to the generator's log.

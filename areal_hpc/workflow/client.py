@@ -14,6 +14,10 @@ its sequences (0: the model's context), `rollout.max_new_tokens` per turn, and t
 "length" (no engine call), and the episode ends as "length"; it does not raise, so user code that
 catches exceptions cannot loop on it.
 
+One call to the policy at a time: a second `generate` or chat call while one is in flight on the same
+client raises RuntimeError. An episode's record is one chain of turns, each continuing what came before;
+samples in parallel are separate episodes (`rollout.group_size`). Tool calls may run concurrently.
+
 Sampling settings are the run's: a call that asks for another temperature or top_p, or n != 1, raises
 ValueError. The trainer recomputes every sampled token's logprob at `rollout.temperature`, so a turn
 sampled otherwise would train on the wrong behaviour policy.
@@ -24,6 +28,7 @@ engine, in the same event loop, and a server round trip would re-tokenize what w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import numbers
 import time
@@ -66,6 +71,7 @@ class EpisodeClient:
         self._sample = sample
         self._tool = tool
         self._limited = False  # a call was refused by a limit: the episode ends as "length"
+        self._calling = False  # a call to the policy is in flight
         self._last_finish = "stop"
         self.turns = 0
         self.tool_calls = 0
@@ -76,15 +82,16 @@ class EpisodeClient:
         """Sample one turn after `context_ids`. They continue the episode's current sequence when they
         extend it (the new ids are context), otherwise they start a new sequence. Past a limit: an empty
         "length" turn."""
-        _check_max_tokens(max_tokens)
-        if self._out_of_turns():
-            return Turn([], [], [], "length")
-        context = self.episode.extend_to([int(t) for t in context_ids])
-        turn = await self._turn(context, max_tokens)
-        if turn is None:
-            return Turn([], [], [], "length")
-        self.episode.add_sampled(turn.token_ids, turn.behav_logprobs, turn.versions)
-        return turn
+        with self._one_call():
+            _check_max_tokens(max_tokens)
+            if self._out_of_turns():
+                return Turn([], [], [], "length")
+            context = self.episode.extend_to([int(t) for t in context_ids])
+            turn = await self._turn(context, max_tokens)
+            if turn is None:
+                return Turn([], [], [], "length")
+            self.episode.add_sampled(turn.token_ids, turn.behav_logprobs, turn.versions)
+            return turn
 
     async def run_tool(self, name: str, arguments) -> str:
         """The text the model reads next for a call of tool `name` with `arguments` (a dict, or the JSON
@@ -146,25 +153,26 @@ class EpisodeClient:
         extra_body=None,
         **others,
     ):
-        self._check_sampling(temperature, top_p, n, others)
-        max_tokens = max_completion_tokens if max_completion_tokens is not None else max_tokens
-        _check_max_tokens(max_tokens)
-        conversation = self._conversation((extra_body or {}).get("chat_template_kwargs") or {})
-        if self._out_of_turns():
-            return self._completion(model, _message(""), "length", 0, [])
-        context = conversation.prompt_ids(messages, tools)
-        turn = await self._turn(context, max_tokens)
-        if turn is None:
-            return self._completion(model, _message(""), "length", len(context), [])
-        ids = list(turn.token_ids)
-        text = self.tokenizer.decode(_strip_turn_end(ids, conversation), skip_special_tokens=False)
-        content, calls = text, []
-        if tools and tool_choice != "none":  # as vLLM's server: parse only when the request has tools
-            content, calls = parse_tool_calls(self.rollout.tool_format, self.tokenizer, text)
-        message = _message(content, calls)
-        conversation.add_turn(ids, turn.behav_logprobs, turn.versions, message)
-        finish = "tool_calls" if calls else turn.finish_reason
-        return self._completion(model, message, finish, len(context), ids)
+        with self._one_call():
+            self._check_sampling(temperature, top_p, n, others)
+            max_tokens = max_completion_tokens if max_completion_tokens is not None else max_tokens
+            _check_max_tokens(max_tokens)
+            conversation = self._conversation((extra_body or {}).get("chat_template_kwargs") or {})
+            if self._out_of_turns():
+                return self._completion(model, _message(""), "length", 0, [])
+            context = conversation.prompt_ids(messages, tools)
+            turn = await self._turn(context, max_tokens)
+            if turn is None:
+                return self._completion(model, _message(""), "length", len(context), [])
+            ids = list(turn.token_ids)
+            text = self.tokenizer.decode(_strip_turn_end(ids, conversation), skip_special_tokens=False)
+            content, calls = text, []
+            if tools and tool_choice != "none":  # as vLLM's server: parse only when the request has tools
+                content, calls = parse_tool_calls(self.rollout.tool_format, self.tokenizer, text)
+            message = _message(content, calls)
+            conversation.add_turn(ids, turn.behav_logprobs, turn.versions, message)
+            finish = "tool_calls" if calls else turn.finish_reason
+            return self._completion(model, message, finish, len(context), ids)
 
     def _conversation(self, template_kwargs: dict) -> Conversation:
         if self.conversation is None:
@@ -194,6 +202,21 @@ class EpisodeClient:
             raise ValueError(f"{', '.join(refused)}: not supported by the rollout engine; leave them unset")
 
     # --- shared by both calls ---
+
+    @contextlib.contextmanager
+    def _one_call(self):
+        """Refuses a call while another is in flight: both would extend the same sequence (and the
+        conversation's pending call), interleaving two turns into one record."""
+        if self._calling:
+            raise RuntimeError(
+                "one call to the policy at a time per episode (generate or chat.completions.create): await "
+                "each before the next; sample in parallel as separate episodes (rollout.group_size)"
+            )
+        self._calling = True
+        try:
+            yield
+        finally:
+            self._calling = False
 
     def _out_of_turns(self) -> bool:
         if self.turns >= self.rollout.max_turns:
