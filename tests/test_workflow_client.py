@@ -253,6 +253,11 @@ def test_sampling_settings_other_than_the_runs_are_refused():
         run(create(messages=messages, n=4))
     with pytest.raises(ValueError, match="stop"):
         run(create(messages=messages, stop=["\n"]))
+    with pytest.raises(ValueError, match="stream"):
+        run(create(messages=messages, stream=True))
+    for forced in ("required", {"type": "function", "function": {"name": "calculator"}}):
+        with pytest.raises(ValueError, match="tool_choice=.* does not force tool calls"):
+            run(create(messages=messages, tools=[CALCULATOR_SCHEMA], tool_choice=forced))
     assert engine.calls == []
     kwargs = {"chat_template_kwargs": {"enable_thinking": False}}
     r = run(create(messages=messages, temperature=1.0, top_p=0.9, n=1, max_tokens=4, seed=None, extra_body=kwargs))

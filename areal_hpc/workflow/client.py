@@ -20,7 +20,10 @@ samples in parallel are separate episodes (`rollout.group_size`). Tool calls may
 
 Sampling settings are the run's: a call that asks for another temperature or top_p, or n != 1, raises
 ValueError. The trainer recomputes every sampled token's logprob at `rollout.temperature`, so a turn
-sampled otherwise would train on the wrong behaviour policy.
+sampled otherwise would train on the wrong behaviour policy. Arguments the engine does not apply raise
+ValueError too rather than being ignored: `stop`, `logit_bias`, the penalties, `stream=True` (a turn
+comes back whole) and a forced `tool_choice` ("required" or a named function: nothing constrains what
+is sampled); `tool_choice="none"` only turns the parsing of tool calls off.
 
 The OpenAI types are built by hand (not the `openai` client over HTTP): the episode runs next to the
 engine, in the same event loop, and a server round trip would re-tokenize what was sampled.
@@ -50,9 +53,9 @@ class Turn:
     finish_reason: str  # "stop" | "length"
 
 
-_REFUSED = ("stop", "logit_bias", "presence_penalty", "frequency_penalty")
-"""OpenAI arguments that change what is sampled and that the engine does not apply: refused rather than
-ignored (the other unknown arguments, `model` among them, are ignored)."""
+_REFUSED = ("stop", "logit_bias", "presence_penalty", "frequency_penalty", "stream")
+"""OpenAI arguments that change what is sampled or how it comes back, and that the engine does not apply:
+refused rather than ignored (the other unknown arguments, `model` among them, are ignored)."""
 
 
 class EpisodeClient:
@@ -154,7 +157,7 @@ class EpisodeClient:
         **others,
     ):
         with self._one_call():
-            self._check_sampling(temperature, top_p, n, others)
+            self._check_sampling(temperature, top_p, n, tool_choice, others)
             max_tokens = max_completion_tokens if max_completion_tokens is not None else max_tokens
             _check_max_tokens(max_tokens)
             conversation = self._conversation((extra_body or {}).get("chat_template_kwargs") or {})
@@ -184,7 +187,7 @@ class EpisodeClient:
             )
         return self.conversation
 
-    def _check_sampling(self, temperature, top_p, n, others: dict) -> None:
+    def _check_sampling(self, temperature, top_p, n, tool_choice, others: dict) -> None:
         r = self.rollout
         for name, asked, run in (("temperature", temperature, r.temperature), ("top_p", top_p, r.top_p)):
             if asked is not None and asked != run:
@@ -196,6 +199,11 @@ class EpisodeClient:
             raise ValueError(
                 f"n={n}: an episode samples one answer per call (the group's episodes are the n samples, "
                 "rollout.group_size); leave n unset"
+            )
+        if tool_choice not in (None, "auto", "none"):
+            raise ValueError(
+                f"tool_choice={tool_choice!r}: the rollout engine does not force tool calls; leave tool_choice "
+                'unset ("auto") or "none", and let the prompt ask for the call'
             )
         refused = sorted(k for k in _REFUSED if others.get(k))
         if refused:
