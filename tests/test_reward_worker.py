@@ -84,14 +84,21 @@ def test_pool_kills_a_scorer_that_overruns_its_deadline():
         pool.close()
 
 
-def test_pool_cancel_answers_queued_and_running_tasks():
+def test_pool_close_answers_queued_and_running_tasks_and_starts_nothing():
     pool = ScorerPool(1, timeout_s=5.0)
     try:
         for key in range(3):
             pool.submit(key, "code", "```python\nimport time\ntime.sleep(3)\n```", TESTS)
         wait_for_busy_scorer(pool)
-        cancelled = pool.cancel("error: cancelled (stop)")
+        pids = pool.pids
+        cancelled = pool.close("error: cancelled (stop)")
         assert sorted(k for k, *_ in cancelled) == [0, 1, 2] and pool.pending == 0
+        assert {tuple(r) for _, *r in cancelled} == {(0.0, "error: cancelled (stop)")}
+        assert pool.pids == [] and pool.replaced == 0, "closing starts no new scorer"
+        assert all(not Path(f"/proc/{pid}").exists() for pid in pids)
+        pool.submit(3, "math", "\\boxed{4}", "4")
+        assert pool.poll() == [(3, 0.0, "error: the scorer pool is closed")], "after close: answered at once"
+        assert pool.close() == []
     finally:
         pool.close()
 

@@ -212,7 +212,7 @@ def test_tool_pool_answers_many_concurrent_calls_each_once():
         for i in range(4):
             pool.submit(("c", i), "python", {"code": "import time\ntime.sleep(30)"})
         pool.poll(0.2)
-        cancelled = pool.cancel()
+        cancelled = pool.close()
         assert sorted(k for k, *_ in cancelled) == [("c", i) for i in range(4)] and pool.pending == 0
         assert {(text, ok) for _, text, ok, _ in cancelled} == {("error: cancelled", False)}
     finally:

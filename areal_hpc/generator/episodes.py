@@ -114,8 +114,7 @@ class EpisodeRunner:
         for task in list(self._tasks):
             task.cancel()
         if self._pool is not None:
-            self._pool.cancel()
-            self._pool.close()
+            self._pool.close()  # the calls' answers go nowhere: their episodes are cancelled
             self._pool = None
         self._turns.clear()
         self._calls.clear()

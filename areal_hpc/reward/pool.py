@@ -11,7 +11,7 @@ tools with it (`areal_hpc.workflow.tools.ToolPool`: `run_tool`).
            child died mid-task     -> (key, *failed("error: <name> process died (...)")), start a new child
 ```
 
-Every submitted task comes out of `poll` (or `cancel`) exactly once, whatever happens to the children.
+Every submitted task comes out of `poll` (or `close`) exactly once, whatever happens to the children.
 The function returns a tuple (the result after the key); `failed(reason, seconds)` makes the same
 shape for a task the pool itself had to answer.
 
@@ -143,22 +143,19 @@ class TaskPool:
         self._dispatch(results)
         return results
 
-    def cancel(self, reason: str) -> list[tuple]:
-        """Drop every queued and running task, each as `(key, *failed(reason))`."""
-        out = [(t.key, *self.failed(reason, 0.0)) for t in self.queue]
-        self.queue.clear()
+    def close(self, reason: str = "error: cancelled") -> list[tuple]:
+        """Kill every child and answer every queued and running task as `(key, *failed(reason))`; no child
+        is started again, and a task submitted afterwards fails at its first `poll`. Closing twice is
+        harmless (the second answers nothing)."""
         now = time.monotonic()
-        for child in list(self.children):
-            if child.task is not None:
-                out.append((child.task.key, *self.failed(reason, now - child.dispatched)))
-                self._replace(child)
-        return out
-
-    def close(self) -> None:
-        """Kill every child (a task still running is lost: `cancel` first to answer it)."""
+        out = [(c.task.key, *self.failed(reason, now - c.dispatched)) for c in self.children if c.task is not None]
+        out += [(t.key, *self.failed(reason, 0.0)) for t in self.queue]
+        self.queue.clear()
         for child in self.children:
             _kill(child.proc)
         self.children.clear()
+        self.broken = f"the {self.name} pool is closed"
+        return out
 
     # --- children --------------------------------------------------------------------------------
 

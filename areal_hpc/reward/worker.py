@@ -67,7 +67,7 @@ def serve(ctx) -> int:
                     log.warning("reward worker: ignoring unexpected %s", type(msg).__name__)
             if stop is not None:
                 log.info("reward worker: stop (%s); %d requests still open", stop.reason, pool.pending)
-                reply(pool.cancel("error: cancelled (stop)"))
+                reply(pool.close("error: cancelled (stop)"))
                 break
             reply(pool.poll(BUSY_WAIT_S if pool.pending else IDLE_WAIT_S))
             if pool.broken and not reported_broken:

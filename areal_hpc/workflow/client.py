@@ -98,9 +98,9 @@ class EpisodeClient:
 
     async def run_tool(self, name: str, arguments) -> str:
         """The text the model reads next for a call of tool `name` with `arguments` (a dict, or the JSON
-        string of a parsed tool call): the tool's output, or "error: ..." when the arguments are not a
-        JSON object or the tool failed or timed out (counted in `tool_errors`). Cut to
-        `rollout.tool_output_chars`."""
+        string of a parsed tool call): the tool's output (cut to `rollout.tool_output_chars` by the tool
+        pool), or "error: ..." when the arguments are not a JSON object or the tool failed or timed out
+        (counted in `tool_errors`)."""
         self.tool_calls += 1
         if isinstance(arguments, str):
             try:
@@ -114,11 +114,8 @@ class EpisodeClient:
             return f"error: the arguments of {name} must be a JSON object, got {str(arguments)[:100]!r}"
         text, ok, seconds = await self._tool(name, parsed)
         self.tool_s += seconds
-        if not ok:
-            self.tool_errors += 1
-            if not text.startswith("error"):
-                text = f"error: {text}"
-        return text[: self.rollout.tool_output_chars]
+        self.tool_errors += not ok
+        return text
 
     def trajectory_fields(self) -> dict:
         """What a reply (`protocol.Trajectory`) carries of the episode: `tokens`, `seq_lens`, `loss_mask`,

@@ -234,10 +234,6 @@ class ToolPool(TaskPool):
     def submit(self, key: Any, name: str, arguments: dict) -> None:
         super().submit(key, name, arguments, self.timeout_s, self.output_chars)
 
-    def cancel(self, reason: str = "cancelled") -> list[tuple[Any, str, bool, float]]:
-        """Drop every queued and running call, each as `(key, "error: cancelled", False, seconds)`."""
-        return super().cancel(reason)
-
     def _failed(self, reason: str, seconds: float) -> tuple[str, bool, float]:
         if reason == "timeout":
             reason = f"the tool ran over its {self.timeout_s:g} s limit"
