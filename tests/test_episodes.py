@@ -67,16 +67,14 @@ class Pool:
         self.calls = [c for c in self.calls if c[1] in self.held]
         return [(key, f"{name} says hi", True, 0.25) for key, name, _ in ready]
 
-    def cancel(self):
-        self.calls = []
-
     def close(self):
         self.closed = True
 
 
 class Scripted(Workflow):
-    """Turn 1; the row's `wait`: wait for `gate`; the `fail`-th episode started raises here; a call of the
-    row's `tool` with its `arguments`; turn 2 after prompt + turn 1 + TOOL_IDS; returns the row's `reward`."""
+    """Turn 1; the row's `wait`: wait for `gate`; the `fail`-th episode started raises the row's `exception`
+    (RuntimeError) here; a call of the row's `tool` with its `arguments`; turn 2 after prompt + turn 1 +
+    TOOL_IDS; returns the row's `reward`."""
 
     def __init__(self):
         self.gate: asyncio.Event | None = None  # made by the test, in the running loop
@@ -93,7 +91,7 @@ class Scripted(Workflow):
             await self.gate.wait()
             self.waiting -= 1
         if me == row.get("fail"):
-            raise RuntimeError("the workflow failed on purpose")
+            raise row.get("exception", RuntimeError)("the workflow failed on purpose")
         self.tool_outputs.append(await client.run_tool(row.get("tool", "echo"), row.get("arguments", {"text": "x"})))
         await client.generate(row["prompt_ids"] + first.token_ids + TOOL_IDS)
         return row.get("reward")
@@ -281,20 +279,35 @@ def test_tool_calls_run_in_the_tool_pool(setup):
 
 def test_a_workflow_that_raises_loses_only_its_episode(setup, caplog):
     """The second episode of a group raises: its reply carries the traceback and no tokens (and it is logged);
-    the group's other episodes, with the reward their workflow returned, come back whole. A reward that is
-    not a number loses its episode too."""
+    the group's other episodes, with the reward their workflow returned, come back whole. A SystemExit from
+    the workflow is answered the same way (the run goes on), and a reward that is not a finite number loses
+    its episode too."""
     engine, tokenizer, _, _ = setup
     runner = runner_of(engine, tokenizer, Scripted())
     with caplog.at_level("ERROR", logger="areal_hpc.generator"):
-        replies = runner.run([request(8, [30, 31], n=3, fail=2, reward=0.5), request(9, [30, 31], n=1, reward="yes")])
+        replies = runner.run(
+            [
+                request(8, [30, 31], n=3, fail=2, reward=0.5),  # episodes 1-3 started
+                request(9, [30, 31], n=1, reward="yes"),  # 4
+                request(10, [30, 31], n=1, fail=5, exception=SystemExit),  # 5
+                request(11, [30, 31], n=1, reward=math.inf),
+                request(12, [30, 31], n=1, reward=math.nan),
+            ],
+        )
     lost = {(t.group_id, t.index) for t in replies if t.error}
-    assert len(replies) == 4 and len(lost) == 2 and (9, 0) in lost
+    assert len(replies) == 7 and len(lost) == 5 and {(9, 0), (10, 0), (11, 0), (12, 0)} <= lost
+    want = {
+        8: "RuntimeError: the workflow failed on purpose",
+        9: "TypeError: arun_episode returned 'yes'",
+        10: "SystemExit: the workflow failed on purpose",
+        11: "arun_episode returned inf: return a finite float, or None to leave the reward to reward.kind",
+        12: "arun_episode returned nan: return a finite float",
+    }
     for t in replies:
         if t.error:
             assert t.tokens.size == t.seq_lens.size == t.loss_mask.size == t.answer_ids.size == 0
             assert math.isnan(t.reward) and t.stats == dict.fromkeys(EPISODE_STATS, 0)
-            want = "TypeError: arun_episode returned 'yes'" if t.group_id == 9 else "the workflow failed on purpose"
-            assert want in t.error and "Traceback" in t.error
+            assert want[t.group_id] in t.error and "Traceback" in t.error
         else:
             check_scripted(t, [30, 31])
             assert t.reward == 0.5

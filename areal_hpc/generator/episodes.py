@@ -19,7 +19,9 @@ Names: an episode is `group{g}.{i}` (`eval{p}.{i}` for an eval row), its turns `
 engine's keys), its tool calls `<episode>.c{k}` (the pool's keys).
 
 A workflow that raises loses its episode only: the reply carries the traceback (`error`, also logged) and
-no tokens; so does an episode that sampled nothing. The tool pool starts at the first tool call, so a
+no tokens; so does an episode that sampled nothing or returned neither a finite float nor None. Any
+exception counts, SystemExit and KeyboardInterrupt from user code included (its group waits for every
+reply); only a cancellation (`close`, at Stop) ends an episode without one. The tool pool starts at the first tool call, so a
 workflow without tools costs no processes.
 """
 
@@ -55,10 +57,8 @@ class EpisodeRunner:
         self._new_pool, self._pool = tool_pool, None
         self._turns: dict[str, asyncio.Future] = {}  # turn key -> what its episode awaits
         self._calls: dict[str, asyncio.Future] = {}  # tool call key -> what its episode awaits
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task] = set()  # each episode's, until it is done (however it ended)
         self._replies: list[Trajectory | EvalTrajectory] = []
-        self.episodes = 0
-        """Episodes started and not replied to yet."""
 
     @classmethod
     def from_config(cls, cfg, engine, model_path, workflow=None) -> EpisodeRunner:
@@ -89,7 +89,12 @@ class EpisodeRunner:
             task = loop.create_task(self._episode(request, i, f"{name}.{i}", row))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        self.episodes += request.n
+
+    @property
+    def episodes(self) -> int:
+        """Episodes started and not ended yet. Counted by their tasks, so no way an episode ends (a reply,
+        an exception past its handler, a cancellation) can leave the count behind."""
+        return len(self._tasks)
 
     async def advance(self) -> list[Trajectory | EvalTrajectory]:
         """One round of the pump: one engine step if turns are in flight, the tool calls that finished, then
@@ -111,14 +116,14 @@ class EpisodeRunner:
     def close(self) -> None:
         """Cancel every episode (at Stop: their groups are generated again elsewhere or after a resume) and
         stop the tool pool. The runner can start episodes again afterwards."""
-        for task in list(self._tasks):
+        for task in self._tasks:
             task.cancel()
+        self._tasks.clear()
         if self._pool is not None:
             self._pool.close()  # the calls' answers go nowhere: their episodes are cancelled
             self._pool = None
         self._turns.clear()
         self._calls.clear()
-        self.episodes = 0
 
     # --- outside any event loop ---
     def run(self, requests) -> list[Trajectory | EvalTrajectory]:
@@ -143,19 +148,18 @@ class EpisodeRunner:
             self.tokenizer, self.rollout, self.engine.max_model_len, self._sampler(name), self._caller(name)
         )
         try:
-            reward = await self.workflow.arun_episode(client, row)
-            if reward is not None and (isinstance(reward, bool) or not isinstance(reward, numbers.Real)):
-                raise TypeError(f"arun_episode returned {reward!r}: a reward (a float) or None")
+            reward = _reward(await self.workflow.arun_episode(client, row))
             fields = client.trajectory_fields()
             if not len(fields["seq_lens"]):
                 raise RuntimeError("the episode sampled no token (no turn, or none within its limits)")
-            reward, error = (math.nan if reward is None else float(reward)), ""
-        except Exception:
+            error = ""
+        except (asyncio.CancelledError, GeneratorExit):  # cancelled at Stop (close), or the task closed
+            raise
+        except BaseException:  # noqa: BLE001 - a SystemExit or KeyboardInterrupt in user code too: its group waits for every reply
             error = traceback.format_exc()
             log.error("episode %s lost: %s", name, error)
             fields, reward = _lost(), math.nan
         self._replies.append(_reply(request, index, fields, reward, error))
-        self.episodes -= 1
 
     def _sampler(self, name: str):
         """The episode's `sample`: one turn on the engine, awaited."""
@@ -187,6 +191,19 @@ class EpisodeRunner:
             return await future
 
         return tool
+
+
+def _reward(value) -> float:
+    """The workflow's return value as a reward: NaN for None (left to `reward.kind`), else a finite float."""
+    if value is None:
+        return math.nan
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"arun_episode returned {value!r}: return a reward (a float) or None")
+    if not math.isfinite(value):
+        raise ValueError(
+            f"arun_episode returned {value!r}: return a finite float, or None to leave the reward to reward.kind"
+        )
+    return float(value)
 
 
 def _resolve(future: asyncio.Future | None, result) -> int:

@@ -34,9 +34,9 @@ class Workflow(abc.ABC):
 
     `row` is the data row (a dict: its `prompt`, `target` and other fields).
 
-    Reward. A float returned is the episode's reward, and the reward workers are not asked. None leaves
-    it to `reward.kind`, which scores the text of the final assistant turn (its sampled tokens, never a
-    tool's output).
+    Reward. A finite float returned is the episode's reward, and the reward workers are not asked. None
+    leaves it to `reward.kind`, which scores the text of the final assistant turn (its sampled tokens,
+    never a tool's output). Anything else (inf, NaN, a string) loses the episode, as an exception does.
 
     Limits. At most `rollout.max_turns` calls to the policy per episode, and `rollout.max_episode_tokens`
     tokens in all (prompt, sampled and tool tokens of all its sequences). A call past either limit, or
@@ -60,8 +60,8 @@ class Workflow(abc.ABC):
     while one is in flight raises RuntimeError (both would extend the same sequence); parallel samples
     are separate episodes (`rollout.group_size`). Tool calls may run concurrently.
 
-    Errors. An exception ends this episode only: it is counted in `rollout/workflow_errors` and its
-    traceback goes to the generator's log.
+    Errors. An exception ends this episode only (SystemExit and KeyboardInterrupt too): it is counted in
+    `rollout/workflow_errors` and its traceback goes to the generator's log.
     """
 
     @abc.abstractmethod
