@@ -19,7 +19,7 @@ import torch
 from areal_hpc.config import ModelConfig, RolloutConfig
 from areal_hpc.device import resolve_device
 from areal_hpc.protocol import EPISODE_STATS, EvalRequest, EvalTrajectory, GenerateRequest, Trajectory
-from areal_hpc.testing.generator_runs import load, perturb, reference_logprobs
+from areal_hpc.testing.generator_runs import load, perturb, reference_logprobs, run_episodes
 from areal_hpc.tiny import build_tiny_model
 from areal_hpc.workflow import Workflow
 
@@ -262,11 +262,12 @@ def test_tool_calls_run_in_the_tool_pool(setup):
     engine, tokenizer, _, _ = setup
     workflow, pool = Scripted(), ToolPool(processes=1, timeout_s=10, output_chars=100)
     runner = runner_of(engine, tokenizer, workflow, pool)
-    replies = runner.run(
+    replies = run_episodes(
+        runner,
         [
             request(50, [5, 6], n=2, tool="calculator", arguments={"expression": "6*7"}),
             request(51, [5, 6], n=1, tool="calculator", arguments={"expression": "6*"}),
-        ]
+        ],
     )
     runner.close()
     assert workflow.tool_outputs.count("42") == 2
@@ -285,7 +286,8 @@ def test_a_workflow_that_raises_loses_only_its_episode(setup, caplog):
     engine, tokenizer, _, _ = setup
     runner = runner_of(engine, tokenizer, Scripted())
     with caplog.at_level("ERROR", logger="areal_hpc.generator"):
-        replies = runner.run(
+        replies = run_episodes(
+            runner,
             [
                 request(8, [30, 31], n=3, fail=2, reward=0.5),  # episodes 1-3 started
                 request(9, [30, 31], n=1, reward="yes"),  # 4
@@ -317,7 +319,7 @@ def test_a_workflow_that_raises_loses_only_its_episode(setup, caplog):
 def test_the_single_turn_default_is_the_single_turn_rollout(setup):
     """SingleTurn (rollout.workflow's default): one turn of at most rollout.max_new_tokens after the prompt,
     trained as prompt (context) + answer (sampled), scored by the reward workers; an eval row's episodes
-    come back as EvalTrajectory. `run` drives the runner outside any event loop (areal-hpc eval)."""
+    come back as EvalTrajectory."""
     from areal_hpc.workflow.builtin import SingleTurn
 
     engine, tokenizer, model_a, _ = setup
@@ -325,11 +327,12 @@ def test_the_single_turn_default_is_the_single_turn_rollout(setup):
     load(engine, model_a, v)
     runner = runner_of(engine, tokenizer, SingleTurn())
     prompts = {0: [5, 6, 7], 1: [8, 9]}
-    replies = runner.run(
+    replies = run_episodes(
+        runner,
         [
             request(40, prompts[0], n=4),
             EvalRequest(3, np.asarray(prompts[1], np.int32), {"prompt": "", "target": "", "kind": "math"}, 2),
-        ]
+        ],
     )
     trajs = [t for t in replies if isinstance(t, Trajectory)]
     evals = [t for t in replies if isinstance(t, EvalTrajectory)]

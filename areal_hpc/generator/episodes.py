@@ -125,21 +125,6 @@ class EpisodeRunner:
         self._turns.clear()
         self._calls.clear()
 
-    # --- outside any event loop ---
-    def run(self, requests) -> list[Trajectory | EvalTrajectory]:
-        """Run every request's episodes to the end on a loop of its own (`areal-hpc eval`); their replies, in
-        the order they finished."""
-
-        async def main():
-            for request in requests:
-                self.start(request)
-            replies = []
-            while self.episodes:
-                replies += await self.advance()
-            return replies
-
-        return asyncio.run(main())
-
     # --- one episode ---
     async def _episode(self, request, index: int, name: str, row: dict) -> None:
         from areal_hpc.workflow.client import EpisodeClient

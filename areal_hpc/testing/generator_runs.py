@@ -1,5 +1,6 @@
 """What the generator checks run: a `GenerationEngine` driven step by step and interrupted by weight
-loads, held to transformers' logprobs of the same tokens under the same weights.
+loads, held to transformers' logprobs of the same tokens under the same weights; and `run_episodes`,
+an `EpisodeRunner`'s episodes pumped to the end outside the generator's loop.
 
 The interruption check (`interrupt_twice`, then `interruption_mismatch` and `interruption_problems`):
 weights A (version v0), then B (v0 + 1) loaded while every turn is in flight, then A again
@@ -19,6 +20,7 @@ GPU check (areal_hpc.testing.gpu_checks) with many more turns in flight, bf16, o
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -33,6 +35,21 @@ def drain(engine, steps: int | None = None) -> list:
         out += engine.step()
         steps = None if steps is None else steps - 1
     return out
+
+
+def run_episodes(runner, requests) -> list:
+    """Every request's episodes run to the end by an `EpisodeRunner` on a loop of its own, pumped as the
+    generator pumps it; their replies, in the order they finished."""
+
+    async def main():
+        for request in requests:
+            runner.start(request)
+        replies = []
+        while runner.episodes:
+            replies += await runner.advance()
+        return replies
+
+    return asyncio.run(main())
 
 
 def perturb(model, seed: int, std: float = 0.5):
