@@ -15,9 +15,11 @@
         when nothing happened) -> each finished episode's reply (Trajectory; EvalTrajectory to an EvalRequest)
 ```
 
-Messages are handled in arrival order, so a request sent before a WeightSync is started before the
-interruption: its turns in flight resume under the new weights with what they sampled so far, and an
-episode between two turns samples its next one under the new weights.
+Messages are handled in arrival order, between rounds of the runner. A WeightSync interrupts the turns in
+flight: they resume under the new weights with what they sampled so far, and an episode between two turns
+samples its next one under the new weights. A request that arrived in the same poll, before the
+WeightSync, has only had its episodes created (`runner.start` makes their tasks; they first run at the
+next `advance`), so even their first turn is sampled under the new weights.
 """
 
 from __future__ import annotations
