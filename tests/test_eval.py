@@ -54,7 +54,7 @@ def test_round_report():
     assert rep["pass@k"]["1"] == pytest.approx((0.25 + 1 + 0) / 3)
     assert rep["pass@k"]["2"] == pytest.approx((0.5 + 1 + 0) / 3)  # one right of 4: 1 - C(3,2)/C(4,2)
     assert rep["pass@k"]["4"] == pytest.approx(2 / 3)
-    assert rep["trajectory_tokens"] == {"mean": 3.5, "median": 3.5, "p90": pytest.approx(5.0), "max": 5}
+    assert rep["episode_tokens"] == {"mean": 3.5, "median": 3.5, "p90": pytest.approx(5.0), "max": 5}
     assert rep["truncated_frac"] == 0.25 and rep["reward_errors"] == 1
     assert [p["correct"] for p in rep["per_prompt"]] == [1, 4, 0]
     empty = EvalRound(examples[:1], samples=1)
@@ -137,7 +137,7 @@ def test_eval_between_training_steps(tmp_path):
     evals = [r for r in rows_out if "eval/pass@1" in r]
     assert [r["eval/version"] for r in evals] == [0, 4, 8]
     assert all(r["eval/pass@1"] == pytest.approx(6 / 20) and r["eval/pass@2"] == pytest.approx(want) for r in evals)
-    assert all(set(r) >= {"eval/pass@2", "eval/reward_mean", "eval/trajectory_tokens"} for r in evals)
+    assert all(set(r) >= {"eval/pass@2", "eval/reward_mean", "eval/episode_tokens_mean"} for r in evals)
     assert not {r["prompt"] for r in rows} & set(world.trained_prompts), "an eval prompt was trained on"
     assert c.rollouts.gate.state.consumed == 12 * 4 and c.rollouts.gate.state.rejected == 0
     assert world.requests["EvalRequest"] == 3 * len(rows) and sum(world.scored.values()) == 3 * len(rows) * samples
@@ -161,7 +161,7 @@ def test_training_eval_rounds_by_hand():
         ev.scored(t, float(t.prompt_index == 0), "ok")
     m = ev.take_metrics()
     assert m["eval/version"] == 0 and m["eval/pass@1"] == m["eval/pass@2"] == m["eval/reward_mean"] == 0.5
-    assert m["eval/trajectory_tokens"] == 3.5 and ev.take_metrics() == {}  # the episodes' tokens (num_tokens)
+    assert m["eval/episode_tokens_mean"] == 3.5 and ev.take_metrics() == {}  # the episodes' tokens (num_tokens)
     assert len(ev.start(4)) == 2 and ev.version == 4
 
 

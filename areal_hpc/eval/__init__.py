@@ -70,7 +70,8 @@ class EvalRound:
         return all(r is not None for rs in self.rewards for r in rs)
 
     def report(self) -> dict:
-        """pass@k, mean reward and trajectory lengths; `per_prompt` has each prompt's correct count."""
+        """pass@k, mean reward and `episode_tokens` (each episode's trained tokens, all its sequences);
+        `per_prompt` has each prompt's correct count."""
         n = self.samples
         correct = [sum(r >= 1.0 for r in rs) for rs in self.rewards]
         lengths = np.array(self.lengths, np.float64).ravel()
@@ -79,7 +80,7 @@ class EvalRound:
             "samples": n,
             "pass@k": {str(k): float(np.mean([pass_at_k(n, c, k) for c in correct])) for k in ks(n)},
             "reward_mean": float(np.mean([r for rs in self.rewards for r in rs])),
-            "trajectory_tokens": {
+            "episode_tokens": {
                 "mean": float(lengths.mean()),
                 "median": float(np.median(lengths)),
                 "p90": float(np.percentile(lengths, 90)),

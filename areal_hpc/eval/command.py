@@ -38,7 +38,7 @@ def table(report: dict) -> str:
     lines.append("")
     lines.append("  ".join(f"{'pass@' + k:>8}" for k in report["pass@k"]) + f"  {'reward':>8}")
     lines.append("  ".join(f"{v:8.3f}" for v in report["pass@k"].values()) + f"  {report['reward_mean']:8.3f}")
-    t, e = report["trajectory_tokens"], report["episodes"]
+    t, e = report["episode_tokens"], report["episodes"]
     lines.append("")
     lines.append(
         f"episode tokens: mean {t['mean']:.1f}, median {t['median']:.0f}, p90 {t['p90']:.0f}, max {t['max']}; "

@@ -34,7 +34,7 @@ class TrainingEval:
     They are not training data: they are messages of their own (EvalRequest, EvalTrajectory), so their
     trajectories and rewards come back here, never to the buffer; the staleness gate never counts them.
     A round still running when the next one is due is left to finish (the next one is skipped). Its
-    figures (`eval/pass@1`, `eval/pass@k`, `eval/reward_mean`, `eval/trajectory_tokens`, and
+    figures (`eval/pass@1`, `eval/pass@k`, `eval/reward_mean`, `eval/episode_tokens_mean`, and
     `eval/version`, the version it started on: trajectories in flight across a weight update finish on the
     newer weights) go into the metrics row of the next step that ends.
     """
@@ -83,7 +83,7 @@ class TrainingEval:
         self.metrics.update(
             {
                 "eval/reward_mean": report["reward_mean"],
-                "eval/trajectory_tokens": report["trajectory_tokens"]["mean"],
+                "eval/episode_tokens_mean": report["episode_tokens"]["mean"],
                 "eval/version": self.version,
             }
         )
