@@ -108,8 +108,8 @@ def episode(group_id: int, index: int) -> Trajectory:
 
 
 def test_an_eval_episode_scores_the_workflows_reward_or_0_when_lost(tmp_path):
-    """Between steps: an eval episode with its own reward is scored with it, a lost one 0 (counted as an
-    error), and only the others go to a reward worker."""
+    """Between steps: an eval episode with its own reward is scored with it, a lost one 0 (counted as a
+    workflow error, not a reward error), and only the others go to a reward worker."""
     rows = [{"prompt": "1+1=", "answer": "2"}]
     data = tmp_path / "eval.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -124,4 +124,4 @@ def test_an_eval_episode_scores_the_workflows_reward_or_0_when_lost(tmp_path):
     c.handle(gen, EvalTrajectory(0, 1, answer[:0], 0, "stop", error="Traceback ...\nKeyError: 'x'"))
     assert world.reward_requests == 0 and c.evals.round.rewards == [[0.5, 0.0, None]]
     c.handle(gen, EvalTrajectory(0, 2, answer, 5, "stop"))
-    assert world.reward_requests == 1 and c.evals.round.errors == 1
+    assert world.reward_requests == 1 and (c.evals.round.errors, c.evals.round.workflow_errors) == (0, 1)

@@ -48,14 +48,17 @@ def test_round_report():
         for j, x in enumerate(rs):
             r.arrived(i, j, length=2 + j, truncated=j == 3)
             assert not r.done
-            r.scored(i, j, x, "ok" if i or j else "timeout")
+            if (i, j) == (2, 1):
+                r.lost(i, j)  # the workflow raised
+            else:
+                r.scored(i, j, x, "ok" if i or j else "timeout")
     assert r.done and r.generated(2)
     rep = r.report()
     assert rep["pass@k"]["1"] == pytest.approx((0.25 + 1 + 0) / 3)
     assert rep["pass@k"]["2"] == pytest.approx((0.5 + 1 + 0) / 3)  # one right of 4: 1 - C(3,2)/C(4,2)
     assert rep["pass@k"]["4"] == pytest.approx(2 / 3)
     assert rep["episode_tokens"] == {"mean": 3.5, "median": 3.5, "p90": pytest.approx(5.0), "max": 5}
-    assert rep["truncated_frac"] == 0.25 and rep["reward_errors"] == 1
+    assert rep["truncated_frac"] == 0.25 and rep["reward_errors"] == rep["workflow_errors"] == 1
     assert [p["correct"] for p in rep["per_prompt"]] == [1, 4, 0]
     empty = EvalRound(examples[:1], samples=1)
     assert not empty.generated(0)
@@ -158,7 +161,10 @@ def test_training_eval_rounds_by_hand():
     assert [ev.arrived(t) for t in trajs] == [False, True, False, True], "a prompt's last trajectory ends its request"
     for t in trajs:
         assert ev.target(t) == "1" and ev.take_metrics() == {}
-        ev.scored(t, float(t.prompt_index == 0), "ok")
+        if t.prompt_index == 0:
+            ev.scored(t, 1.0, "ok")
+        else:
+            ev.lost(t)  # a lost episode scores 0 and ends the round like a scored one
     m = ev.take_metrics()
     assert m["eval/version"] == 0 and m["eval/pass@1"] == m["eval/pass@2"] == m["eval/reward_mean"] == 0.5
     assert m["eval/episode_tokens_mean"] == 3.5 and ev.take_metrics() == {}  # the episodes' tokens (num_tokens)
@@ -216,7 +222,7 @@ def test_evaluate_with_the_generator_engine_and_scorer_pool(tmp_path):
         assert min(answers) >= 1 and max(answers) <= 8, "an episode of SingleTurn: the prompt and one answer"
         assert report["truncated_frac"] <= np.mean([a == 8 for a in answers])
         assert report["pass@k"]["4"] > 0, "the warm start answers some held-out problems right"
-        assert report["episodes"]["turns_mean"] == 1 and report["episodes"]["workflow_errors"] == 0
+        assert report["episodes"]["turns_mean"] == 1 and report["workflow_errors"] == 0
         assert "pass@1" in table({**report, "step": 0})
 
         workflow = tmp_path / "two_turns.py"
@@ -231,7 +237,7 @@ def test_evaluate_with_the_generator_engine_and_scorer_pool(tmp_path):
     lost = [p.startswith("1") for p in prompts]
     # the workflow's 1.0 wins over reward.kind (every answer "0" is wrong); a lost episode scores 0
     assert [p["correct"] for p in report["per_prompt"]] == [0 if x else 3 for x in lost]
-    assert report["episodes"]["workflow_errors"] == report["reward_errors"] == 3 * sum(lost)
+    assert report["workflow_errors"] == 3 * sum(lost) and report["reward_errors"] == 0, "lost: counted once"
     assert "lost on purpose" in report["episodes"]["first_error"]
     assert report["episodes"]["turns_mean"] == pytest.approx(2 * (len(prompts) - sum(lost)) / len(prompts))
     assert all(t == 0 for p, x in zip(report["per_prompt"], lost) if x for t in p["tokens"]), "lost: no tokens"

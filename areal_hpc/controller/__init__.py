@@ -240,11 +240,11 @@ class Controller:
             self.dispatch.score(traj, group.example.target)
 
     def on_eval_trajectory(self, src: int, traj: EvalTrajectory) -> None:
-        """As `on_trajectory`; a lost eval episode scores 0, counted among the round's errors."""
+        """As `on_trajectory`; a lost eval episode scores 0, counted as the round's workflow error."""
         if self.evals.arrived(traj):
             self.dispatch.generated(src, traj)
         if traj.error:
-            self.evals.scored(traj, 0.0, "error: the workflow raised")
+            self.evals.lost(traj)
         elif math.isfinite(traj.reward):
             self.evals.scored(traj, traj.reward, "ok")
         else:

@@ -48,6 +48,8 @@ class EvalRound:
     truncated: int = 0
     errors: int = 0
     """Trajectories scored 0 for a reward timeout or error."""
+    workflow_errors: int = 0
+    """Episodes lost (their workflow raised), scored 0."""
 
     def __post_init__(self):
         self.rewards = [[None] * self.samples for _ in self.examples]
@@ -60,6 +62,11 @@ class EvalRound:
     def scored(self, prompt: int, index: int, reward: float, reason: str = "ok") -> None:
         self.rewards[prompt][index] = float(reward)
         self.errors += reason != "ok"
+
+    def lost(self, prompt: int, index: int) -> None:
+        """A lost episode: it scores 0, counted as a workflow error (never as a reward error)."""
+        self.rewards[prompt][index] = 0.0
+        self.workflow_errors += 1
 
     def generated(self, prompt: int) -> bool:
         """Every trajectory to the prompt has come back from the generator."""
@@ -88,6 +95,7 @@ class EvalRound:
             },
             "truncated_frac": self.truncated / (len(self.examples) * n),
             "reward_errors": self.errors,
+            "workflow_errors": self.workflow_errors,
             "per_prompt": [
                 {"where": e.where, "prompt": e.prompt, "correct": c, "tokens": self.lengths[i]}
                 for i, (e, c) in enumerate(zip(self.examples, correct))

@@ -46,7 +46,7 @@ def table(report: dict) -> str:
     )
     lines.append(
         f"episodes ({report['workflow']}): turns {e['turns_mean']:.2f}, tool calls {e['tool_calls_mean']:.2f} "
-        f"({e['tool_errors']} failed, {e['tool_s_mean']:.3f} s each); lost (the workflow raised): {e['workflow_errors']}"
+        f"({e['tool_errors']} failed, {e['tool_s_mean']:.3f} s each); lost (the workflow raised): {report['workflow_errors']}"
     )
     return "\n".join(lines)
 
@@ -167,7 +167,7 @@ def evaluate(cfg: Config, model_dir: Path, data: str | Path, samples: int, engin
 
 class _Scoring:
     """The episodes of one evaluation as they come back: their rewards as training gets them, and their
-    counts (protocol.EPISODE_STATS)."""
+    counts (protocol.EPISODE_STATS; the lost ones are the round's `workflow_errors`)."""
 
     def __init__(self, cfg: Config, tokenizer, examples: list, samples: int):
         self.kind, self.tokenizer, self.examples = cfg.reward.kind, tokenizer, examples
@@ -178,7 +178,8 @@ class _Scoring:
         """The tracebacks of the episodes whose workflow raised."""
 
     def arrived(self, t: EvalTrajectory, pool) -> None:
-        """Record an episode; its reward now (the workflow's own, or 0 when lost), or from `pool` later."""
+        """Record an episode; its reward now (the workflow's own, or 0 when lost, counted as a workflow
+        error), or from `pool` later."""
         from areal_hpc.reward import response_text
 
         i, j = t.prompt_index, t.index
@@ -188,7 +189,7 @@ class _Scoring:
             self.counts[k] += t.stats.get(k, 0)
         if t.error:
             self.lost.append(t.error)
-            self.round.scored(i, j, 0.0, "error: the workflow raised")
+            self.round.lost(i, j)
         elif math.isfinite(t.reward):
             self.round.scored(i, j, t.reward)
         else:
@@ -202,7 +203,6 @@ class _Scoring:
             "tool_errors": int(c["tool_errors"]),
             "tool_s_mean": c["tool_s"] / max(c["tool_calls"], 1),
             "template_rewrites": int(c["template_rewrites"]),
-            "workflow_errors": len(self.lost),
             "first_error": self.lost[0] if self.lost else "",
         }
 

@@ -6,7 +6,7 @@ their scored trajectories add up to, for the controller's metrics.
    start(v)     -> an EvalRequest per eval prompt when a round is due (none while the last still runs)
  EvalTrajectory -> arrived (True: its prompt's last: the generator is done with that request);
                    its reward: the workflow's own when finite (scored at once), 0 when lost (the
-                   workflow raised: counted as an error), else a reward worker's, against target(traj)
+                   workflow raised: a workflow error, not a reward error), else a reward worker's, against target(traj)
  RewardResult   -> scored; the round's last -> eval/* figures for the next step's metrics row
 ```
 
@@ -75,6 +75,14 @@ class TrainingEval:
 
     def scored(self, traj: EvalTrajectory, reward: float, reason: str) -> None:
         self.round.scored(traj.prompt_index, traj.index, reward, reason)
+        self._end_when_done()
+
+    def lost(self, traj: EvalTrajectory) -> None:
+        """A lost episode (its workflow raised): it scores 0, counted as a workflow error."""
+        self.round.lost(traj.prompt_index, traj.index)
+        self._end_when_done()
+
+    def _end_when_done(self) -> None:
         if not self.round.done:
             return
         report = self.round.report()
