@@ -13,6 +13,9 @@ from pathlib import Path
 
 from areal_hpc.arch import ModelConfig  # the `model` section, defined beside the architecture it gives
 
+SINGLE_TURN = "areal_hpc.workflow.builtin:SingleTurn"
+"""The default `rollout.workflow`: one turn per episode, no tools."""
+
 
 @dataclass
 class ExperimentConfig:
@@ -152,7 +155,7 @@ class RolloutConfig:
     """Dynamic filtering (DAPO): a group whose trajectories all got the same reward (all right or all wrong:
     every advantage is 0) is left out before training and another prompt takes its place; counted in
     `rollout/filtered`."""
-    workflow: str = "areal_hpc.workflow.builtin:SingleTurn"
+    workflow: str = SINGLE_TURN
     """What one episode is (areal_hpc.workflow): a `Workflow` subclass, `package.module:Name` or
     `path/to/file.py:Name`. The default asks the policy once for an answer to the prompt."""
     max_turns: int = 8

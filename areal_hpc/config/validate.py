@@ -11,7 +11,7 @@ from __future__ import annotations
 from areal_hpc import parallel
 from areal_hpc.algo.advantages import ADV_NORMS
 from areal_hpc.arch import DTYPE_BYTES, model_arch
-from areal_hpc.config.schema import Config, RolloutConfig
+from areal_hpc.config.schema import SINGLE_TURN, Config
 from areal_hpc.device import CHOICES as DEVICES
 from areal_hpc.errors import ConfigError
 from areal_hpc.reward import REWARD_KINDS
@@ -30,8 +30,6 @@ CHOICES = {
     "rollout.tool_format": TOOL_FORMATS,
 }
 """Fields with a fixed set of values: `validate` refuses any other, `describe_config` lists them."""
-SINGLE_TURN = RolloutConfig.workflow
-"""The default `rollout.workflow`: one turn per episode."""
 
 
 def validate(cfg: Config) -> None:
