@@ -217,8 +217,10 @@ class PPOConfig:
     """PPO minibatches (optimizer steps) per training step; the policy version advances once per
     training step."""
     mask_truncated: bool = False
-    """Leave trajectories cut at `rollout.max_new_tokens` (no end of sequence) out of the loss (DAPO's
-    overlong filtering): their tokens carry loss mask 0; they still count in their group's advantages."""
+    """Leave episodes that ended at a limit (finish reason 'length': the last turn cut at
+    `rollout.max_new_tokens`, or a call refused by `rollout.max_turns`, `rollout.max_episode_tokens` or the
+    model's context) out of the loss (DAPO's overlong filtering): their tokens carry loss mask 0; they still
+    count in their group's advantages."""
     prox_logp: str = "recompute"
     """Proximal logprobs of the decoupled loss: recompute (a forward pass with the weights at the start of
     the step; exact) or loglinear (no extra pass: interpolated between behaviour and current logprobs by
@@ -258,9 +260,10 @@ class TrainConfig:
     """Timeout of every collective (weight sync, trainer groups); a collective that takes longer
     fails the run loudly."""
     rank_timeout_s: float = 600.0
-    """A rank with work outstanding (a generation, a reward, a training step, a save) that sends the
+    """A rank with work outstanding (an episode, a reward, a training step, a save) that sends the
     controller nothing for this long is taken as hung: the controller ends the run naming it. Must
-    exceed the longest training step and the longest single generation."""
+    exceed the longest training step and the longest episode (all its turns and tool calls: a generator
+    sends each episode when it ends)."""
     startup_timeout_s: float = 600.0
     """How long a rank may take to start (loading the model, compiling the engine, joining the weight-sync
     groups) before its first answer to the controller. The joins give up at this limit (counted from
@@ -277,8 +280,8 @@ class RewardConfig:
     processes: int = 0
     """Scorer processes per reward worker rank (0: one per CPU core the rank may run on)."""
     overlong_penalty: float = 0.0
-    """DAPO's soft length penalty: trajectories within `overlong_buffer` tokens of `rollout.max_new_tokens`
-    lose up to this much reward, linearly, all of it at the limit (0: off)."""
+    """DAPO's soft length penalty: an episode whose final turn comes within `overlong_buffer` tokens of
+    `rollout.max_new_tokens` loses up to this much reward, linearly, all of it at the limit (0: off)."""
     overlong_buffer: int = 0
     """The last this many tokens before `rollout.max_new_tokens` where `overlong_penalty` applies."""
 
