@@ -211,8 +211,14 @@ class PromptFormat:
 
 
 def max_prompt_tokens(cfg: Config) -> int:
-    """`data.max_prompt_tokens`, or by default the longest prompt whose full trajectory still fits."""
-    return cfg.data.max_prompt_tokens or model_arch(cfg.model).max_position_embeddings - cfg.rollout.max_new_tokens
+    """`data.max_prompt_tokens`, or by default the longest prompt that leaves its episode room for one whole
+    turn: the episode's budget (`rollout.max_episode_tokens`, or the model's context) less
+    `rollout.max_new_tokens`. A longer prompt would leave a turn no room at all under a small budget: the
+    episode would sample nothing and be lost."""
+    if cfg.data.max_prompt_tokens:
+        return cfg.data.max_prompt_tokens
+    context = model_arch(cfg.model).max_position_embeddings
+    return min(context, cfg.rollout.max_episode_tokens or context) - cfg.rollout.max_new_tokens
 
 
 def load_prompts(cfg: Config, tokenizer, path: str | Path, setting: str = "data.train_path") -> list[Example]:

@@ -243,6 +243,25 @@ def test_overlong_prompts_are_skipped_counted_and_named(tmp_path, caplog):
         config_with(tmp_path, rows, "data.max_prompt_tokens=500")
 
 
+def test_prompt_limit_leaves_a_whole_turn_within_max_episode_tokens(tmp_path, caplog):
+    """With rollout.max_episode_tokens below the context, a prompt must leave the episode room for one turn
+    of rollout.max_new_tokens: the default limit is the episode's budget less that, and an explicit
+    data.max_prompt_tokens over it is refused at load."""
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "9" * 80 + "=", "answer": "0"}]
+    cfg, path = config_with(tmp_path, rows, "rollout.max_episode_tokens=100")  # 512 positions, 32 new tokens
+    with caplog.at_level("WARNING"):
+        examples = load_prompts(cfg, build_tokenizer(), path)
+    assert [e.prompt for e in examples] == ["1+1="]
+    assert f"skipped 1 of 2 prompts longer than 68 tokens (data.max_prompt_tokens): {path}:2 (81 tokens)" in caplog.text
+    with pytest.raises(
+        ConfigError,
+        match=r"data.max_prompt_tokens \(81\) \+ rollout.max_new_tokens \(32\) must fit rollout.max_episode_tokens \(100\)",
+    ):
+        config_with(tmp_path, rows, "rollout.max_episode_tokens=100", "data.max_prompt_tokens=81")
+    cfg, _ = config_with(tmp_path, rows, "rollout.max_episode_tokens=100", "data.max_prompt_tokens=68")
+    assert len(load_prompts(cfg, build_tokenizer(), path)) == 1
+
+
 def test_warm_start_reads_through_the_loader(tmp_path, caplog):
     """The issue's cases: a malformed line and a row without its answer end in the loader's errors,
     not tracebacks; a 15,000-character prompt is skipped (and named), not trained on for minutes."""

@@ -162,7 +162,9 @@ class RolloutConfig:
     """Most calls to the policy in one episode."""
     max_episode_tokens: int = 0
     """Most tokens in one episode, all its sequences together: prompt, sampled and tool tokens (0: the model's
-    context, `model.max_position_embeddings`). An episode that reaches it ends with finish reason 'length'."""
+    context, `model.max_position_embeddings`). An episode that reaches it ends with finish reason 'length'.
+    It bounds the prompts too: by default those longer than this less `max_new_tokens` are skipped at load
+    (`data.max_prompt_tokens`)."""
     tool_format: str = "hermes"
     """How tool calls are written in the model's output: hermes (Qwen's `<tool_call>{json}</tool_call>`,
     parsed by vLLM's Hermes parser) or tiny (the tiny model's `<calc>expression`)."""
@@ -303,8 +305,9 @@ class DataConfig:
     none)."""
     max_prompt_tokens: int = 0
     """Prompts longer than this many tokens (after formatting) are skipped when the data is loaded,
-    counted and the first few named in the log (0: model.max_position_embeddings -
-    rollout.max_new_tokens, the longest prompt whose trajectory still fits)."""
+    counted and the first few named in the log (0: the longest prompt that leaves its episode room for one
+    whole turn, `rollout.max_episode_tokens` (or, when that is 0, model.max_position_embeddings) -
+    rollout.max_new_tokens). At most that much when set."""
     synthetic_task: str = "arithmetic"
     """The synthetic task when `train_path` is empty: arithmetic ('a+b=' and 'a-b=', which the tiny model
     learns by itself) or multiplication ('a*b=', which it gets right mostly with the calculator tool)."""
