@@ -31,7 +31,7 @@ class GenerateRequest:
 
     group_id: int
     prompt_ids: np.ndarray  # [P] int32, the formatted prompt (areal_hpc.data.PromptFormat)
-    row: dict  # what the workflow gets besides `prompt_ids`: the row's `prompt` (as the data set has it), `target`, `kind`
+    row: dict  # what the workflow gets besides `prompt_ids`: areal_hpc.data.Example.row (prompt, target, kind, others)
     n: int
 
 

@@ -1,6 +1,8 @@
 """Data sets: validated loading with errors that name the file, line and field; a resumable shuffled stream."""
 
 import json
+import pickle
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -36,6 +38,25 @@ def test_code_rows_tests_as_list_or_json_string(tmp_path):
     examples = load_dataset(path, "code")
     want = [{"input": "1 2", "output": "3"}, {"input": "", "output": "hi"}]
     assert [e.target for e in examples] == [want, want], "the tests in one form, checked and normalised"
+
+
+def test_a_rows_other_fields_reach_the_workflows_row_and_old_pickles_load(tmp_path):
+    """Fields besides the prompt and its target go to the workflow as they are (`Example.row`), through the
+    length filter; a field named as one of the system's row keys is refused; an Example pickled before
+    rows kept their other fields (a controller checkpoint's) loads with none."""
+    files = {"a.py": "print(1)"}
+    rows = [{"prompt": "1+1=", "answer": "2", "env_id": "calc-v1", "files": files}, {"prompt": "2+2=", "answer": 4}]
+    cfg, path = config_with(tmp_path, rows)
+    a, b = load_prompts(cfg, build_tokenizer(), path)
+    assert a.row == {"prompt": "1+1=", "target": "2", "kind": "math", "env_id": "calc-v1", "files": files}
+    assert b.row == {"prompt": "2+2=", "target": "4", "kind": "math"}
+    assert pickle.loads(pickle.dumps(a)).row == a.row
+    for name in ("target", "kind", "prompt_ids"):
+        bad = write_jsonl(tmp_path / f"{name}.jsonl", [{"prompt": "1+1=", "answer": "2", name: "x"}])
+        with pytest.raises(ConfigError, match=re.escape(f"{bad}:1: field '{name}' is a name the system gives")):
+            load_dataset(bad, "math")
+    del a.__dict__["extra"]  # as the code before `extra` pickled it
+    assert pickle.loads(pickle.dumps(a)).row == {"prompt": "1+1=", "target": "2", "kind": "math"}
 
 
 @pytest.mark.parametrize(
