@@ -31,7 +31,7 @@ class GenerateRequest:
 
     group_id: int
     prompt_ids: np.ndarray  # [P] int32, the formatted prompt (areal_hpc.data.PromptFormat)
-    row: dict  # what the workflow gets besides `prompt_ids`: the row's `prompt` (as the data set has it), `target`, `kind`
+    row: dict  # what the workflow gets besides `prompt_ids`: areal_hpc.data.Example.row (prompt, target, kind, others)
     n: int
 
 
@@ -124,12 +124,12 @@ class TrainBatch:
     """
 
     version: int  # the policy version the step starts from; the step is number version + 1
-    tokens: np.ndarray  # [N] int32, prompt + response of every sequence, concatenated
+    tokens: np.ndarray  # [N] int32, every sequence (context and sampled tokens, as in Trajectory), concatenated
     cu_seqlens: np.ndarray  # [S + 1] int32
-    loss_mask: np.ndarray  # [N] uint8, 1 on response tokens
-    behav_logprobs: np.ndarray  # [N] float32 (0 on prompt tokens)
-    advantages: np.ndarray  # [N] float32 (0 on prompt tokens)
-    versions: np.ndarray  # [N] int32, policy version of each generated token (-1 on prompt tokens)
+    loss_mask: np.ndarray  # [N] uint8, 1 on sampled tokens; 0 on context and on episodes ppo.mask_truncated drops
+    behav_logprobs: np.ndarray  # [N] float32 (0 on context)
+    advantages: np.ndarray  # [N] float32, the episode's on its sampled tokens (0 on context)
+    versions: np.ndarray  # [N] int32, policy version of each sampled token (-1 on context)
     microbatches: list = field(default_factory=list)
 
 

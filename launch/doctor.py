@@ -41,7 +41,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from areal_hpc.config import Config, ConfigError, RolloutConfig
+from areal_hpc.config import SINGLE_TURN, Config, ConfigError
 from areal_hpc.layout import Layout, Role
 from areal_hpc.planner import resolve_split
 from areal_hpc.wandb_log import check_wandb
@@ -428,7 +428,7 @@ def check_sandbox(cfg: Config, layout: Layout, reports: dict) -> Check:
     the reward workers score `reward.kind: code`; the generators', where a workflow's `python` tool runs
     (any `rollout.workflow` but the default, which runs no tool). Each node's first rank tried one."""
     needs = {"controller": "reward.kind code"} if cfg.reward.kind == "code" else {}
-    if cfg.rollout.workflow != RolloutConfig.workflow:
+    if cfg.rollout.workflow != SINGLE_TURN:
         needs["generator"] = f"the python tool of rollout.workflow {cfg.rollout.workflow}"
     if not needs:
         return Check("sandbox", "SKIP", f"no program runs in it: reward.kind {cfg.reward.kind}, the default workflow")

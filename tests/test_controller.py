@@ -16,6 +16,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from areal_hpc.checkpoint.controller import read_state
 from areal_hpc.checkpoint.files import latest_checkpoint, record_files
 from areal_hpc.config import load_config
 from areal_hpc.controller import Controller
@@ -24,6 +25,7 @@ from areal_hpc.exit_codes import EXIT_DONE, EXIT_STOPPED, STOP_REASON_ENV
 from areal_hpc.layout import Layout, Role
 from areal_hpc.liveness import RankFailure
 from areal_hpc.metrics import REQUIRED
+from areal_hpc.protocol import GenerateRequest
 from areal_hpc.rollouts import Group
 from areal_hpc.runtime import RankContext
 from areal_hpc.tiny import build_tokenizer
@@ -130,13 +132,50 @@ def test_stop_checkpoints_and_resume_continues_without_reusing_data(tmp_path, ol
     assert g.accepted + g.running <= (cfg.rollout.max_staleness + 12 + 1) * 4
 
 
+def test_a_data_rows_other_fields_reach_the_generators_and_survive_a_resume(tmp_path):
+    """A JSONL row's own fields (here an agent task's environment) are in every GenerateRequest.row for it
+    (the controller's own prompt stream reads the file), and in the controller checkpoint: the prompts
+    running at a stop are asked for again after the resume with them."""
+    path = tmp_path / "agent.jsonl"
+    path.write_text(
+        "".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1), "env": f"env{i}"}) + "\n" for i in range(100))
+    )
+    cfg, layout, run_dir, tok_dir = make(tmp_path, f"data.train_path={path}", "rollout.max_staleness=2")
+    requests = []
+
+    class Recording(World):
+        def send(self, dest, msg):
+            if isinstance(msg, GenerateRequest):
+                requests.append(msg.row)
+            super().send(dest, msg)
+
+    def row(i: int) -> dict:
+        return {"prompt": f"{i}+1=", "target": str(i + 1), "kind": "math", "env": f"env{i}"}
+
+    _, code = run(cfg, layout, run_dir, tok_dir, Recording(layout, build_tokenizer(), seed=1), None, stop_at=7)
+    assert code == EXIT_STOPPED and len(requests) >= 7 * 4
+    assert all(r == row(int(r["prompt"].split("+")[0])) for r in requests)
+    state = read_state(latest_checkpoint(run_dir))
+    assert state["requeued"], "the test means a stop with groups running"
+    for example in state["requeued"] + [g["example"] for g in state["buffer"]]:
+        assert example.row == row(int(example.prompt.split("+")[0]))
+    requests.clear()
+    second = Recording(layout, build_tokenizer(), seed=2)
+    second.trainer_version = 7  # the trainers load step_7
+    _, code = run(cfg, layout, run_dir, tok_dir, second, None)
+    assert code == EXIT_DONE
+    assert requests[: len(state["requeued"])] == [e.row for e in state["requeued"]]
+
+
 def rewrite_as_before_the_prompt_was_held_once(path):
     """The controller state of checkpoint `path` as the code before the prompt was held once wrote it: the
-    prompt's token ids in every group and trajectory, and a trajectory its sampled tokens only (`output_ids`:
-    before episodes)."""
+    prompt's token ids in every group and trajectory, a trajectory its sampled tokens only (`output_ids`:
+    before episodes), and Examples without `extra` (before rows kept their other fields)."""
     with open(path / "controller.pkl", "rb") as f:
         state = pickle.load(f)
     assert state["buffer"], "the test means a checkpoint with buffered groups"
+    for example in state["requeued"] + [group["example"] for group in state["buffer"]]:
+        del example.__dict__["extra"]
     for group in state["buffer"]:
         group["prompt_ids"] = np.asarray(group["example"].prompt_ids, np.int32)
         for i, t in enumerate(group["trajectories"]):

@@ -1,6 +1,8 @@
 """Data sets: validated loading with errors that name the file, line and field; a resumable shuffled stream."""
 
 import json
+import pickle
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -36,6 +38,25 @@ def test_code_rows_tests_as_list_or_json_string(tmp_path):
     examples = load_dataset(path, "code")
     want = [{"input": "1 2", "output": "3"}, {"input": "", "output": "hi"}]
     assert [e.target for e in examples] == [want, want], "the tests in one form, checked and normalised"
+
+
+def test_a_rows_other_fields_reach_the_workflows_row_and_old_pickles_load(tmp_path):
+    """Fields besides the prompt and its target go to the workflow as they are (`Example.row`), through the
+    length filter; a field named as one of the system's row keys is refused; an Example pickled before
+    rows kept their other fields (a controller checkpoint's) loads with none."""
+    files = {"a.py": "print(1)"}
+    rows = [{"prompt": "1+1=", "answer": "2", "env_id": "calc-v1", "files": files}, {"prompt": "2+2=", "answer": 4}]
+    cfg, path = config_with(tmp_path, rows)
+    a, b = load_prompts(cfg, build_tokenizer(), path)
+    assert a.row == {"prompt": "1+1=", "target": "2", "kind": "math", "env_id": "calc-v1", "files": files}
+    assert b.row == {"prompt": "2+2=", "target": "4", "kind": "math"}
+    assert pickle.loads(pickle.dumps(a)).row == a.row
+    for name in ("target", "kind", "prompt_ids"):
+        bad = write_jsonl(tmp_path / f"{name}.jsonl", [{"prompt": "1+1=", "answer": "2", name: "x"}])
+        with pytest.raises(ConfigError, match=re.escape(f"{bad}:1: field '{name}' is a name the system gives")):
+            load_dataset(bad, "math")
+    del a.__dict__["extra"]  # as the code before `extra` pickled it
+    assert pickle.loads(pickle.dumps(a)).row == {"prompt": "1+1=", "target": "2", "kind": "math"}
 
 
 @pytest.mark.parametrize(
@@ -241,6 +262,25 @@ def test_overlong_prompts_are_skipped_counted_and_named(tmp_path, caplog):
         load_prompts(cfg, build_tokenizer(), path)
     with pytest.raises(ConfigError, match=r"data.max_prompt_tokens \(500\) \+ rollout.max_new_tokens \(32\) must fit"):
         config_with(tmp_path, rows, "data.max_prompt_tokens=500")
+
+
+def test_prompt_limit_leaves_a_whole_turn_within_max_episode_tokens(tmp_path, caplog):
+    """With rollout.max_episode_tokens below the context, a prompt must leave the episode room for one turn
+    of rollout.max_new_tokens: the default limit is the episode's budget less that, and an explicit
+    data.max_prompt_tokens over it is refused at load."""
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "9" * 80 + "=", "answer": "0"}]
+    cfg, path = config_with(tmp_path, rows, "rollout.max_episode_tokens=100")  # 512 positions, 32 new tokens
+    with caplog.at_level("WARNING"):
+        examples = load_prompts(cfg, build_tokenizer(), path)
+    assert [e.prompt for e in examples] == ["1+1="]
+    assert f"skipped 1 of 2 prompts longer than 68 tokens (data.max_prompt_tokens): {path}:2 (81 tokens)" in caplog.text
+    with pytest.raises(
+        ConfigError,
+        match=r"data.max_prompt_tokens \(81\) \+ rollout.max_new_tokens \(32\) must fit rollout.max_episode_tokens \(100\)",
+    ):
+        config_with(tmp_path, rows, "rollout.max_episode_tokens=100", "data.max_prompt_tokens=81")
+    cfg, _ = config_with(tmp_path, rows, "rollout.max_episode_tokens=100", "data.max_prompt_tokens=68")
+    assert len(load_prompts(cfg, build_tokenizer(), path)) == 1
 
 
 def test_warm_start_reads_through_the_loader(tmp_path, caplog):

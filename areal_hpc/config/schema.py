@@ -13,6 +13,9 @@ from pathlib import Path
 
 from areal_hpc.arch import ModelConfig  # the `model` section, defined beside the architecture it gives
 
+SINGLE_TURN = "areal_hpc.workflow.builtin:SingleTurn"
+"""The default `rollout.workflow`: one turn per episode, no tools."""
+
 
 @dataclass
 class ExperimentConfig:
@@ -152,14 +155,16 @@ class RolloutConfig:
     """Dynamic filtering (DAPO): a group whose trajectories all got the same reward (all right or all wrong:
     every advantage is 0) is left out before training and another prompt takes its place; counted in
     `rollout/filtered`."""
-    workflow: str = "areal_hpc.workflow.builtin:SingleTurn"
+    workflow: str = SINGLE_TURN
     """What one episode is (areal_hpc.workflow): a `Workflow` subclass, `package.module:Name` or
     `path/to/file.py:Name`. The default asks the policy once for an answer to the prompt."""
     max_turns: int = 8
     """Most calls to the policy in one episode."""
     max_episode_tokens: int = 0
     """Most tokens in one episode, all its sequences together: prompt, sampled and tool tokens (0: the model's
-    context, `model.max_position_embeddings`). An episode that reaches it ends with finish reason 'length'."""
+    context, `model.max_position_embeddings`). An episode that reaches it ends with finish reason 'length'.
+    It bounds the prompts too: by default those longer than this less `max_new_tokens` are skipped at load
+    (`data.max_prompt_tokens`)."""
     tool_format: str = "hermes"
     """How tool calls are written in the model's output: hermes (Qwen's `<tool_call>{json}</tool_call>`,
     parsed by vLLM's Hermes parser) or tiny (the tiny model's `<calc>expression`)."""
@@ -214,8 +219,10 @@ class PPOConfig:
     """PPO minibatches (optimizer steps) per training step; the policy version advances once per
     training step."""
     mask_truncated: bool = False
-    """Leave trajectories cut at `rollout.max_new_tokens` (no end of sequence) out of the loss (DAPO's
-    overlong filtering): their tokens carry loss mask 0; they still count in their group's advantages."""
+    """Leave episodes that ended at a limit (finish reason 'length': the last turn cut at
+    `rollout.max_new_tokens`, or a call refused by `rollout.max_turns`, `rollout.max_episode_tokens` or the
+    model's context) out of the loss (DAPO's overlong filtering): their tokens carry loss mask 0; they still
+    count in their group's advantages."""
     prox_logp: str = "recompute"
     """Proximal logprobs of the decoupled loss: recompute (a forward pass with the weights at the start of
     the step; exact) or loglinear (no extra pass: interpolated between behaviour and current logprobs by
@@ -255,9 +262,10 @@ class TrainConfig:
     """Timeout of every collective (weight sync, trainer groups); a collective that takes longer
     fails the run loudly."""
     rank_timeout_s: float = 600.0
-    """A rank with work outstanding (a generation, a reward, a training step, a save) that sends the
+    """A rank with work outstanding (an episode, a reward, a training step, a save) that sends the
     controller nothing for this long is taken as hung: the controller ends the run naming it. Must
-    exceed the longest training step and the longest single generation."""
+    exceed the longest training step and the longest episode (all its turns and tool calls: a generator
+    sends each episode when it ends)."""
     startup_timeout_s: float = 600.0
     """How long a rank may take to start (loading the model, compiling the engine, joining the weight-sync
     groups) before its first answer to the controller. The joins give up at this limit (counted from
@@ -274,8 +282,8 @@ class RewardConfig:
     processes: int = 0
     """Scorer processes per reward worker rank (0: one per CPU core the rank may run on)."""
     overlong_penalty: float = 0.0
-    """DAPO's soft length penalty: trajectories within `overlong_buffer` tokens of `rollout.max_new_tokens`
-    lose up to this much reward, linearly, all of it at the limit (0: off)."""
+    """DAPO's soft length penalty: an episode whose final turn comes within `overlong_buffer` tokens of
+    `rollout.max_new_tokens` loses up to this much reward, linearly, all of it at the limit (0: off)."""
     overlong_buffer: int = 0
     """The last this many tokens before `rollout.max_new_tokens` where `overlong_penalty` applies."""
 
@@ -297,8 +305,9 @@ class DataConfig:
     none)."""
     max_prompt_tokens: int = 0
     """Prompts longer than this many tokens (after formatting) are skipped when the data is loaded,
-    counted and the first few named in the log (0: model.max_position_embeddings -
-    rollout.max_new_tokens, the longest prompt whose trajectory still fits)."""
+    counted and the first few named in the log (0: the longest prompt that leaves its episode room for one
+    whole turn, `rollout.max_episode_tokens` (or, when that is 0, model.max_position_embeddings) -
+    rollout.max_new_tokens). At most that much when set."""
     synthetic_task: str = "arithmetic"
     """The synthetic task when `train_path` is empty: arithmetic ('a+b=' and 'a-b=', which the tiny model
     learns by itself) or multiplication ('a*b=', which it gets right mostly with the calculator tool)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from areal_hpc import parallel
 from areal_hpc.algo.advantages import ADV_NORMS
 from areal_hpc.arch import DTYPE_BYTES, model_arch
-from areal_hpc.config.schema import Config, RolloutConfig
+from areal_hpc.config.schema import SINGLE_TURN, Config
 from areal_hpc.device import CHOICES as DEVICES
 from areal_hpc.errors import ConfigError
 from areal_hpc.reward import REWARD_KINDS
@@ -30,8 +30,6 @@ CHOICES = {
     "rollout.tool_format": TOOL_FORMATS,
 }
 """Fields with a fixed set of values: `validate` refuses any other, `describe_config` lists them."""
-SINGLE_TURN = RolloutConfig.workflow
-"""The default `rollout.workflow`: one turn per episode."""
 
 
 def validate(cfg: Config) -> None:
@@ -162,10 +160,17 @@ def validate(cfg: Config) -> None:
         "data.system_prompt needs data.chat_template: true (a system turn exists only in a chat template)",
     )
     need(d.max_prompt_tokens >= 0, f"data.max_prompt_tokens must be >= 0 (got {d.max_prompt_tokens}); 0 is the default")
+    # A prompt must leave its episode room for one whole turn: a longer one gets a turn cut short, and one
+    # that fills the budget (easily, under a small max_episode_tokens) gets no turn: its episode is lost.
+    if r.max_episode_tokens:
+        budget, bound = r.max_episode_tokens, "rollout.max_episode_tokens"
+    else:
+        budget, bound = m.max_position_embeddings, "model.max_position_embeddings"
     need(
-        d.max_prompt_tokens + r.max_new_tokens <= m.max_position_embeddings,
+        d.max_prompt_tokens + r.max_new_tokens <= budget,
         f"data.max_prompt_tokens ({d.max_prompt_tokens}) + rollout.max_new_tokens ({r.max_new_tokens}) must fit "
-        f"model.max_position_embeddings ({m.max_position_embeddings})",
+        f"{bound} ({budget}): a longer prompt leaves its episode no room for one whole turn; lower "
+        "data.max_prompt_tokens (0: the longest that fits)",
     )
     rw = cfg.reward
     need(rw.overlong_penalty >= 0, f"reward.overlong_penalty must be >= 0 (got {rw.overlong_penalty}); 0 is off")
