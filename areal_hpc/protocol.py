@@ -84,7 +84,7 @@ class EvalTrajectory:
     prompt_index: int
     index: int  # its place among the row's n, 0 .. n-1
     answer_ids: np.ndarray  # [A] int32, the final turn's sampled tokens
-    num_tokens: int  # the episode's tokens, all sequences
+    num_tokens: int  # the episode's trained tokens, all sequences, each up to its last sampled token
     finish_reason: str  # "stop" or "length"
     reward: float = float("nan")  # as Trajectory.reward
     stats: dict = field(default_factory=dict)
