@@ -239,4 +239,4 @@ def test_the_interruption_check_runs_in_a_process_of_its_own(tmp_path):
     """The GPU check's interruption (bf16, in a spawned process), here on the CPU with a few trajectories."""
     status, detail = gpu_checks.check_interruption(tmp_path, "cpu", "bfloat16", groups=4, n=4, max_new=48)
     assert status == "PASS", detail
-    assert detail.startswith("16 trajectories in flight, ") and "before a resubmission" in detail
+    assert detail.startswith("16 turns in flight, ") and "before a resubmission" in detail
