@@ -286,10 +286,11 @@ def build_parser() -> argparse.ArgumentParser:
         "eval",
         help="pass@1 and pass@k of a model or a run's checkpoint on held-out prompts",
         description="Evaluate a Hugging Face model directory, or a run directory's checkpoint (step 0: its "
-        "initial model), on held-out prompts: K trajectories per prompt from the generator's vLLM engine "
-        "(allocation.gen_tp, rollout.temperature, rollout.max_new_tokens), scored by the run's reward "
-        "(reward.kind); pass@1 averaged over the K trajectories, unbiased pass@k for k = 1, 2, 4, ... K, trajectory "
-        "lengths. Prints a table and writes a JSON report. A run directory uses its own config.yaml.",
+        "initial model), on held-out prompts: K episodes per prompt of the run's workflow (rollout.workflow, its "
+        "tools and limits) on the generator's vLLM engine (allocation.gen_tp, rollout.temperature), scored as "
+        "training scores them (the workflow's own reward, else reward.kind on the final answer); pass@1 averaged "
+        "over the K episodes, unbiased pass@k for k = 1, 2, 4, ... K, episode lengths, turns and tool calls. "
+        "Prints a table and writes a JSON report. A run directory uses its own config.yaml.",
         epilog=OVERRIDES_HELP,
     )
     p.add_argument("target", metavar="MODEL_DIR|RUN_DIR", help="Hugging Face model directory or run directory")

@@ -11,7 +11,8 @@
 Rows:
     math: {"prompt": str, "answer": str | number}
     code: {"prompt": str, "tests": [{"input": str, "output": str}, ...]}  (or that list as a JSON string)
-Other fields are ignored; `tools/prepare_data.py` converts other layouts into these.
+A row's other fields go to the rollout workflow as they are (`Example.extra`, `Example.row`): an agent task's
+environment, files or tool settings. `tools/prepare_data.py` converts other layouts into these.
 
 Prompts are tokenized once, here, for the whole data set: the length filter needs the count anyway,
 and a prompt longer than the model's context must never reach the warm start (one 15,000-token
@@ -28,7 +29,7 @@ import json
 import logging
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +44,9 @@ log = logging.getLogger(__name__)
 
 NAMED_SKIPS = 5
 """How many skipped rows the log names."""
+ROW_KEYS = ("prompt", "target", "kind", "prompt_ids")
+"""The keys the system writes into the row a workflow gets (`Example.row`; the generator adds `prompt_ids`).
+A data row's own field of one of these names but `prompt` would be hidden by the system's: refused at load."""
 
 
 @dataclass(frozen=True)
@@ -59,25 +63,44 @@ class Example:
     """The row's place in its file (`file:line` or `file: row i`), for messages."""
     prompt_ids: np.ndarray | None = field(default=None, compare=False, repr=False)
     """The formatted prompt's tokens (`load_prompts`); None from `load_dataset` alone."""
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+    """The row's other fields (all but `prompt` and its target's), as read: for the workflow (`row`). Sent
+    with every request for the row, and saved with it in checkpoints."""
+
+    @property
+    def row(self) -> dict:
+        """What a rollout workflow gets of the row besides `prompt_ids` (GenerateRequest.row, EvalRequest.row):
+        the row's other fields (`extra`) and its `prompt` (as the data set has it), `target` and `kind`."""
+        return {**self.extra, "prompt": self.prompt, "target": self.target, "kind": self.kind}
+
+    def __setstate__(self, state: dict) -> None:
+        # Controller checkpoints written before rows kept their other fields saved Examples without `extra`.
+        self.__dict__.update({"extra": {}, **state})
 
 
 # --- reading and checking rows -----------------------------------------------------------------
 
 
-def _check_row(row, where: str, kind: str) -> tuple[str, str | list[dict]]:
-    """(prompt, target) of a raw row, or ConfigError naming `where` and the field."""
+def _check_row(row, where: str, kind: str) -> tuple[str, str | list[dict], dict]:
+    """(prompt, target, the other fields) of a raw row, or ConfigError naming `where` and the field."""
     if not isinstance(row, dict):
         raise ConfigError(f"{where}: expected an object with 'prompt' and '{_TARGET[kind]}', got {type(row).__name__}")
     prompt = row.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         raise ConfigError(f"{where}: field 'prompt' must be a non-empty string (got {prompt!r:.60})")
+    extra = {k: v for k, v in row.items() if k not in ("prompt", _TARGET[kind])}
+    if clash := sorted(extra.keys() & set(ROW_KEYS)):
+        raise ConfigError(
+            f"{where}: field '{clash[0]}' is a name the system gives the row a workflow gets "
+            f"({', '.join(ROW_KEYS)}); rename it in the data set"
+        )
     if kind == "math":
         answer = row.get("answer")
         if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or str(answer).strip() == "":
             raise ConfigError(f"{where}: field 'answer' must be a non-empty string or number (got {answer!r:.60})")
-        return prompt, str(answer)
+        return prompt, str(answer), extra
     try:
-        return prompt, parse_tests(row.get("tests"))
+        return prompt, parse_tests(row.get("tests")), extra
     except ValueError as e:
         raise ConfigError(f"{where}: field {e}") from None
 
@@ -155,8 +178,8 @@ def load_dataset(path: str | Path, kind: str, setting: str = "data.train_path") 
         raise ConfigError(f"data kind must be one of {', '.join(REWARD_KINDS)} (got '{kind}')")
     examples = []
     for where, raw in read_rows(path, setting):
-        prompt, target = _check_row(raw, where, kind)
-        examples.append(Example(len(examples), prompt, target, kind, where))
+        prompt, target, extra = _check_row(raw, where, kind)
+        examples.append(Example(len(examples), prompt, target, kind, where, extra=extra))
     if not examples:
         raise ConfigError(f"{path}: no rows ({setting} must hold at least one {kind} example)")
     return examples
@@ -206,8 +229,14 @@ class PromptFormat:
 
 
 def max_prompt_tokens(cfg: Config) -> int:
-    """`data.max_prompt_tokens`, or by default the longest prompt whose full trajectory still fits."""
-    return cfg.data.max_prompt_tokens or model_arch(cfg.model).max_position_embeddings - cfg.rollout.max_new_tokens
+    """`data.max_prompt_tokens`, or by default the longest prompt that leaves its episode room for one whole
+    turn: the episode's budget (`rollout.max_episode_tokens`, or the model's context) less
+    `rollout.max_new_tokens`. A longer prompt would leave a turn no room at all under a small budget: the
+    episode would sample nothing and be lost."""
+    if cfg.data.max_prompt_tokens:
+        return cfg.data.max_prompt_tokens
+    context = model_arch(cfg.model).max_position_embeddings
+    return min(context, cfg.rollout.max_episode_tokens or context) - cfg.rollout.max_new_tokens
 
 
 def load_prompts(cfg: Config, tokenizer, path: str | Path, setting: str = "data.train_path") -> list[Example]:
@@ -221,7 +250,7 @@ def load_prompts(cfg: Config, tokenizer, path: str | Path, setting: str = "data.
         if len(p) > limit:
             skipped.append(f"{e.where} ({len(p)} tokens)")
         else:
-            kept.append(Example(len(kept), e.prompt, e.target, e.kind, e.where, p))
+            kept.append(replace(e, index=len(kept), prompt_ids=p))
     if skipped:
         named = ", ".join(skipped[:NAMED_SKIPS]) + (", ..." if len(skipped) > NAMED_SKIPS else "")
         log.warning(
@@ -241,7 +270,7 @@ def load_prompts(cfg: Config, tokenizer, path: str | Path, setting: str = "data.
 
 
 def train_path(cfg: Config) -> Path:
-    """`data.train_path`, or the synthetic arithmetic task's training split built under the run root."""
+    """`data.train_path`, or the synthetic task's training split built under the run root."""
     if cfg.data.train_path:
         return Path(cfg.data.train_path)
     if cfg.reward.kind != "math":
@@ -260,10 +289,12 @@ def eval_path(cfg: Config) -> Path:
 
 
 def _synthetic(cfg: Config) -> Path:
-    from areal_hpc.tiny import build_arithmetic_data
+    from areal_hpc.tiny import build_synthetic_data
 
     d = cfg.data
-    return build_arithmetic_data(d.synthetic_size, cfg.experiment.root, cfg.experiment.seed, d.synthetic_max_operand)
+    return build_synthetic_data(
+        d.synthetic_size, cfg.experiment.root, cfg.experiment.seed, d.synthetic_task, d.synthetic_max_operand
+    )
 
 
 # --- the stream ---------------------------------------------------------------------------------

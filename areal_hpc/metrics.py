@@ -11,7 +11,10 @@ policy's next-token distribution; ppo/kl with ppo.kl_coef > 0: the mean k3 estim
 initial policy), memory/peak_gib (GPU only: trainer rank 0's peak of allocated GPU memory since it
 started), reward/errors (rewards scored 0 for a timeout or an error since the
 previous step), rollout/filtered (prompt groups left out by rollout.filter_uniform_groups since the
-previous step), rollout/truncated (trajectories of the step cut at rollout.max_new_tokens), and after an
+previous step), rollout/truncated (episodes of the step cut at a token limit), the episode figures
+(rollout/turns_mean, rollout/tool_calls_mean, rollout/tool_s_mean, rollout/episode_tokens_mean: means over
+the step's episodes; rollout/workflow_errors, rollout/tool_errors, rollout/template_rewrites,
+rollout/lost_groups: counts since the previous step; areal_hpc.controller.step_metrics), and after an
 evaluation between steps eval/pass@1 ... (areal_hpc.eval.training). Each line also has `step`, the policy
 version after the step.
 """

@@ -27,23 +27,41 @@ _DATA_TAG = 1000  # buffers of the header sent on tag t travel on tag t + _DATA_
 
 @dataclass
 class GenerateRequest:
-    """Generate `n` trajectories to one prompt (a GRPO group)."""
+    """Run `n` episodes of the workflow (`rollout.workflow`) on one data row (a GRPO group)."""
 
     group_id: int
-    prompt_ids: np.ndarray  # [P] int32
+    prompt_ids: np.ndarray  # [P] int32, the formatted prompt (areal_hpc.data.PromptFormat)
+    row: dict  # what the workflow gets besides `prompt_ids`: areal_hpc.data.Example.row (prompt, target, kind, others)
     n: int
+
+
+EPISODE_STATS = ("turns", "tool_calls", "tool_errors", "tool_s", "template_rewrites")
+"""The counters every episode reports (`Trajectory.stats`, `EvalTrajectory.stats`): sampled turns, tool calls,
+tool calls that failed or timed out, seconds in tools, tool or user messages whose tokens came from a chat template
+that rewrites earlier turns (areal_hpc.workflow.conversation)."""
 
 
 @dataclass
 class Trajectory:
-    """One finished trajectory, sent as soon as it finishes (its prompt is the group's: the controller has it)."""
+    """One finished episode, sent as soon as it finishes: every token the engine saw, in order.
+
+    An episode is one or more sequences (more when the workflow rewrote its history), concatenated: `seq_lens`
+    cuts them. Per token, `loss_mask` is 1 on tokens the policy sampled, 0 on context (the prompt, tool and
+    environment messages, chat template text), whose `behav_logprobs` are 0 and `versions` -1.
+    """
 
     group_id: int
     index: int  # its place in the group, 0 .. n-1
-    output_ids: np.ndarray  # [T] int32
-    behav_logprobs: np.ndarray  # [T] float32, logprob of each sampled token under the weights that sampled it
-    versions: np.ndarray  # [T] int32, policy version of each generated token
-    finish_reason: str  # "stop" (EOS) or "length"
+    tokens: np.ndarray  # [N] int32, all sequences concatenated
+    seq_lens: np.ndarray  # [S] int32, S >= 1 (0 only for a lost episode: `error`)
+    loss_mask: np.ndarray  # [N] uint8, 1 on sampled tokens
+    behav_logprobs: np.ndarray  # [N] float32, logprob of each sampled token under the weights that sampled it
+    versions: np.ndarray  # [N] int32, policy version of each sampled token, -1 on context
+    answer_ids: np.ndarray  # [A] int32, the final turn's sampled tokens: what `reward.kind` scores
+    finish_reason: str  # "stop" (the episode ended by itself) or "length" (a turn or the episode hit its limit)
+    reward: float = float("nan")  # the workflow's own reward; NaN: the reward workers score `answer_ids`
+    stats: dict = field(default_factory=dict)  # EPISODE_STATS -> number
+    error: str = ""  # the workflow raised: its traceback, and the episode is lost (no tokens)
 
 
 # Controller -> generator -> controller, for the evaluation between training steps (areal_hpc.eval.training)
@@ -51,21 +69,26 @@ class Trajectory:
 
 @dataclass
 class EvalRequest:
-    """Generate `n` trajectories to one eval prompt: scored, never trained on, never counted by the gate."""
+    """Run `n` episodes on one eval row: scored, never trained on, never counted by the gate."""
 
     prompt_index: int  # its place among the eval prompts (eval.data)
     prompt_ids: np.ndarray  # [P] int32
+    row: dict  # as GenerateRequest.row
     n: int
 
 
 @dataclass
 class EvalTrajectory:
-    """One finished trajectory to an eval prompt, sent as soon as it finishes: what an evaluation reads of it."""
+    """One finished episode on an eval row, sent as soon as it finishes: what an evaluation reads of it."""
 
     prompt_index: int
-    index: int  # its place among the prompt's n, 0 .. n-1
-    output_ids: np.ndarray  # [T] int32
-    finish_reason: str  # "stop" (EOS) or "length"
+    index: int  # its place among the row's n, 0 .. n-1
+    answer_ids: np.ndarray  # [A] int32, the final turn's sampled tokens
+    num_tokens: int  # the episode's trained tokens, all sequences, each up to its last sampled token
+    finish_reason: str  # "stop" or "length"
+    reward: float = float("nan")  # as Trajectory.reward
+    stats: dict = field(default_factory=dict)
+    error: str = ""
 
 
 # Controller -> reward worker -> controller
@@ -73,11 +96,11 @@ class EvalTrajectory:
 
 @dataclass
 class RewardRequest:
-    """Score one trajectory: the reward worker decodes `output_ids` (`reward.response_text`)."""
+    """Score one episode's final answer: the reward worker decodes `answer_ids` (`reward.response_text`)."""
 
     request_id: int  # the controller's, unique among its requests in flight; the result carries it back
     kind: str  # "math" or "code"
-    output_ids: np.ndarray  # [T] int32, the trajectory's tokens as the generator sent them
+    answer_ids: np.ndarray  # [A] int32, the final turn's sampled tokens (Trajectory.answer_ids)
     target: str | list  # an areal_hpc.data.Example's target: the answer (math), the tests (code)
 
 
@@ -101,12 +124,12 @@ class TrainBatch:
     """
 
     version: int  # the policy version the step starts from; the step is number version + 1
-    tokens: np.ndarray  # [N] int32, prompt + response of every sequence, concatenated
+    tokens: np.ndarray  # [N] int32, every sequence (context and sampled tokens, as in Trajectory), concatenated
     cu_seqlens: np.ndarray  # [S + 1] int32
-    loss_mask: np.ndarray  # [N] uint8, 1 on response tokens
-    behav_logprobs: np.ndarray  # [N] float32 (0 on prompt tokens)
-    advantages: np.ndarray  # [N] float32 (0 on prompt tokens)
-    versions: np.ndarray  # [N] int32, policy version of each generated token (-1 on prompt tokens)
+    loss_mask: np.ndarray  # [N] uint8, 1 on sampled tokens; 0 on context and on episodes ppo.mask_truncated drops
+    behav_logprobs: np.ndarray  # [N] float32 (0 on context)
+    advantages: np.ndarray  # [N] float32, the episode's on its sampled tokens (0 on context)
+    versions: np.ndarray  # [N] int32, policy version of each sampled token (-1 on context)
     microbatches: list = field(default_factory=list)
 
 

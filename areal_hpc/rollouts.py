@@ -1,16 +1,17 @@
 """The controller's prompt groups from admission to the trainer, and the staleness gate that counts them.
 
-A group is one prompt and its `n` trajectories (the GRPO group). `Rollouts` is the one owner of the
-groups and of the gate's counters over them (the controller asks it, never the gate):
+A group is one prompt and its `n` episodes (the GRPO group; each episode a `Trajectory`). `Rollouts` is
+the one owner of the groups and of the gate's counters over them (the controller asks it, never the gate):
 
 ```
  prompts.next() --admit, while the gate has room (gate.admit)--> running[group_id]
  requeued: prompts of the groups running at the restored checkpoint --admit first (the gate counts them)--^
- running   each trajectory as it comes back from a generator (add_trajectory), each reward (add_reward)
-   the last reward in --gate.finish(accepted=True)---> buffer, by group id: oldest first
-                      --gate.finish(accepted=False)--> left out (rollout.filter_uniform_groups: every
-                                                       reward equal, the group teaches nothing): its slot
-                                                       admits another prompt
+ running   each episode as it comes back from a generator (add_trajectory), each reward (add_reward);
+           a lost episode (its workflow raised: `Trajectory.error`) gets no reward and drops out
+   the last one in --gate.finish(accepted=True)---> buffer, by group id: oldest first
+                   --gate.finish(accepted=False)--> left out (rollout.filter_uniform_groups: every
+                                                    reward equal, the group teaches nothing; or every
+                                                    episode lost): its slot admits another prompt
  buffer --take_batch (gate.consume): stale groups dropped, then the oldest B--> the step's groups
 ```
 
@@ -28,9 +29,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
+import numpy as np
+
 from areal_hpc.algo.staleness import StalenessGate, oldest_version
 from areal_hpc.data import Example
-from areal_hpc.protocol import Trajectory
+from areal_hpc.protocol import EPISODE_STATS, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,28 @@ REMOVED = "prompt_ids"
 (the prompt's token ids): read and left out."""
 
 
+class EpisodesLost(RuntimeError):
+    """More than half of a step's worth of episodes were lost: the workflow is broken, the run stops."""
+
+
+def single_turn(group_id: int, index: int, prompt_ids, output_ids, behav_logprobs, versions, finish_reason: str):
+    """The episode of one prompt and one sampled answer (what controller checkpoints written before
+    episodes held as `output_ids` beside their Example's prompt)."""
+    p, r = len(prompt_ids), len(output_ids)
+    return Trajectory(
+        group_id,
+        index,
+        tokens=np.concatenate([prompt_ids, output_ids]).astype(np.int32),
+        seq_lens=np.array([p + r], np.int32),
+        loss_mask=np.concatenate([np.zeros(p, np.uint8), np.ones(r, np.uint8)]),
+        behav_logprobs=np.concatenate([np.zeros(p, np.float32), np.asarray(behav_logprobs, np.float32)]),
+        versions=np.concatenate([np.full(p, -1, np.int32), np.asarray(versions, np.int32)]),
+        answer_ids=np.asarray(output_ids, np.int32),
+        finish_reason=finish_reason,
+        stats={**dict.fromkeys(EPISODE_STATS, 0), "turns": 1},
+    )
+
+
 @dataclass
 class Group:
     group_id: int
@@ -53,9 +78,9 @@ class Group:
     target (the reward's); saved in checkpoints."""
     n: int
     trajectories: list = field(default_factory=list)
-    """Trajectory by index (None until it arrives)."""
+    """Episode (Trajectory) by index (None until it arrives)."""
     rewards: list = field(default_factory=list)
-    """Reward by index (None until scored)."""
+    """Reward by index (None until scored, and for ever for a lost episode)."""
 
     def __post_init__(self):
         if not self.trajectories:
@@ -65,27 +90,29 @@ class Group:
 
     @property
     def generated(self) -> bool:
-        """Every trajectory has come back from the generator."""
+        """Every episode has come back from the generator."""
         return all(t is not None for t in self.trajectories)
 
     @property
+    def lost(self) -> list[bool]:
+        """By index: the episode came back lost (its workflow raised), so it has no tokens and no reward."""
+        return [t is not None and bool(t.error) for t in self.trajectories]
+
+    @property
     def complete(self) -> bool:
-        """Every trajectory is back and scored."""
-        return self.generated and all(r is not None for r in self.rewards)
+        """Every episode is back, and every one not lost is scored."""
+        return self.generated and all(r is not None or lost for r, lost in zip(self.rewards, self.lost))
 
     @cached_property
     def oldest_version(self) -> int | None:
-        """Oldest generated-token version over the trajectories (read once the group is complete)."""
+        """Oldest version among the sampled tokens of the episodes (read once the group is complete):
+        context tokens (prompt, tool output) carry -1 and never count."""
         return oldest_version(t.versions for t in self.trajectories if t is not None)
 
     @property
     def uniform(self) -> bool:
-        """Every trajectory got the same reward: every GRPO advantage is 0, the group teaches nothing."""
-        return len(set(self.rewards)) == 1
-
-    @property
-    def response_tokens(self) -> int:
-        return sum(len(t.output_ids) for t in self.trajectories if t is not None)
+        """Every episode not lost got the same reward: every GRPO advantage is 0, the group teaches nothing."""
+        return len({r for r, lost in zip(self.rewards, self.lost) if not lost}) <= 1
 
     def to_state(self) -> dict:
         """Plain data (numpy arrays inside) for the controller checkpoint."""
@@ -103,11 +130,26 @@ class Group:
             group_id=s["group_id"],
             example=s["example"],
             n=s["n"],
-            trajectories=[
-                Trajectory(**{RENAMED.get(k, k): v for k, v in t.items() if k != REMOVED}) for t in s["trajectories"]
-            ],
+            trajectories=[_trajectory(t, s["example"].prompt_ids) for t in s["trajectories"]],
             rewards=list(s["rewards"]),
         )
+
+
+def _trajectory(saved: dict, prompt_ids) -> Trajectory:
+    """A checkpoint's trajectory; one saved before episodes (its `output_ids` only) becomes the episode of
+    its prompt and that answer."""
+    t = {RENAMED.get(k, k): v for k, v in saved.items() if k != REMOVED}
+    if "output_ids" in t:
+        return single_turn(
+            t["group_id"],
+            t["index"],
+            prompt_ids,
+            t["output_ids"],
+            t["behav_logprobs"],
+            t["versions"],
+            t["finish_reason"],
+        )
+    return Trajectory(**t)
 
 
 class Rollouts:
@@ -124,6 +166,10 @@ class Rollouts:
         self.next_group_id = 0
         self.filtered = 0
         """Groups left out by rollout.filter_uniform_groups since the last `take_metrics`."""
+        self.lost_groups = 0
+        """Groups left out since the last `take_metrics` because every episode of theirs was lost."""
+        self.window = [0, 0, ""]
+        """Episodes arrived and lost since the last full step's worth, and the first lost one's traceback."""
 
     @classmethod
     def from_config(cls, rollout, version: Callable[[], int]) -> Rollouts:
@@ -148,23 +194,52 @@ class Rollouts:
         return started
 
     def add_trajectory(self, traj: Trajectory) -> Group:
+        """Record an episode. A lost one (`Trajectory.error`) gets no reward, and may be the group's last.
+        When more than half of a step's worth of episodes (`prompts_per_step` x `group_size`, counted as
+        they arrive) are lost, raises EpisodesLost with the first one's traceback."""
         group = self.running[traj.group_id]
         if group.trajectories[traj.index] is not None:
             raise RuntimeError(f"group {traj.group_id} trajectory {traj.index} arrived twice")
         group.trajectories[traj.index] = traj
+        self._count_lost(traj)
+        self._finish(group)
         return group
 
+    def _count_lost(self, traj: Trajectory) -> None:
+        w = self.window
+        w[0] += 1
+        if traj.error:
+            w[1] += 1
+            w[2] = w[2] or traj.error
+        if w[0] < self.gate.prompts_per_step * self.group_size:
+            return
+        if 2 * w[1] > w[0]:
+            raise EpisodesLost(
+                f"{w[1]} of the last {w[0]} episodes were lost: their workflow (rollout.workflow) raised, "
+                f"more than half of a step's episodes, so the run stops; fix the workflow. The first "
+                f"traceback (every one is in its generator's log):\n{w[2]}"
+            )
+        self.window = [0, 0, ""]
+
     def add_reward(self, group_id: int, index: int, reward: float) -> None:
-        """Record a reward. The group's last one finishes it: into the buffer, in admission order (a late
-        group goes before younger ones); or, with `rollout.filter_uniform_groups`, a group whose
-        trajectories all got the same reward is left out: it finishes unaccepted, which frees its
-        admission slot (the gate's `finish(accepted=False)`, as a stale drop does), so another prompt
-        takes its place."""
+        """Record a reward. The group's last one finishes it (`_finish`)."""
         group = self.running[group_id]
         group.rewards[index] = float(reward)
+        self._finish(group)
+
+    def _finish(self, group: Group) -> None:
+        """A complete group goes into the buffer, in admission order (a late group goes before younger
+        ones); or it is left out, finishing unaccepted, which frees its admission slot (the gate's
+        `finish(accepted=False)`, as a stale drop does), so another prompt takes its place: a group whose
+        every episode was lost (counted in `rollout/lost_groups`), or, with `rollout.filter_uniform_groups`,
+        one whose episodes all got the same reward."""
         if not group.complete:
             return
-        del self.running[group_id]
+        del self.running[group.group_id]
+        if all(group.lost):
+            self.gate.finish(accepted=False)
+            self.lost_groups += 1
+            return
         if self.filter_uniform and group.uniform:
             self.gate.finish(accepted=False)
             self.filtered += 1
@@ -189,9 +264,10 @@ class Rollouts:
         return taken.consumed
 
     def take_metrics(self) -> dict:
-        """staleness/max, staleness/dropped and rollout/filtered since the last call; starts anew."""
-        row = {**self.gate.take_metrics(), "rollout/filtered": self.filtered}
-        self.filtered = 0
+        """staleness/max, staleness/dropped, rollout/filtered and rollout/lost_groups since the last call;
+        starts anew."""
+        row = {**self.gate.take_metrics(), "rollout/filtered": self.filtered, "rollout/lost_groups": self.lost_groups}
+        self.filtered = self.lost_groups = 0
         return row
 
     # --- checkpoints ------------------------------------------------------------------------

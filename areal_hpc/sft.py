@@ -7,7 +7,9 @@ learned. A few epochs of plain supervised fine-tuning on `prompt -> \\boxed{answ
 (seconds on one CPU core) bring the sampled accuracy to a few tenths; from there the asynchronous RL
 run raises it. With `sft.unboxed` a share of the examples is the bare answer (`prompt -> answer<eos>`,
 reward 0), so the model starts boxing only part of its answers and RL has the format to teach too
-(the embedded default's choice: see its config).
+(the embedded default's choice: see its config). With `sft.tool_share` a share of the examples of the
+synthetic multiplication task calls the calculator first, so the model starts calling it only part of
+the time and RL has the tool call to teach.
 
 Both steps are pure functions of their settings and cached like `areal_hpc.tiny`'s assets: the
 directory name is a hash of (base model, settings, data), written atomically.
@@ -19,9 +21,12 @@ import random
 import time
 from pathlib import Path
 
-from areal_hpc.config import Config
+from areal_hpc.config import Config, ConfigError
 from areal_hpc.data import max_prompt_tokens
-from areal_hpc.tiny import BOXED, _build_atomically, _digest, arithmetic_rows, build_tiny_model
+from areal_hpc.synthetic import synthetic_rows
+from areal_hpc.tiny import BOXED, _build_atomically, _digest, build_tiny_model
+from areal_hpc.workflow.conversation import Conversation, EpisodeTokens
+from areal_hpc.workflow.tools import CALCULATOR_SCHEMA, calculator
 
 
 def initial_model(cfg: Config) -> Path:
@@ -38,8 +43,6 @@ def initial_model(cfg: Config) -> Path:
     else:
         base = Path(cfg.model.path)
         if not (base / "config.json").is_file():
-            from areal_hpc.config import ConfigError
-
             raise ConfigError(f"model.path {base} is not a Hugging Face model directory (no config.json)")
     if cfg.sft.examples <= 0:
         return base
@@ -47,40 +50,98 @@ def initial_model(cfg: Config) -> Path:
 
 
 def sft_examples(cfg: Config, tokenizer) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, response ids) of the warm start: `\\boxed{answer}` (a share `sft.unboxed` of them the bare
-    answer) and EOS after the prompt, formatted
-    as the RL run formats it (`data.PromptFormat`). The rows: fresh synthetic ones (a seed the RL prompts
-    do not use; every problem, the test split's too: the warm start stands in for the pretraining of a
-    real base model, and the test split measures what RL adds on problems it never trained on), or the
-    first `sft.examples` of `data.train_path`, read through the
-    same validated loader as the run (a bad row is a `file:line: field` error; an overlong prompt is
-    skipped and named)."""
+    """(token ids, loss mask) of each warm-start example: the prompt as the RL run formats it
+    (`data.PromptFormat`, mask 0), then the response (mask 1), one of
+
+        direct:   \\boxed{answer}<eos>                       (a share `sft.unboxed`: answer<eos>)
+        tool:     <calc>a*b<eos> <result>p\\n \\boxed{p}<eos>   (a share `sft.tool_share`)
+
+    A tool example's turns are rendered by the tokenizer's chat template as the episode renders them
+    (each message is the text it adds to the render of those before it); the calculator's answer is
+    context (mask 0), as in the episode. The rows: fresh synthetic ones (a seed the RL prompts do not
+    use; for arithmetic every problem, the test split's too: the warm start stands in for the
+    pretraining of a real base model, and the test split measures what RL adds on problems it never
+    trained on; for multiplication the training split only: what RL teaches there is the tool call, and
+    the test split shows it carries over to numbers never seen), or the first `sft.examples` of
+    `data.train_path`, read through the same validated loader as the run (a bad row is a
+    `file:line: field` error; an overlong prompt is skipped and named)."""
     from areal_hpc.data import PromptFormat, load_prompts
 
-    if cfg.data.train_path:
-        rows = [(e.prompt_ids, e.target) for e in load_prompts(cfg, tokenizer, cfg.data.train_path)]
+    d = cfg.data
+    if d.train_path:
+        rows = [(e.prompt, e.prompt_ids, e.target) for e in load_prompts(cfg, tokenizer, d.train_path)]
     else:
-        synthetic = arithmetic_rows(
-            cfg.sft.examples, cfg.experiment.seed + 7919, cfg.data.synthetic_max_operand, held_out=True
+        synthetic = synthetic_rows(
+            cfg.sft.examples,
+            cfg.experiment.seed + 7919,
+            d.synthetic_task,
+            d.synthetic_max_operand,
+            held_out=d.synthetic_task == "arithmetic",
         )
         ids = PromptFormat.from_config(cfg).encode(tokenizer, [r["prompt"] for r in synthetic])
-        rows = [(p, r["answer"]) for p, r in zip(ids, synthetic)]
+        rows = [(r["prompt"], p, r["answer"]) for p, r in zip(ids, synthetic)]
     bare = random.Random(f"sft-unboxed:{cfg.experiment.seed}")
+    calls = random.Random(f"sft-tool:{cfg.experiment.seed}")
     out = []
-    for prompt_ids, answer in rows[: cfg.sft.examples]:
+    for prompt, prompt_ids, answer in rows[: cfg.sft.examples]:
+        ids = [int(t) for t in prompt_ids]
+        if cfg.sft.tool_share and calls.random() < cfg.sft.tool_share:
+            out.append(_tool_episode(tokenizer, prompt, answer))
+            continue
         text = str(answer) if bare.random() < cfg.sft.unboxed else f"{BOXED}{answer}}}"
         response = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        out.append(([int(t) for t in prompt_ids], response))
+        out.append((ids + response, [0] * len(ids) + [1] * len(response)))
     return out
 
 
+def _tool_episode(tokenizer, prompt: str, answer: str) -> tuple[list[int], list[int]]:
+    """(ids, loss mask) of an episode that calls the calculator on a synthetic prompt ('a*b=' -> 'a*b'),
+    reads its result and answers it boxed, assembled by the rollouts' own `Conversation`: the prompt and
+    the tool's result are context exactly as an episode's chat calls add them, and the two assistant
+    turns are scripted sampled turns (the text the chat template writes for the assistant message)."""
+    expression = prompt.removesuffix("=")
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
+    turns = [
+        (
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": calculator(expression)},
+        ),
+        ({"role": "assistant", "content": f"{BOXED}{answer}}}"}, None),
+    ]
+    episode = EpisodeTokens()
+    chat = Conversation(tokenizer, episode)
+    messages = [{"role": "user", "content": prompt}]
+    for reply, result in turns:
+        chat.prompt_ids(messages, tools=[CALCULATOR_SCHEMA])
+        sampled = _assistant_ids(tokenizer, messages, reply)
+        chat.add_turn(sampled, [0.0] * len(sampled), [0] * len(sampled), reply)
+        messages += [reply, result] if result else [reply]
+    if len(episode.sequences) != 1:
+        raise ConfigError("sft.tool_share: the chat template's renders of the tool episode do not extend each other")
+    arrays = episode.arrays()
+    return arrays["tokens"].tolist(), arrays["loss_mask"].tolist()
+
+
+def _assistant_ids(tokenizer, messages: list[dict], reply: dict) -> list[int]:
+    """The ids of `reply` as the template writes it after the generation prompt of `messages`: what the
+    model samples for it, its turn end included."""
+    before = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    after = tokenizer.apply_chat_template([*messages, reply], tokenize=False)
+    if not after.startswith(before):
+        raise ConfigError(
+            f"sft.tool_share needs a chat template that only appends: the render of an assistant message "
+            f"rewrote the earlier ones ({before!r} -> {after!r})"
+        )
+    return tokenizer(after[len(before) :], add_special_tokens=False)["input_ids"]
+
+
 def warm_start(cfg: Config, base: Path) -> Path:
-    """Fine-tune `base` on `sft_examples(cfg, tokenizer)`; the loss is on the response tokens only.
+    """Fine-tune `base` on `sft_examples(cfg, tokenizer)`; the loss is on the masked tokens only (the
+    model's own turns, not the prompt or a tool's answer):
 
-        loss = - mean over response tokens of log p(token | prompt, earlier response tokens)
+        loss = - mean over masked tokens of log p(token | the tokens before it)
 
-    with the response `\\boxed{answer}` (or the bare answer) followed by EOS, AdamW, `sft.epochs` passes of shuffled
-    batches of `sft.batch_size`.
+    AdamW, `sft.epochs` passes of shuffled batches of `sft.batch_size`.
     """
     s, d = cfg.sft, cfg.data
     key = _digest(
@@ -132,12 +193,13 @@ def _train(cfg: Config, base: Path, out: Path) -> None:
         rng.shuffle(examples)
         for i in range(0, len(examples), s.batch_size):
             batch = examples[i : i + s.batch_size]
-            width = max(len(p) + len(r) for p, r in batch)
+            width = max(len(x) for x, _ in batch)
             ids = torch.full((len(batch), width), tok.pad_token_id)  # [batch, width]
-            labels = torch.full((len(batch), width), -100)  # -100: no loss (prompt, padding)
-            for j, (p, r) in enumerate(batch):
-                ids[j, : len(p) + len(r)] = torch.tensor(p + r)
-                labels[j, len(p) : len(p) + len(r)] = torch.tensor(r)
+            labels = torch.full((len(batch), width), -100)  # -100: no loss (prompt, tool answer, padding)
+            for j, (x, mask) in enumerate(batch):
+                x, mask = torch.tensor(x), torch.tensor(mask, dtype=torch.bool)
+                ids[j, : len(x)] = x
+                labels[j, : len(x)] = torch.where(mask, x, -100)
             loss = model(input_ids=ids, labels=labels).loss
             opt.zero_grad()
             loss.backward()

@@ -1,5 +1,6 @@
-"""The embedded default's assets, built here with no download: a character-level tokenizer, a small
-random Qwen2 or Qwen3 model (`model.architecture`), and a synthetic arithmetic task with boxed answers.
+"""The embedded default's assets, built here with no download: a character-level tokenizer with a chat
+template of its own, a small random Qwen2 or Qwen3 model (`model.architecture`), and the files of the
+synthetic tasks (`areal_hpc.synthetic`).
 
 Everything is a pure function of its inputs (architecture, seed, size) and is cached under the run
 root in a directory named by a hash of them, so two runs with the same settings share one copy and
@@ -13,7 +14,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import random
 import shutil
 import string
 import tempfile
@@ -21,15 +21,49 @@ from pathlib import Path
 
 from areal_hpc.arch import model_arch
 from areal_hpc.config import ConfigError, ModelConfig
+from areal_hpc.synthetic import TEST_SHARE, synthetic_rows, synthetic_test_rows
 
 BOXED = "\\boxed{"
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
+CALC = "<calc>"
+"""Starts a calculator call: `<calc>37*48<eos>` (the tiny model's tool syntax; a JSON call would cost
+it about 80 tokens)."""
+RESULT = "<result>"
+"""Starts a tool's answer: `<result>1776\\n`."""
 # Single characters: printable ASCII less the whitespace variants other than space and newline.
 CHARS = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
-TINY_VOCAB = [PAD, EOS, BOXED, *CHARS]
+TINY_VOCAB = [PAD, EOS, BOXED, *CHARS, CALC, RESULT]
+"""The tokens in id order; new ones go at the end, so that no existing id moves."""
 TINY_VOCAB_SIZE = 128
-"""The model's vocabulary, padded past len(TINY_VOCAB) (= 103) to a round size."""
+"""The model's vocabulary, padded past len(TINY_VOCAB) (= 101) to a round size."""
+
+TINY_CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}"
+    "{{- m.content or '' -}}"
+    "{%- for call in m.tool_calls or [] -%}"
+    "{%- set args = call.function.arguments if call.function is defined else call.arguments -%}"
+    "{%- if args is not mapping -%}"
+    "{{- raise_exception('the tiny chat template needs tool call arguments as a dict, not a JSON string') -}}"
+    "{%- endif -%}"
+    "<calc>{{- args.expression -}}"
+    "{%- endfor -%}"
+    "{{- eos_token -}}"
+    "{%- elif m.role == 'tool' -%}"
+    "<result>{{- m.content -}}{{- '\\n' -}}"
+    "{%- else -%}"
+    "{{- m.content -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+)
+"""The tiny tokenizer's chat template: a user or system message is its content; an assistant message its
+content, `<calc>expression` per calculator call and EOS; a tool message `<result>content\\n`. No
+generation prompt (after a prompt or a tool's answer the assistant simply goes on), and no turn is ever
+rewritten, so each render extends the one before it:
+
+    37*48=<calc>37*48<eos><result>1776\\n\\boxed{1776}<eos>
+"""
 
 
 def _digest(obj) -> str:
@@ -60,7 +94,8 @@ def _build_atomically(target: Path, build) -> Path:
 
 
 def build_tokenizer():
-    """A character-level fast tokenizer; `\\boxed{` is one token so the answer format is cheap."""
+    """A character-level fast tokenizer with TINY_CHAT_TEMPLATE; `\\boxed{`, `<calc>` and `<result>` are
+    one token each, so the answer and tool formats are cheap."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
@@ -69,7 +104,7 @@ def build_tokenizer():
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=PAD))
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens([PAD, EOS])
-    tok.add_tokens([BOXED])
+    tok.add_tokens([BOXED, CALC, RESULT])  # not special: a decoded answer keeps its tool calls
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS,
@@ -77,6 +112,7 @@ def build_tokenizer():
         bos_token=None,
         unk_token=PAD,
         clean_up_tokenization_spaces=False,
+        chat_template=TINY_CHAT_TEMPLATE,
     )
 
 
@@ -112,7 +148,15 @@ def build_tiny_model(m: ModelConfig, root: str | Path, seed: int) -> Path:
         raise ConfigError(
             f"model.vocab_size ({arch.vocab_size}) must be at least {len(TINY_VOCAB)} for the tiny tokenizer"
         )
-    key = _digest({"arch": dataclasses.asdict(arch), "dtype": m.dtype, "seed": seed, "vocab": TINY_VOCAB})
+    key = _digest(
+        {
+            "arch": dataclasses.asdict(arch),
+            "dtype": m.dtype,
+            "seed": seed,
+            "vocab": TINY_VOCAB,
+            "template": TINY_CHAT_TEMPLATE,
+        }
+    )
 
     def build(out: Path) -> None:
         import torch
@@ -126,56 +170,18 @@ def build_tiny_model(m: ModelConfig, root: str | Path, seed: int) -> Path:
     return _build_atomically(Path(root) / ".assets" / f"tiny-model-{key}", build)
 
 
-TEST_SHARE = 5
-"""One in this many of the synthetic task's problems is held out of the RL prompts, as its test split
-(the warm start, which stands in for a base model's pretraining, sees every problem)."""
-TEST_MAX = 500
-"""Most problems in the test split."""
-
-
-def arithmetic_problems(max_operand: int = 99) -> tuple[list[tuple], list[tuple]]:
-    """Every problem (a, op, b) with 0 <= a, b <= max_operand, split into (train, test): a fixed
-    fifth (at most TEST_MAX) held out, drawn by a seed of its own, so every run agrees."""
-    problems = [(a, op, b) for a in range(max_operand + 1) for b in range(max_operand + 1) for op in "+-"]
-    random.Random(f"arithmetic-split:{max_operand}").shuffle(problems)
-    n_test = min(len(problems) // TEST_SHARE, TEST_MAX)
-    return problems[n_test:], problems[:n_test]
-
-
-def _row(problem: tuple) -> dict:
-    a, op, b = problem
-    return {"prompt": f"{a}{op}{b}=", "answer": str(a + b if op == "+" else a - b)}
-
-
-def arithmetic_rows(n: int, seed: int, max_operand: int = 99, held_out: bool = False) -> list[dict]:
-    """`{prompt, answer}` rows of the synthetic task: 'a+b=' or 'a-b=' with the answer boxed, drawn
-    uniformly (with repeats) from the training split's problems, or with `held_out` from every problem.
-
-    Deterministic in (n, seed). Prompts are plain text; the expected response is `\\boxed{c}`.
-    """
-    rng = random.Random(seed)
-    train, test = arithmetic_problems(max_operand)
-    problems = train + test if held_out else train
-    return [_row(rng.choice(problems)) for _ in range(n)]
-
-
-def arithmetic_test_rows(max_operand: int = 99) -> list[dict]:
-    """The held-out problems, each once: no row of the RL prompts is one of them."""
-    return [_row(p) for p in arithmetic_problems(max_operand)[1]]
-
-
-def build_arithmetic_data(n: int, root: str | Path, seed: int, max_operand: int = 99) -> Path:
-    """The directory of the synthetic task, built once per (n, seed, max_operand): `train.jsonl`
-    (n rows of `arithmetic_rows`) and `test.jsonl` (`arithmetic_test_rows`)."""
-    key = _digest({"task": "arithmetic", "n": n, "seed": seed, "max_operand": max_operand, "test_share": TEST_SHARE})
+def build_synthetic_data(n: int, root: str | Path, seed: int, task: str = "arithmetic", max_operand: int = 99) -> Path:
+    """The directory of a synthetic task, built once per (task, n, seed, max_operand): `train.jsonl`
+    (n rows of `synthetic_rows`) and `test.jsonl` (`synthetic_test_rows`)."""
+    key = _digest({"task": task, "n": n, "seed": seed, "max_operand": max_operand, "test_share": TEST_SHARE})
 
     def build(out: Path) -> None:
         for name, rows in (
-            ("train", arithmetic_rows(n, seed, max_operand)),
-            ("test", arithmetic_test_rows(max_operand)),
+            ("train", synthetic_rows(n, seed, task, max_operand)),
+            ("test", synthetic_test_rows(task, max_operand)),
         ):
             with open(out / f"{name}.jsonl", "w") as f:
                 for row in rows:
                     f.write(json.dumps(row) + "\n")
 
-    return _build_atomically(Path(root) / ".assets" / f"arithmetic-{key}", build)
+    return _build_atomically(Path(root) / ".assets" / f"{task}-{key}", build)

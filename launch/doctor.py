@@ -9,6 +9,9 @@
                   wandb          with logging.wandb: the client imports and, online, has credentials
  one probe job    run directory  every rank reads a file this host wrote there and writes its own back
  (the run's own   python         torch, vllm, megatron.core, mpi4py import on every node, at this host's versions
+                  sandbox        a program runs in bubblewrap on the nodes that run programs: the controller
+                                 component's with reward.kind code, the generators' with a rollout.workflow
+                                 other than the default (the python tool)
   sbatch script,  mpi            one MPI world across the components (an allreduce); every node has
   components and                 cluster.network_interface, when set
   resources)      gpus           each GPU rank sees its node's GPUs (cuda)
@@ -38,7 +41,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from areal_hpc.config import Config, ConfigError
+from areal_hpc.config import SINGLE_TURN, Config, ConfigError
 from areal_hpc.layout import Layout, Role
 from areal_hpc.planner import resolve_split
 from areal_hpc.wandb_log import check_wandb
@@ -334,6 +337,7 @@ def evaluate(cfg: Config, layout: Layout, reports: dict, token: str, login: dict
         )  # fmt: skip
     else:
         checks.append(Check("python", "PASS", f"{', '.join(f'{k} {v}' for k, v in login.items())} on every node"))
+    checks.append(check_sandbox(cfg, layout, reports))
 
     # mpi (and the interface it is told to use)
     good = [r for r, rep in reports.items() if rep.get("mpi") == {"size": layout.world_size, "sum": layout.world_size}]
@@ -417,6 +421,32 @@ def evaluate(cfg: Config, layout: Layout, reports: dict, token: str, login: dict
         )  # fmt: skip
     checks.append(check_weight_sync(cfg, layout, reports))
     return checks
+
+
+def check_sandbox(cfg: Config, layout: Layout, reports: dict) -> Check:
+    """The code sandbox (bubblewrap) on the nodes that run programs in it: the controller component's, where
+    the reward workers score `reward.kind: code`; the generators', where a workflow's `python` tool runs
+    (any `rollout.workflow` but the default, which runs no tool). Each node's first rank tried one."""
+    needs = {"controller": "reward.kind code"} if cfg.reward.kind == "code" else {}
+    if cfg.rollout.workflow != SINGLE_TURN:
+        needs["generator"] = f"the python tool of rollout.workflow {cfg.rollout.workflow}"
+    if not needs:
+        return Check("sandbox", "SKIP", f"no program runs in it: reward.kind {cfg.reward.kind}, the default workflow")
+    names = [c.name for c in layout.components]
+    tried = {  # host -> what its first rank found
+        rep["host"]: rep["sandbox"] for rep in reports.values() if "sandbox" in rep and names[rep["component"]] in needs
+    }
+    why = " and ".join(needs.values())
+    if not tried:
+        return Check("sandbox", "SKIP", f"not known: no node that needs it ({why}) reported")
+    bad = {h: what for h, what in sorted(tried.items()) if what != "ok"}
+    if bad:
+        return Check(
+            "sandbox", "FAIL", "; ".join(f"{h}: {what}" for h, what in bad.items()) + f" (needed for {why})",
+            "install bubblewrap (the package `bubblewrap`, command bwrap) on those nodes; run as a user, bwrap needs "
+            "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1 where the kernel has it)",
+        )  # fmt: skip
+    return Check("sandbox", "PASS", f"a program ran in bubblewrap on {', '.join(sorted(tried))} ({why})")
 
 
 def check_weight_sync(cfg: Config, layout: Layout, reports: dict) -> Check:

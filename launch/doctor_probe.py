@@ -4,7 +4,7 @@
  every rank   DIR/token readable? (the login node wrote it)   -> DIR/rank<r>.json   (before anything can hang)
               IFACE (cluster.network_interface) on its node?
  first rank   python doctor_probe.py --versions (a child):    -> its node's torch, vllm, megatron.core, mpi4py
-   of a node
+   of a node  a program in the code sandbox (bubblewrap)       -> "ok", or what went wrong
  every rank   MPI: allreduce over the world                    -> DIR/rank<r>.json again, with the result
  GPU ranks    GPUs they see; all-reduce of their component's ranks over torch.distributed with the
    (comps 1+) run's backend (nccl on cuda, gloo on cpu)        -> DIR/rank<r>.json again
@@ -52,6 +52,23 @@ def versions() -> dict[str, str]:
     return found
 
 
+def sandbox() -> str:
+    """Whether a program runs in the code sandbox on this node (areal_hpc.reward.code: bubblewrap), as the
+    code reward and the `python` tool run theirs: "ok", or what went wrong."""
+    try:
+        sys.path.insert(0, REPO)
+        from areal_hpc.reward.code import run_program
+
+        run = run_program("print(6 * 7)")
+    except Exception as e:  # noqa: BLE001 - every way it fails is the answer
+        return f"{type(e).__name__}: {e}"
+    if run.status != "ok":
+        return run.status
+    if run.stdout.strip() != "42":
+        return f"the program printed {run.stdout[:100]!r}, exit status {run.exit_code}"
+    return "ok"
+
+
 def main(out: Path, device: str, starts: list[int], sources: list[int], interface: str) -> None:
     rank = int(os.environ.get("SLURM_PROCID", "0"))
     component = max(i for i, s in enumerate(starts) if s <= rank)
@@ -77,6 +94,7 @@ def main(out: Path, device: str, starts: list[int], sources: list[int], interfac
     if os.environ.get("SLURM_LOCALID", "0") == "0":
         child = subprocess.run([sys.executable, __file__, "--versions"], capture_output=True, text=True, timeout=300)
         report["versions"] = json.loads(child.stdout) if child.returncode == 0 else {"error": child.stderr[-2000:]}
+        report["sandbox"] = sandbox()
         write()
     try:
         from mpi4py import MPI

@@ -1,7 +1,8 @@
 """`areal-hpc run`: the whole system on this machine, one mpirun MPMD launch.
 
 ```
- run_local:  run directory (resume unless --fresh) -> model built once (tiny + warm start, cached)
+ run_local:  rollout.workflow imported (a bad one stops here) -> run directory (resume unless --fresh)
+             -> model built once (tiny + warm start, cached)
              mpirun (own session) -- controller : reward x R : generator x G : trainer x T
                every rank: python -m areal_hpc.main RUN_DIR (pins generator/trainer ranks to cores)
              while it runs: a progress line per metrics.jsonl row; mpirun's own lines, the dead
@@ -42,6 +43,7 @@ from areal_hpc.metrics import progress_line
 from areal_hpc.network import check_interface
 from areal_hpc.rundir import STOP_FILE, Holder, lock_run_dir, prepare_run_dir, unlock_run_dir
 from areal_hpc.wandb_log import check_wandb
+from areal_hpc.workflow import load_workflow
 from launch.record import job_active
 
 TOKEN_ENV = "AREAL_RUN_TOKEN"
@@ -76,9 +78,12 @@ def mpirun_command(layout: Layout, run_dir: Path, python: str = sys.executable) 
 def run_local(cfg: Config, fresh: bool = False, allow_change: Sequence[str] = ()) -> int:
     """The run, holding the run directory's lock while it lasts (a second run on it is refused).
     Every rank runs on this machine: a cluster.network_interface it lacks is refused before any starts, and
-    so is a `logging.wandb` the controller could not open. `fresh` and `allow_change`: `rundir.prepare_run_dir`'s."""
+    so is a `logging.wandb` the controller could not open, and a `rollout.workflow` that cannot be imported
+    or is not a Workflow (every generator would fail on it). `fresh` and `allow_change`:
+    `rundir.prepare_run_dir`'s."""
     check_interface(cfg.cluster.network_interface)
     check_wandb(cfg.logging)
+    load_workflow(cfg.rollout.workflow)
     holder = Holder.this_process()
     lock_run_dir(cfg.run_dir, holder, job_active)
     try:

@@ -32,6 +32,7 @@ from areal_hpc.config import Config
 from areal_hpc.layout import Layout
 from areal_hpc.rundir import Holder, lock_run_dir, prepare_run_dir, relock_run_dir, unlock_run_dir
 from areal_hpc.wandb_log import check_wandb
+from areal_hpc.workflow import load_workflow
 from launch.errors import LaunchError
 from launch.record import ACTIVE, JobRecord, job_active, parse_squeue, squeue_command
 from launch.sbatch import cpus_per_task, render_sbatch, tasks_text
@@ -229,7 +230,9 @@ class SlurmLauncher:
     def script(self, cfg: Config) -> str:
         """The job's sbatch script of a config whose node split is resolved (`planner.resolve_split`); a
         config whose generator or trainer does not fit its GPUs is refused first (`planner.check_fits`:
-        what to change, by name). A cpu config's nodes are not known here."""
+        what to change, by name; a cpu config's nodes are not known here), and so is a `rollout.workflow`
+        that cannot be imported here or is not a Workflow (the job's generators would fail on it)."""
+        load_workflow(cfg.rollout.workflow)
         if cfg.cluster.device != "cpu":
             planner.check_fits(cfg)
         return render_sbatch(cfg, workdir=Path.cwd(), python=self.python or _default_python(cfg), command=self.command)

@@ -1,7 +1,11 @@
 """The controller's world simulated without MPI, for tests of the controller's loop (tests/test_controller.py,
-tests/test_filtering.py, tests/test_eval.py): generators whose trajectories take random times and carry the
+tests/test_filtering.py, tests/test_eval.py): generators whose episodes take random times and carry the
 version of the weights they were sampled with, reward workers, a trainer that checks what it is given.
 The real controller runs against it; only the other ranks are simulated.
+
+Episodes come in three shapes, by (group id + index) % 3: one turn; two turns with a tool's output between
+them (context: version -1, no loss); two sequences (the agent rewrote its history: the second starts with
+`REWRITTEN` and the prompt again, the trainer counts it in `continued`, not as a prompt trained on).
 """
 
 import json
@@ -60,17 +64,26 @@ class Prompts:
 class World:
     """The ranks other than the controller, one tick per controller poll."""
 
-    def __init__(self, layout: Layout, tok, seed=0, max_ticks=12, hang: int | None = None, hold=None):
+    def __init__(
+        self, layout: Layout, tok, seed=0, max_ticks=12, hang: int | None = None, hold=None, lose=None, reward=None
+    ):
         """`hold(controller, version)`: while true, the trainer's answer that makes `version` waits (a test
-        waits for the state it means, not for a race with the checkpoint thread)."""
+        waits for the state it means, not for a race with the checkpoint thread). `lose(group_id, index)`:
+        true for the training episodes whose workflow raises (lost); `reward(group_id, index)`: the
+        workflow's own reward of a training episode, or None (the reward workers score it)."""
         self.layout, self.tok, self.rng = layout, tok, random.Random(seed)
         self.max_ticks, self.hang, self.hold = max_ticks, hang, hold
+        self.lose, self.reward = lose or (lambda g, i: False), reward or (lambda g, i: None)
         self.controller = None  # set by `run`
         self.out: deque = deque()  # envelopes for the controller
         self.gen_version = dict.fromkeys(layout.ranks(Role.GENERATOR), 0)
         self.generating: list = []  # [generator, request, index, tokens left, ids, versions]
         self.later: list = []  # (ticks left, envelope)
         self.trained_prompts: list[str] = []
+        self.continued: list[str] = []  # the prompts of trained second sequences (REWRITTEN + prompt)
+        self.steps: list[list[str]] = []  # per TrainBatch: the prompts it trains
+        self.episodes: dict[str, list] = {}  # prompt -> the training episodes sent for it
+        self.reward_requests = 0
         self.trainer_version = 0
         self.batch_dests: list[tuple[int, int]] = []  # (version, rank) of each TrainBatch
         self.stopped: set[int] = set()
@@ -93,7 +106,8 @@ class World:
                 seconds = 0.01 * (len(self.gen_version) - list(self.gen_version).index(dest))
                 self.later.append((1, Envelope(dest, SyncDone(msg.version, seconds))))
         elif isinstance(msg, RewardRequest):
-            response = response_text(self.tok, msg.output_ids)  # as the reward worker decodes
+            self.reward_requests += 1
+            response = response_text(self.tok, msg.answer_ids)  # as the reward worker decodes
             a, b = msg.target, response.removeprefix(BOXED).removesuffix("}")
             result = RewardResult(msg.request_id, float(a == b), "ok")
             if msg.request_id % 17 == 0:  # now and then a reward call times out: scored 0, counted
@@ -111,10 +125,17 @@ class World:
     def on_train_batch(self, dest, batch: TrainBatch) -> None:
         assert batch.version == self.trainer_version, "a step was trained twice or skipped"
         assert (batch.versions[batch.loss_mask == 1] >= batch.version - self.eta).all()
+        self.steps.append([])
         for k in range(len(batch.cu_seqlens) - 1):
             seq = slice(batch.cu_seqlens[k], batch.cu_seqlens[k + 1])
-            prompt = batch.tokens[seq][batch.loss_mask[seq] == 0]
-            self.trained_prompts.append(self.tok.decode(prompt))
+            sampled = batch.versions[seq] >= 0
+            assert sampled.any() and ((batch.loss_mask[seq] == 1) <= sampled).all(), "loss on a context token"
+            prompt = self.tok.decode(batch.tokens[seq][: np.argmax(sampled)])  # the context before the first turn
+            if prompt.startswith(REWRITTEN):
+                self.continued.append(prompt.removeprefix(REWRITTEN))
+            else:
+                self.trained_prompts.append(prompt)
+                self.steps[-1].append(prompt)
         if dest != self.layout.replica_ranks(self.layout.train_dp - 1)[0]:
             return  # the step's last replica's batch, sent last, ends the step
         self.trainer_version += 1
@@ -157,11 +178,65 @@ class World:
             out = np.array(self.tok(f"{BOXED}{answer}}}")["input_ids"] + ids, np.int32)[: max(len(ids), 3)]
             vers = np.array((versions + [versions[-1]] * len(out))[: len(out)], np.int32)
             if isinstance(req, EvalRequest):
-                self.out.append(Envelope(gen, EvalTrajectory(req.prompt_index, index, out, "stop")))
+                episode = self.episode(req.prompt_ids, (req.prompt_index + index) % 3, ids, versions, out, vers)
+                num_tokens = len(episode["tokens"])
+                self.out.append(Envelope(gen, EvalTrajectory(req.prompt_index, index, out, num_tokens, "stop")))
+                continue
+            if self.lose(req.group_id, index):
+                trajectory = lost(req.group_id, index, f"Traceback ...\nZeroDivisionError: group {req.group_id}")
             else:
-                trajectory = Trajectory(req.group_id, index, out, np.full(len(out), -1.0, np.float32), vers, "stop")
-                self.out.append(Envelope(gen, trajectory))
+                episode = self.episode(req.prompt_ids, (req.group_id + index) % 3, ids, versions, out, vers)
+                reward = self.reward(req.group_id, index)
+                trajectory = Trajectory(
+                    req.group_id, index, **episode, reward=float("nan") if reward is None else reward
+                )
+            self.episodes.setdefault(req.row["prompt"], []).append(trajectory)
+            self.out.append(Envelope(gen, trajectory))
         self.generating = going
+
+    def episode(self, prompt_ids, shape: int, turn_ids: list, turn_versions: list, answer, answer_versions) -> dict:
+        """The Trajectory fields of an episode of `shape` (the module's docstring): its final answer
+        `answer`, and in two-turn shapes a first turn `turn_ids` (the 7s of the ticks)."""
+        prompt = [np.asarray(prompt_ids, np.int32), 0, -1]  # tokens, loss mask, versions
+        first = [np.asarray(turn_ids, np.int32), 1, np.asarray(turn_versions, np.int32)]
+        final = [answer, 1, answer_versions]
+        tool = [np.array(self.tok("=9\n")["input_ids"], np.int32), 0, -1]
+        rewritten = [np.array(self.tok(REWRITTEN)["input_ids"], np.int32), 0, -1]
+        sequences = [[prompt, final], [prompt, first, tool, final], [prompt, first], [rewritten, prompt, final]]
+        sequences = [sequences[0]] if shape == 0 else [sequences[1]] if shape == 1 else sequences[2:]
+        parts = [p for seq in sequences for p in seq]
+        ids = np.concatenate([p[0] for p in parts])
+        mask = np.concatenate([np.full(len(p[0]), p[1], np.uint8) for p in parts])
+        versions = np.concatenate([np.broadcast_to(np.asarray(p[2], np.int32), len(p[0])) for p in parts])
+        return {
+            "tokens": ids,
+            "seq_lens": np.array([sum(len(p[0]) for p in seq) for seq in sequences], np.int32),
+            "loss_mask": mask,
+            "behav_logprobs": np.where(mask == 1, -1.0, 0.0).astype(np.float32),
+            "versions": versions,
+            "answer_ids": answer,
+            "finish_reason": "stop",
+            "stats": {
+                "turns": 1 + (shape > 0),
+                "tool_calls": int(shape == 1),
+                "tool_errors": int(shape == 1 and len(turn_ids) % 2 == 0),
+                "tool_s": 0.5 * (shape == 1),
+                "template_rewrites": int(shape == 2),
+            },
+        }
+
+
+REWRITTEN = "#"
+"""What the second sequence of a two-sequence episode starts with, before the prompt."""
+
+
+def lost(group_id: int, index: int, error: str) -> Trajectory:
+    """A lost episode: its workflow raised `error`; no tokens."""
+    empty = np.zeros(0, np.int32)
+    return Trajectory(
+        group_id, index, empty, empty, empty.astype(np.uint8), empty.astype(np.float32), empty, empty, "stop",
+        error=error,
+    )  # fmt: skip
 
 
 def make(tmp_path, *overrides):

@@ -48,6 +48,31 @@ def test_accepts_tensors_and_rejects_bad_input():
         group_advantages([1.0, float("nan")], 2)
 
 
+@pytest.mark.parametrize("adv_norm", ["group", "mean", "batch"])
+def test_lost_trajectories_drop_out_of_their_groups_statistics(adv_norm):
+    """A lost trajectory (NaN reward) gets 0, and its group's others get what they would as a smaller group;
+    with nothing lost the result is the same as without `lost`."""
+    nan = float("nan")
+    rewards = [1.0, nan, 0.0, 0.5, 0.0, 1.0]
+    lost = [False, True, False, False, False, False]
+    adv = group_advantages(rewards, 3, adv_norm, lost=lost)
+    assert adv[1] == 0.0 and np.all(np.isfinite(adv))
+    if adv_norm != "batch":  # group by group: the first is the group [1, 0] of two
+        np.testing.assert_array_equal(adv[[0, 2]], group_advantages([1.0, 0.0], 2, adv_norm))
+        np.testing.assert_array_equal(adv[3:], group_advantages(rewards[3:], 3, adv_norm))
+    else:  # the batch's spread is the kept centred values'
+        centred = np.array([0.5, -0.5, 0.0, -0.5, 0.5])
+        np.testing.assert_allclose(adv[[0, 2, 3, 4, 5]], centred / centred.std(), rtol=1e-5)
+    full = [1.0, 0.25, 0.0, 0.5, 0.0, 1.0]
+    np.testing.assert_array_equal(
+        group_advantages(full, 3, adv_norm, lost=[False] * 6), group_advantages(full, 3, adv_norm)
+    )
+    with pytest.raises(ValueError, match="every trajectory lost"):
+        group_advantages([nan, nan, 1.0, 0.0], 2, adv_norm, lost=[True, True, False, False])
+    with pytest.raises(ValueError, match="finite"):
+        group_advantages([nan, 1.0], 2, adv_norm, lost=[False, False])
+
+
 @st.composite
 def reward_batches(draw):
     g = draw(st.integers(1, 8))

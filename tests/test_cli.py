@@ -1,7 +1,9 @@
-"""The command line: every subcommand has real help, plan prints the split."""
+"""The command line: every subcommand has real help, plan prints the split, a bad workflow stops a launch."""
 
+import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -67,3 +69,47 @@ def test_plan_ranks_gives_each_gpu_of_a_node_to_one_rank():
     gen_tp = load_config(REPO / "configs" / "qwen32b.yaml").allocation.gen_tp
     generators = [row for row in rows if row[1] == "generator"]
     assert all(len(row[4].split(",")) == gen_tp for row in generators)
+
+
+BAD_WORKFLOWS = {
+    "no_such_agents.math:Agent": "rollout.workflow: no module named 'no_such_agents'",
+    "areal_hpc.workflow.tools:calculator": (
+        "rollout.workflow: areal_hpc.workflow.tools:calculator is a function, not a subclass of "
+        "areal_hpc.workflow.Workflow"
+    ),
+}
+
+
+@pytest.mark.parametrize("workflow", BAD_WORKFLOWS)
+@pytest.mark.parametrize("launch", ["run", "submit", "render"])
+def test_a_bad_workflow_stops_a_launch_before_anything_starts(launch, workflow, tmp_path):
+    slurm = ["--nodes", "2", "cluster.cpus_per_node=4"]
+    extra = {"run": [], "submit": slurm, "render": [*slurm, "-o", str(tmp_path / "job.sbatch")]}[launch]
+    # No Slurm on the PATH: were the check missing, submit would fail later, never submit a job.
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable)}
+    args = [*extra, f"experiment.root={tmp_path / 'runs'}", f"rollout.workflow={workflow}"]
+    r = areal(launch, "configs/tiny-cpu.yaml", *args, env=env)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"areal-hpc: config error: {BAD_WORKFLOWS[workflow]}" in r.stderr
+    assert list(tmp_path.iterdir()) == []  # no run directory, no script
+
+
+def test_a_workflow_file_is_checked_and_passes(tmp_path):
+    agent = tmp_path / "agent.py"
+    agent.write_text(
+        textwrap.dedent(
+            """
+            from areal_hpc.workflow import Workflow
+
+            class Agent(Workflow):
+                async def arun_episode(self, client, row):
+                    return None
+            """
+        )
+    )
+    args = ["--nodes", "2", "--dry-run", "cluster.cpus_per_node=4", f"experiment.root={tmp_path / 'runs'}"]
+    r = areal("submit", "configs/tiny-cpu.yaml", *args, f"rollout.workflow={agent}:Agent")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("#!/bin/bash")
+    r = areal("submit", "configs/tiny-cpu.yaml", *args, f"rollout.workflow={agent}:Agnet")
+    assert r.returncode == 2 and f"{agent} has no attribute 'Agnet' (its Workflow subclasses: Agent)" in r.stderr

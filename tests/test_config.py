@@ -22,6 +22,7 @@ from areal_hpc.config import (
 from areal_hpc.config.kinds import config_fields, kinds_of
 from areal_hpc.layout import Layout
 from areal_hpc.planner import resolve_split
+from areal_hpc.workflow import Workflow, load_workflow
 from tests.helpers import REPO, TINY
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -32,6 +33,11 @@ def test_shipped_configs_load_and_round_trip(path, tmp_path):
     cfg = load_config(path)
     save_config(cfg, tmp_path / "c.yaml")
     assert load_config(tmp_path / "c.yaml") == cfg
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_name_a_workflow_that_loads(path):
+    assert issubclass(load_workflow(load_config(path).rollout.workflow), Workflow)
 
 
 def test_override_changes_a_field():
@@ -63,12 +69,26 @@ def test_override_changes_a_field():
         (["ppo.minibatches=9"], "ppo.minibatches (9) must not exceed rollout.prompts_per_step (8)"),
         (["rollout.group_size=1"], "rollout.group_size is 1: every advantage is 0"),
         (["rollout.group_size=0"], "so the run would learn nothing; set rollout.group_size >= 2"),
+        (
+            ["rollout.max_episode_tokens=400", "ppo.max_tokens_per_mb=256"],
+            "ppo.max_tokens_per_mb (256) must hold one whole episode sequence, up to rollout.max_episode_tokens (400)",
+        ),
+        (
+            ["rollout.workflow=areal_hpc.workflow.builtin:CalculatorAgent", "ppo.max_tokens_per_mb=256"],
+            "up to the model's context (512: rollout.max_episode_tokens is 0 and rollout.workflow",
+        ),
+        (["rollout.max_episode_tokens=12"], "rollout.max_episode_tokens (12) must exceed rollout.max_new_tokens (12)"),
     ],
 )
 def test_config_errors_name_the_key(overrides, message):
     with pytest.raises(ConfigError) as e:
         load_config(TINY, overrides)
     assert message in str(e.value)
+
+
+def test_a_single_turn_episode_needs_no_more_than_a_turn_per_micro_batch():
+    cfg = load_config(TINY, ["ppo.max_tokens_per_mb=256", "rollout.max_turns=8"])
+    assert cfg.rollout.max_episode_tokens == 0 and cfg.ppo.max_tokens_per_mb < cfg.model.max_position_embeddings
 
 
 def test_unknown_key_in_yaml_file(tmp_path):

@@ -16,6 +16,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from areal_hpc.checkpoint.controller import read_state
 from areal_hpc.checkpoint.files import latest_checkpoint, record_files
 from areal_hpc.config import load_config
 from areal_hpc.controller import Controller
@@ -24,7 +25,7 @@ from areal_hpc.exit_codes import EXIT_DONE, EXIT_STOPPED, STOP_REASON_ENV
 from areal_hpc.layout import Layout, Role
 from areal_hpc.liveness import RankFailure
 from areal_hpc.metrics import REQUIRED
-from areal_hpc.protocol import Trajectory
+from areal_hpc.protocol import GenerateRequest
 from areal_hpc.rollouts import Group
 from areal_hpc.runtime import RankContext
 from areal_hpc.tiny import build_tokenizer
@@ -44,6 +45,12 @@ def test_staleness_bound_and_every_prompt_once(tmp_path, eta):
         assert 0 <= r["staleness/max"] <= eta
         assert 0 <= r["timing/gen_idle_frac"] <= 1 and 0 <= r["timing/train_idle_frac"] <= 1
     assert sum(r["reward/errors"] for r in rows) > 0
+    # the episodes' figures (tests/sim_world.py: a third each of one turn, two turns around a tool call of
+    # 0.5 s, two sequences)
+    assert all(1 < r["rollout/turns_mean"] < 2 and 0 < r["rollout/tool_calls_mean"] < 1 for r in rows)
+    assert all(r["rollout/tool_s_mean"] == 0.5 and r["rollout/episode_tokens_mean"] > 0 for r in rows)
+    assert sum(r["rollout/tool_errors"] for r in rows) > 0 and sum(r["rollout/template_rewrites"] for r in rows) > 0
+    assert sum(r["rollout/workflow_errors"] + r["rollout/lost_groups"] for r in rows) == 0
     if eta == 0:  # synchronous: each step trains what the weights of that very version generated
         assert all(r["staleness/max"] == 0 and r["staleness/dropped"] == 0 for r in rows)
     assert eta == 0 or max(r["staleness/max"] for r in rows) > 0  # asynchronous: it does run ahead
@@ -52,6 +59,7 @@ def test_staleness_bound_and_every_prompt_once(tmp_path, eta):
     n = cfg.rollout.group_size
     assert len(world.trained_prompts) == 12 * 4 * n
     assert set(Counter(world.trained_prompts).values()) == {n}, "a prompt was trained on twice"
+    assert world.continued and set(world.continued) <= set(world.trained_prompts), "second sequences trained"
     assert world.stopped == set(range(1, layout.world_size))
     assert latest_checkpoint(run_dir).name == "step_12"
 
@@ -124,48 +132,118 @@ def test_stop_checkpoints_and_resume_continues_without_reusing_data(tmp_path, ol
     assert g.accepted + g.running <= (cfg.rollout.max_staleness + 12 + 1) * 4
 
 
+def test_a_data_rows_other_fields_reach_the_generators_and_survive_a_resume(tmp_path):
+    """A JSONL row's own fields (here an agent task's environment) are in every GenerateRequest.row for it
+    (the controller's own prompt stream reads the file), and in the controller checkpoint: the prompts
+    running at a stop are asked for again after the resume with them."""
+    path = tmp_path / "agent.jsonl"
+    path.write_text(
+        "".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1), "env": f"env{i}"}) + "\n" for i in range(100))
+    )
+    cfg, layout, run_dir, tok_dir = make(tmp_path, f"data.train_path={path}", "rollout.max_staleness=2")
+    requests = []
+
+    class Recording(World):
+        def send(self, dest, msg):
+            if isinstance(msg, GenerateRequest):
+                requests.append(msg.row)
+            super().send(dest, msg)
+
+    def row(i: int) -> dict:
+        return {"prompt": f"{i}+1=", "target": str(i + 1), "kind": "math", "env": f"env{i}"}
+
+    _, code = run(cfg, layout, run_dir, tok_dir, Recording(layout, build_tokenizer(), seed=1), None, stop_at=7)
+    assert code == EXIT_STOPPED and len(requests) >= 7 * 4
+    assert all(r == row(int(r["prompt"].split("+")[0])) for r in requests)
+    state = read_state(latest_checkpoint(run_dir))
+    assert state["requeued"], "the test means a stop with groups running"
+    for example in state["requeued"] + [g["example"] for g in state["buffer"]]:
+        assert example.row == row(int(example.prompt.split("+")[0]))
+    requests.clear()
+    second = Recording(layout, build_tokenizer(), seed=2)
+    second.trainer_version = 7  # the trainers load step_7
+    _, code = run(cfg, layout, run_dir, tok_dir, second, None)
+    assert code == EXIT_DONE
+    assert requests[: len(state["requeued"])] == [e.row for e in state["requeued"]]
+
+
 def rewrite_as_before_the_prompt_was_held_once(path):
-    """The controller state of checkpoint `path` as the code before the prompt was held once wrote it."""
+    """The controller state of checkpoint `path` as the code before the prompt was held once wrote it: the
+    prompt's token ids in every group and trajectory, a trajectory its sampled tokens only (`output_ids`:
+    before episodes), and Examples without `extra` (before rows kept their other fields)."""
     with open(path / "controller.pkl", "rb") as f:
         state = pickle.load(f)
     assert state["buffer"], "the test means a checkpoint with buffered groups"
+    for example in state["requeued"] + [group["example"] for group in state["buffer"]]:
+        del example.__dict__["extra"]
     for group in state["buffer"]:
         group["prompt_ids"] = np.asarray(group["example"].prompt_ids, np.int32)
-        for t in group["trajectories"]:
-            t["prompt_ids"] = group["prompt_ids"]
+        for i, t in enumerate(group["trajectories"]):
+            sampled = t["loss_mask"] == 1
+            group["trajectories"][i] = {
+                "group_id": t["group_id"],
+                "index": t["index"],
+                "prompt_ids": group["prompt_ids"],
+                "output_ids": t["tokens"][sampled],
+                "behav_logprobs": t["behav_logprobs"][sampled],
+                "versions": t["versions"][sampled],
+                "finish_reason": t["finish_reason"],
+            }
     with open(path / "controller.pkl", "wb") as f:
         pickle.dump(state, f)
     record_files(path)  # the checkpoint's checksums, of this file too
 
 
+def old_trajectories(ids, index_name="index") -> list[dict]:
+    """Two trajectories of group 3 as controller checkpoints before episodes saved them (the prompt's token
+    ids in each, the sampled ones as `output_ids`)."""
+    return [
+        {"group_id": 3, index_name: i, "prompt_ids": ids, "output_ids": ids + i, "behav_logprobs": np.full(2, -0.5, np.float32),
+         "versions": np.array([4, 5], np.int32), "finish_reason": "stop"}
+        for i in range(2)
+    ]  # fmt: skip
+
+
 def test_a_checkpoint_from_before_the_rename_of_sample_idx_restores():
     """Controller checkpoints written before `Trajectory.index` saved it as sample_idx."""
     ids = np.array([7, 8], np.int32)
-    trajs = [Trajectory(3, i, ids, np.zeros(2, np.float32), ids, "stop") for i in range(2)]
     example = Example(0, "p", "1", "math", prompt_ids=ids)
-    state = Group(3, example, 2, trajectories=trajs, rewards=[0.0, 1.0]).to_state()
-    for t in state["trajectories"]:
-        t["sample_idx"] = t.pop("index")
+    state = {
+        "group_id": 3,
+        "example": example,
+        "n": 2,
+        "rewards": [0.0, 1.0],
+        "trajectories": old_trajectories(ids, "sample_idx"),
+    }
     assert [t.index for t in Group.from_state(state).trajectories] == [0, 1]
 
 
 def test_a_checkpoint_that_holds_the_prompt_in_every_group_and_trajectory_restores():
-    """Controller checkpoints written before the prompt was held once: each group's state has its prompt's
-    token ids beside its Example, and each trajectory has them too. The group restores with the Example's
-    (the one copy), and saves it only there."""
+    """Controller checkpoints written before the prompt was held once (and before episodes): each group's
+    state has its prompt's token ids beside its Example, and each trajectory has them too, with its sampled
+    tokens as `output_ids`. The group restores with the Example's (the one copy), each trajectory as the
+    one-turn episode of that prompt and answer, and saves the prompt only in the Example."""
     ids = np.array([7, 8], np.int32)
     example = Example(0, "p", "1", "math", prompt_ids=ids)
-    trajs = [
-        {"group_id": 3, "index": i, "prompt_ids": ids, "output_ids": ids + i, "behav_logprobs": np.zeros(2, np.float32),
-         "versions": ids, "finish_reason": "stop"}
-        for i in range(2)
-    ]  # fmt: skip
-    old = {"group_id": 3, "example": example, "prompt_ids": ids, "n": 2, "rewards": [0.0, 1.0], "trajectories": trajs}
+    old = {
+        "group_id": 3,
+        "example": example,
+        "prompt_ids": ids,
+        "n": 2,
+        "rewards": [0.0, 1.0],
+        "trajectories": old_trajectories(ids),
+    }
     group = Group.from_state(old)
     assert group.example.prompt_ids is ids and [t.index for t in group.trajectories] == [0, 1]
-    assert [list(t.output_ids) for t in group.trajectories] == [[7, 8], [8, 9]] and group.rewards == [0.0, 1.0]
+    assert [list(t.tokens) for t in group.trajectories] == [[7, 8, 7, 8], [7, 8, 8, 9]] and group.rewards == [0.0, 1.0]
+    for i, t in enumerate(group.trajectories):
+        assert list(t.seq_lens) == [4] and list(t.answer_ids) == list(ids + i) and not t.error
+        assert list(t.loss_mask) == [0, 0, 1, 1] and list(t.versions) == [-1, -1, 4, 5]
+        assert list(t.behav_logprobs) == [0, 0, -0.5, -0.5]
+    assert group.oldest_version == 4
     state = group.to_state()
     assert "prompt_ids" not in state and not any("prompt_ids" in t for t in state["trajectories"])
+    assert [list(t.tokens) for t in Group.from_state(state).trajectories] == [[7, 8, 7, 8], [7, 8, 8, 9]]
 
 
 @pytest.mark.parametrize("grace_s", [60, 0])

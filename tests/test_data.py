@@ -1,6 +1,8 @@
 """Data sets: validated loading with errors that name the file, line and field; a resumable shuffled stream."""
 
 import json
+import pickle
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -8,7 +10,8 @@ from hypothesis import strategies as st
 
 from areal_hpc.config import Config, ConfigError, load_config
 from areal_hpc.data import PromptStream, load_dataset, load_prompts
-from areal_hpc.tiny import arithmetic_rows, build_tokenizer
+from areal_hpc.synthetic import synthetic_rows
+from areal_hpc.tiny import build_tokenizer
 
 
 def write_jsonl(path, rows, raw_lines=()):
@@ -35,6 +38,25 @@ def test_code_rows_tests_as_list_or_json_string(tmp_path):
     examples = load_dataset(path, "code")
     want = [{"input": "1 2", "output": "3"}, {"input": "", "output": "hi"}]
     assert [e.target for e in examples] == [want, want], "the tests in one form, checked and normalised"
+
+
+def test_a_rows_other_fields_reach_the_workflows_row_and_old_pickles_load(tmp_path):
+    """Fields besides the prompt and its target go to the workflow as they are (`Example.row`), through the
+    length filter; a field named as one of the system's row keys is refused; an Example pickled before
+    rows kept their other fields (a controller checkpoint's) loads with none."""
+    files = {"a.py": "print(1)"}
+    rows = [{"prompt": "1+1=", "answer": "2", "env_id": "calc-v1", "files": files}, {"prompt": "2+2=", "answer": 4}]
+    cfg, path = config_with(tmp_path, rows)
+    a, b = load_prompts(cfg, build_tokenizer(), path)
+    assert a.row == {"prompt": "1+1=", "target": "2", "kind": "math", "env_id": "calc-v1", "files": files}
+    assert b.row == {"prompt": "2+2=", "target": "4", "kind": "math"}
+    assert pickle.loads(pickle.dumps(a)).row == a.row
+    for name in ("target", "kind", "prompt_ids"):
+        bad = write_jsonl(tmp_path / f"{name}.jsonl", [{"prompt": "1+1=", "answer": "2", name: "x"}])
+        with pytest.raises(ConfigError, match=re.escape(f"{bad}:1: field '{name}' is a name the system gives")):
+            load_dataset(bad, "math")
+    del a.__dict__["extra"]  # as the code before `extra` pickled it
+    assert pickle.loads(pickle.dumps(a)).row == {"prompt": "1+1=", "target": "2", "kind": "math"}
 
 
 @pytest.mark.parametrize(
@@ -179,11 +201,12 @@ def test_from_config_builds_the_synthetic_task_with_a_held_out_split(tmp_path):
     test = [e.prompt for e in load_dataset(eval_path(cfg), "math")]
     assert len(test) == len(set(test)) == 200 // 5, "a fifth of the 200 problems, each once"
     assert not train & set(test), "a held-out problem is in the training split"
-    assert not {r["prompt"] for r in arithmetic_rows(2000, 7, 9)} & set(test)
+    assert not {r["prompt"] for r in synthetic_rows(2000, 7, max_operand=9)} & set(test)
     from areal_hpc.sft import sft_examples
 
     cfg.sft.examples = 2000  # the warm start stands in for pretraining: it sees every problem
-    assert set(test) < {tok.decode(p) for p, _ in sft_examples(cfg, tok)}, "the warm start skips held-out problems"
+    prompts = {tok.decode(ids[: mask.index(1)]) for ids, mask in sft_examples(cfg, tok)}
+    assert set(test) < prompts, "the warm start skips held-out problems"
     cfg.reward.kind = "code"
     with pytest.raises(ConfigError, match="needs data.train_path"):
         PromptStream.from_config(cfg, tok)
@@ -212,6 +235,7 @@ def test_prompt_format_plain_suffix_and_chat_template(tmp_path):
     (e,) = load_prompts(cfg, tok, cfg.data.train_path)
     assert tok.decode(e.prompt_ids) == "1+2=\n Box it." and e.prompt == "1+2="
     cfg, _ = config_with(tmp_path, rows, "data.chat_template=true", "data.system_prompt=Be brief.")
+    tok.chat_template = None  # the tiny tokenizer has one of its own
     with pytest.raises(ConfigError, match="has no chat template; set data.chat_template=false"):
         load_prompts(cfg, tok, cfg.data.train_path)
     tok.chat_template = CHAT
@@ -240,6 +264,25 @@ def test_overlong_prompts_are_skipped_counted_and_named(tmp_path, caplog):
         config_with(tmp_path, rows, "data.max_prompt_tokens=500")
 
 
+def test_prompt_limit_leaves_a_whole_turn_within_max_episode_tokens(tmp_path, caplog):
+    """With rollout.max_episode_tokens below the context, a prompt must leave the episode room for one turn
+    of rollout.max_new_tokens: the default limit is the episode's budget less that, and an explicit
+    data.max_prompt_tokens over it is refused at load."""
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "9" * 80 + "=", "answer": "0"}]
+    cfg, path = config_with(tmp_path, rows, "rollout.max_episode_tokens=100")  # 512 positions, 32 new tokens
+    with caplog.at_level("WARNING"):
+        examples = load_prompts(cfg, build_tokenizer(), path)
+    assert [e.prompt for e in examples] == ["1+1="]
+    assert f"skipped 1 of 2 prompts longer than 68 tokens (data.max_prompt_tokens): {path}:2 (81 tokens)" in caplog.text
+    with pytest.raises(
+        ConfigError,
+        match=r"data.max_prompt_tokens \(81\) \+ rollout.max_new_tokens \(32\) must fit rollout.max_episode_tokens \(100\)",
+    ):
+        config_with(tmp_path, rows, "rollout.max_episode_tokens=100", "data.max_prompt_tokens=81")
+    cfg, _ = config_with(tmp_path, rows, "rollout.max_episode_tokens=100", "data.max_prompt_tokens=68")
+    assert len(load_prompts(cfg, build_tokenizer(), path)) == 1
+
+
 def test_warm_start_reads_through_the_loader(tmp_path, caplog):
     """The issue's cases: a malformed line and a row without its answer end in the loader's errors,
     not tracebacks; a 15,000-character prompt is skipped (and named), not trained on for minutes."""
@@ -251,8 +294,8 @@ def test_warm_start_reads_through_the_loader(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         examples = sft_examples(cfg, tok)
     assert len(examples) == 4 and f"{path}:7 (15001 tokens)" in caplog.text
-    prompt, response = examples[0]
-    assert tok.decode(prompt) == "0+1=" and tok.decode(response) == "\\boxed{1}<|endoftext|>"
+    ids, mask = examples[0]
+    assert tok.decode(ids) == "0+1=\\boxed{1}<|endoftext|>" and mask == [0] * 4 + [1] * 4
     path.write_text(json.dumps(good[0]) + "\n" + '{"prompt": "2+2=", "answer": \n')
     with pytest.raises(ConfigError, match=f"{path}:2: not valid JSON"):
         sft_examples(cfg, tok)
@@ -272,12 +315,12 @@ def test_warm_start_leaves_the_unboxed_share_bare(tmp_path):
     tok = build_tokenizer()
     rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(400)]
     cfg, _ = config_with(tmp_path, rows, "sft.examples=400", "sft.unboxed=0.5")
-    responses = [tok.decode(r, skip_special_tokens=True) for _, r in sft_examples(cfg, tok)]
+    responses = [tok.decode(ids[mask.index(1) :], skip_special_tokens=True) for ids, mask in sft_examples(cfg, tok)]
     bare = [text for text, row in zip(responses, rows) if text == row["answer"]]
     boxed = [text for text, row in zip(responses, rows) if text == f"\\boxed{{{row['answer']}}}"]
     assert len(bare) + len(boxed) == 400 and 160 < len(bare) < 240
     assert math_reward(bare[0], bare[0]) == 0.0 and math_reward(boxed[0], boxed[0][7:-1]) == 1.0
-    assert [tok.decode(r) for _, r in sft_examples(cfg, tok)] == [tok.decode(r) for _, r in sft_examples(cfg, tok)]
+    assert sft_examples(cfg, tok) == sft_examples(cfg, tok)
     for bad in ("1", "-0.1"):
         with pytest.raises(ConfigError, match=f"sft.unboxed must be in \\[0, 1\\) \\(got {bad}"):
             config_with(tmp_path, rows, f"sft.unboxed={bad}")
@@ -297,3 +340,31 @@ def test_run_reports_bad_data_in_one_line(tmp_path):
     assert out.returncode == 2, out.stdout + out.stderr
     assert f"config error: {path}:2: not valid JSON" in out.stderr
     assert "Traceback" not in out.stdout + out.stderr
+
+
+def test_warm_start_calls_the_calculator_in_the_tool_share(tmp_path):
+    """`sft.tool_share`: that share of the multiplication warm start calls the calculator, in the tiny
+    tokenizer's tool syntax, with its answer as context (mask 0); no held-out problem is trained on."""
+    from areal_hpc.data import eval_path
+    from areal_hpc.sft import sft_examples
+
+    tok = build_tokenizer()
+    overrides = ["data.synthetic_task=multiplication", "sft.examples=400", "sft.tool_share=0.3"]
+    cfg = load_config(None, [f"experiment.root={tmp_path}", *overrides])
+    examples = sft_examples(cfg, tok)
+    calls = [(ids, mask) for ids, mask in examples if tok.convert_tokens_to_ids("<calc>") in ids]
+    assert len(examples) == 400 and 90 < len(calls) < 150
+    ids, mask = calls[0]
+    prompt = tok.decode(ids[: mask.index(1)])
+    a, b = map(int, prompt[:-1].split("*"))
+    assert tok.decode(ids) == f"{a}*{b}=<calc>{a}*{b}<|endoftext|><result>{a * b}\n\\boxed{{{a * b}}}<|endoftext|>"
+    trained = tok.decode([t for t, m in zip(ids, mask) if m])
+    assert trained == f"<calc>{a}*{b}<|endoftext|>\\boxed{{{a * b}}}<|endoftext|>", "the tool's answer is context"
+    test = {e.prompt for e in load_dataset(eval_path(cfg), "math")}
+    assert len(test) == 500 and not test & {tok.decode(i[: m.index(1)]) for i, m in examples}
+    with pytest.raises(ConfigError, match="sft.tool_share > 0 needs the synthetic multiplication task"):
+        load_config(None, [f"experiment.root={tmp_path}", "sft.tool_share=0.3"])
+    with pytest.raises(ConfigError, match=r"sft.tool_share must be in \[0, 1\] \(got 1.5\)"):
+        load_config(None, [f"experiment.root={tmp_path}", *overrides, "sft.tool_share=1.5"])
+    with pytest.raises(ConfigError, match="data.synthetic_task must be arithmetic or multiplication"):
+        load_config(None, [f"experiment.root={tmp_path}", "data.synthetic_task=division"])

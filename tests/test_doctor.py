@@ -4,6 +4,7 @@ a node-local disk, packages missing on the nodes). The checks of a probe's repor
 which this machine cannot run, are tested on reports written out here; the probe's own code, the run's
 start-up weight-sync broadcast included, runs in an MPI world of stand-in Slurm tasks."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,7 +15,7 @@ import pytest
 from areal_hpc.cli import main as cli_main
 from areal_hpc.config import load_config
 from areal_hpc.layout import Layout
-from launch.doctor import check_weight_sync, doctor, evaluate, stage_sources
+from launch.doctor import check_sandbox, check_weight_sync, doctor, evaluate, stage_sources
 from tests.helpers import MPI_PROGRAMS, TINY
 
 CHECKS = [
@@ -113,6 +114,7 @@ def test_gpu_checks_from_reports_on_a_cuda_config(tmp_path):
     for r in (2, 3, 4):  # the start-up broadcast: trainer 0 to both generators
         reports[r]["weight_sync"] = {"backend": "nccl", "joined": [[0, "10.0.0.3:4711"]], "ok": True, "lines": []}
     checks = {c.name: c for c in evaluate(cfg, layout, reports, "t", login, tmp_path)}
+    assert checks.pop("sandbox").status == "SKIP", "tiny-cpu runs no program in the sandbox"
     assert all(c.status == "PASS" for c in checks.values()), checks
     assert checks["all-reduce"].detail == "nccl across the nodes of generator (1 node(s)), trainer (1 node(s))"
     assert checks["weight sync"].detail == (
@@ -146,6 +148,28 @@ def test_gpu_checks_from_reports_on_a_cuda_config(tmp_path):
     assert "set cluster.network_interface" in checks["weight sync"].fix
     assert checks["mpi"].status == "FAIL"
     assert checks["mpi"].detail == "cluster.network_interface 'ib0' is not an interface on host node3 (...)"
+
+
+def test_the_sandbox_is_checked_on_the_nodes_that_run_programs():
+    cfg = load_config(TINY, ["cluster.nodes=2"])
+    layout = Layout.from_config(cfg)
+    missing = "error: bwrap (bubblewrap) is not installed"
+    reports = {  # each node's first rank: controller, generator, trainer component
+        0: {"host": "node1", "component": 0, "sandbox": missing},
+        2: {"host": "node2", "component": 1, "sandbox": "ok"},
+        4: {"host": "node3", "component": 2, "sandbox": missing},  # trainers run no program
+    }
+    check = check_sandbox(cfg, layout, reports)
+    assert check.status == "SKIP" and "reward.kind math, the default workflow" in check.detail
+    agent = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, workflow="agents.py:Agent"))
+    check = check_sandbox(agent, layout, reports)
+    assert check.status == "PASS", check
+    assert check.detail == "a program ran in bubblewrap on node2 (the python tool of rollout.workflow agents.py:Agent)"
+    code = dataclasses.replace(agent, reward=dataclasses.replace(cfg.reward, kind="code"))
+    check = check_sandbox(code, layout, reports)
+    assert check.status == "FAIL" and check.detail.startswith(f"node1: {missing} (needed for reward.kind code and")
+    assert "install bubblewrap" in check.fix
+    assert check_sandbox(code, layout, {}).status == "SKIP"
 
 
 def test_the_weight_sync_check_covers_every_stage_and_names_the_one_that_failed():
@@ -211,8 +235,10 @@ def test_the_probe_passes_in_an_mpi_world_with_the_runs_start_up_broadcasts(run_
     login = reports[0]["versions"]  # one host: the login node's are rank 0's
     checks = {c.name: c for c in evaluate(cfg, layout, reports, "t", login, tmp_path)}
     assert {n: c.status for n, c in checks.items()} == {
-        "run directory": "PASS", "python": "PASS", "mpi": "PASS", "gpus": "SKIP", "all-reduce": "PASS", "weight sync": "PASS",
+        "run directory": "PASS", "python": "PASS", "sandbox": "SKIP", "mpi": "PASS", "gpus": "SKIP",
+        "all-reduce": "PASS", "weight sync": "PASS",
     }, checks  # fmt: skip
+    assert reports[0]["sandbox"] == "ok", "a program ran in bubblewrap on this node"
     assert checks["weight sync"].detail.startswith(
         "gloo from world ranks 3-4 (trainer), the sources of stages 0-1, to world rank 2 (generator) at 127.0.0.1:"
     )

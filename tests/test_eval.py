@@ -48,14 +48,17 @@ def test_round_report():
         for j, x in enumerate(rs):
             r.arrived(i, j, length=2 + j, truncated=j == 3)
             assert not r.done
-            r.scored(i, j, x, "ok" if i or j else "timeout")
+            if (i, j) == (2, 1):
+                r.lost(i, j)  # the workflow raised
+            else:
+                r.scored(i, j, x, "ok" if i or j else "timeout")
     assert r.done and r.generated(2)
     rep = r.report()
     assert rep["pass@k"]["1"] == pytest.approx((0.25 + 1 + 0) / 3)
     assert rep["pass@k"]["2"] == pytest.approx((0.5 + 1 + 0) / 3)  # one right of 4: 1 - C(3,2)/C(4,2)
     assert rep["pass@k"]["4"] == pytest.approx(2 / 3)
-    assert rep["trajectory_tokens"] == {"mean": 3.5, "median": 3.5, "p90": pytest.approx(5.0), "max": 5}
-    assert rep["truncated_frac"] == 0.25 and rep["reward_errors"] == 1
+    assert rep["episode_tokens"] == {"mean": 3.5, "median": 3.5, "p90": pytest.approx(5.0), "max": 5}
+    assert rep["truncated_frac"] == 0.25 and rep["reward_errors"] == rep["workflow_errors"] == 1
     assert [p["correct"] for p in rep["per_prompt"]] == [1, 4, 0]
     empty = EvalRound(examples[:1], samples=1)
     assert not empty.generated(0)
@@ -137,7 +140,7 @@ def test_eval_between_training_steps(tmp_path):
     evals = [r for r in rows_out if "eval/pass@1" in r]
     assert [r["eval/version"] for r in evals] == [0, 4, 8]
     assert all(r["eval/pass@1"] == pytest.approx(6 / 20) and r["eval/pass@2"] == pytest.approx(want) for r in evals)
-    assert all(set(r) >= {"eval/pass@2", "eval/reward_mean", "eval/trajectory_tokens"} for r in evals)
+    assert all(set(r) >= {"eval/pass@2", "eval/reward_mean", "eval/episode_tokens_mean"} for r in evals)
     assert not {r["prompt"] for r in rows} & set(world.trained_prompts), "an eval prompt was trained on"
     assert c.rollouts.gate.state.consumed == 12 * 4 and c.rollouts.gate.state.rejected == 0
     assert world.requests["EvalRequest"] == 3 * len(rows) and sum(world.scored.values()) == 3 * len(rows) * samples
@@ -152,23 +155,44 @@ def test_training_eval_rounds_by_hand():
     assert ev.start(1) == [], "not due"
     requests = ev.start(0)
     assert [(r.prompt_index, list(r.prompt_ids), r.n) for r in requests] == [(0, [5, 6], 2), (1, [6, 6], 2)]
+    assert requests[1].row == {"prompt": "p1", "target": "1", "kind": "math"}
     assert ev.start(2) == [], "the round of version 0 still runs: none of version 2"
-    trajs = [EvalTrajectory(i, j, np.full(j + 1, 7, np.int32), "stop") for i in range(2) for j in range(2)]
+    trajs = [EvalTrajectory(i, j, np.full(j + 1, 7, np.int32), j + 3, "stop") for i in range(2) for j in range(2)]
     assert [ev.arrived(t) for t in trajs] == [False, True, False, True], "a prompt's last trajectory ends its request"
     for t in trajs:
         assert ev.target(t) == "1" and ev.take_metrics() == {}
-        ev.scored(t, float(t.prompt_index == 0), "ok")
+        if t.prompt_index == 0:
+            ev.scored(t, 1.0, "ok")
+        else:
+            ev.lost(t)  # a lost episode scores 0 and ends the round like a scored one
     m = ev.take_metrics()
     assert m["eval/version"] == 0 and m["eval/pass@1"] == m["eval/pass@2"] == m["eval/reward_mean"] == 0.5
-    assert m["eval/trajectory_tokens"] == 1.5 and ev.take_metrics() == {}
+    assert m["eval/episode_tokens_mean"] == 3.5 and ev.take_metrics() == {}  # the episodes' tokens (num_tokens)
     assert len(ev.start(4)) == 2 and ev.version == 4
+
+
+TWO_TURNS = """
+from areal_hpc.workflow import Workflow
+
+
+class TwoTurns(Workflow):
+    async def arun_episode(self, client, row):
+        first = await client.generate(row["prompt_ids"], max_tokens=2)
+        if row["prompt"].startswith("1"):
+            raise RuntimeError("lost on purpose")
+        await client.generate([*row["prompt_ids"], *first.token_ids, *row["prompt_ids"]], max_tokens=3)
+        return 1.0
+"""
 
 
 @pytest.mark.vllm
 def test_evaluate_with_the_generator_engine_and_scorer_pool(tmp_path):
-    """One real evaluation: the tiny model's warm start (a few hundred examples) on held-out problems."""
+    """Real evaluations on one engine: the tiny model's warm start (a few hundred examples) on held-out
+    problems with the default workflow, scored by the reward workers' pool; then a workflow of two turns
+    that returns its own reward, and raises on some prompts."""
     from areal_hpc.data import eval_path, load_prompts
     from areal_hpc.eval.command import evaluate, table
+    from areal_hpc.generator.engine import GenerationEngine
     from areal_hpc.sft import initial_model
 
     overrides = [
@@ -180,18 +204,44 @@ def test_evaluate_with_the_generator_engine_and_scorer_pool(tmp_path):
     ]
     cfg = load_config("configs/tiny-cpu.yaml", overrides)
     model = initial_model(cfg)
-    report = evaluate(cfg, model, eval_path(cfg), samples=4, progress=lambda line: None)
-    n = len(load_prompts(cfg, build_tokenizer(), eval_path(cfg)))
-    assert report["prompts"] == n == 40 and report["samples"] == 4
-    assert [p["correct"] for p in report["per_prompt"]] and all(0 <= p["correct"] <= 4 for p in report["per_prompt"])
-    assert report["pass@k"]["1"] == pytest.approx(np.mean([p["correct"] / 4 for p in report["per_prompt"]]))
-    assert report["pass@k"]["1"] == pytest.approx(report["reward_mean"])  # math rewards are 0 or 1
-    assert report["pass@k"]["1"] <= report["pass@k"]["2"] <= report["pass@k"]["4"]
-    tokens = [t for p in report["per_prompt"] for t in p["tokens"]]
-    assert min(tokens) >= 1 and max(tokens) <= 8 and report["trajectory_tokens"]["max"] == max(tokens)
-    assert report["truncated_frac"] <= np.mean([t == 8 for t in tokens])
-    assert report["pass@k"]["4"] > 0, "the warm start answers some held-out problems right"
-    assert "pass@1" in table({**report, "step": 0})
+    engine = GenerationEngine.from_config(cfg, model, "cpu")
+    try:
+        report = evaluate(cfg, model, eval_path(cfg), samples=4, engine=engine, progress=lambda line: None)
+        n = len(load_prompts(cfg, build_tokenizer(), eval_path(cfg)))
+        assert report["prompts"] == n == 40 and report["samples"] == 4
+        assert [p["correct"] for p in report["per_prompt"]] and all(
+            0 <= p["correct"] <= 4 for p in report["per_prompt"]
+        )
+        assert report["pass@k"]["1"] == pytest.approx(np.mean([p["correct"] / 4 for p in report["per_prompt"]]))
+        assert report["pass@k"]["1"] == pytest.approx(report["reward_mean"])  # math rewards are 0 or 1
+        assert report["pass@k"]["1"] <= report["pass@k"]["2"] <= report["pass@k"]["4"]
+        prompt_tokens = {
+            i: len(e.prompt_ids) for i, e in enumerate(load_prompts(cfg, build_tokenizer(), eval_path(cfg)))
+        }
+        answers = [t - prompt_tokens[i] for i, p in enumerate(report["per_prompt"]) for t in p["tokens"]]
+        assert min(answers) >= 1 and max(answers) <= 8, "an episode of SingleTurn: the prompt and one answer"
+        assert report["truncated_frac"] <= np.mean([a == 8 for a in answers])
+        assert report["pass@k"]["4"] > 0, "the warm start answers some held-out problems right"
+        assert report["episodes"]["turns_mean"] == 1 and report["workflow_errors"] == 0
+        assert "pass@1" in table({**report, "step": 0})
+
+        workflow = tmp_path / "two_turns.py"
+        workflow.write_text(TWO_TURNS)
+        data = tmp_path / "held_out.jsonl"
+        prompts = ["1+1=", "2+5=", "13+4=", "7-3="]
+        data.write_text("".join(json.dumps({"prompt": p, "answer": "0"}) + "\n" for p in prompts))
+        cfg = load_config("configs/tiny-cpu.yaml", [*overrides, f"rollout.workflow={workflow}:TwoTurns"])
+        report = evaluate(cfg, model, data, samples=3, engine=engine, progress=lambda line: None)
+    finally:
+        engine.close()
+    lost = [p.startswith("1") for p in prompts]
+    # the workflow's 1.0 wins over reward.kind (every answer "0" is wrong); a lost episode scores 0
+    assert [p["correct"] for p in report["per_prompt"]] == [0 if x else 3 for x in lost]
+    assert report["workflow_errors"] == 3 * sum(lost) and report["reward_errors"] == 0, "lost: counted once"
+    assert "lost on purpose" in report["episodes"]["first_error"]
+    assert report["episodes"]["turns_mean"] == pytest.approx(2 * (len(prompts) - sum(lost)) / len(prompts))
+    assert all(t == 0 for p, x in zip(report["per_prompt"], lost) if x for t in p["tokens"]), "lost: no tokens"
+    assert "lost (the workflow raised): 6" in table({**report, "step": 0})
 
 
 def eval_args(*argv):

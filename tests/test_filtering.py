@@ -17,23 +17,22 @@ from areal_hpc.batch import build_train_batches
 from areal_hpc.config import ConfigError, load_config
 from areal_hpc.data import Example
 from areal_hpc.exit_codes import EXIT_DONE
-from areal_hpc.protocol import Envelope, RewardRequest, RewardResult, Trajectory
+from areal_hpc.protocol import Envelope, RewardRequest, RewardResult
 from areal_hpc.reward import overlong_penalty
-from areal_hpc.rollouts import FILTERED_WARN_STEPS, Group
+from areal_hpc.rollouts import FILTERED_WARN_STEPS, Group, single_turn
 from areal_hpc.tiny import build_tokenizer
 from tests.sim_world import Prompts, World, make, metrics, run
 
 
 class CoinWorld(World):
     """Rewards are coin flips (`p_right`): some groups all right or all wrong, most mixed. Every
-    trained trajectory's advantage is recorded."""
+    trained sequence's advantage is recorded."""
 
     p_right = 0.5
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.trained_advantages: list[float] = []
-        self.response_tokens: list[list[int]] = []  # per step: response length of each trained trajectory
 
     def send(self, dest, msg):
         if isinstance(msg, RewardRequest):
@@ -43,13 +42,10 @@ class CoinWorld(World):
         super().send(dest, msg)
 
     def on_train_batch(self, dest, batch):
-        lengths = []
         for k in range(len(batch.cu_seqlens) - 1):
             seq = slice(batch.cu_seqlens[k], batch.cu_seqlens[k + 1])
-            response = batch.versions[seq] >= 0
-            self.trained_advantages.append(float(batch.advantages[seq][response][0]))
-            lengths.append(int(response.sum()))
-        self.response_tokens.append(lengths)
+            sampled = batch.versions[seq] >= 0
+            self.trained_advantages.append(float(batch.advantages[seq][sampled][0]))
         super().on_train_batch(dest, batch)
 
 
@@ -213,15 +209,19 @@ def test_overlong_penalty_by_hand():
     assert overlong_penalty(20, 20, 0, 1.0) == overlong_penalty(20, 20, 5, 0.0) == 0.0
 
 
-def test_controller_adds_the_penalty_to_the_reward_of_each_trajectory(tmp_path):
+def test_controller_adds_the_penalty_to_the_reward_of_each_episode(tmp_path):
+    """The penalty reads an episode's final answer (`answer_ids`), not all its sampled tokens: the
+    simulated world's two-turn episodes sample more than their answer."""
     cfg, layout, run_dir, tok_dir = make(tmp_path, "reward.overlong_penalty=0.5", "reward.overlong_buffer=12")
     world = CoinWorld(layout, build_tokenizer(), seed=1)
     world.p_right = 0.0  # every raw reward 0: the step's mean reward is the mean penalty
     run(cfg, layout, run_dir, tok_dir, world, Prompts())
     rows = metrics(run_dir)
-    assert len(rows) == len(world.response_tokens) == 12
-    for row, lengths in zip(rows, world.response_tokens):
-        want = np.mean([-0.5 * max(0, n - 0) / 12 for n in lengths])  # max_new_tokens 12 = buffer
+    assert len(rows) == len(world.steps) == 12
+    episodes = [[t for p in prompts for t in world.episodes[p]] for prompts in world.steps]
+    assert any(t.loss_mask.sum() > len(t.answer_ids) for step in episodes for t in step)
+    for row, step in zip(rows, episodes):
+        want = np.mean([-0.5 * len(t.answer_ids) / 12 for t in step])  # max_new_tokens 12 = buffer
         assert row["reward/mean"] == pytest.approx(want) and want < 0
 
 
@@ -229,8 +229,7 @@ def group(trajectories: list[tuple[int, str]], rewards: list[float]) -> Group:
     """A finished group: (response length, finish reason) per trajectory."""
     g = Group(0, Example(0, "p", "1", "math", prompt_ids=np.array([5, 6], np.int32)), len(trajectories))
     for i, (n, reason) in enumerate(trajectories):
-        zeros = np.zeros(n, np.int32)
-        g.trajectories[i] = Trajectory(0, i, zeros + 7, zeros.astype(np.float32), zeros, reason)
+        g.trajectories[i] = single_turn(0, i, g.example.prompt_ids, np.full(n, 7), np.zeros(n), np.zeros(n), reason)
     g.rewards = rewards
     return g
 

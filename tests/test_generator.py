@@ -13,7 +13,6 @@ import torch
 
 from areal_hpc.config import ModelConfig
 from areal_hpc.device import resolve_device
-from areal_hpc.protocol import EvalRequest, EvalTrajectory, GenerateRequest, Trajectory
 from areal_hpc.testing.generator_runs import (
     drain,
     interrupt_twice,
@@ -53,7 +52,6 @@ def create_engine(path):
         path,
         device=resolve_device(),
         temperature=TEMPERATURE,
-        max_new_tokens=MAX_NEW,
         max_model_len=256,
         max_num_seqs=64,
         seed=0,
@@ -65,28 +63,25 @@ def hf_logprobs(model, prompt, output) -> np.ndarray:
     return reference_logprobs(model, prompt, output, TEMPERATURE)
 
 
-PROMPTS: dict[int, list[int]] = {}
-"""The prompt of each group id this module's engines have generated for (a trajectory does not carry it)."""
+def add(engine, group: int, prompt: list[int], n: int, max_tokens: int = MAX_NEW) -> None:
+    """`n` turns after `prompt`, keys `g{group}.{i}`."""
+    for i in range(n):
+        engine.submit(f"g{group}.{i}", prompt, max_tokens)
 
 
-def add(engine, group: int, prompt: list[int], n: int) -> None:
-    PROMPTS[group] = prompt
-    engine.add(GenerateRequest(group, np.asarray(prompt, np.int32), n))
+def group_of(t) -> int:
+    return int(t.key.split(".")[0][1:])
 
 
-def prompt_of(t) -> list[int]:
-    return PROMPTS[t.group_id]
-
-
-def check_shape(trajs, n_expected):
-    assert len(trajs) == n_expected
-    assert len({(t.group_id, t.index) for t in trajs}) == n_expected  # each trajectory exactly once
-    for t in trajs:
+def check_shape(turns, n_expected, max_tokens=MAX_NEW):
+    assert len(turns) == n_expected
+    assert len({t.key for t in turns}) == n_expected  # each turn exactly once
+    for t in turns:
         assert len(t.output_ids) == len(t.behav_logprobs) == len(t.versions) >= 1
         if t.finish_reason == "stop":
-            assert t.output_ids[-1] == EOS and len(t.output_ids) <= MAX_NEW
+            assert t.output_ids[-1] == EOS and len(t.output_ids) <= max_tokens
         else:
-            assert t.finish_reason == "length" and len(t.output_ids) == MAX_NEW
+            assert t.finish_reason == "length" and len(t.output_ids) == max_tokens
 
 
 def test_behav_logprobs_match_transformers(setup):
@@ -95,68 +90,72 @@ def test_behav_logprobs_match_transformers(setup):
     load(engine, model_a, v)
     for g in range(4):
         add(engine, g, [5 + g, 6, 7, 8], n=4)
-    trajs = drain(engine)
-    check_shape(trajs, 16)
-    for t in trajs:
-        assert (t.versions == v).all()
-        ref = hf_logprobs(model_a, prompt_of(t), t.output_ids)
+    turns = drain(engine)
+    check_shape(turns, 16)
+    for t in turns:
+        assert set(t.versions) == {v}
+        ref = hf_logprobs(model_a, t.context_ids, t.output_ids)
         np.testing.assert_allclose(t.behav_logprobs, ref, atol=TOL, rtol=0)
     # Not vLLM's raw default: at temperature 0.8 raw logprobs would differ by far more than TOL.
-    t = trajs[0]
-    ids = torch.tensor([list(prompt_of(t)) + list(t.output_ids)])
+    t = turns[0]
+    ids = torch.tensor([list(t.context_ids) + list(t.output_ids)])
     with torch.no_grad():
-        raw = torch.log_softmax(model_a(ids).logits[0], -1)[len(prompt_of(t)) - 1 : -1]
+        raw = torch.log_softmax(model_a(ids).logits[0], -1)[len(t.context_ids) - 1 : -1]
     raw = raw.gather(-1, torch.as_tensor(t.output_ids, dtype=torch.long)[:, None])[:, 0].numpy()
     assert np.abs(raw - t.behav_logprobs).max() > 10 * TOL
 
 
-def test_trajectories_return_as_they_finish(setup):
+def test_turns_return_as_they_finish(setup):
     engine, _, _ = setup
     add(engine, 100, [9, 10, 11], n=2)
-    drain(engine, steps=MAX_NEW // 2)  # the first group is half way
+    drain(engine, steps=MAX_NEW // 2)  # the first turns are half way
     add(engine, 101, [9, 10, 12], n=2)
     early = []
     while not early:
-        early = [t for t in engine.step() if t.group_id == 100]
+        early = [t for t in engine.step() if group_of(t) == 100]
         assert engine.in_flight or early
-    assert engine.in_flight >= 2  # group 100 came back while group 101 is still generating
+    assert engine.in_flight >= 2  # group 100's turns came back while group 101's are still sampling
     drain(engine)
 
 
-def test_eval_prompts_and_groups_share_the_engine(setup):
-    """An eval prompt and a prompt group with the same number and prompt at once: each request gets its own n
-    trajectories back, as its own reply (an EvalTrajectory carries no logprobs or versions)."""
-    engine, _, _ = setup
-    engine.add(EvalRequest(400, np.array([9, 10, 11], np.int32), 3))
-    add(engine, 400, [9, 10, 11], n=2)
-    replies = drain(engine)
-    evals = [t for t in replies if isinstance(t, EvalTrajectory)]
-    trajs = [t for t in replies if isinstance(t, Trajectory)]
-    assert len(replies) == 5 and sorted((t.prompt_index, t.index) for t in evals) == [(400, i) for i in range(3)]
-    check_shape(trajs, 2)
-    for t in evals:
-        assert t.output_ids.dtype == np.int32 and 1 <= len(t.output_ids) <= MAX_NEW
-        assert t.finish_reason == "stop" or len(t.output_ids) == MAX_NEW
+def test_each_turn_keeps_its_own_budget_across_an_interruption(setup):
+    """Turns of different `max_tokens` side by side, interrupted by a weight update: each resumes with
+    what is left of its own budget, so none samples more than it was given."""
+    engine, model_a, _ = setup
+    with pytest.raises(ValueError, match="max_tokens must be at least 1"):
+        engine.submit("none", [9, 10], 0)
+    add(engine, 500, [9, 10, 13], n=3, max_tokens=6)
+    add(engine, 501, [9, 10, 13], n=3, max_tokens=MAX_NEW)
+    with pytest.raises(ValueError, match="already in flight"):
+        engine.submit("g500.0", [9], 4)
+    turns = drain(engine, steps=3)
+    assert [t.key for t in engine.partial() if len(t.output_ids) == 3]  # the update catches turns mid-way
+    v = engine.version + 1
+    load(engine, model_a, v)
+    turns += drain(engine)
+    check_shape([t for t in turns if group_of(t) == 500], 3, max_tokens=6)
+    check_shape([t for t in turns if group_of(t) == 501], 3, max_tokens=MAX_NEW)
+    assert any(t.attempt == 1 and t.versions[-1] == v for t in turns)
 
 
 def test_interrupt_switches_versions_and_weights(setup):
     """Two updates mid-generation (A -> B -> A): versions switch exactly at each interruption and
     every segment's logprobs match the weights of its version (areal_hpc.testing.generator_runs: the
-    GPU check runs the same with many more trajectories in flight, in bf16)."""
+    GPU check runs the same with many more turns in flight, in bf16)."""
     engine, model_a, model_b = setup
-    run = interrupt_twice(engine, model_a, model_b, {10 + g: [5 + g, 6, 7] for g in range(4)}, n=4, steps=(8, 5))
-    v0, first, second, trajs = run.v0, run.first, run.second, run.trajectories
+    run = interrupt_twice(engine, model_a, model_b, [[5 + g, 6, 7] for g in range(4)], 4, MAX_NEW, steps=(8, 5))
+    v0, first, second, turns = run.v0, run.first, run.second, run.turns
     assert first and all(1 <= len(p) < MAX_NEW for p in first.values())  # 8 tokens each, unless EOS came first
     assert run.load_s[1] > 0
-    check_shape(run.early + trajs, 16)
+    check_shape(run.early + turns, 16)
     switched = 0
-    for t in trajs:
-        k1, k2 = len(first[(t.group_id, t.index)]), len(second[(t.group_id, t.index)])
-        assert list(t.output_ids[:k2]) == second[(t.group_id, t.index)]  # nothing lost or duplicated
-        assert list(t.output_ids[:k1]) == first[(t.group_id, t.index)]
+    for t in turns:
+        k1, k2 = len(first[t.key]), len(second[t.key])
+        assert t.output_ids[:k2] == second[t.key]  # nothing lost or duplicated
+        assert t.output_ids[:k1] == first[t.key]
         n = len(t.output_ids)
-        assert list(t.versions) == [v0] * k1 + [v0 + 1] * (k2 - k1) + [v0 + 2] * (n - k2)  # switch exactly there
-        prompt = run.prompts[t.group_id]
+        assert t.versions == [v0] * k1 + [v0 + 1] * (k2 - k1) + [v0 + 2] * (n - k2)  # switch exactly there
+        prompt = t.context_ids
         ref_a, ref_b = hf_logprobs(model_a, prompt, t.output_ids), hf_logprobs(model_b, prompt, t.output_ids)
         np.testing.assert_allclose(t.behav_logprobs[:k1], ref_a[:k1], atol=TOL, rtol=0)
         np.testing.assert_allclose(t.behav_logprobs[k1:k2], ref_b[k1:k2], atol=TOL, rtol=0)
@@ -177,17 +176,17 @@ def test_loaded_weights_change_outputs(setup):
     load(engine, model_a, v + 1)
     add(engine, 201, [20, 21, 22], n=8)
     under_a = drain(engine)
-    for trajs, model, other in ((under_b, model_b, model_a), (under_a, model_a, model_b)):
+    for turns, model, other in ((under_b, model_b, model_a), (under_a, model_a, model_b)):
         gaps = []
-        for t in trajs:
+        for t in turns:
             np.testing.assert_allclose(
-                t.behav_logprobs, hf_logprobs(model, prompt_of(t), t.output_ids), atol=TOL, rtol=0
+                t.behav_logprobs, hf_logprobs(model, t.context_ids, t.output_ids), atol=TOL, rtol=0
             )
-            gaps.append(np.abs(t.behav_logprobs - hf_logprobs(other, prompt_of(t), t.output_ids)).mean())
+            gaps.append(np.abs(t.behav_logprobs - hf_logprobs(other, t.context_ids, t.output_ids)).mean())
         assert np.mean(gaps) > 0.5  # the other weights would have given clearly different logprobs
     # The perturbed weights are peakier: what the engine samples changes with them.
-    mean_b = np.mean([t.behav_logprobs.mean() for t in under_b])
-    mean_a = np.mean([t.behav_logprobs.mean() for t in under_a])
+    mean_b = np.mean([np.mean(t.behav_logprobs) for t in under_b])
+    mean_a = np.mean([np.mean(t.behav_logprobs) for t in under_a])
     assert mean_b > mean_a + 0.5, (mean_a, mean_b)
 
 
@@ -214,8 +213,10 @@ def test_update_loads_in_place(setup, monkeypatch):
     torch.testing.assert_close(loaded, model_b.model.embed_tokens.weight, rtol=0, atol=0)
     add(engine, 300, [30, 31, 32], n=8)
     for t in drain(engine):
-        assert (t.versions == v).all()
-        np.testing.assert_allclose(t.behav_logprobs, hf_logprobs(model_b, prompt_of(t), t.output_ids), atol=TOL, rtol=0)
+        assert set(t.versions) == {v}
+        np.testing.assert_allclose(
+            t.behav_logprobs, hf_logprobs(model_b, t.context_ids, t.output_ids), atol=TOL, rtol=0
+        )
 
 
 def test_settings_are_the_chosen_ones_as_vllm_resolved_them(setup):
@@ -277,11 +278,11 @@ def test_qwen3_loads_the_trainers_weights(tmp_path):
         engine.load_weights(named, 1)
         for group in range(2):
             add(engine, group, [5 + group, 6, 7, 8], n=4)
-        trajs = drain(engine)
-        check_shape(trajs, 8)
-        for t in trajs:
+        turns = drain(engine)
+        check_shape(turns, 8)
+        for t in turns:
             np.testing.assert_allclose(
-                t.behav_logprobs, hf_logprobs(model, prompt_of(t), t.output_ids), atol=TOL, rtol=0
+                t.behav_logprobs, hf_logprobs(model, t.context_ids, t.output_ids), atol=TOL, rtol=0
             )
     finally:
         engine.close()

@@ -16,7 +16,6 @@ import torch.distributed as dist
 
 from areal_hpc.config import ModelConfig
 from areal_hpc.device import resolve_device
-from areal_hpc.protocol import GenerateRequest
 from areal_hpc.sync_group import GroupSpec
 from areal_hpc.tiny import build_tiny_model
 from areal_hpc.weight_sync import WeightReceiver, WeightSender
@@ -42,7 +41,6 @@ def test_tp2_workers_receive_and_load_their_shards(tmp_path):
         path,
         device=resolve_device(),
         temperature=TEMPERATURE,
-        max_new_tokens=16,
         max_model_len=256,
         max_num_seqs=16,
         tp=2,
@@ -68,13 +66,14 @@ def test_tp2_workers_receive_and_load_their_shards(tmp_path):
             engine.update_weights(receiver, version)
             th.join(60)
         prompt = [5, 6, 7]
-        engine.add(GenerateRequest(0, np.array(prompt, np.int32), 4))
-        trajs = []
+        for i in range(4):
+            engine.submit(f"t{i}", prompt, 16)
+        turns = []
         while engine.in_flight:
-            trajs += engine.step()
-        assert len(trajs) == 4
-        for t in trajs:
-            assert (t.versions == 2).all()
+            turns += engine.step()
+        assert len(turns) == 4
+        for t in turns:
+            assert set(t.versions) == {2}
             ids = torch.tensor([prompt + list(t.output_ids)])
             with torch.no_grad():
                 logp = torch.log_softmax(model(ids).logits[0] / TEMPERATURE, -1)[len(prompt) - 1 : -1]

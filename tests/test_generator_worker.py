@@ -1,8 +1,9 @@
 """A generator rank under mpirun: `generator.worker.serve` with a real vLLM engine, driven by a
 scripted controller (world rank 0) and a stand-in trainer rank that sends new weights through the
-real weight-sync sender. Checked here: trajectories come back one by one (an eval prompt's as its
-own reply), a WeightSync mid-way interrupts and resumes them under the broadcast weights, and every
-token's behaviour logprob matches transformers under the weights of its version.
+real weight-sync sender. Checked here: episodes of the default workflow come back one by one (an eval
+prompt's as its own reply), a WeightSync mid-way interrupts and resumes them under the broadcast
+weights, and every sampled token's behaviour logprob matches transformers under the weights of its
+version. And a workflow that cannot be loaded is the rank's Failure before vLLM starts.
 """
 
 import pickle
@@ -20,12 +21,23 @@ TEMPERATURE = 0.8
 MAX_NEW = 96
 
 
+PROMPT = 3
+"""Prompt tokens of every request of tests/mpi/generator_world.py: [5 + group, 6, 7]."""
+
+
+def _answer(t):
+    """The episode's sampled answer: its tokens after the prompt (one turn, one sequence)."""
+    assert t.tokens[:PROMPT].tolist() == [5 + t.group_id, 6, 7] and t.seq_lens.tolist() == [len(t.tokens)]
+    assert t.loss_mask.tolist() == [0] * PROMPT + [1] * (len(t.tokens) - PROMPT) and not t.error
+    assert (t.versions[:PROMPT] == -1).all() and t.answer_ids.tolist() == t.tokens[PROMPT:].tolist()
+    return t.tokens[PROMPT:], t.behav_logprobs[PROMPT:], t.versions[PROMPT:]
+
+
 def _logprobs(model, t) -> np.ndarray:
-    prompt = [5 + t.group_id, 6, 7]  # what tests/mpi/generator_world.py asks for group t.group_id
-    ids = torch.tensor([prompt + list(t.output_ids)], dtype=torch.long)
+    ids = torch.tensor([t.tokens.tolist()], dtype=torch.long)
     with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits[0].float() / TEMPERATURE, -1)[len(prompt) - 1 : -1]
-    return logp.gather(-1, torch.as_tensor(t.output_ids, dtype=torch.long)[:, None])[:, 0].numpy()
+        logp = torch.log_softmax(model(ids).logits[0].float() / TEMPERATURE, -1)[PROMPT - 1 : -1]
+    return logp.gather(-1, torch.as_tensor(t.tokens[PROMPT:], dtype=torch.long)[:, None])[:, 0].numpy()
 
 
 @pytest.mark.mpi
@@ -70,14 +82,57 @@ def test_generator_rank_serves_and_syncs(run_mpi, tmp_path):
     assert sorted((t.prompt_index, t.index) for t in out["evals"]) == [(0, 0), (0, 1)], "an EvalRequest's replies"
     assert sorted((t.group_id, t.index) for t in out["rest"]) == [(g, i) for g in (1, 2) for i in range(4)]
     for t in out["first"]:
-        assert (t.versions == 0).all()
-        np.testing.assert_allclose(t.behav_logprobs, _logprobs(model_a, t), atol=1e-3, rtol=0)
+        _, logprobs, versions = _answer(t)
+        assert (versions == 0).all()
+        np.testing.assert_allclose(logprobs, _logprobs(model_a, t), atol=1e-3, rtol=0)
     new_tokens = 0
     for t in out["rest"]:
-        k = int((t.versions == 0).sum())
-        assert list(t.versions) == [0] * k + [1] * (len(t.versions) - k)
-        assert len(t.output_ids) == MAX_NEW or t.finish_reason == "stop"
-        np.testing.assert_allclose(t.behav_logprobs[:k], _logprobs(model_a, t)[:k], atol=1e-3, rtol=0)
-        np.testing.assert_allclose(t.behav_logprobs[k:], _logprobs(model_b, t)[k:], atol=1e-3, rtol=0)
-        new_tokens += len(t.versions) - k
+        answer, logprobs, versions = _answer(t)
+        k = int((versions == 0).sum())
+        assert list(versions) == [0] * k + [1] * (len(versions) - k)
+        assert len(answer) == MAX_NEW or t.finish_reason == "stop"
+        np.testing.assert_allclose(logprobs[:k], _logprobs(model_a, t)[:k], atol=1e-3, rtol=0)
+        np.testing.assert_allclose(logprobs[k:], _logprobs(model_b, t)[k:], atol=1e-3, rtol=0)
+        new_tokens += len(versions) - k
     assert new_tokens > 0
+
+
+class _World:
+    """A communicator stand-in that records what the rank sends (`protocol.Mailbox` calls `isend`)."""
+
+    def __init__(self, rank: int):
+        self.rank, self.sent = rank, []
+
+    def Get_rank(self):
+        return self.rank
+
+    def isend(self, header, dest, tag):
+        self.sent.append((dest, header))
+        return self
+
+    def Test(self):
+        return True
+
+
+def test_a_workflow_that_cannot_be_loaded_is_the_ranks_failure(tmp_path):
+    """rollout.workflow names nothing loadable: the generator rank reports a Failure naming itself and the
+    error (ConfigError naming the setting) to the controller, before any engine starts."""
+    from areal_hpc.config import load_config
+    from areal_hpc.errors import ConfigError
+    from areal_hpc.generator.worker import serve
+    from areal_hpc.layout import Layout, Role
+    from areal_hpc.runtime import CONTROLLER_RANK, RankContext
+
+    cfg = load_config(
+        None, ["cluster.nodes=2", "allocation.gen_nodes=1", "rollout.workflow=areal_hpc.workflow.builtin:Nope"]
+    )
+    layout = Layout.from_config(cfg)
+    rank = layout.ranks(Role.GENERATOR)[0]
+    world = _World(rank)
+    ctx = RankContext(cfg, layout, world, None, tmp_path, tmp_path / "no-model")
+    with pytest.raises(ConfigError, match="rollout.workflow"):
+        serve(ctx, sync=None)
+    [(dest, (name, fields, arrays))] = world.sent
+    assert (dest, name, fields["rank"], arrays) == (CONTROLLER_RANK, "Failure", rank, [])
+    assert fields["error"].startswith(f"{layout.describe_rank(rank)}: Traceback")
+    assert "ConfigError: rollout.workflow" in fields["error"] and "Nope" in fields["error"]

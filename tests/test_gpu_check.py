@@ -12,13 +12,11 @@ import os
 import stat
 import subprocess
 
-import numpy as np
 import pytest
 
 from areal_hpc.config import load_config
 from areal_hpc.device import visible_gpus
 from areal_hpc.layout import Layout, Role
-from areal_hpc.protocol import Trajectory
 from areal_hpc.testing import gpu_checks
 from areal_hpc.testing.generator_log import ENGINE_LINE, engine_start, startup_verdict
 from areal_hpc.testing.generator_runs import Interrupted, InterruptionMismatch, Mismatch, interruption_problems
@@ -164,10 +162,11 @@ def test_the_generator_log_gives_the_engine_settings_and_its_start_time():
 
 
 def interrupted(versions: list[int], first: int, second: int) -> Interrupted:
-    t = Trajectory(1, 0, np.arange(len(versions), dtype=np.int32), np.zeros(len(versions), np.float32),
-                   np.asarray(versions, np.int32), "length")  # fmt: skip
+    from areal_hpc.generator.engine import EngineTurn
+
     ids = list(range(len(versions)))
-    return Interrupted(5, {1: [3]}, {(1, 0): ids[:first]}, {(1, 0): ids[:second]}, [], [t], (0.1, 0.1, 0.1))
+    t = EngineTurn("p1.0", [3], len(ids), ids, [0.0] * len(ids), list(versions), finish_reason="length")
+    return Interrupted(5, {"p1.0": ids[:first]}, {"p1.0": ids[:second]}, [], [t], (0.1, 0.1, 0.1))
 
 
 def test_interruption_problems_name_a_misplaced_switch_and_a_bad_token_after_a_resubmission():
@@ -240,4 +239,4 @@ def test_the_interruption_check_runs_in_a_process_of_its_own(tmp_path):
     """The GPU check's interruption (bf16, in a spawned process), here on the CPU with a few trajectories."""
     status, detail = gpu_checks.check_interruption(tmp_path, "cpu", "bfloat16", groups=4, n=4, max_new=48)
     assert status == "PASS", detail
-    assert detail.startswith("16 trajectories in flight, ") and "before a resubmission" in detail
+    assert detail.startswith("16 turns in flight, ") and "before a resubmission" in detail

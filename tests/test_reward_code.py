@@ -13,6 +13,7 @@ import pytest
 
 from areal_hpc.reward.code import (
     SANDBOX_UID_BASE,
+    STDERR_BYTES,
     SandboxLimits,
     code_reward,
     code_score,
@@ -261,6 +262,15 @@ def test_output_flood_is_capped():
     flood = fenced("import sys\nwhile True:\n    sys.stderr.write('e' * 65536)")
     assert code_reward(flood, [{"input": "", "output": ""}], limits=FAST) == 0.0
     assert sandbox_processes() == []
+
+
+def test_stderr_tail_is_kept_and_capped():
+    run = run_program(
+        "import sys\nprint('out')\nsys.stderr.write('e' * 50000)\nraise SystemExit('the end')", limits=FAST
+    )
+    assert run.stdout == "out\n" and run.exit_code == 1 and run.status == "ok"
+    assert len(run.stderr.encode()) == STDERR_BYTES and run.stderr.endswith("e" * 100 + "the end\n")
+    assert run_program("print(1)", limits=FAST).stderr == ""
 
 
 def test_input_larger_than_a_pipe_buffer():

@@ -33,13 +33,16 @@ def drain(pool: ScorerPool, limit_s: float = 60) -> dict:
 
 @pytest.mark.slow
 def test_pool_answers_every_task_once_and_survives_crashes():
-    pool = ScorerPool(2, timeout_s=2.0)
+    # The tasks meant to time out never end (sympy evaluating 9^(9^9) takes minutes; 2^(2^30), once used
+    # here, takes 1.5 to 7 s, so it ended inside or past a 2 s limit by the machine's load), and the
+    # deadline leaves the others room on a loaded machine.
+    pool = ScorerPool(2, timeout_s=6.0)
     try:
         tasks = {
             0: ("math", "\\boxed{19}", "19", (1.0, "ok")),
             1: ("math", "\\boxed{18}", "19", (0.0, "ok")),
             2: ("math", "\\boxed{\\frac{1}{2}}", "0.5", (1.0, "ok")),
-            3: ("math", "\\boxed{2^{2^{30}}}", "1", (0.0, "timeout")),
+            3: ("math", "\\boxed{9^{9^{9}}}", "1", (0.0, "timeout")),
             4: ("code", ADD, TESTS, (1.0, "ok")),
             5: ("code", "```python\nwhile True: pass\n```", TESTS, (0.0, "timeout")),
         }
@@ -52,7 +55,7 @@ def test_pool_answers_every_task_once_and_survives_crashes():
         assert got[6][0] == 0.0 and got[6][1].startswith("error: unknown reward kind")
 
         # A scorer process that dies mid-call: its task is answered with the cause, a new process takes over.
-        pool.submit(10, "code", "```python\nimport time\ntime.sleep(1.5)\nprint(5)\n```", TESTS)
+        pool.submit(10, "code", "```python\nimport time\ntime.sleep(5)\nprint(5)\n```", TESTS)
         busy = wait_for_busy_scorer(pool)
         os.kill(busy, signal.SIGKILL)
         got = drain(pool)
@@ -84,14 +87,21 @@ def test_pool_kills_a_scorer_that_overruns_its_deadline():
         pool.close()
 
 
-def test_pool_cancel_answers_queued_and_running_tasks():
+def test_pool_close_answers_queued_and_running_tasks_and_starts_nothing():
     pool = ScorerPool(1, timeout_s=5.0)
     try:
         for key in range(3):
             pool.submit(key, "code", "```python\nimport time\ntime.sleep(3)\n```", TESTS)
         wait_for_busy_scorer(pool)
-        cancelled = pool.cancel("error: cancelled (stop)")
+        pids = pool.pids
+        cancelled = pool.close("error: cancelled (stop)")
         assert sorted(k for k, *_ in cancelled) == [0, 1, 2] and pool.pending == 0
+        assert {tuple(r) for _, *r in cancelled} == {(0.0, "error: cancelled (stop)")}
+        assert pool.pids == [] and pool.replaced == 0, "closing starts no new scorer"
+        assert all(not Path(f"/proc/{pid}").exists() for pid in pids)
+        pool.submit(3, "math", "\\boxed{4}", "4")
+        assert pool.poll() == [(3, 0.0, "error: the scorer pool is closed")], "after close: answered at once"
+        assert pool.close() == []
     finally:
         pool.close()
 

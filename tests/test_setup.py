@@ -92,7 +92,7 @@ def test_missing_piece_is_named_and_the_python_side_goes_on(box):
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
     assert (box / "calls").read_text() == "sudo -n true\n"
-    assert "to do: bubblewrap (bwrap), the sandbox of reward.kind: code" in out
+    assert "to do: bubblewrap (bwrap), the sandbox of reward.kind: code and of the python tool" in out
     assert "mpi4py uses: Open MPI" in out
 
 

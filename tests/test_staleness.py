@@ -2,6 +2,7 @@
 
 import json
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -10,6 +11,8 @@ from hypothesis import strategies as st
 
 from areal_hpc.algo.staleness import StalenessGate, StalenessState, oldest_version
 from areal_hpc.config import RolloutConfig
+from areal_hpc.data import Example
+from areal_hpc.rollouts import Group
 
 
 class Version:
@@ -109,6 +112,20 @@ def test_oldest_version_ignores_prompt_tokens():
     assert oldest_version([np.array([-1, -1, 3, 4]), np.array([-1, 2, 5])]) == 2
     assert oldest_version([np.array([-1, -1]), np.array([], dtype=np.int32)]) is None
     assert oldest_version([]) is None
+
+
+def test_an_episodes_context_tokens_never_make_it_stale():
+    """A multi-turn episode's prompt and tool output carry version -1: its group's staleness is its oldest
+    sampled token's (5 here), so at v = 6 with eta = 1 it trains, and at v = 7 it is dropped."""
+    versions = np.array([-1, -1, 5, 5, -1, -1, -1, 6, 6], np.int32)  # prompt, turn 1, tool output, turn 2
+    group = Group(0, Example(0, "p", "1", "math"), 1, trajectories=[SimpleNamespace(versions=versions)])
+    assert group.oldest_version == 5
+    for v, kept in ((6, True), (7, False)):
+        gate = StalenessGate(prompts_per_step=1, max_staleness=1, max_concurrent=4, version=lambda v=v: v)
+        gate.admit()
+        gate.finish()
+        taken = gate.consume([group])
+        assert (taken.consumed == [group]) == kept and (taken.dropped == [group]) != kept
 
 
 # --- a simulated controller: admissions, completions in any order, training steps --------------

@@ -3,7 +3,8 @@
 import json
 
 from areal_hpc.config import ModelConfig
-from areal_hpc.tiny import arithmetic_rows, build_arithmetic_data, build_tiny_model, build_tokenizer
+from areal_hpc.synthetic import synthetic_rows
+from areal_hpc.tiny import build_synthetic_data, build_tiny_model, build_tokenizer
 
 
 def test_tokenizer_round_trips_text_with_boxed_answers():
@@ -32,12 +33,62 @@ def test_tiny_model_is_deterministic_and_cached(tmp_path):
 
 
 def test_arithmetic_data_is_deterministic(tmp_path):
-    assert arithmetic_rows(50, seed=1) == arithmetic_rows(50, seed=1) != arithmetic_rows(50, seed=2)
-    path = build_arithmetic_data(20, tmp_path, seed=1) / "train.jsonl"
+    assert synthetic_rows(50, seed=1) == synthetic_rows(50, seed=1) != synthetic_rows(50, seed=2)
+    path = build_synthetic_data(20, tmp_path, seed=1) / "train.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    assert rows == arithmetic_rows(20, seed=1)
+    assert rows == synthetic_rows(20, seed=1)
     test = [json.loads(line) for line in (path.parent / "test.jsonl").read_text().splitlines()]
     assert len(test) == 500 and not {r["prompt"] for r in rows} & {r["prompt"] for r in test}
     for row in rows:
         a, op, b = row["prompt"][:-1].partition("+") if "+" in row["prompt"] else row["prompt"][:-1].partition("-")
         assert int(row["answer"]) == (int(a) + int(b) if op == "+" else int(a) - int(b))
+
+
+def test_tool_tokens_come_after_every_old_id():
+    from areal_hpc.tiny import BOXED, CALC, CHARS, EOS, PAD, RESULT, TINY_VOCAB
+
+    tok = build_tokenizer()
+    assert TINY_VOCAB[: 3 + len(CHARS)] == [PAD, EOS, BOXED, *CHARS], "an existing id moved"
+    assert tok.convert_tokens_to_ids([CALC, RESULT]) == [len(TINY_VOCAB) - 2, len(TINY_VOCAB) - 1]
+    ids = tok("<calc>37*48<|endoftext|><result>1776\n")["input_ids"]
+    assert tok.convert_ids_to_tokens(ids)[:2] == [CALC, "3"] and ids.count(tok.eos_token_id) == 1
+    assert tok.decode(ids, skip_special_tokens=True) == "<calc>37*48<result>1776\n", "the tool tokens are text"
+
+
+def test_chat_template_writes_the_tool_syntax_and_only_appends():
+    import pytest
+    from jinja2 import TemplateError
+
+    tok = build_tokenizer()
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "37*48"}}}
+    messages = [
+        {"role": "user", "content": "37*48="},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "1776"},
+        {"role": "assistant", "content": "\\boxed{1776}"},
+    ]
+    renders = [tok.apply_chat_template(messages[:k], tokenize=False) for k in range(1, 5)]
+    assert renders[-1] == "37*48=<calc>37*48<|endoftext|><result>1776\n\\boxed{1776}<|endoftext|>"
+    assert all(b.startswith(a) for a, b in zip(renders, renders[1:])), "a render rewrote an earlier turn"
+    assert tok.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True) == "37*48="
+    call["function"]["arguments"] = '{"expression": "37*48"}'  # OpenAI's JSON string: parse it first
+    with pytest.raises(TemplateError, match="arguments as a dict"):
+        tok.apply_chat_template(messages, tokenize=False)
+
+
+def test_multiplication_task_holds_out_numbers_of_its_own():
+    import pytest
+
+    from areal_hpc.config import ConfigError
+    from areal_hpc.synthetic import synthetic_problems, synthetic_test_rows
+
+    train, test = synthetic_problems("multiplication", 99)
+    assert len(train) + len(test) == 90 * 90 and len(test) == 500 and not set(train) & set(test)
+    assert {a for a, _, _ in train + test} == set(range(10, 100)) and {op for _, op, _ in train} == {"*"}
+    assert synthetic_problems("multiplication", 99) == (train, test), "the split is fixed"
+    rows = synthetic_rows(200, seed=1, task="multiplication")
+    assert all(int(r["answer"]) == eval(r["prompt"][:-1]) for r in rows + synthetic_test_rows("multiplication"))
+    assert not {r["prompt"] for r in rows} & {r["prompt"] for r in synthetic_test_rows("multiplication")}
+    assert synthetic_problems("multiplication", 150)[0][0][0] >= 100, "three-digit operands for 150"
+    with pytest.raises(ConfigError, match="data.synthetic_task must be one of arithmetic, multiplication"):
+        synthetic_problems("division", 99)

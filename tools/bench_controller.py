@@ -239,7 +239,7 @@ def sim_reward(world, side, generator: int) -> dict:
             received[type(msg).__name__, "n"] += 1
             received[type(msg).__name__, "bytes"] += wire_bytes(msg)
             if isinstance(msg, RewardRequest):
-                assert msg.output_ids.dtype == np.int32 and msg.output_ids.ndim == 1, "token ids, not text"
+                assert msg.answer_ids.dtype == np.int32 and msg.answer_ids.ndim == 1, "token ids, not text"
                 box.send(0, RewardResult(msg.request_id, float(msg.request_id * 2654435761 >> 9 & 1), "ok"))
                 taken += 1
             elif isinstance(msg, Stop):
@@ -255,10 +255,11 @@ def sim_reward(world, side, generator: int) -> dict:
 def sim_generator(world, side, payloads: Payloads, window: int) -> dict:
     from mpi4py import MPI
 
-    from areal_hpc.protocol import GenerateRequest, Mailbox, Stop, SyncDone, Trajectory, WeightSync
+    from areal_hpc.protocol import GenerateRequest, Mailbox, Stop, SyncDone, WeightSync
+    from areal_hpc.rollouts import single_turn
 
     box, received = Mailbox(world), Counter()
-    queue: deque = deque()  # (group_id, prompt index, trajectory index)
+    queue: deque = deque()  # (group_id, prompt index, prompt ids, trajectory index)
     versions = np.zeros(payloads.cap, np.int32)
     sent = taken = 0
     generated = []  # (prompt index, trajectory index, length)
@@ -270,7 +271,7 @@ def sim_generator(world, side, payloads: Payloads, window: int) -> dict:
             received[type(msg).__name__, "bytes"] += wire_bytes(msg)
             if isinstance(msg, GenerateRequest):
                 p = prompt_index(msg.prompt_ids)
-                queue.extend((msg.group_id, p, i) for i in range(msg.n))
+                queue.extend((msg.group_id, p, msg.prompt_ids, i) for i in range(msg.n))
             elif isinstance(msg, WeightSync):
                 versions = np.full(payloads.cap, msg.version, np.int32)
                 box.send(0, SyncDone(msg.version, 0.0))
@@ -280,11 +281,11 @@ def sim_generator(world, side, payloads: Payloads, window: int) -> dict:
         while side.iprobe(source=MPI.ANY_SOURCE, tag=ACK_TAG):
             taken += side.recv(source=MPI.ANY_SOURCE, tag=ACK_TAG)
         while queue and sent - taken < window:
-            group_id, p, i = queue.popleft()
+            group_id, p, prompt_ids, i = queue.popleft()
             n = payloads.length(p, i)
             reason = "length" if n == payloads.cap else "stop"
             out, logp, vers = payloads.output_ids[:n], payloads.behav_logprobs[:n], versions[:n]
-            box.send(0, Trajectory(group_id, i, out, logp, vers, reason))
+            box.send(0, single_turn(group_id, i, prompt_ids, out, logp, vers, reason))  # a one-turn episode
             generated.append((p, i, n))
             sent, busy = sent + 1, True
         if not busy:

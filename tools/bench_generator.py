@@ -4,12 +4,12 @@
     python tools/bench_generator.py                    # sizes S,M (throughput) and S,M,L (pause)
     python tools/bench_generator.py --sizes S --groups 16
 
-1. Throughput: the same prompts (G groups x n trajectories, up to --max-new tokens each, temperature 1)
+1. Throughput: the same prompts (G groups x n turns, up to --max-new tokens each, temperature 1)
    through `GenerationEngine` (FINAL_ONLY outputs, behaviour logprobs, versions) and through
    plain `LLM.generate` on the same engine, with and without logprobs; best of --repeats interleaved
    runs each (the best run is the one least disturbed by other work on a shared machine).
    Target: the wrapper within 10% of plain vLLM with logprobs.
-2. Pause per weight update: with every trajectory mid-generation, the time from the interruption to
+2. Pause per weight update: with every turn mid-generation, the time from the interruption to
    the first token sampled under the new weights, the weights arriving through a real weight-sync
    group (gloo; the sender is a thread of this process). Median of --repeats updates per size.
 
@@ -36,14 +36,12 @@ SIZES = {  # name -> ModelConfig fields (head size 32 or 64: vLLM's CPU attentio
 
 
 def child(size: str, args) -> dict:
-    import numpy as np
     import torch
     from vllm import LLM, EngineArgs, SamplingParams
 
     from areal_hpc.config import ModelConfig
     from areal_hpc.device import resolve_device
     from areal_hpc.generator.engine import GenerationEngine
-    from areal_hpc.protocol import GenerateRequest
     from areal_hpc.tiny import build_tiny_model
 
     m = ModelConfig(max_position_embeddings=1024, **SIZES[size])
@@ -58,7 +56,7 @@ def child(size: str, args) -> dict:
     t0 = time.perf_counter()
     llm = LLM(model=str(path), **kwargs)
     start_s = time.perf_counter() - t0
-    gen = GenerationEngine(llm.llm_engine, temperature=1.0, top_p=1.0, max_new_tokens=args.max_new)
+    gen = GenerationEngine(llm.llm_engine, temperature=1.0, top_p=1.0)
     prompts = [[5 + g % 90, 6, 7, 8, 9] for g in range(args.groups)]
     out = {"size": size, "params_M": n_params / 1e6, "engine_start_s": start_s}
 
@@ -81,10 +79,11 @@ def child(size: str, args) -> dict:
         def wrapped():
             t = time.perf_counter()
             for g, p in enumerate(prompts):
-                gen.add(GenerateRequest(g, np.asarray(p, np.int32), args.n))
+                for i in range(args.n):
+                    gen.submit(f"{g}.{i}", p, args.max_new)
             tokens = 0
             while gen.in_flight:
-                tokens += sum(len(tr.output_ids) for tr in gen.step())
+                tokens += sum(len(turn.output_ids) for turn in gen.step())
             return tokens / (time.perf_counter() - t)
 
         plain(None), wrapped()  # warm-up
@@ -109,11 +108,11 @@ def child(size: str, args) -> dict:
     gen.join_weight_sync(receiver, 120.0)
     joining.join()
     state = _state(path)
-    gen.max_new_tokens = 512
     pauses, updates = [], []
     for i in range(args.repeats):
         for g, p in enumerate(prompts):
-            gen.add(GenerateRequest(1000 * (i + 1) + g, np.asarray(p, np.int32), args.n))
+            for j in range(args.n):
+                gen.submit(f"pause{i}.{g}.{j}", p, 512)
         for _ in range(4):
             gen.step()
         version = gen.version + 1
@@ -121,7 +120,7 @@ def child(size: str, args) -> dict:
         t0 = time.perf_counter()
         th.start()
         updates.append(gen.update_weights(receiver, version))
-        while not any(a.versions and a.versions[-1] == version for a in gen.partial()):
+        while not any(turn.versions and turn.versions[-1] == version for turn in gen.partial()):
             gen.step()
         pauses.append(time.perf_counter() - t0)
         th.join()
@@ -144,8 +143,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="S,M,L", help="model sizes for the pause (S, M, L)")
     ap.add_argument("--throughput-sizes", default="S,M", help="model sizes for the throughput comparison")
     ap.add_argument("--groups", type=int, default=32, help="prompt groups")
-    ap.add_argument("--n", type=int, default=8, help="trajectories per prompt")
-    ap.add_argument("--max-new", type=int, default=64, help="tokens per trajectory in the throughput runs")
+    ap.add_argument("--n", type=int, default=8, help="turns per prompt")
+    ap.add_argument("--max-new", type=int, default=64, help="tokens per turn in the throughput runs")
     ap.add_argument("--repeats", type=int, default=5, help="runs per figure (best throughput, median pause)")
     ap.add_argument("--root", default="runs", help="where the models are built (cached)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -163,8 +162,8 @@ def main() -> None:
             sys.exit(f"size {size} failed:\n{proc.stderr[-4000:]}")
         results.append(json.loads(line[0][7:]))
         print(f"size {size}: done", file=sys.stderr, flush=True)
-    trajs = args.groups * args.n
-    print(f"\nthroughput: {args.groups} prompts x {args.n} trajectories = {trajs}, up to {args.max_new} tokens each")
+    turns = args.groups * args.n
+    print(f"\nthroughput: {args.groups} prompts x {args.n} turns = {turns}, up to {args.max_new} tokens each")
     print(f"{'size':<5}{'params':>9}{'plain':>12}{'plain+lp':>12}{'wrapper':>12}{'overhead vs plain+lp':>23}")
     for r in results:
         if "tok_s_wrapper" in r:
@@ -173,7 +172,7 @@ def main() -> None:
                 f"{r['size']:<5}{r['params_M']:>8.2f}M{r['tok_s_plain']:>10.0f}/s{r['tok_s_plain_logprobs']:>10.0f}/s"
                 f"{r['tok_s_wrapper']:>10.0f}/s{over:>22.1%}"
             )
-    print(f"\nweight update with {trajs} trajectories mid-generation (median of {args.repeats}):")
+    print(f"\nweight update with {turns} turns mid-generation (median of {args.repeats}):")
     print(f"{'size':<5}{'params':>9}{'weights':>10}{'update':>10}{'pause':>10}{'engine start':>14}")
     for r in results:
         print(

@@ -2,7 +2,7 @@
 
 Both train the same initial weights (a Qwen2 of ~21M parameters: hidden 512, 8 layers, GQA 8/2 heads,
 the tiny tokenizer's vocabulary; built by areal_hpc.tiny, no warm start) in float32 on the synthetic
-`a+b=` task with boxed answers (areal_hpc.tiny.arithmetic_rows, the same math reward), 8 prompts x 8
+`a+b=` task with boxed answers (areal_hpc.synthetic.synthetic_rows, the same math reward), 8 prompts x 8
 trajectories per step, up to 128 new tokens, one optimizer step per batch, no KL term:
 
   areal-hpc   `areal-hpc run` (asynchronous, max_staleness 2) with cluster.nodes=3: a vLLM generator
@@ -118,10 +118,10 @@ def bench_trl(cfg, model_dir: Path, out_dir: Path, steps: int, warmup: int) -> f
     from trl import GRPOConfig, GRPOTrainer
 
     from areal_hpc.reward.math import math_reward
-    from areal_hpc.tiny import arithmetic_rows
+    from areal_hpc.synthetic import synthetic_rows
 
     torch.set_num_threads(os.cpu_count() or 1)
-    rows = arithmetic_rows(cfg.data.synthetic_size, cfg.experiment.seed, cfg.data.synthetic_max_operand)
+    rows = synthetic_rows(cfg.data.synthetic_size, cfg.experiment.seed, max_operand=cfg.data.synthetic_max_operand)
     data = Dataset.from_list(rows)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.padding_side = "left"

@@ -14,7 +14,8 @@
 #               it gets no Slurm or munge package. One without is a dev/CI machine: it gets the local
 #               test cluster of tools/local_slurm.sh (slurmctld, slurmd, slurm-client, munge).
 #               AREAL_LOCAL_SLURM=1 asks for that cluster beside a Slurm client, 0 never asks for it.
-#   bubblewrap  `bwrap`, the sandbox of `reward.kind: code`.
+#   bubblewrap  `bwrap`, the sandbox of `reward.kind: code` (reward nodes) and of the python tool
+#               (generator nodes, where a workflow's tool calls run).
 # A missing piece is apt-get installed only as root or with passwordless sudo (`sudo -n true`), on a
 # machine with apt-get; elsewhere it is named with how to get it, and the Python side goes on.
 #
@@ -92,7 +93,7 @@ if found bwrap; then
   site+=("bubblewrap: $(command -v bwrap)")
 else
   debs+=(bubblewrap)
-  hints+=("bubblewrap (bwrap), the sandbox of reward.kind: code: apt-get install bubblewrap / dnf install bubblewrap, or ask the site")
+  hints+=("bubblewrap (bwrap), the sandbox of reward.kind: code and of the python tool: apt-get install bubblewrap / dnf install bubblewrap, or ask the site")
 fi
 
 if [ ${#debs[@]} -gt 0 ]; then

@@ -18,6 +18,7 @@ from areal_hpc.config.help import describe_config, field_docs
 from areal_hpc.config.kinds import IDENTITY, KINDS, OPERATIONAL, TRAINING, allowed_fields, kind_of
 from areal_hpc.config.load import load_config, save_config
 from areal_hpc.config.schema import (
+    SINGLE_TURN,
     AllocationConfig,
     ClusterConfig,
     Config,
@@ -40,6 +41,7 @@ __all__ = [
     "IDENTITY",
     "KINDS",
     "OPERATIONAL",
+    "SINGLE_TURN",
     "TRAINING",
     "AllocationConfig",
     "ClusterConfig",

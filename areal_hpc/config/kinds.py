@@ -36,6 +36,8 @@ KINDS: dict[str, tuple[str, ...]] = {
         "allocation",
         "train",  # total_steps (a finished run is extended), save cadence, retention, timeouts
         "rollout.max_concurrent",
+        "rollout.tool_timeout_s",
+        "rollout.tool_processes",
         "ppo.max_tokens_per_mb",  # how a step is cut into micro-batches, not what it computes
         "ppo.recompute",
         "ppo.sequence_parallel",
@@ -50,6 +52,9 @@ KINDS: dict[str, tuple[str, ...]] = {
         "rollout.temperature",
         "rollout.top_p",
         "rollout.filter_uniform_groups",
+        "rollout.max_turns",
+        "rollout.max_episode_tokens",
+        "rollout.tool_output_chars",
         "ppo.eps_clip",
         "ppo.eps_clip_high",
         "ppo.behav_weight_cap",
@@ -78,6 +83,8 @@ KINDS: dict[str, tuple[str, ...]] = {
         "reward.kind",
         "rollout.group_size",
         "rollout.max_staleness",
+        "rollout.workflow",  # what an episode is
+        "rollout.tool_format",
     ),
 }
 """Each kind's keys: a section, or a `section.field`."""

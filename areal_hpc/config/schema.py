@@ -13,6 +13,9 @@ from pathlib import Path
 
 from areal_hpc.arch import ModelConfig  # the `model` section, defined beside the architecture it gives
 
+SINGLE_TURN = "areal_hpc.workflow.builtin:SingleTurn"
+"""The default `rollout.workflow`: one turn per episode, no tools."""
+
 
 @dataclass
 class ExperimentConfig:
@@ -143,7 +146,7 @@ class RolloutConfig:
     prompts_per_step: int = 8
     """Prompt groups consumed per training step (B)."""
     max_new_tokens: int = 32
-    """Generation limit per trajectory, in tokens."""
+    """Generation limit per turn (per call to the policy), in tokens: a single-turn episode's answer."""
     temperature: float = 1.0
     """Sampling temperature."""
     top_p: float = 1.0
@@ -152,6 +155,25 @@ class RolloutConfig:
     """Dynamic filtering (DAPO): a group whose trajectories all got the same reward (all right or all wrong:
     every advantage is 0) is left out before training and another prompt takes its place; counted in
     `rollout/filtered`."""
+    workflow: str = SINGLE_TURN
+    """What one episode is (areal_hpc.workflow): a `Workflow` subclass, `package.module:Name` or
+    `path/to/file.py:Name`. The default asks the policy once for an answer to the prompt."""
+    max_turns: int = 8
+    """Most calls to the policy in one episode."""
+    max_episode_tokens: int = 0
+    """Most tokens in one episode, all its sequences together: prompt, sampled and tool tokens (0: the model's
+    context, `model.max_position_embeddings`). An episode that reaches it ends with finish reason 'length'.
+    It bounds the prompts too: by default those longer than this less `max_new_tokens` are skipped at load
+    (`data.max_prompt_tokens`)."""
+    tool_format: str = "hermes"
+    """How tool calls are written in the model's output: hermes (Qwen's `<tool_call>{json}</tool_call>`,
+    parsed by vLLM's Hermes parser) or tiny (the tiny model's `<calc>expression`)."""
+    tool_timeout_s: float = 10.0
+    """Wall-clock limit of one tool call; past it the model gets an error message."""
+    tool_processes: int = 0
+    """Processes on each generator's node that run tool calls (0: one per CPU the rank may run on)."""
+    tool_output_chars: int = 2000
+    """A tool's output is cut to this many characters before it reaches the model."""
 
     @property
     def engine_seqs(self) -> int:
@@ -197,8 +219,10 @@ class PPOConfig:
     """PPO minibatches (optimizer steps) per training step; the policy version advances once per
     training step."""
     mask_truncated: bool = False
-    """Leave trajectories cut at `rollout.max_new_tokens` (no end of sequence) out of the loss (DAPO's
-    overlong filtering): their tokens carry loss mask 0; they still count in their group's advantages."""
+    """Leave episodes that ended at a limit (finish reason 'length': the last turn cut at
+    `rollout.max_new_tokens`, or a call refused by `rollout.max_turns`, `rollout.max_episode_tokens` or the
+    model's context) out of the loss (DAPO's overlong filtering): their tokens carry loss mask 0; they still
+    count in their group's advantages."""
     prox_logp: str = "recompute"
     """Proximal logprobs of the decoupled loss: recompute (a forward pass with the weights at the start of
     the step; exact) or loglinear (no extra pass: interpolated between behaviour and current logprobs by
@@ -238,9 +262,10 @@ class TrainConfig:
     """Timeout of every collective (weight sync, trainer groups); a collective that takes longer
     fails the run loudly."""
     rank_timeout_s: float = 600.0
-    """A rank with work outstanding (a generation, a reward, a training step, a save) that sends the
+    """A rank with work outstanding (an episode, a reward, a training step, a save) that sends the
     controller nothing for this long is taken as hung: the controller ends the run naming it. Must
-    exceed the longest training step and the longest single generation."""
+    exceed the longest training step and the longest episode (all its turns and tool calls: a generator
+    sends each episode when it ends)."""
     startup_timeout_s: float = 600.0
     """How long a rank may take to start (loading the model, compiling the engine, joining the weight-sync
     groups) before its first answer to the controller. The joins give up at this limit (counted from
@@ -257,8 +282,8 @@ class RewardConfig:
     processes: int = 0
     """Scorer processes per reward worker rank (0: one per CPU core the rank may run on)."""
     overlong_penalty: float = 0.0
-    """DAPO's soft length penalty: trajectories within `overlong_buffer` tokens of `rollout.max_new_tokens`
-    lose up to this much reward, linearly, all of it at the limit (0: off)."""
+    """DAPO's soft length penalty: an episode whose final turn comes within `overlong_buffer` tokens of
+    `rollout.max_new_tokens` loses up to this much reward, linearly, all of it at the limit (0: off)."""
     overlong_buffer: int = 0
     """The last this many tokens before `rollout.max_new_tokens` where `overlong_penalty` applies."""
 
@@ -269,7 +294,7 @@ class DataConfig:
     """Training prompts: a JSONL file (one object a line), a JSON list, a parquet file, or a directory
     saved by Hugging Face `datasets` (`save_to_disk`); rows {prompt, answer} (math) or {prompt, tests}
     (code), see `tools/prepare_data.py` for other layouts. Empty: the synthetic arithmetic task built
-    under the run root."""
+    under the run root (`synthetic_task`)."""
     chat_template: bool = False
     """Format each prompt with the tokenizer's chat template (a user turn, then the assistant's start),
     as R1-distill and instruct models expect; false: the prompt text as it is."""
@@ -280,15 +305,20 @@ class DataConfig:
     none)."""
     max_prompt_tokens: int = 0
     """Prompts longer than this many tokens (after formatting) are skipped when the data is loaded,
-    counted and the first few named in the log (0: model.max_position_embeddings -
-    rollout.max_new_tokens, the longest prompt whose trajectory still fits)."""
+    counted and the first few named in the log (0: the longest prompt that leaves its episode room for one
+    whole turn, `rollout.max_episode_tokens` (or, when that is 0, model.max_position_embeddings) -
+    rollout.max_new_tokens). At most that much when set."""
+    synthetic_task: str = "arithmetic"
+    """The synthetic task when `train_path` is empty: arithmetic ('a+b=' and 'a-b=', which the tiny model
+    learns by itself) or multiplication ('a*b=', which it gets right mostly with the calculator tool)."""
     synthetic_size: int = 4096
     """Prompts in the synthetic task when `train_path` is empty, drawn with repeats from its training
-    problems; a fifth of the problems (at most 500) is held out of them as its test split (the warm
-    start sees every problem, as a base model's pretraining would), which `eval` uses
-    when `eval.data` is empty."""
+    problems; a fifth of the problems (at most 500) is held out of them as its test split, which `eval`
+    uses when `eval.data` is empty. The arithmetic warm start sees every problem, as a base model's
+    pretraining would; the multiplication one never sees the held-out problems."""
     synthetic_max_operand: int = 99
-    """Largest operand of the synthetic arithmetic task ('a+b=' and 'a-b=' with 0 <= a, b <= this)."""
+    """Largest operand of the synthetic task: arithmetic 0 <= a, b <= this; multiplication a and b of as
+    many digits as this (10..99 for 99)."""
 
 
 @dataclass
@@ -321,6 +351,11 @@ class SFTConfig:
     """Share of the warm-start examples whose response is the bare answer, without `\\boxed{}` (which the
     math reward scores 0): the warm-started model then boxes only part of its answers, as a base model
     follows an answer format only part of the time, and RL teaches it to box every one."""
+    tool_share: float = 0.0
+    """Share of the warm-start examples that call the calculator before answering
+    (`<calc>a*b<eos><result>p\\n\\boxed{p}<eos>`, the tiny tokenizer's tool syntax; the synthetic
+    multiplication task only): the warm-started model then calls it only part of the time, and RL
+    teaches it to call it every time."""
 
 
 @dataclass

@@ -11,11 +11,13 @@ from __future__ import annotations
 from areal_hpc import parallel
 from areal_hpc.algo.advantages import ADV_NORMS
 from areal_hpc.arch import DTYPE_BYTES, model_arch
-from areal_hpc.config.schema import Config
+from areal_hpc.config.schema import SINGLE_TURN, Config
 from areal_hpc.device import CHOICES as DEVICES
 from areal_hpc.errors import ConfigError
 from areal_hpc.reward import REWARD_KINDS
+from areal_hpc.synthetic import SYNTHETIC_TASKS
 from areal_hpc.trainer.choices import LR_DECAYS, PROX_LOGPS, RECOMPUTES
+from areal_hpc.workflow.tool_calls import FORMATS as TOOL_FORMATS
 
 CHOICES = {
     "cluster.device": DEVICES,
@@ -24,6 +26,8 @@ CHOICES = {
     "ppo.prox_logp": PROX_LOGPS,
     "ppo.recompute": RECOMPUTES,
     "ppo.lr_decay": LR_DECAYS,
+    "data.synthetic_task": SYNTHETIC_TASKS,
+    "rollout.tool_format": TOOL_FORMATS,
 }
 """Fields with a fixed set of values: `validate` refuses any other, `describe_config` lists them."""
 
@@ -65,6 +69,8 @@ def validate(cfg: Config) -> None:
         ("rollout.max_concurrent", r.max_concurrent),
         ("rollout.prompts_per_step", r.prompts_per_step),
         ("rollout.max_new_tokens", r.max_new_tokens),
+        ("rollout.max_turns", r.max_turns),
+        ("rollout.tool_output_chars", r.tool_output_chars),
         ("ppo.max_tokens_per_mb", p.max_tokens_per_mb),
         ("ppo.minibatches", p.minibatches),
         ("train.total_steps", cfg.train.total_steps),
@@ -114,20 +120,57 @@ def validate(cfg: Config) -> None:
         p.max_tokens_per_mb >= r.max_new_tokens,
         f"ppo.max_tokens_per_mb ({p.max_tokens_per_mb}) must hold at least one trajectory of rollout.max_new_tokens ({r.max_new_tokens})",
     )
+    # A micro-batch holds whole sequences (a longer one gets a micro-batch of its own, over the memory
+    # budget). An episode's sequence is bounded by max_episode_tokens, and without it, once the
+    # workflow may run several turns, only by the model's context.
+    if r.max_episode_tokens > 0:
+        longest, bound = r.max_episode_tokens, f"rollout.max_episode_tokens ({r.max_episode_tokens})"
+    elif r.workflow != SINGLE_TURN and r.max_turns > 1:
+        longest = m.max_position_embeddings
+        bound = (
+            f"the model's context ({longest}: rollout.max_episode_tokens is 0 and rollout.workflow "
+            f"{r.workflow} may run up to rollout.max_turns ({r.max_turns}) turns)"
+        )
+    else:
+        longest, bound = 0, ""  # a single turn: the rule above
+    need(
+        p.max_tokens_per_mb >= longest,
+        f"ppo.max_tokens_per_mb ({p.max_tokens_per_mb}) must hold one whole episode sequence, up to {bound} tokens: "
+        "raise ppo.max_tokens_per_mb or set a smaller rollout.max_episode_tokens",
+    )
+    need(
+        r.max_episode_tokens == 0 or r.max_episode_tokens > r.max_new_tokens,
+        f"rollout.max_episode_tokens ({r.max_episode_tokens}) must exceed rollout.max_new_tokens "
+        f"({r.max_new_tokens}): an episode holds its prompt and at least one whole turn (0: the model's context)",
+    )
     need(
         r.max_new_tokens < m.max_position_embeddings,
         f"rollout.max_new_tokens ({r.max_new_tokens}) must be below model.max_position_embeddings ({m.max_position_embeddings})",
     )
+    need(
+        0 <= r.max_episode_tokens <= m.max_position_embeddings,
+        f"rollout.max_episode_tokens must be in [0, model.max_position_embeddings ({m.max_position_embeddings})] "
+        f"(got {r.max_episode_tokens}); 0 is the model's context",
+    )
+    need(r.tool_timeout_s > 0, f"rollout.tool_timeout_s must be > 0 (got {r.tool_timeout_s})")
+    need(r.tool_processes >= 0, f"rollout.tool_processes must be >= 0 (got {r.tool_processes}); 0 is one per CPU")
     d = cfg.data
     need(
         not d.system_prompt or d.chat_template,
         "data.system_prompt needs data.chat_template: true (a system turn exists only in a chat template)",
     )
     need(d.max_prompt_tokens >= 0, f"data.max_prompt_tokens must be >= 0 (got {d.max_prompt_tokens}); 0 is the default")
+    # A prompt must leave its episode room for one whole turn: a longer one gets a turn cut short, and one
+    # that fills the budget (easily, under a small max_episode_tokens) gets no turn: its episode is lost.
+    if r.max_episode_tokens:
+        budget, bound = r.max_episode_tokens, "rollout.max_episode_tokens"
+    else:
+        budget, bound = m.max_position_embeddings, "model.max_position_embeddings"
     need(
-        d.max_prompt_tokens + r.max_new_tokens <= m.max_position_embeddings,
+        d.max_prompt_tokens + r.max_new_tokens <= budget,
         f"data.max_prompt_tokens ({d.max_prompt_tokens}) + rollout.max_new_tokens ({r.max_new_tokens}) must fit "
-        f"model.max_position_embeddings ({m.max_position_embeddings})",
+        f"{bound} ({budget}): a longer prompt leaves its episode no room for one whole turn; lower "
+        "data.max_prompt_tokens (0: the longest that fits)",
     )
     rw = cfg.reward
     need(rw.overlong_penalty >= 0, f"reward.overlong_penalty must be >= 0 (got {rw.overlong_penalty}); 0 is off")
@@ -144,6 +187,12 @@ def validate(cfg: Config) -> None:
         f"reward.kind is {cfg.reward.kind}: set sft.examples=0",
     )
     need(0 <= cfg.sft.unboxed < 1, f"sft.unboxed must be in [0, 1) (got {cfg.sft.unboxed})")
+    need(0 <= cfg.sft.tool_share <= 1, f"sft.tool_share must be in [0, 1] (got {cfg.sft.tool_share})")
+    need(
+        cfg.sft.tool_share == 0 or (not cfg.data.train_path and cfg.data.synthetic_task == "multiplication"),
+        "sft.tool_share > 0 needs the synthetic multiplication task (its calculator calls are the problems "
+        "themselves): set data.synthetic_task=multiplication with data.train_path empty, or sft.tool_share=0",
+    )
     need(
         a.gen_share == "auto" or (not isinstance(a.gen_share, str) and 0 < a.gen_share < 1),
         f"allocation.gen_share must be auto or strictly between 0 and 1 (got {a.gen_share!r})",

@@ -4,9 +4,11 @@ syncs and checkpoints, writes the metrics. One thread, one event loop, no blocki
 ```
  loop (until version == train.total_steps, or a stop request, then checkpoint and Stop everyone):
    poll every message that has arrived                                  never waits
-    Trajectory     -> its group (rollouts); a RewardRequest (token ids, the Example's target) to the
-                      least-loaded reward worker
-    EvalTrajectory -> the evaluation between steps (evals); its RewardRequest likewise
+    Trajectory     -> its group (rollouts) (an episode: areal_hpc.protocol); its reward: the workflow's own
+                      when finite, else a RewardRequest (its final answer's token ids, the Example's target)
+                      to the least-loaded reward worker; a lost episode (its workflow raised) gets none,
+                      and more than half of a step's worth lost ends the run with the first traceback
+    EvalTrajectory -> the evaluation between steps (evals); its reward likewise
     RewardResult   -> to whom it scores: an eval trajectory's to evals; a group's to the rollouts, where
                       the group's last reward finishes it into the buffer (gate.finish), or with
                       rollout.filter_uniform_groups, all its rewards equal, leaves it out
@@ -62,6 +64,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from functools import partial
 
@@ -207,7 +210,7 @@ class Controller:
         groups = self.rollouts.admit(self.prompts)
         for group in groups:
             prompt_ids = np.asarray(group.example.prompt_ids, np.int32)  # formatted and tokenized by areal_hpc.data
-            self.dispatch.generate(GenerateRequest(group.group_id, prompt_ids, group.n))
+            self.dispatch.generate(GenerateRequest(group.group_id, prompt_ids, group.example.row, group.n))
         return bool(groups)
 
     def start_eval(self) -> None:
@@ -216,16 +219,36 @@ class Controller:
             self.dispatch.generate(request)
 
     def on_trajectory(self, src: int, traj: Trajectory) -> None:
+        """An episode: a lost one is only counted; the workflow's own finite reward wins (no RewardRequest);
+        otherwise `reward.kind` scores its final answer."""
         self.metrics.generating()
-        group = self.rollouts.add_trajectory(traj)
+        self.metrics.arrived(traj)
+        group = self.rollouts.add_trajectory(traj)  # lost: recorded, and may finish its group
         if group.generated:  # the generator is done with this group
             self.dispatch.generated(src, traj)
-        self.dispatch.score(traj, group.example.target)
+        if traj.error:
+            last = traj.error.strip().splitlines()[-1] if traj.error.strip() else "(no message)"
+            log.warning(
+                "episode %d of group %d lost: %s (its traceback: the generator's log)", traj.index, traj.group_id, last
+            )
+            return
+        if math.isfinite(traj.reward):
+            self.rollouts.add_reward(
+                traj.group_id, traj.index, traj.reward + self.overlong_penalty(len(traj.answer_ids))
+            )
+        else:
+            self.dispatch.score(traj, group.example.target)
 
     def on_eval_trajectory(self, src: int, traj: EvalTrajectory) -> None:
+        """As `on_trajectory`; a lost eval episode scores 0, counted as the round's workflow error."""
         if self.evals.arrived(traj):
             self.dispatch.generated(src, traj)
-        self.dispatch.score(traj, self.evals.target(traj))
+        if traj.error:
+            self.evals.lost(traj)
+        elif math.isfinite(traj.reward):
+            self.evals.scored(traj, traj.reward, "ok")
+        else:
+            self.dispatch.score(traj, self.evals.target(traj))
 
     def on_reward(self, res: RewardResult) -> None:
         traj = self.dispatch.scored(res)
@@ -237,7 +260,7 @@ class Controller:
             log.warning(
                 "reward of trajectory %d of group %d: %s (scored %s)", traj.index, traj.group_id, res.reason, res.reward
             )
-        reward = res.reward + self.overlong_penalty(len(traj.output_ids))
+        reward = res.reward + self.overlong_penalty(len(traj.answer_ids))
         self.rollouts.add_reward(traj.group_id, traj.index, reward)  # the last one: into the buffer, or left out
 
     # --- training ---------------------------------------------------------------------------

@@ -5,13 +5,13 @@ answer is for.
  generate(request)   GenerateRequest or EvalRequest -> the generator with the fewest requests in flight
                      (ties: the lowest rank); it owes a generation (liveness) and is busy (its idle clock)
  generated(src, t)   t was the last trajectory of its request: src owes one generation less
- score(t, target)    RewardRequest(a fresh request id, t's token ids, target) -> the reward worker with the
-                     fewest requests open; the id -> t, the trajectory the result is for
+ score(t, target)    RewardRequest(a fresh request id, t's final answer's token ids, target) -> the
+                     reward worker with the fewest requests open; the id -> t, the episode the result is for
  scored(result)      -> that trajectory (a Trajectory: a prompt group's; an EvalTrajectory: an eval prompt's)
 ```
 
-Least-loaded by count, not by tokens: requests are alike (n trajectories of one prompt, one
-trajectory's reward), and a count needs no estimate of what a generation will cost.
+Least-loaded by count, not by tokens: requests are alike (n episodes of one prompt, one episode's
+reward), and a count needs no estimate of what a generation will cost.
 """
 
 from __future__ import annotations
@@ -67,11 +67,12 @@ class Dispatch:
             self.idle.busy(self.generator_ranks.index(src), False)
 
     def score(self, traj: Trajectory | EvalTrajectory, target) -> None:
-        """Score one trajectory against `target` (its Example's) on the least-loaded reward worker."""
+        """Score one episode's final answer (`answer_ids`) against `target` (its Example's) on the
+        least-loaded reward worker."""
         rank = min(self.reward_ranks, key=lambda r: (self.reward_load[r], r))
         request_id, self.next_reward_id = self.next_reward_id, self.next_reward_id + 1
         self.pending[request_id] = (traj, rank)
-        self.box.send(rank, RewardRequest(request_id, self.reward_kind, traj.output_ids, target))
+        self.box.send(rank, RewardRequest(request_id, self.reward_kind, traj.answer_ids, target))
         self.reward_load[rank] += 1
         self.liveness.expect(rank, time.monotonic(), "a reward")
 

@@ -14,6 +14,12 @@ from areal_hpc.batch import BatchInfo
 from areal_hpc.checkpoint.files import checkpoint_version
 from areal_hpc.config import Config
 from areal_hpc.metrics import IdleClock, MetricsWriter, drop_rows_after
+from areal_hpc.protocol import Trajectory
+
+ARRIVAL_COUNTS = ("rollout/workflow_errors", "rollout/tool_errors", "rollout/template_rewrites")
+"""Counted over the training episodes as they arrive, since the last row (like reward/errors): episodes lost
+(their workflow raised), tool calls that failed or timed out, messages whose tokens came from a chat
+template that rewrites earlier turns."""
 
 
 class StepMetrics:
@@ -25,6 +31,8 @@ class StepMetrics:
         self.train_idle = IdleClock(1)
         self.reward_errors = 0
         """Training trajectories scored 0 for a reward timeout or error since the last row."""
+        self.episode_counts = dict.fromkeys(ARRIVAL_COUNTS, 0)
+        """ARRIVAL_COUNTS over the training episodes arrived since the last row."""
         self._step_start = time.monotonic()
         self._generating = False
 
@@ -37,19 +45,31 @@ class StepMetrics:
         self.gen_idle.take_fraction()
         self.train_idle.take_fraction()
 
+    def arrived(self, traj: Trajectory) -> None:
+        """Count a training episode as it arrives (lost or not: `rollout/workflow_errors` counts the lost)."""
+        c = self.episode_counts
+        c["rollout/workflow_errors"] += bool(traj.error)
+        c["rollout/tool_errors"] += int(traj.stats.get("tool_errors", 0))
+        c["rollout/template_rewrites"] += int(traj.stats.get("template_rewrites", 0))
+
     def write(
         self, version: int, info: BatchInfo, stats: dict, *, rollouts: dict, sync_s: float, save_s: float, evals: dict
     ) -> None:
         """The row of the step that made `version`: `info` of its data, the trainer's `stats`, the
-        rollouts' and the evaluation's figures since the last row, the latest weight sync's and the
-        trainers' time in saves."""
+        rollouts' and the evaluation's figures and the episodes' counts since the last row, the latest
+        weight sync's and the trainers' time in saves."""
         now = time.monotonic()
         step_s, self._step_start = now - self._step_start, now
         row = {
             "reward/mean": info.reward_mean,
-            **rollouts,  # staleness/max, staleness/dropped, rollout/filtered
+            **rollouts,  # staleness/max, staleness/dropped, rollout/filtered, rollout/lost_groups
             "reward/errors": self.reward_errors,
             "rollout/truncated": info.truncated,
+            "rollout/turns_mean": info.turns_mean,
+            "rollout/tool_calls_mean": info.tool_calls_mean,
+            "rollout/tool_s_mean": info.tool_s_mean,
+            "rollout/episode_tokens_mean": info.episode_tokens_mean,
+            **self.episode_counts,
             "throughput/effective_tokens_per_s": info.response_tokens / max(step_s, 1e-9),
             "timing/step_s": step_s,
             "timing/weight_sync_s": sync_s,
@@ -60,6 +80,7 @@ class StepMetrics:
             **evals,
         }
         self.reward_errors = 0
+        self.episode_counts = dict.fromkeys(ARRIVAL_COUNTS, 0)
         self.writer.write(version, row)
 
     def close(self) -> None:

@@ -48,6 +48,8 @@ class EvalRound:
     truncated: int = 0
     errors: int = 0
     """Trajectories scored 0 for a reward timeout or error."""
+    workflow_errors: int = 0
+    """Episodes lost (their workflow raised), scored 0."""
 
     def __post_init__(self):
         self.rewards = [[None] * self.samples for _ in self.examples]
@@ -61,6 +63,11 @@ class EvalRound:
         self.rewards[prompt][index] = float(reward)
         self.errors += reason != "ok"
 
+    def lost(self, prompt: int, index: int) -> None:
+        """A lost episode: it scores 0, counted as a workflow error (never as a reward error)."""
+        self.rewards[prompt][index] = 0.0
+        self.workflow_errors += 1
+
     def generated(self, prompt: int) -> bool:
         """Every trajectory to the prompt has come back from the generator."""
         return all(n is not None for n in self.lengths[prompt])
@@ -70,7 +77,8 @@ class EvalRound:
         return all(r is not None for rs in self.rewards for r in rs)
 
     def report(self) -> dict:
-        """pass@k, mean reward and trajectory lengths; `per_prompt` has each prompt's correct count."""
+        """pass@k, mean reward and `episode_tokens` (each episode's trained tokens, all its sequences);
+        `per_prompt` has each prompt's correct count."""
         n = self.samples
         correct = [sum(r >= 1.0 for r in rs) for rs in self.rewards]
         lengths = np.array(self.lengths, np.float64).ravel()
@@ -79,7 +87,7 @@ class EvalRound:
             "samples": n,
             "pass@k": {str(k): float(np.mean([pass_at_k(n, c, k) for c in correct])) for k in ks(n)},
             "reward_mean": float(np.mean([r for rs in self.rewards for r in rs])),
-            "trajectory_tokens": {
+            "episode_tokens": {
                 "mean": float(lengths.mean()),
                 "median": float(np.median(lengths)),
                 "p90": float(np.percentile(lengths, 90)),
@@ -87,6 +95,7 @@ class EvalRound:
             },
             "truncated_frac": self.truncated / (len(self.examples) * n),
             "reward_errors": self.errors,
+            "workflow_errors": self.workflow_errors,
             "per_prompt": [
                 {"where": e.where, "prompt": e.prompt, "correct": c, "tokens": self.lengths[i]}
                 for i, (e, c) in enumerate(zip(self.examples, correct))

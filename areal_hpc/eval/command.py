@@ -1,45 +1,52 @@
-"""`areal-hpc eval`: how good a model is on held-out prompts, with the run's own generator and rewards.
+"""`areal-hpc eval`: how good a model is on held-out prompts, with the run's own workflow, generator and rewards.
 
 ```
  MODEL_DIR | RUN_DIR --step N -> Hugging Face directory (step 0: the run's initial model; step N: its
                                   checkpoint, exported once to RUN_DIR/hf/step_N)
  --data FILE -> areal_hpc.data.load_prompts (the run's prompt format and length filter)
- K trajectories per prompt: the generator's vLLM engine (allocation.gen_tp, rollout.temperature, max_new_tokens)
- each trajectory, as it finishes -> the reward workers' scorer pool (reward.kind, reward.timeout_s)
- -> pass@1 (mean over prompts of c/K), pass@k for k = 1, 2, 4, ... K, trajectory lengths
+ K episodes per prompt of the run's workflow (rollout.workflow, its tools and limits), run by the
+   generator's EpisodeRunner on the generator's vLLM engine (allocation.gen_tp, rollout.temperature)
+ each episode, as it finishes -> its reward as in training: the workflow's own when finite; 0 when lost
+   (the workflow raised: counted); else the reward workers' scorer pool on the final answer (reward.kind)
+ -> pass@1 (mean over prompts of c/K), pass@k for k = 1, 2, 4, ... K, episode lengths, turns, tool calls
  -> a table on the terminal and a JSON report
 ```
 
-The bookkeeping (`EvalRound`) is the package's, shared with the evaluation between training steps
-(areal_hpc.eval.training); the requests to the engine are the generator's EvalRequests.
+So pass@k is measured the way the model is trained: the same episodes, not a single answer. The bookkeeping
+(`EvalRound`) is the package's, shared with the evaluation between training steps (areal_hpc.eval.training);
+the requests to the runner are the generator's EvalRequests.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import time
 from pathlib import Path
 
 from areal_hpc.config import Config, ConfigError, load_config
 from areal_hpc.data import eval_path, load_prompts
 from areal_hpc.eval import EvalRound
-from areal_hpc.protocol import EvalRequest
+from areal_hpc.protocol import EPISODE_STATS, EvalRequest, EvalTrajectory
 
 
 def table(report: dict) -> str:
     """The report as the terminal shows it."""
     lines = [f"model    {report['model']}", f"data     {report['data']}"]
-    lines.append(
-        f"prompts  {report['prompts']} x {report['samples']} trajectories (temperature {report['temperature']})"
-    )
+    lines.append(f"prompts  {report['prompts']} x {report['samples']} episodes (temperature {report['temperature']})")
     lines.append("")
     lines.append("  ".join(f"{'pass@' + k:>8}" for k in report["pass@k"]) + f"  {'reward':>8}")
     lines.append("  ".join(f"{v:8.3f}" for v in report["pass@k"].values()) + f"  {report['reward_mean']:8.3f}")
-    t = report["trajectory_tokens"]
+    t, e = report["episode_tokens"], report["episodes"]
     lines.append("")
     lines.append(
-        f"trajectory tokens: mean {t['mean']:.1f}, median {t['median']:.0f}, p90 {t['p90']:.0f}, max {t['max']}; "
-        f"cut at max_new_tokens: {report['truncated_frac']:.1%}; reward errors: {report['reward_errors']}"
+        f"episode tokens: mean {t['mean']:.1f}, median {t['median']:.0f}, p90 {t['p90']:.0f}, max {t['max']}; "
+        f"ended by a limit: {report['truncated_frac']:.1%}; reward errors: {report['reward_errors']}"
+    )
+    lines.append(
+        f"episodes ({report['workflow']}): turns {e['turns_mean']:.2f}, tool calls {e['tool_calls_mean']:.2f} "
+        f"({e['tool_errors']} failed, {e['tool_s_mean']:.3f} s each); lost (the workflow raised): {report['workflow_errors']}"
     )
     return "\n".join(lines)
 
@@ -101,50 +108,103 @@ def export(run_dir: Path, step: int) -> Path:
 
 
 def evaluate(cfg: Config, model_dir: Path, data: str | Path, samples: int, engine=None, progress=print) -> dict:
-    """Generate `samples` trajectories to every prompt of `data` with the generator's engine code, score them
-    with the reward workers' pool, and report (`EvalRound.report` plus what was evaluated)."""
+    """Run `samples` episodes of the run's workflow on every prompt of `data`, as a generator rank runs them
+    (its `EpisodeRunner` on its engine), score them as training does, and report (`EvalRound.report`, the
+    episodes' counts, and what was evaluated)."""
     from transformers import AutoTokenizer
 
     from areal_hpc.device import resolve_device
     from areal_hpc.generator.engine import GenerationEngine
-    from areal_hpc.reward import response_text
-    from areal_hpc.reward.pool import ScorerPool
-    from areal_hpc.reward.worker import pool_size
+    from areal_hpc.generator.episodes import EpisodeRunner
+    from areal_hpc.reward.pool import ScorerPool, pool_size
+    from areal_hpc.workflow import load_workflow
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     examples = load_prompts(cfg, tokenizer, data, setting="--data (eval.data)")
-    round_ = EvalRound(examples, samples)
+    workflow = load_workflow(cfg.rollout.workflow)()  # a bad one is refused before the engine starts
+    scoring = _Scoring(cfg, tokenizer, examples, samples)
     own_engine = engine is None
     if own_engine:
         engine = GenerationEngine.from_config(cfg, model_dir, resolve_device(cfg.cluster.device))
+    runner = EpisodeRunner.from_config(cfg, engine, model_dir, workflow=workflow)
     pool = ScorerPool(pool_size(cfg.reward.processes), timeout_s=cfg.reward.timeout_s)
-    total, generated, started, shown = len(examples) * samples, 0, time.monotonic(), time.monotonic()
-    try:
-        for i, e in enumerate(examples):
-            engine.add(EvalRequest(i, e.prompt_ids, samples))
-        while engine.in_flight or pool.pending:
-            for t in engine.step() if engine.in_flight else []:
-                round_.arrived(t.prompt_index, t.index, len(t.output_ids), t.finish_reason == "length")
-                text = response_text(tokenizer, t.output_ids)
-                pool.submit((t.prompt_index, t.index), cfg.reward.kind, text, examples[t.prompt_index].target)
-                generated += 1
-            for (i, j), reward, reason in pool.poll(0 if engine.in_flight else 0.01):
-                round_.scored(i, j, reward, reason)
+    requests = [EvalRequest(i, e.prompt_ids, e.row, samples) for i, e in enumerate(examples)]
+    started = time.monotonic()
+
+    async def episodes() -> None:
+        for request in requests:
+            runner.start(request)
+        shown = time.monotonic()
+        while runner.episodes or pool.pending:
+            for episode in await runner.advance() if runner.episodes else []:
+                scoring.arrived(episode, pool)
+            for (i, j), reward, reason in pool.poll(0 if runner.episodes else 0.01):
+                scoring.round.scored(i, j, reward, reason)
             if time.monotonic() - shown > 10:
                 shown = time.monotonic()
-                progress(f"eval: {generated}/{total} trajectories ({shown - started:.0f} s)")
+                progress(f"eval: {scoring.episodes}/{len(requests) * samples} episodes ({shown - started:.0f} s)")
+
+    try:
+        asyncio.run(episodes())
     finally:
+        runner.close()
         pool.close()
         if own_engine:
             engine.close()
+    r = cfg.rollout
     report = {
         "model": str(model_dir),
         "data": str(data),
-        "temperature": cfg.rollout.temperature,
-        "max_new_tokens": cfg.rollout.max_new_tokens,
+        "workflow": r.workflow,
+        "temperature": r.temperature,
+        "max_new_tokens": r.max_new_tokens,
+        "max_turns": r.max_turns,
+        "max_episode_tokens": r.max_episode_tokens,
         "seconds": round(time.monotonic() - started, 1),
     }
-    return {**report, **round_.report()}
+    return {**report, **scoring.round.report(), "episodes": scoring.summary()}
+
+
+class _Scoring:
+    """The episodes of one evaluation as they come back: their rewards as training gets them, and their
+    counts (protocol.EPISODE_STATS; the lost ones are the round's `workflow_errors`)."""
+
+    def __init__(self, cfg: Config, tokenizer, examples: list, samples: int):
+        self.kind, self.tokenizer, self.examples = cfg.reward.kind, tokenizer, examples
+        self.round = EvalRound(examples, samples)
+        self.counts = dict.fromkeys(EPISODE_STATS, 0.0)
+        self.episodes = 0
+        self.lost: list[str] = []
+        """The tracebacks of the episodes whose workflow raised."""
+
+    def arrived(self, t: EvalTrajectory, pool) -> None:
+        """Record an episode; its reward now (the workflow's own, or 0 when lost, counted as a workflow
+        error), or from `pool` later."""
+        from areal_hpc.reward import response_text
+
+        i, j = t.prompt_index, t.index
+        self.episodes += 1
+        self.round.arrived(i, j, t.num_tokens, t.finish_reason == "length")
+        for k in EPISODE_STATS:
+            self.counts[k] += t.stats.get(k, 0)
+        if t.error:
+            self.lost.append(t.error)
+            self.round.lost(i, j)
+        elif math.isfinite(t.reward):
+            self.round.scored(i, j, t.reward)
+        else:
+            pool.submit((i, j), self.kind, response_text(self.tokenizer, t.answer_ids), self.examples[i].target)
+
+    def summary(self) -> dict:
+        c, n = self.counts, max(self.episodes, 1)
+        return {
+            "turns_mean": c["turns"] / n,
+            "tool_calls_mean": c["tool_calls"] / n,
+            "tool_errors": int(c["tool_errors"]),
+            "tool_s_mean": c["tool_s"] / max(c["tool_calls"], 1),
+            "template_rewrites": int(c["template_rewrites"]),
+            "first_error": self.lost[0] if self.lost else "",
+        }
 
 
 def run(args) -> int:

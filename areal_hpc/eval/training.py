@@ -5,7 +5,8 @@ their scored trajectories add up to, for the controller's metrics.
  the controller, after the WeightSync of version v (and at the start):
    start(v)     -> an EvalRequest per eval prompt when a round is due (none while the last still runs)
  EvalTrajectory -> arrived (True: its prompt's last: the generator is done with that request);
-                   the controller sends it to a reward worker with target(traj)
+                   its reward: the workflow's own when finite (scored at once), 0 when lost (the
+                   workflow raised: a workflow error, not a reward error), else a reward worker's, against target(traj)
  RewardResult   -> scored; the round's last -> eval/* figures for the next step's metrics row
 ```
 
@@ -33,7 +34,7 @@ class TrainingEval:
     They are not training data: they are messages of their own (EvalRequest, EvalTrajectory), so their
     trajectories and rewards come back here, never to the buffer; the staleness gate never counts them.
     A round still running when the next one is due is left to finish (the next one is skipped). Its
-    figures (`eval/pass@1`, `eval/pass@k`, `eval/reward_mean`, `eval/trajectory_tokens`, and
+    figures (`eval/pass@1`, `eval/pass@k`, `eval/reward_mean`, `eval/episode_tokens_mean`, and
     `eval/version`, the version it started on: trajectories in flight across a weight update finish on the
     newer weights) go into the metrics row of the next step that ends.
     """
@@ -60,11 +61,12 @@ class TrainingEval:
             log.warning("evaluation of version %d still running: none of version %d", self.version, version)
             return []
         self.round, self.version = EvalRound(self.examples, self.samples), version
-        return [EvalRequest(i, e.prompt_ids, self.samples) for i, e in enumerate(self.examples)]
+        return [EvalRequest(i, e.prompt_ids, e.row, self.samples) for i, e in enumerate(self.examples)]
 
     def arrived(self, traj: EvalTrajectory) -> bool:
-        """Record a trajectory; True when it was the last of its prompt (its request is done)."""
-        self.round.arrived(traj.prompt_index, traj.index, len(traj.output_ids), traj.finish_reason == "length")
+        """Record an episode (its tokens, all sequences); True when it was the last of its prompt (its request
+        is done)."""
+        self.round.arrived(traj.prompt_index, traj.index, traj.num_tokens, traj.finish_reason == "length")
         return self.round.generated(traj.prompt_index)
 
     def target(self, traj: EvalTrajectory) -> str | list:
@@ -73,6 +75,14 @@ class TrainingEval:
 
     def scored(self, traj: EvalTrajectory, reward: float, reason: str) -> None:
         self.round.scored(traj.prompt_index, traj.index, reward, reason)
+        self._end_when_done()
+
+    def lost(self, traj: EvalTrajectory) -> None:
+        """A lost episode (its workflow raised): it scores 0, counted as a workflow error."""
+        self.round.lost(traj.prompt_index, traj.index)
+        self._end_when_done()
+
+    def _end_when_done(self) -> None:
         if not self.round.done:
             return
         report = self.round.report()
@@ -81,7 +91,7 @@ class TrainingEval:
         self.metrics.update(
             {
                 "eval/reward_mean": report["reward_mean"],
-                "eval/trajectory_tokens": report["trajectory_tokens"]["mean"],
+                "eval/episode_tokens_mean": report["episode_tokens"]["mean"],
                 "eval/version": self.version,
             }
         )

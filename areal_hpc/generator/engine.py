@@ -1,10 +1,10 @@
-"""One vLLM engine, interruptible: trajectories with behaviour logprobs and per-token policy versions.
+"""One vLLM engine, interruptible: turns sampled with behaviour logprobs and per-token policy versions.
 
-vLLM's `LLMEngine` (v1) is driven step by step: `add` queues the trajectories a request asks for (a
-GenerateRequest: a prompt group to train on; an EvalRequest: an eval prompt), `step` runs one
-continuous-batching iteration and returns the trajectories that finished in it, each as the reply to
-its request (a Trajectory, an EvalTrajectory; each goes back as soon as it finishes, never held for a
-batch), `update_weights` interrupts and reloads.
+vLLM's `LLMEngine` (v1) is driven step by step in turns: `submit` queues a turn (a key, the token ids the
+engine must see, the most tokens it may sample), `step` runs one continuous-batching iteration and returns
+the turns that finished in it (the sampled ids, the stop token included, each one's behaviour logprob and
+policy version, the finish reason), `update_weights` interrupts and reloads. The engine knows nothing of
+episodes or messages: areal_hpc.generator.episodes runs the workflows that submit the turns.
 
 Behaviour logprobs (the convention the trainer matches): vLLM runs with
 `logprobs_mode="processed_logprobs"`, so the logprob of each sampled token y_t is taken from the
@@ -18,13 +18,13 @@ temperature 1.) With top_p < 1 the distribution is also truncated to the nucleus
 so behav_logprob >= the trainer's full-vocabulary logprob; keep top_p = 1 for exact agreement.
 
 Interruption (`update_weights`), nothing lost or duplicated:
-  1. abort every in-flight vLLM request; each trajectory keeps the tokens, logprobs and versions
-     vLLM has returned so far (a token computed but not yet returned is simply sampled again);
+  1. abort every in-flight vLLM request; each turn keeps the tokens, logprobs and versions vLLM has
+     returned so far (a token computed but not yet returned is simply sampled again);
   2. load the new weights bucket by bucket inside vLLM's worker(s), in place where vLLM allows it
      (`WeightLoader` below);
   3. reset the prefix cache (its KV entries were computed by the old weights);
-  4. resubmit each trajectory as prompt + partial output with the remaining token budget; tokens
-     sampled from then on carry the new version.
+  4. resubmit each turn as its context + partial output with what is left of its own token budget;
+     tokens sampled from then on carry the new version.
 """
 
 from __future__ import annotations
@@ -35,11 +35,8 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from areal_hpc.arch import model_arch
 from areal_hpc.generator.choices import ENGINE_ARGS, choose_environment, resolved
-from areal_hpc.protocol import EvalRequest, EvalTrajectory, GenerateRequest, Trajectory
 
 # vLLM's environment (worker start method, model runner, in-process engine core), set on import: before
 # any engine is built (vLLM is only imported inside functions here).
@@ -199,37 +196,36 @@ def _has_tensors(module) -> bool:
 
 
 @dataclass
-class _InFlight:
-    """One trajectory a request asked for, across interruptions."""
+class EngineTurn:
+    """One turn the engine samples, across interruptions: what it was given, what it sampled so far."""
 
-    request: GenerateRequest | EvalRequest
-    index: int  # its place among the request's n, 0 .. n-1
-    prompt_ids: list[int]
-    output_ids: list[int] = field(default_factory=list)
+    key: str  # the submitter's name for it, unique among the turns in flight
+    context_ids: list[int]  # the tokens the engine sees before the turn
+    max_tokens: int  # the most tokens the turn may sample, over all its attempts
+    output_ids: list[int] = field(default_factory=list)  # sampled so far; the stop token included when it stopped
     behav_logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    attempt: int = 0
+    versions: list[int] = field(default_factory=list)  # the policy version that sampled each token
+    attempt: int = 0  # resubmissions so far (one per weight update it lived through)
+    finish_reason: str = ""  # once finished: "stop" (a stop token) or "length" (its budget or the model's context)
 
     @property
     def request_id(self) -> str:
-        """vLLM's id of the current attempt: unique among everything in flight, eval prompts included."""
-        r = self.request
-        name = f"eval{r.prompt_index}" if isinstance(r, EvalRequest) else f"group{r.group_id}"
-        return f"{name}.{self.index}.{self.attempt}"
+        """vLLM's id of the current attempt: unique among everything in flight."""
+        return f"{self.key}.{self.attempt}"
 
 
 class GenerationEngine:
-    """A vLLM engine serving prompt groups and eval prompts, interruptible for weight updates.
+    """A vLLM engine sampling turns, interruptible for weight updates.
 
     `engine` is a vLLM v1 `LLMEngine` built with `engine_args(...)` (or `GenerationEngine.create`).
     """
 
-    def __init__(self, engine, temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 32):
+    def __init__(self, engine, temperature: float = 1.0, top_p: float = 1.0):
         self.engine = engine
-        self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
+        self.temperature, self.top_p = temperature, top_p
         self.version = 0
         """Policy version of the loaded weights (0: the initial model)."""
-        self._running: dict[str, _InFlight] = {}  # vLLM request id -> its trajectory
+        self._running: dict[str, EngineTurn] = {}  # turn key -> the turn
 
     # --- construction ---
     @staticmethod
@@ -267,11 +263,11 @@ class GenerationEngine:
         )
 
     @classmethod
-    def create(cls, model_path, *, temperature=1.0, top_p=1.0, max_new_tokens=32, **engine_kwargs):
+    def create(cls, model_path, *, temperature=1.0, top_p=1.0, **engine_kwargs):
         from vllm.v1.engine.llm_engine import LLMEngine
 
         engine = LLMEngine.from_engine_args(cls.engine_args(model_path, **engine_kwargs))
-        return cls(engine, temperature, top_p, max_new_tokens)
+        return cls(engine, temperature, top_p)
 
     @classmethod
     def from_config(cls, cfg, model_path, device: str, seed_offset: int = 0) -> GenerationEngine:
@@ -282,7 +278,6 @@ class GenerationEngine:
             device=device,
             temperature=r.temperature,
             top_p=r.top_p,
-            max_new_tokens=r.max_new_tokens,
             dtype=m.dtype,
             tp=cfg.allocation.gen_tp,
             seed=cfg.experiment.seed + seed_offset,
@@ -313,55 +308,65 @@ class GenerationEngine:
         self.interrupt()
         self.engine.engine_core.shutdown()
 
-    # --- serving ---
-    def add(self, request: GenerateRequest | EvalRequest) -> None:
-        """Queue the request's `n` trajectories to its prompt (a GRPO group, or an eval prompt)."""
-        prompt = [int(t) for t in request.prompt_ids]
-        for i in range(request.n):
-            self._submit(_InFlight(request, i, prompt))
+    @property
+    def max_model_len(self) -> int:
+        """The most tokens one turn's context and output may hold together (vLLM ends a turn there)."""
+        return self.engine.model_config.max_model_len
 
-    def step(self) -> list[Trajectory | EvalTrajectory]:
-        """One engine iteration; returns the trajectories that finished in it, each its request's reply."""
+    # --- serving ---
+    def submit(self, key: str, token_ids: list[int], max_tokens: int) -> None:
+        """Queue a turn: sample at most `max_tokens` tokens after `token_ids`. `key` names it among the
+        turns in flight (the finished turn carries it)."""
+        if max_tokens < 1:
+            raise ValueError(f"turn {key!r}: max_tokens must be at least 1, got {max_tokens}")
+        if key in self._running:
+            raise ValueError(f"turn {key!r} is already in flight")
+        self._submit(EngineTurn(key, [int(t) for t in token_ids], max_tokens))
+
+    def step(self) -> list[EngineTurn]:
+        """One engine iteration; returns the turns that finished in it."""
         finished = []
         for out in self.engine.step():
-            traj = self._running.pop(out.request_id, None)
-            if traj is None:  # a request aborted by an interruption
+            turn = self._running.get(out.request_id.rpartition(".")[0])
+            if turn is None or turn.request_id != out.request_id:  # an attempt aborted by an interruption
                 continue
+            del self._running[turn.key]
             completion = out.outputs[0]
             # FINAL_ONLY: the whole attempt at once; flat logprobs with logprobs=0 hold exactly the
             # sampled token's logprob at each position. An attempt never spans a weight update.
-            _extend(traj, completion.token_ids, completion.logprobs.logprobs, self.version)
-            finished.append(_reply(traj, completion.finish_reason))
+            _extend(turn, completion.token_ids, completion.logprobs.logprobs, self.version)
+            turn.finish_reason = "stop" if completion.finish_reason == "stop" else "length"
+            finished.append(turn)
         return finished
 
     @property
     def in_flight(self) -> int:
-        """Trajectories queued or being generated."""
+        """Turns queued or being sampled."""
         return len(self._running)
 
-    def partial(self) -> list[_InFlight]:
-        """A copy of each in-flight trajectory with everything it produced so far (`request`, `index`: which)."""
+    def partial(self) -> list[EngineTurn]:
+        """A copy of each in-flight turn with everything it sampled so far."""
         out = []
-        for request_id, traj in self._running.items():
+        for turn in self._running.values():
             copy = dataclasses.replace(
-                traj,
-                output_ids=list(traj.output_ids),
-                behav_logprobs=list(traj.behav_logprobs),
-                versions=list(traj.versions),
+                turn,
+                output_ids=list(turn.output_ids),
+                behav_logprobs=list(turn.behav_logprobs),
+                versions=list(turn.versions),
             )
-            _extend(copy, *self._attempt_output(request_id), self.version)
+            _extend(copy, *self._attempt_output(turn.request_id), self.version)
             out.append(copy)
         return out
 
-    def interrupt(self) -> list[_InFlight]:
-        """Abort every in-flight request, keeping what each trajectory produced so far."""
-        trajectories = list(self._running.values())
-        for request_id, traj in self._running.items():
-            _extend(traj, *self._attempt_output(request_id), self.version)
-        if trajectories:
-            self.engine.abort_request(list(self._running))
+    def interrupt(self) -> list[EngineTurn]:
+        """Abort every in-flight request, keeping what each turn sampled so far."""
+        turns = list(self._running.values())
+        for turn in turns:
+            _extend(turn, *self._attempt_output(turn.request_id), self.version)
+        if turns:
+            self.engine.abort_request([turn.request_id for turn in turns])
         self._running.clear()
-        return trajectories
+        return turns
 
     def _attempt_output(self, request_id: str) -> tuple[list[int], list[float]]:
         """Tokens and behaviour logprobs of a running request's current attempt, read from vLLM's
@@ -392,55 +397,38 @@ class GenerationEngine:
         if not self.engine.reset_prefix_cache():
             raise RuntimeError("vLLM did not reset its prefix cache after the weight update")
         self.version = version
-        for traj in paused:
-            traj.attempt += 1
-            self._submit(traj)
+        for turn in paused:
+            turn.attempt += 1
+            self._submit(turn)
         return time.perf_counter() - t0
 
     def load_weights(self, named_tensors: Iterable, version: int) -> float:
         """`update_weights` with one bucket of in-memory tensors (tests, benchmarks)."""
         return self.update_weights([list(named_tensors)], version)
 
-    def _submit(self, traj: _InFlight) -> None:
+    def _submit(self, turn: EngineTurn) -> None:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        remaining = self.max_new_tokens - len(traj.output_ids)
         params = SamplingParams(
             n=1,
             temperature=self.temperature,
             top_p=self.top_p,
-            max_tokens=remaining,
+            max_tokens=turn.max_tokens - len(turn.output_ids),  # the turn's own budget, what is left of it
             logprobs=0,  # the sampled token's logprob only
             flat_logprobs=True,
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,  # partial output is read on interruption
         )
-        prompt = {"prompt_token_ids": traj.prompt_ids + traj.output_ids}
-        self.engine.add_request(traj.request_id, prompt, params)
-        self._running[traj.request_id] = traj
+        prompt = {"prompt_token_ids": turn.context_ids + turn.output_ids}
+        self.engine.add_request(turn.request_id, prompt, params)
+        self._running[turn.key] = turn
 
 
-def _extend(traj: _InFlight, token_ids, logprobs, version: int) -> None:
-    traj.output_ids += token_ids
-    traj.behav_logprobs += logprobs
-    traj.versions += [version] * len(token_ids)
-
-
-def _reply(traj: _InFlight, finish_reason: str | None) -> Trajectory | EvalTrajectory:
-    """A finished trajectory as its request's reply: an eval prompt's needs no logprobs or versions."""
-    output_ids = np.asarray(traj.output_ids, dtype=np.int32)
-    reason = "stop" if finish_reason == "stop" else "length"
-    if isinstance(traj.request, EvalRequest):
-        return EvalTrajectory(traj.request.prompt_index, traj.index, output_ids, reason)
-    return Trajectory(
-        group_id=traj.request.group_id,
-        index=traj.index,
-        output_ids=output_ids,
-        behav_logprobs=np.asarray(traj.behav_logprobs, dtype=np.float32),
-        versions=np.asarray(traj.versions, dtype=np.int32),
-        finish_reason=reason,
-    )
+def _extend(turn: EngineTurn, token_ids, logprobs, version: int) -> None:
+    turn.output_ids += token_ids
+    turn.behav_logprobs += logprobs
+    turn.versions += [version] * len(token_ids)
 
 
 def _cpu_setup(model_path, tp: int, max_num_seqs: int, max_model_len: int | None) -> int:

@@ -1,67 +1,79 @@
-"""A generator rank: one vLLM engine serving the controller.
+"""A generator rank: one vLLM engine and the workflow's episodes, serving the controller.
 
 ```
- start: the vLLM engine, then every stage's weight-sync group joined inside its workers (start-up check)
- loop:  poll the controller (never blocks)
-          GenerateRequest(group_id, prompt_ids, n) -> queue n trajectories
-          EvalRequest(prompt_index, prompt_ids, n) -> the same, for an eval prompt
-          WeightSync(version) -> interrupt, receive + load the broadcast, resume -> SyncDone(version, s)
-          Stop                -> flush, exit
-        step the engine if anything is in flight -> for each trajectory that finished, its request's reply
-                                                    (Trajectory; EvalTrajectory to an EvalRequest)
+ start: the workflow (rollout.workflow: a bad one fails here, before vLLM starts), the vLLM engine, then
+        every stage's weight-sync group joined inside its workers (start-up check), the episode runner
+ loop (asyncio, one thread):
+        poll the controller (never blocks)
+          GenerateRequest(group_id, prompt_ids, row, n) -> start n episodes of the workflow on the row
+          EvalRequest(prompt_index, prompt_ids, row, n) -> the same, for an eval row
+          WeightSync(version) -> interrupt the turns in flight, receive + load the broadcast, resume them
+                                 -> SyncDone(version, s)
+          Stop                -> cancel the episodes, close the tool pool, flush, exit
+        advance the runner (areal_hpc.generator.episodes): step the engine if turns are in flight, poll the
+        tool pool, let every episode whose turn or tool call came back run to its next await (IDLE_S sleep
+        when nothing happened) -> each finished episode's reply (Trajectory; EvalTrajectory to an EvalRequest)
 ```
 
-Messages are handled in arrival order, so a request sent before a WeightSync is queued before the
-interruption and resumes under the new weights with what it produced so far.
+Messages are handled in arrival order, between rounds of the runner. A WeightSync interrupts the turns in
+flight: they resume under the new weights with what they sampled so far, and an episode between two turns
+samples its next one under the new weights. A request that arrived in the same poll, before the
+WeightSync, has only had its episodes created (`runner.start` makes their tasks; they first run at the
+next `advance`), so even their first turn is sampled under the new weights.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import time
 import traceback
 
 log = logging.getLogger("areal_hpc.generator")
-
-IDLE_S = 0.001
-"""Sleep between polls when nothing is in flight (keeps an idle generator off the CPU)."""
 
 
 def serve(ctx, sync) -> None:
     """Run the generator rank until the controller sends Stop. `sync` is this rank's
     `weight_sync.WeightReceiver` (from `setup_weight_sync`)."""
+    asyncio.run(_serve(ctx, sync))
+
+
+async def _serve(ctx, sync) -> None:
     from areal_hpc.generator.engine import GenerationEngine
+    from areal_hpc.generator.episodes import EpisodeRunner
     from areal_hpc.protocol import EvalRequest, Failure, GenerateRequest, Mailbox, Stop, SyncDone, WeightSync
     from areal_hpc.runtime import CONTROLLER_RANK
+    from areal_hpc.workflow import load_workflow
 
-    mailbox = Mailbox(ctx.world)
+    mailbox, runner = Mailbox(ctx.world), None
     try:
+        workflow = load_workflow(ctx.cfg.rollout.workflow)()
         engine = GenerationEngine.from_config(ctx.cfg, ctx.model_path, ctx.device, seed_offset=ctx.rank)
         settings = " ".join(f"{k}={v}" for k, v in engine.settings().items())
         log.info("%s vLLM engine: %s", ctx.layout.describe_rank(ctx.rank), settings)
         for line in engine.join_weight_sync(sync, sync.startup_left_s()):
             log.info("%s", line)
+        runner = EpisodeRunner.from_config(ctx.cfg, engine, ctx.model_path, workflow)
         while True:
             for envelope in mailbox.poll(source=CONTROLLER_RANK):
                 msg = envelope.msg
                 if isinstance(msg, GenerateRequest | EvalRequest):
-                    engine.add(msg)
+                    runner.start(msg)
                 elif isinstance(msg, WeightSync):
                     seconds = engine.update_weights(sync, msg.version)
                     mailbox.send(CONTROLLER_RANK, SyncDone(msg.version, seconds))
                 elif isinstance(msg, Stop):
+                    runner.close()
                     engine.leave_weight_sync()
                     engine.close()
                     mailbox.flush()
                     return
                 else:
                     raise RuntimeError(f"generator got an unexpected {type(msg).__name__} from the controller")
-            if engine.in_flight:
-                for reply in engine.step():
-                    mailbox.send(CONTROLLER_RANK, reply)
-            else:
-                time.sleep(IDLE_S)
+            for reply in await runner.advance():
+                mailbox.send(CONTROLLER_RANK, reply)
     except Exception:
+        if runner is not None:
+            runner.close()
         mailbox.send(
             CONTROLLER_RANK, Failure(ctx.rank, f"{ctx.layout.describe_rank(ctx.rank)}: {traceback.format_exc()}")
         )

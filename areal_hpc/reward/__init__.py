@@ -1,6 +1,6 @@
 """Rewards: math answer equivalence (`math.math_reward`) and tests run in a sandbox (`code.code_reward`).
 
-The reward worker rank (`worker.serve`) decodes each trajectory's tokens (`response_text`) and scores it
+The reward worker rank (`worker.serve`) decodes each episode's final answer (`response_text`) and scores it
 in a pool of processes (`pool.ScorerPool`), each call through `score` below, under the time limit
 `reward.timeout_s`. Decoding is here, not on the controller: rank 0 has one core for the whole
 cluster's trajectories, the reward workers have many.
@@ -12,10 +12,11 @@ REWARD_KINDS = ("math", "code")
 """The values of `reward.kind`: what `score` dispatches on (the config imports this list)."""
 
 
-def response_text(tokenizer, output_ids) -> str:
-    """The text a reward scores: a trajectory's tokens decoded, special tokens (EOS) left out. Every
-    path that scores trajectories (the reward worker, `areal-hpc eval`) decodes through this."""
-    return tokenizer.decode(output_ids, skip_special_tokens=True)
+def response_text(tokenizer, answer_ids) -> str:
+    """The text a reward scores: an episode's final answer (the last turn's sampled tokens, not the tool
+    output before it) decoded, special tokens (EOS) left out. Every path that scores episodes (the reward
+    worker, `areal-hpc eval`) decodes through this."""
+    return tokenizer.decode(answer_ids, skip_special_tokens=True)
 
 
 def score(kind: str, response: str, target, timeout_s: float | None) -> tuple[float, str]:
@@ -35,8 +36,9 @@ def score(kind: str, response: str, target, timeout_s: float | None) -> tuple[fl
 
 
 def overlong_penalty(length: int, max_new_tokens: int, buffer: int, penalty: float) -> float:
-    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), added to a trajectory's reward: nothing
-    up to `max_new_tokens - buffer` tokens, then falling linearly to `-penalty` at `max_new_tokens`:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), added to an episode's reward (the workflow's
+    own or `reward.kind`'s), L its final answer's tokens (`answer_ids`: `rollout.max_new_tokens` is per turn):
+    nothing up to `max_new_tokens - buffer` tokens, then falling linearly to `-penalty` at `max_new_tokens`:
 
         0                                                   if L <= max_new_tokens - buffer
         -penalty * (L - (max_new_tokens - buffer)) / buffer  otherwise (L <= max_new_tokens)

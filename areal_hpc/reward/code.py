@@ -43,6 +43,8 @@ from pathlib import Path
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 _PYTHON_TAGS = {"python", "py", "python3"}
+STDERR_BYTES = 8192
+"""Stderr kept of a run (its tail); the rest is only counted against `SandboxLimits.output_bytes`."""
 SANDBOX_UID_BASE = 200_000
 """Run as root, the program runs as uid SANDBOX_UID_BASE + (caller's pid % 100000): distinct per
 concurrent caller process, so that their process limits do not add up."""
@@ -99,6 +101,8 @@ class RunResult:
     status: str
     """"ok" (it ran to its end), "timeout", "output-limit", or "error: ..." (the sandbox failed)."""
     seconds: float
+    stderr: str = ""
+    """The last STDERR_BYTES of what the program wrote to stderr (a traceback ends there)."""
 
 
 def extract_program(response: str) -> str | None:
@@ -213,9 +217,10 @@ def run_program(source: str, stdin: str = "", limits: SandboxLimits = SandboxLim
                 chunk = os.read(fd, 65536)
                 if not chunk:
                     del open_fds[fd]
-                elif open_fds[fd] is err:  # kept only for the sandbox's own errors; the rest is counted
+                elif open_fds[fd] is err:  # its tail is kept; all of it is counted
                     err_bytes += len(chunk)
-                    err += chunk[: max(0, 8192 - len(err))]
+                    err += chunk
+                    del err[:-STDERR_BYTES]
                 else:
                     open_fds[fd] += chunk
             if len(out) > limits.output_bytes or err_bytes > limits.output_bytes:
@@ -230,9 +235,11 @@ def run_program(source: str, stdin: str = "", limits: SandboxLimits = SandboxLim
         _end(proc, _child_pid(info, info_r))
         os.close(info_r)
     code = proc.returncode if status == "ok" else None
-    if status == "ok" and code != 0 and err.startswith(b"bwrap:"):
-        status = "error: sandbox: " + err.decode(errors="replace").strip()[:300]
-    return RunResult(out[: limits.output_bytes].decode("utf-8", "replace"), code, status, time.monotonic() - started)
+    stderr = err.decode("utf-8", "replace")
+    if status == "ok" and code != 0 and err_bytes == len(err) and err.startswith(b"bwrap:"):
+        status = "error: sandbox: " + stderr.strip()[:300]
+    stdout = out[: limits.output_bytes].decode("utf-8", "replace")
+    return RunResult(stdout, code, status, time.monotonic() - started, stderr)
 
 
 def _child_pid(info: bytearray, fd: int) -> int | None:

@@ -1,14 +1,19 @@
-"""A pool of scorer processes: each reward call runs in the main thread of a child process, under a deadline.
+"""A pool of child processes that run one named function, each call in a child's main thread, under a
+deadline: the reward workers score with it (`ScorerPool`: `areal_hpc.reward:score`), the generators run
+tools with it (`areal_hpc.workflow.tools.ToolPool`: `run_tool`).
 
 ```
- ScorerPool (in a reward worker)                     child: python -m areal_hpc.reward.pool
-   submit -> queue -> an idle child --task------->   score(kind, response, target, timeout_s)
-   poll()  <- (key, reward, reason) <--result-----   (its own time limit: a timer, a sandbox deadline)
-           deadline + grace passed -> SIGKILL the child, (key, 0, "timeout"), start a new child
-           child died mid-task     -> (key, 0, "error: scorer process died (...)"), start a new child
+ TaskPool (in a rank)                                child: python -m areal_hpc.reward.pool
+   start  -> a new child --("init", "module:function", warm-up args)--> import it, call it once, "ready"
+   submit -> queue -> an idle child --args----------->   function(*args) (its own time limit: a timer,
+   poll()  <- (key, *result) <--result---------------    a sandbox deadline)
+           deadline + grace passed -> SIGKILL the child, (key, *failed("timeout")), start a new child
+           child died mid-task     -> (key, *failed("error: <name> process died (...)")), start a new child
 ```
 
-Every submitted task comes out of `poll` exactly once, whatever happens to the children.
+Every submitted task comes out of `poll` (or `close`) exactly once, whatever happens to the children.
+The function returns a tuple (the result after the key); `failed(reason, seconds)` makes the same
+shape for a task the pool itself had to answer.
 
 Why not concurrent.futures or multiprocessing:
 - A call stuck inside one C call (a huge integer power in sympy) cannot be interrupted, only killed
@@ -20,12 +25,14 @@ Why not concurrent.futures or multiprocessing:
   and sockets into the child.
 So each child is fork + exec of a fresh interpreter running this module (exec right after fork is
 safe after MPI_Init), with mpirun's variables removed from its environment. Parent and child talk
-over the child's stdin/stdout: length-prefixed pickles, one task at a time.
+over the child's stdin/stdout: length-prefixed pickles, one task at a time. Each child has its own
+pid, hence its own sandbox uid (reward/code.py), so concurrent sandboxes do not share a process limit.
 """
 
 from __future__ import annotations
 
 import collections
+import importlib
 import logging
 import os
 import pickle
@@ -35,6 +42,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,9 +57,7 @@ _REPO = str(Path(__file__).resolve().parents[2])
 @dataclass
 class _Task:
     key: Any
-    kind: str
-    response: str
-    target: Any
+    args: tuple
 
 
 @dataclass
@@ -60,6 +66,7 @@ class _Child:
     started: float
     ready: bool = False
     task: _Task | None = None
+    dispatched: float = 0.0
     deadline: float = float("inf")
     buf: bytearray = field(default_factory=bytearray)
 
@@ -68,19 +75,33 @@ class _Child:
         return self.proc.stdout.fileno()
 
 
-class ScorerPool:
-    """`processes` scorer children; a task's result comes within `timeout_s + grace_s` of its start."""
+def pool_size(processes: int) -> int:
+    """A pool size setting (`reward.processes`, `rollout.tool_processes`), or one process per core this
+    rank may run on when it is 0."""
+    return processes if processes > 0 else max(1, len(os.sched_getaffinity(0)))
+
+
+class TaskPool:
+    """`processes` children running `function` ("package.module:name"); a task's result comes within
+    `timeout_s + grace_s` of its start. `warm_up`: arguments of one call a new child makes before it
+    reports ready (imports done before the first deadline counts). `name` names the children in logs
+    and errors ("scorer", "tool")."""
 
     def __init__(
         self,
+        function: str,
         processes: int,
         timeout_s: float,
+        failed: Callable[[str, float], tuple],
+        warm_up: tuple | None = None,
+        name: str = "task",
         grace_s: float = 2.0,
         start_timeout_s: float = 120.0,
         max_start_failures: int = 3,
     ):
         if processes < 1:
-            raise ValueError(f"a scorer pool needs at least 1 process (got {processes})")
+            raise ValueError(f"a {name} pool needs at least 1 process (got {processes})")
+        self.function, self.failed, self.warm_up, self.name = function, failed, warm_up, name
         self.timeout_s, self.grace_s = timeout_s, grace_s
         self.start_timeout_s, self.max_start_failures = start_timeout_s, max_start_failures
         self.queue: collections.deque[_Task] = collections.deque()
@@ -93,8 +114,9 @@ class ScorerPool:
 
     # --- public ----------------------------------------------------------------------------------
 
-    def submit(self, key: Any, kind: str, response: str, target) -> None:
-        self.queue.append(_Task(key, kind, response, target))
+    def submit(self, key: Any, *args) -> None:
+        """Queue `function(*args)`; its result comes out of `poll` as `(key, *result)`."""
+        self.queue.append(_Task(key, args))
 
     @property
     def pending(self) -> int:
@@ -105,9 +127,9 @@ class ScorerPool:
     def pids(self) -> list[int]:
         return [c.proc.pid for c in self.children]
 
-    def poll(self, wait_s: float = 0.0) -> list[tuple[Any, float, str]]:
-        """Results `(key, reward, reason)` ready now, waiting up to `wait_s` for the first one."""
-        results: list[tuple[Any, float, str]] = []
+    def poll(self, wait_s: float = 0.0) -> list[tuple]:
+        """Results `(key, *result)` ready now, waiting up to `wait_s` for the first one."""
+        results: list[tuple] = []
         self._dispatch(results)
         by_fd = {c.fd: c for c in self.children}
         if by_fd:
@@ -121,21 +143,19 @@ class ScorerPool:
         self._dispatch(results)
         return results
 
-    def cancel(self, reason: str) -> list[tuple[Any, float, str]]:
-        """Drop every queued and running task, each as `(key, 0.0, reason)`."""
-        out = [(t.key, 0.0, reason) for t in self.queue]
+    def close(self, reason: str = "error: cancelled") -> list[tuple]:
+        """Kill every child and answer every queued and running task as `(key, *failed(reason))`; no child
+        is started again, and a task submitted afterwards fails at its first `poll`. Closing twice is
+        harmless (the second answers nothing)."""
+        now = time.monotonic()
+        out = [(c.task.key, *self.failed(reason, now - c.dispatched)) for c in self.children if c.task is not None]
+        out += [(t.key, *self.failed(reason, 0.0)) for t in self.queue]
         self.queue.clear()
-        for child in list(self.children):
-            if child.task is not None:
-                out.append((child.task.key, 0.0, reason))
-                self._replace(child)
-        return out
-
-    def close(self) -> None:
-        """Kill every child (a task still running is lost: `cancel` first to answer it)."""
         for child in self.children:
             _kill(child.proc)
         self.children.clear()
+        self.broken = f"the {self.name} pool is closed"
+        return out
 
     # --- children --------------------------------------------------------------------------------
 
@@ -148,17 +168,21 @@ class ScorerPool:
             stdout=subprocess.PIPE,
             bufsize=0,  # unbuffered: nothing left in a buffer to flush into a dead child's pipe
             env=env,
-            start_new_session=True,  # the rank's Ctrl-C is the controller's to act on, not the scorers'
+            start_new_session=True,  # the rank's Ctrl-C is the controller's to act on, not the children's
         )
         self.children.append(_Child(proc, time.monotonic()))
+        try:
+            _write(proc.stdin, ("init", self.function, self.warm_up))
+        except OSError:  # it died at once: its closed stdout says so in `_read`, counted as a failed start
+            pass
 
     def _replace(self, child: _Child) -> None:
         _kill(child.proc)
         self.children.remove(child)
         self.replaced += 1
         if self.start_failures >= self.max_start_failures:
-            self.broken = f"{self.start_failures} scorer processes in a row failed to start (see the log above)"
-            log.error("reward scorer pool: %s", self.broken)
+            self.broken = f"{self.start_failures} {self.name} processes in a row failed to start (see the log above)"
+            log.error("%s pool: %s", self.name, self.broken)
             return
         self._start()
 
@@ -170,10 +194,11 @@ class ScorerPool:
         if not chunk:  # the child exited or was killed
             code = child.proc.wait()
             if child.task is not None:
-                results.append((child.task.key, 0.0, f"error: scorer process died ({_exit_text(code)})"))
+                reason = f"error: {self.name} process died ({_exit_text(code)})"
+                results.append((child.task.key, *self.failed(reason, time.monotonic() - child.dispatched)))
             elif not child.ready:
                 self.start_failures += 1
-            log.warning("reward scorer process %d died (%s); starting another", child.proc.pid, _exit_text(code))
+            log.warning("%s process %d died (%s); starting another", self.name, child.proc.pid, _exit_text(code))
             self._replace(child)
             return
         child.buf += chunk
@@ -186,26 +211,26 @@ class ScorerPool:
             if msg[0] == "ready":
                 child.ready, self.start_failures = True, 0
             elif msg[0] == "result" and child.task is not None:
-                results.append((child.task.key, float(msg[1]), str(msg[2])))
+                results.append((child.task.key, *msg[1]))
                 child.task, child.deadline = None, float("inf")
 
     def _check_deadlines(self, results: list) -> None:
         now = time.monotonic()
         for child in list(self.children):
             if child.task is not None and now > child.deadline:
-                log.warning("reward call over its limit: killing scorer process %d", child.proc.pid)
-                results.append((child.task.key, 0.0, "timeout"))
+                log.warning("%s call over its limit: killing %s process %d", self.name, self.name, child.proc.pid)
+                results.append((child.task.key, *self.failed("timeout", now - child.dispatched)))
                 self._replace(child)
             elif not child.ready and now > child.started + self.start_timeout_s:
                 log.warning(
-                    "scorer process %d not ready after %.0f s: killing it", child.proc.pid, self.start_timeout_s
+                    "%s process %d not ready after %.0f s: killing it", self.name, child.proc.pid, self.start_timeout_s
                 )
                 self.start_failures += 1
                 self._replace(child)
 
     def _dispatch(self, results: list) -> None:
         if self.broken:
-            results.extend((t.key, 0.0, f"error: {self.broken}") for t in self.queue)
+            results.extend((t.key, *self.failed(f"error: {self.broken}", 0.0)) for t in self.queue)
             self.queue.clear()
             return
         for child in list(self.children):
@@ -215,12 +240,32 @@ class ScorerPool:
                 continue
             task = self.queue.popleft()
             try:
-                _write(child.proc.stdin, (task.kind, task.response, task.target, self.timeout_s))
+                _write(child.proc.stdin, task.args)
             except OSError:  # it died while idle: the task never reached it, so it goes to another child
                 self.queue.appendleft(task)
                 self._replace(child)
                 continue
-            child.task, child.deadline = task, time.monotonic() + self.timeout_s + self.grace_s
+            child.task, child.dispatched = task, time.monotonic()
+            child.deadline = child.dispatched + self.timeout_s + self.grace_s
+
+
+class ScorerPool(TaskPool):
+    """The reward workers' pool: `submit(key, kind, response, target)`, results `(key, reward, reason)`
+    with reason "ok", "timeout" or "error: ..." (`areal_hpc.reward.score`)."""
+
+    def __init__(self, processes: int, timeout_s: float, **kwargs):
+        super().__init__(
+            "areal_hpc.reward:score",
+            processes,
+            timeout_s,
+            failed=lambda reason, seconds: (0.0, reason),
+            warm_up=("math", "\\boxed{x+1}", "1+x", None),
+            name="scorer",
+            **kwargs,
+        )
+
+    def submit(self, key: Any, kind: str, response: str, target) -> None:
+        super().submit(key, kind, response, target, self.timeout_s)
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -267,7 +312,7 @@ def _read_frame(f):
 
 
 def _die_with_parent() -> None:
-    """A rank killed outright (MPI abort) must not leave its scorers running: PR_SET_PDEATHSIG."""
+    """A rank killed outright (MPI abort) must not leave its children running: PR_SET_PDEATHSIG."""
     try:
         import ctypes
 
@@ -282,14 +327,17 @@ def _child_main() -> None:
     inp = os.fdopen(os.dup(0), "rb", buffering=0)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     _die_with_parent()
-    from areal_hpc.reward import score
-
-    score("math", "\\boxed{x+1}", "1+x", None)  # import sympy and math-verify before the first deadline
+    init = _read_frame(inp)
+    if init is None or init[0] != "init":
+        return
+    _, spec, warm_up = init
+    module, _, name = spec.partition(":")
+    function = getattr(importlib.import_module(module), name)
+    if warm_up is not None:
+        function(*warm_up)  # imports (sympy, math-verify) done before the first deadline counts
     _write(out, ("ready", os.getpid()))
-    while (task := _read_frame(inp)) is not None:
-        kind, response, target, timeout_s = task
-        reward, reason = score(kind, response, target, timeout_s)
-        _write(out, ("result", reward, reason))
+    while (args := _read_frame(inp)) is not None:
+        _write(out, ("result", tuple(function(*args))))
 
 
 if __name__ == "__main__":

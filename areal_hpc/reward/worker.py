@@ -3,7 +3,7 @@ in parallel.
 
 ```
  loop (never blocks for long):
-   mailbox.poll(controller)  RewardRequest -> decode (the run's tokenizer) -> pool queue
+   mailbox.poll(controller)  RewardRequest -> decode its answer_ids (the run's tokenizer) -> pool queue
                              Stop -> answer what is left, flush, return
    pool.poll(few ms)         (request_id, reward, reason) -> RewardResult to the controller, as each finishes
 ```
@@ -17,12 +17,11 @@ is answered "error: cancelled (stop)". The controller counts the reasons in its 
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 from areal_hpc.protocol import Failure, Mailbox, RewardRequest, RewardResult, Stop
 from areal_hpc.reward import response_text
-from areal_hpc.reward.pool import ScorerPool
+from areal_hpc.reward.pool import ScorerPool, pool_size
 from areal_hpc.runtime import CONTROLLER_RANK
 
 log = logging.getLogger(__name__)
@@ -31,11 +30,6 @@ IDLE_WAIT_S = 0.01
 """Longest wait for a scorer while nothing is running (bounds how late a new request is noticed)."""
 BUSY_WAIT_S = 0.002
 """Wait for a scorer while requests are running."""
-
-
-def pool_size(processes: int) -> int:
-    """`reward.processes`, or one scorer per core this rank may run on when it is 0."""
-    return processes if processes > 0 else max(1, len(os.sched_getaffinity(0)))
 
 
 def serve(ctx) -> int:
@@ -65,7 +59,7 @@ def serve(ctx) -> int:
                 msg = env.msg
                 if isinstance(msg, RewardRequest):
                     pending[next_key] = msg.request_id
-                    pool.submit(next_key, msg.kind, response_text(tokenizer, msg.output_ids), msg.target)
+                    pool.submit(next_key, msg.kind, response_text(tokenizer, msg.answer_ids), msg.target)
                     next_key += 1
                 elif isinstance(msg, Stop):
                     stop = msg
@@ -73,7 +67,7 @@ def serve(ctx) -> int:
                     log.warning("reward worker: ignoring unexpected %s", type(msg).__name__)
             if stop is not None:
                 log.info("reward worker: stop (%s); %d requests still open", stop.reason, pool.pending)
-                reply(pool.cancel("error: cancelled (stop)"))
+                reply(pool.close("error: cancelled (stop)"))
                 break
             reply(pool.poll(BUSY_WAIT_S if pool.pending else IDLE_WAIT_S))
             if pool.broken and not reported_broken:

@@ -1,40 +1,55 @@
 """What the generator checks run: a `GenerationEngine` driven step by step and interrupted by weight
-loads, held to transformers' logprobs of the same tokens under the same weights.
+loads, held to transformers' logprobs of the same tokens under the same weights; and `run_episodes`,
+an `EpisodeRunner`'s episodes pumped to the end outside the generator's loop.
 
 The interruption check (`interrupt_twice`, then `interruption_mismatch` and `interruption_problems`):
-weights A (version v0), then B (v0 + 1) loaded while every trajectory is in flight, then A again
-(v0 + 2), so each trajectory that lived through both loads has three segments,
+weights A (version v0), then B (v0 + 1) loaded while every turn is in flight, then A again
+(v0 + 2), so each turn that lived through both loads has three segments,
 
     output:    [ 0 .. k1 )          [ k1 .. k2 )          [ k2 .. n )
     version:   v0 (A)               v0 + 1 (B)            v0 + 2 (A)
-               before the first     after a resubmission (prompt + partial output, prefix cache reset)
+               before the first     after a resubmission (context + partial output, prefix cache reset)
                resubmission
 
 where k1 and k2 are its lengths when the loads interrupted it (`engine.partial()`). The mismatch
 against transformers is measured apart for the tokens before and after a resubmission: a stale KV
 cache, a token sampled under the old weights but returned after the load, or a load that did not
 reach every tensor shows in the second only. tests/test_generator.py runs it on the CPU in fp32; the
-GPU check (areal_hpc.testing.gpu_checks) with many more requests in flight, bf16, on cuda.
+GPU check (areal_hpc.testing.gpu_checks) with many more turns in flight, bf16, on cuda.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from areal_hpc.protocol import GenerateRequest, Trajectory
-
 
 def drain(engine, steps: int | None = None) -> list:
-    """Step the engine until nothing is in flight (or `steps` steps): the trajectories that finished."""
+    """Step the engine until nothing is in flight (or `steps` steps): the turns that finished."""
     out = []
     while engine.in_flight and (steps is None or steps > 0):
         out += engine.step()
         steps = None if steps is None else steps - 1
     return out
+
+
+def run_episodes(runner, requests) -> list:
+    """Every request's episodes run to the end by an `EpisodeRunner` on a loop of its own, pumped as the
+    generator pumps it; their replies, in the order they finished."""
+
+    async def main():
+        for request in requests:
+            runner.start(request)
+        replies = []
+        while runner.episodes:
+            replies += await runner.advance()
+        return replies
+
+    return asyncio.run(main())
 
 
 def perturb(model, seed: int, std: float = 0.5):
@@ -81,35 +96,36 @@ class Interrupted:
 
     v0: int
     """The version of weights A; B is v0 + 1, A again v0 + 2."""
-    prompts: dict[int, list[int]]
-    """Group id -> its prompt."""
-    first: dict[tuple[int, int], list[int]]
-    """(group id, index) -> output ids when the load of B interrupted it."""
-    second: dict[tuple[int, int], list[int]]
-    """(group id, index) -> output ids when the load of A again interrupted it."""
-    early: list[Trajectory]
-    """Trajectories that finished before the last load."""
-    trajectories: list[Trajectory]
-    """Trajectories that finished after the last load: in flight through both interruptions."""
+    first: dict[str, list[int]]
+    """Turn key -> output ids when the load of B interrupted it."""
+    second: dict[str, list[int]]
+    """Turn key -> output ids when the load of A again interrupted it."""
+    early: list
+    """Turns (`EngineTurn`) that finished before the last load."""
+    turns: list
+    """Turns that finished after the last load: in flight through both interruptions."""
     load_s: tuple[float, float, float]
     """Seconds of each weight update (interrupt, load, reset the prefix cache, resubmit)."""
 
 
-def interrupt_twice(engine, model_a, model_b, prompts: dict[int, list[int]], n: int, steps=(8, 5)) -> Interrupted:
-    """Load A, queue `n` trajectories per prompt, step `steps[0]` times, load B, step `steps[1]` times,
-    load A again, and finish everything."""
+def interrupt_twice(
+    engine, model_a, model_b, prompts: list[list[int]], n: int, max_tokens: int, steps=(8, 5)
+) -> Interrupted:
+    """Load A, submit `n` turns of at most `max_tokens` tokens per prompt (keys `p{prompt}.{i}`), step
+    `steps[0]` times, load B, step `steps[1]` times, load A again, and finish everything."""
     v0 = engine.version + 1
     load_a = load(engine, model_a, v0)
-    for group, prompt in prompts.items():
-        engine.add(GenerateRequest(group, np.asarray(prompt, np.int32), n))
+    for p, prompt in enumerate(prompts):
+        for i in range(n):
+            engine.submit(f"p{p}.{i}", prompt, max_tokens)
     early = drain(engine, steps=steps[0])
-    first = {(a.request.group_id, a.index): a.output_ids for a in engine.partial()}
+    first = {t.key: t.output_ids for t in engine.partial()}
     load_b = load(engine, model_b, v0 + 1)
     early += drain(engine, steps=steps[1])
-    second = {(a.request.group_id, a.index): a.output_ids for a in engine.partial()}
+    second = {t.key: t.output_ids for t in engine.partial()}
     load_a_again = load(engine, model_a, v0 + 2)
-    trajectories = drain(engine)
-    return Interrupted(v0, dict(prompts), first, second, early, trajectories, (load_a, load_b, load_a_again))
+    turns = drain(engine)
+    return Interrupted(v0, first, second, early, turns, (load_a, load_b, load_a_again))
 
 
 class Mismatch(NamedTuple):
@@ -139,20 +155,19 @@ class InterruptionMismatch(NamedTuple):
 
 
 def interruption_mismatch(run: Interrupted, model_a, model_b, temperature: float) -> InterruptionMismatch:
-    """The mismatch of the trajectories that lived through both interruptions, each token held to the
+    """The mismatch of the turns that lived through both interruptions, each token held to the
     weights of its version."""
     before, after, first_after, other = [], [], [], []
-    for t in run.trajectories:
-        prompt = run.prompts[t.group_id]
-        a, b = (reference_logprobs(m, prompt, t.output_ids, temperature) for m in (model_a, model_b))
-        under_b = t.versions == run.v0 + 1
+    for t in run.turns:
+        a, b = (reference_logprobs(m, t.context_ids, t.output_ids, temperature) for m in (model_a, model_b))
+        under_b = np.asarray(t.versions) == run.v0 + 1
         want, unwanted = np.where(under_b, b, a), np.where(under_b, a, b)
-        k1, k2 = len(run.first[(t.group_id, t.index)]), len(run.second[(t.group_id, t.index)])
-        diff = np.abs(t.behav_logprobs - want)
+        k1, k2 = len(run.first[t.key]), len(run.second[t.key])
+        diff = np.abs(np.asarray(t.behav_logprobs) - want)
         before.append(diff[:k1])
         after.append(diff[k1:])
         first_after.append(diff[[k for k in (k1, k2) if k < len(diff)]])
-        other.append(np.abs(t.behav_logprobs - unwanted))
+        other.append(np.abs(np.asarray(t.behav_logprobs) - unwanted))
     return InterruptionMismatch(*map(Mismatch.of, (before, after, first_after, other)))
 
 
@@ -160,19 +175,18 @@ def interruption_problems(run: Interrupted, mismatch: InterruptionMismatch, tol:
     """What went wrong, as sentences (empty: nothing): tokens lost or duplicated at a resubmission,
     versions not switching exactly where the loads interrupted, a mean mismatch before or after a
     resubmission (or at its first token) above `tol`, and a check that could not have seen a bad load (A and B closer than
-    10 x `tol`, or no trajectory lived through both loads)."""
+    10 x `tol`, or no turn lived through both loads)."""
     out = []
-    for t in run.trajectories:
-        key = (t.group_id, t.index)
-        k1, k2 = len(run.first[key]), len(run.second[key])
-        if list(t.output_ids[:k2]) != run.second[key] or list(t.output_ids[:k1]) != run.first[key]:
-            out.append(f"trajectory {key}: tokens lost or duplicated at a resubmission")
+    for t in run.turns:
+        k1, k2 = len(run.first[t.key]), len(run.second[t.key])
+        if list(t.output_ids[:k2]) != run.second[t.key] or list(t.output_ids[:k1]) != run.first[t.key]:
+            out.append(f"turn {t.key}: tokens lost or duplicated at a resubmission")
             continue
         want = [run.v0] * k1 + [run.v0 + 1] * (k2 - k1) + [run.v0 + 2] * (len(t.output_ids) - k2)
         if list(t.versions) != want:
-            out.append(f"trajectory {key}: versions {list(t.versions)} do not switch at tokens {k1} and {k2}")
-    if not any(len(run.first[(t.group_id, t.index)]) < len(t.output_ids) for t in run.trajectories):
-        out.append("no trajectory generated tokens after a resubmission: nothing was checked")
+            out.append(f"turn {t.key}: versions {list(t.versions)} do not switch at tokens {k1} and {k2}")
+    if not any(len(run.first[t.key]) < len(t.output_ids) for t in run.turns):
+        out.append("no turn sampled tokens after a resubmission: nothing was checked")
     for name, m in (
         ("tokens before a resubmission", mismatch.before),
         ("tokens after a resubmission", mismatch.after),

@@ -101,7 +101,7 @@ def interruption(
     work: Path, device: str, dtype: str, groups: int, n: int, max_new: int, steps=(16, 16), std: float = 0.05
 ) -> dict:
     """`generator_runs.interrupt_twice` on an engine of the project's configuration
-    (`GenerationEngine.create`), `groups` x `n` trajectories in flight, weights in `dtype`; the
+    (`GenerationEngine.create`), `groups` x `n` turns in flight, weights in `dtype`; the
     reference is transformers in fp32 on the same weights rounded to `dtype`, on `device`.
 
     Weights B are A plus noise of `std`: 0.05 puts them about 1 nat apart per token (so a bad load
@@ -126,7 +126,7 @@ def interruption(
     temperature = 0.8  # != 1: processed (tempered) logprobs are told from vLLM's raw ones
     path = build_tiny_model(dataclasses.replace(INTERRUPTION_MODEL, dtype=dtype), work, seed=1)
     engine = GenerationEngine.create(
-        path, device=device, dtype=dtype, temperature=temperature, max_new_tokens=max_new,
+        path, device=device, dtype=dtype, temperature=temperature,
         max_model_len=INTERRUPTION_MODEL.max_position_embeddings, max_num_seqs=groups * n, seed=0,
     )  # fmt: skip
     try:
@@ -137,8 +137,8 @@ def interruption(
             return round_to(perturb(m, seed, std) if seed is not None else m, dt).to(device)
 
         model_a, model_b = model(None), model(5)
-        prompts = {g: [5 + g % 90, 6 + g % 7, 7] for g in range(groups)}
-        run = interrupt_twice(engine, model_a, model_b, prompts, n, steps)
+        prompts = [[5 + g % 90, 6 + g % 7, 7] for g in range(groups)]
+        run = interrupt_twice(engine, model_a, model_b, prompts, n, max_new, steps)
         mismatch = interruption_mismatch(run, model_a, model_b, temperature)
     finally:
         engine.close()
@@ -146,7 +146,7 @@ def interruption(
         "problems": interruption_problems(run, mismatch, MISMATCH_TOL[dtype]),
         "mismatch": mismatch,
         "load_s": run.load_s,
-        "through_both": len(run.trajectories),
+        "through_both": len(run.turns),
     }
 
 
@@ -159,7 +159,7 @@ def check_interruption(
     m = got["mismatch"]
     loads = ", ".join(f"{s:.2f}" for s in got["load_s"])
     detail = (
-        f"{groups * n} trajectories in flight, {got['through_both']} through both loads; mean |logprob - "
+        f"{groups * n} turns in flight, {got['through_both']} through both loads; mean |logprob - "
         f"transformers'| {m.before.mean:.1e} before a resubmission ({m.before.tokens} tokens), {m.after.mean:.1e} "
         f"after ({m.after.tokens}), {m.first_after.mean:.1e} at the first token after one; weights A and B "
         f"{m.other.mean:.2f} apart; weight updates took {loads} s"

@@ -1,6 +1,6 @@
 """A real MPI world for tests/test_generator_worker.py: controller (scripted here), reward (idle), a
 generator running `generator.worker.serve` with a real vLLM engine, and a stand-in trainer that sends
-the weights saved at $WEIGHTS_B through the real weight-sync sender on a WeightSync. The controller
+the weights saved at $WEIGHTS_B through the real weight-sync sender on a WeightSync. The generator runs the default workflow (SingleTurn). The controller
 pickles what came back to $OUT. $OVERRIDES: the config overrides, $MODEL: the model directory.
 
     mpirun -n 4 python tests/mpi/generator_world.py
@@ -36,6 +36,7 @@ ctx = RankContext(cfg, layout, world, layout.split(world), Path("."), Path(os.en
 sync = setup_weight_sync(ctx)
 role, gen, trainer = layout.role_of(world.Get_rank()), layout.ranks(Role.GENERATOR)[0], layout.ranks(Role.TRAINER)[0]
 mb = Mailbox(world)
+ROW = {"prompt": "", "target": "", "kind": "math"}
 
 
 def expect(n_traj, n_eval=0, done=False):
@@ -59,11 +60,11 @@ elif role == Role.TRAINER:
         assert isinstance(msg, WeightSync)
         sync.send(sorted(state.items()), bucket_bytes=32_000)
 elif role == Role.CONTROLLER:
-    mb.send(gen, GenerateRequest(0, np.array([5, 6, 7], np.int32), 4))  # group g's prompt: [5 + g, 6, 7]
-    mb.send(gen, EvalRequest(0, np.array([5, 6, 7], np.int32), 2))  # eval prompt 0: the same prompt, 2 more
+    mb.send(gen, GenerateRequest(0, np.array([5, 6, 7], np.int32), ROW, 4))  # group g's prompt: [5 + g, 6, 7]
+    mb.send(gen, EvalRequest(0, np.array([5, 6, 7], np.int32), ROW, 2))  # eval prompt 0: the same prompt, 2 more
     first, evals, _ = expect(4, n_eval=2)  # the engine is up and serving
     for g in (1, 2):
-        mb.send(gen, GenerateRequest(g, np.array([5 + g, 6, 7], np.int32), 4))
+        mb.send(gen, GenerateRequest(g, np.array([5 + g, 6, 7], np.int32), ROW, 4))
     time.sleep(0.05)
     mb.send(trainer, WeightSync(1))
     mb.send(gen, WeightSync(1))

@@ -41,7 +41,7 @@ def main():
     tok = build_tokenizer()  # the worker decodes the trajectories' tokens with the run's tokenizer
     cfg = Config()
     cfg.allocation.gen_nodes = 1  # the split of the default 2 nodes
-    cfg.reward.timeout_s = 1.5
+    cfg.reward.timeout_s = 4.0  # room for a sandboxed program on a loaded machine; the hanging tasks never end
     cfg.reward.processes = 2
     layout = Layout.from_config(cfg)
     if world.rank == 1:
@@ -80,7 +80,7 @@ def main():
         return got
 
     # 1. A scorer process crashes mid-request (killed from outside): answered with the cause.
-    box.send(1, request(100, "code", "```python\nimport time\ntime.sleep(1.2)\nprint(5)\n```", TESTS))
+    box.send(1, request(100, "code", "```python\nimport time\ntime.sleep(3)\nprint(5)\n```", TESTS))
     give_up, busy = time.monotonic() + 60, None
     while busy is None:
         assert time.monotonic() < give_up, "no scorer started the sandbox"
@@ -97,7 +97,7 @@ def main():
         1: ("math", "\\boxed{19}", "19", (1.0, "ok")),
         2: ("math", "I think \\boxed{18}", "19", (0.0, "ok")),
         3: ("math", "\\boxed{\\frac{1}{2}}", "0.5", (1.0, "ok")),
-        4: ("math", "\\boxed{2^{2^{30}}}", "1", (0.0, "timeout")),
+        4: ("math", "\\boxed{9^{9^{9}}}", "1", (0.0, "timeout")),  # sympy: minutes
         5: ("code", ADD, TESTS, (1.0, "ok")),
         6: ("code", ADD.replace("a + b", "a * b if a > 1 else a + b"), TESTS, (0.5, "ok")),
         7: ("code", "```python\nwhile True:\n    pass\n```", TESTS, (0.0, "timeout")),

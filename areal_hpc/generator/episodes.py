@@ -1,0 +1,226 @@
+"""Episodes next to the engine: every request's episodes run as asyncio tasks on the generator's thread.
+
+```
+ start(GenerateRequest | EvalRequest)  -> n tasks, each:  client = EpisodeClient(tokenizer, rollout, max_model_len,
+                                                                                sample, tool)
+                                                          reward = await workflow.arun_episode(client, row)
+                                                          -> its reply (Trajectory | EvalTrajectory), queued
+ the client's sample(token_ids, max_tokens) -> engine.submit(turn key, ...); a future the engine's step resolves
+ the client's tool(name, arguments)        -> ToolPool.submit(call key, ...); a future the pool's poll resolves
+ advance()                                 -> step the engine if turns are in flight, poll the tool pool, let every
+                                              episode whose future resolved run to its next await; the replies
+```
+
+The engine's step is a blocking call and episodes run between steps, on one thread: an episode waiting for
+a turn or a tool holds up nothing, and one waiting for a tool holds no vLLM request either. Each episode
+stays on the engine of the rank that got its request, so its turns reuse that engine's prefix cache.
+
+Names: an episode is `group{g}.{i}` (`eval{p}.{i}` for an eval row), its turns `<episode>.t{k}` (the
+engine's keys), its tool calls `<episode>.c{k}` (the pool's keys).
+
+A workflow that raises loses its episode only: the reply carries the traceback (`error`, also logged) and
+no tokens; so does an episode that sampled nothing or returned neither a finite float nor None. Any
+exception counts, SystemExit and KeyboardInterrupt from user code included (its group waits for every
+reply); only a cancellation (`close`, at Stop) ends an episode without one. The tool pool starts at the first tool call, so a
+workflow without tools costs no processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import numbers
+import traceback
+
+import numpy as np
+
+from areal_hpc.protocol import EPISODE_STATS, EvalRequest, EvalTrajectory, GenerateRequest, Trajectory
+
+log = logging.getLogger("areal_hpc.generator")
+
+IDLE_S = 0.001
+"""Sleep of a pump that had nothing to do (keeps an idle generator off the CPU)."""
+
+
+class EpisodeRunner:
+    """Runs episodes of one workflow on one engine (`GenerationEngine`).
+
+    `workflow`: a built `areal_hpc.workflow.Workflow`; `tokenizer`: the model's (the one the engine's
+    tokens are ids of); `rollout`: the RolloutConfig; `tool_pool`: builds the `ToolPool` tool calls go
+    to, called at the first tool call.
+    """
+
+    def __init__(self, engine, workflow, tokenizer, rollout, tool_pool):
+        self.engine, self.workflow, self.tokenizer, self.rollout = engine, workflow, tokenizer, rollout
+        self._new_pool, self._pool = tool_pool, None
+        self._turns: dict[str, asyncio.Future] = {}  # turn key -> what its episode awaits
+        self._calls: dict[str, asyncio.Future] = {}  # tool call key -> what its episode awaits
+        self._tasks: set[asyncio.Task] = set()  # each episode's, until it is done (however it ended)
+        self._replies: list[Trajectory | EvalTrajectory] = []
+
+    @classmethod
+    def from_config(cls, cfg, engine, model_path, workflow=None) -> EpisodeRunner:
+        """The runner of a generator rank: `rollout.workflow` (unless `workflow`, already built, is given),
+        the model's tokenizer, the tool pool of `rollout.tool_*`."""
+        from transformers import AutoTokenizer
+
+        from areal_hpc.workflow import load_workflow
+
+        workflow = workflow if workflow is not None else load_workflow(cfg.rollout.workflow)()
+        tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+
+        def tool_pool():
+            from areal_hpc.workflow.tools import ToolPool
+
+            return ToolPool.from_config(cfg.rollout)
+
+        return cls(engine, workflow, tokenizer, cfg.rollout, tool_pool)
+
+    # --- inside the generator's event loop ---
+    def start(self, request: GenerateRequest | EvalRequest) -> None:
+        """Start the request's `n` episodes (tasks of the running event loop)."""
+        name = f"eval{request.prompt_index}" if isinstance(request, EvalRequest) else f"group{request.group_id}"
+        prompt_ids = [int(t) for t in request.prompt_ids]
+        loop = asyncio.get_running_loop()
+        for i in range(request.n):
+            row = dict(request.row, prompt_ids=list(prompt_ids))
+            task = loop.create_task(self._episode(request, i, f"{name}.{i}", row))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    @property
+    def episodes(self) -> int:
+        """Episodes started and not ended yet. Counted by their tasks, so no way an episode ends (a reply,
+        an exception past its handler, a cancellation) can leave the count behind."""
+        return len(self._tasks)
+
+    async def advance(self) -> list[Trajectory | EvalTrajectory]:
+        """One round of the pump: one engine step if turns are in flight, the tool calls that finished, then
+        every episode whose turn or call came back runs to its next await. Returns the episodes' replies
+        that are ready (each as soon as its episode ended). Sleeps IDLE_S when nothing happened."""
+        woken = 0
+        if self.engine.in_flight:
+            for turn in self.engine.step():
+                woken += _resolve(self._turns.pop(turn.key, None), turn)
+        if self._calls:
+            for key, text, ok, seconds in self._pool.poll(0.0):
+                woken += _resolve(self._calls.pop(key, None), (text, ok, seconds))
+        await asyncio.sleep(0)  # the woken episodes run, each up to its next turn or call
+        if not woken and not self.engine.in_flight:
+            await asyncio.sleep(IDLE_S)
+        replies, self._replies = self._replies, []
+        return replies
+
+    def close(self) -> None:
+        """Cancel every episode (at Stop: their groups are generated again elsewhere or after a resume) and
+        stop the tool pool. The runner can start episodes again afterwards."""
+        for task in self._tasks:
+            task.cancel()
+        self._tasks.clear()
+        if self._pool is not None:
+            self._pool.close()  # the calls' answers go nowhere: their episodes are cancelled
+            self._pool = None
+        self._turns.clear()
+        self._calls.clear()
+
+    # --- one episode ---
+    async def _episode(self, request, index: int, name: str, row: dict) -> None:
+        from areal_hpc.workflow.client import EpisodeClient
+
+        client = EpisodeClient(
+            self.tokenizer, self.rollout, self.engine.max_model_len, self._sampler(name), self._caller(name)
+        )
+        try:
+            reward = _reward(await self.workflow.arun_episode(client, row))
+            fields = client.trajectory_fields()
+            if not len(fields["seq_lens"]):
+                raise RuntimeError("the episode sampled no token (no turn, or none within its limits)")
+            error = ""
+        except (asyncio.CancelledError, GeneratorExit):  # cancelled at Stop (close), or the task closed
+            raise
+        except BaseException:  # noqa: BLE001 - a SystemExit or KeyboardInterrupt in user code too: its group waits for every reply
+            error = traceback.format_exc()
+            log.error("episode %s lost: %s", name, error)
+            fields, reward = _lost(), math.nan
+        self._replies.append(_reply(request, index, fields, reward, error))
+
+    def _sampler(self, name: str):
+        """The episode's `sample`: one turn on the engine, awaited."""
+        from areal_hpc.workflow.client import Turn
+
+        count = itertools.count()
+
+        async def sample(token_ids: list[int], max_tokens: int) -> Turn:
+            key = f"{name}.t{next(count)}"
+            future = asyncio.get_running_loop().create_future()
+            self.engine.submit(key, token_ids, max_tokens)
+            self._turns[key] = future
+            turn = await future
+            return Turn(turn.output_ids, turn.behav_logprobs, turn.versions, turn.finish_reason)
+
+        return sample
+
+    def _caller(self, name: str):
+        """The episode's `tool`: one call in the tool pool, awaited; (text, ok, seconds)."""
+        count = itertools.count()
+
+        async def tool(tool_name: str, arguments: dict) -> tuple[str, bool, float]:
+            key = f"{name}.c{next(count)}"
+            future = asyncio.get_running_loop().create_future()
+            if self._pool is None:
+                self._pool = self._new_pool()
+            self._pool.submit(key, tool_name, arguments)
+            self._calls[key] = future
+            return await future
+
+        return tool
+
+
+def _reward(value) -> float:
+    """The workflow's return value as a reward: NaN for None (left to `reward.kind`), else a finite float."""
+    if value is None:
+        return math.nan
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"arun_episode returned {value!r}: return a reward (a float) or None")
+    if not math.isfinite(value):
+        raise ValueError(
+            f"arun_episode returned {value!r}: return a finite float, or None to leave the reward to reward.kind"
+        )
+    return float(value)
+
+
+def _resolve(future: asyncio.Future | None, result) -> int:
+    """Hand `result` to the episode awaiting `future` (none: the episode was cancelled); 1 if one woke."""
+    if future is None or future.done():
+        return 0
+    future.set_result(result)
+    return 1
+
+
+def _lost() -> dict:
+    """The fields of a lost episode's reply: no tokens."""
+    empty = {k: np.zeros(0, np.int32) for k in ("tokens", "seq_lens", "versions", "answer_ids")}
+    return dict(
+        empty,
+        loss_mask=np.zeros(0, np.uint8),
+        behav_logprobs=np.zeros(0, np.float32),
+        finish_reason="error",
+        stats=dict.fromkeys(EPISODE_STATS, 0),
+    )
+
+
+def _reply(request, index: int, fields: dict, reward: float, error: str) -> Trajectory | EvalTrajectory:
+    if isinstance(request, EvalRequest):
+        return EvalTrajectory(
+            request.prompt_index,
+            index,
+            fields["answer_ids"],
+            int(len(fields["tokens"])),
+            fields["finish_reason"],
+            reward,
+            fields["stats"],
+            error,
+        )
+    return Trajectory(request.group_id, index, **fields, reward=reward, error=error)

@@ -1,0 +1,298 @@
+"""The client an episode's workflow talks to (`EpisodeClient`): it turns the workflow's calls into engine
+turns, keeps the episode's token record (areal_hpc.workflow.conversation), applies the episode's limits
+and counts what the episode did.
+
+    client.chat.completions.create(messages=..., tools=...)   OpenAI-style: the messages' new tokens are
+        the chat template's delta, the sampled turn is kept as sampled, and the answer is the `openai`
+        package's ChatCompletion with tool calls parsed (`rollout.tool_format`), plus `token_ids`
+    client.generate(context_ids, max_tokens)                 token level: the workflow builds the tokens
+    client.run_tool(name, arguments)                         a tool call through the system's tool pool
+
+Limits, per episode: `rollout.max_turns` calls to the policy, `rollout.max_episode_tokens` tokens in all
+its sequences (0: the model's context), `rollout.max_new_tokens` per turn, and the model's context
+(`max_model_len`) per sequence. A call past one returns at once an empty turn with finish reason
+"length" (no engine call), and the episode ends as "length"; it does not raise, so user code that
+catches exceptions cannot loop on it.
+
+One call to the policy at a time: a second `generate` or chat call while one is in flight on the same
+client raises RuntimeError. An episode's record is one chain of turns, each continuing what came before;
+samples in parallel are separate episodes (`rollout.group_size`). Tool calls may run concurrently.
+
+Sampling settings are the run's: a call that asks for another temperature or top_p, or n != 1, raises
+ValueError. The trainer recomputes every sampled token's logprob at `rollout.temperature`, so a turn
+sampled otherwise would train on the wrong behaviour policy. Arguments the engine does not apply raise
+ValueError too rather than being ignored: `stop`, `logit_bias`, the penalties, `stream=True` (a turn
+comes back whole) and a forced `tool_choice` ("required" or a named function: nothing constrains what
+is sampled); `tool_choice="none"` only turns the parsing of tool calls off.
+
+The OpenAI types are built by hand (not the `openai` client over HTTP): the episode runs next to the
+engine, in the same event loop, and a server round trip would re-tokenize what was sampled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import numbers
+import time
+import uuid
+from dataclasses import dataclass
+
+from areal_hpc.protocol import EPISODE_STATS
+from areal_hpc.workflow.conversation import Conversation, EpisodeTokens
+from areal_hpc.workflow.tool_calls import parse_tool_calls
+
+
+@dataclass
+class Turn:
+    """One sampled turn, as the engine returns it."""
+
+    token_ids: list[int]  # incl. the stop token when it stopped
+    behav_logprobs: list[float]  # per token, under the weights that sampled it
+    versions: list[int]  # per token, the policy version that sampled it
+    finish_reason: str  # "stop" | "length"
+
+
+_REFUSED = ("stop", "logit_bias", "presence_penalty", "frequency_penalty", "stream")
+"""OpenAI arguments that change what is sampled or how it comes back, and that the engine does not apply:
+refused rather than ignored (the other unknown arguments, `model` among them, are ignored)."""
+
+
+class EpisodeClient:
+    """One episode's client. `sample(token_ids, max_tokens) -> Turn` (async) runs one turn on the engine;
+    `tool(name, arguments) -> (text, ok, seconds)` (async) runs one tool call and never raises for the
+    tool's failure. Both are the generator's (areal_hpc.generator.episodes)."""
+
+    def __init__(self, tokenizer, rollout, max_model_len: int, sample, tool):
+        self.tokenizer = tokenizer
+        self.rollout = rollout
+        self.max_model_len = max_model_len
+        self.max_episode_tokens = rollout.max_episode_tokens or max_model_len
+        self.chat = _Chat(self)
+        self.episode = EpisodeTokens()
+        self.conversation: Conversation | None = None  # built at the first chat call (its template kwargs)
+        self._sample = sample
+        self._tool = tool
+        self._limited = False  # a call was refused by a limit: the episode ends as "length"
+        self._calling = False  # a call to the policy is in flight
+        self._last_finish = "stop"
+        self.turns = 0
+        self.tool_calls = 0
+        self.tool_errors = 0
+        self.tool_s = 0.0
+
+    async def generate(self, context_ids, max_tokens: int | None = None) -> Turn:
+        """Sample one turn after `context_ids`. They continue the episode's current sequence when they
+        extend it (the new ids are context), otherwise they start a new sequence. Past a limit: an empty
+        "length" turn."""
+        with self._one_call():
+            _check_max_tokens(max_tokens)
+            if self._out_of_turns():
+                return Turn([], [], [], "length")
+            context = self.episode.extend_to([int(t) for t in context_ids])
+            turn = await self._turn(context, max_tokens)
+            if turn is None:
+                return Turn([], [], [], "length")
+            self.episode.add_sampled(turn.token_ids, turn.behav_logprobs, turn.versions)
+            return turn
+
+    async def run_tool(self, name: str, arguments) -> str:
+        """The text the model reads next for a call of tool `name` with `arguments` (a dict, or the JSON
+        string of a parsed tool call): the tool's output (cut to `rollout.tool_output_chars` by the tool
+        pool), or "error: ..." when the arguments are not a JSON object or the tool failed or timed out
+        (counted in `tool_errors`)."""
+        self.tool_calls += 1
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments)
+            except json.JSONDecodeError:
+                parsed = None
+        else:
+            parsed = arguments
+        if not isinstance(parsed, dict):
+            self.tool_errors += 1
+            return f"error: the arguments of {name} must be a JSON object, got {str(arguments)[:100]!r}"
+        text, ok, seconds = await self._tool(name, parsed)
+        self.tool_s += seconds
+        self.tool_errors += not ok
+        return text
+
+    def trajectory_fields(self) -> dict:
+        """What a reply (`protocol.Trajectory`) carries of the episode: `tokens`, `seq_lens`, `loss_mask`,
+        `behav_logprobs`, `versions`, `answer_ids` (EpisodeTokens.arrays), `finish_reason` ("length"
+        when a limit refused a call or the last sampled turn was cut, else "stop") and `stats`
+        (protocol.EPISODE_STATS)."""
+        rewrites = self.conversation.rewrites if self.conversation else 0
+        counts = {
+            "turns": self.turns,
+            "tool_calls": self.tool_calls,
+            "tool_errors": self.tool_errors,
+            "tool_s": self.tool_s,
+            "template_rewrites": rewrites,
+        }
+        return {
+            **self.episode.arrays(),
+            "finish_reason": "length" if self._limited else self._last_finish,
+            "stats": {k: counts[k] for k in EPISODE_STATS},
+        }
+
+    # --- the chat call (client.chat.completions.create) ---
+
+    async def _create(
+        self,
+        *,
+        messages,
+        tools=None,
+        tool_choice="auto",
+        max_tokens=None,
+        max_completion_tokens=None,
+        temperature=None,
+        top_p=None,
+        n=1,
+        model=None,
+        extra_body=None,
+        **others,
+    ):
+        with self._one_call():
+            self._check_sampling(temperature, top_p, n, tool_choice, others)
+            max_tokens = max_completion_tokens if max_completion_tokens is not None else max_tokens
+            _check_max_tokens(max_tokens)
+            conversation = self._conversation((extra_body or {}).get("chat_template_kwargs") or {})
+            if self._out_of_turns():
+                return self._completion(model, _message(""), "length", 0, [])
+            context = conversation.prompt_ids(messages, tools)
+            turn = await self._turn(context, max_tokens)
+            if turn is None:
+                return self._completion(model, _message(""), "length", len(context), [])
+            ids = list(turn.token_ids)
+            text = self.tokenizer.decode(_strip_turn_end(ids, conversation), skip_special_tokens=False)
+            content, calls = text, []
+            if tools and tool_choice != "none":  # as vLLM's server: parse only when the request has tools
+                content, calls = parse_tool_calls(self.rollout.tool_format, self.tokenizer, text)
+            message = _message(content, calls)
+            conversation.add_turn(ids, turn.behav_logprobs, turn.versions, message)
+            finish = "tool_calls" if calls else turn.finish_reason
+            return self._completion(model, message, finish, len(context), ids)
+
+    def _conversation(self, template_kwargs: dict) -> Conversation:
+        if self.conversation is None:
+            self.conversation = Conversation(self.tokenizer, self.episode, template_kwargs=template_kwargs)
+        elif dict(template_kwargs) != self.conversation.template_kwargs:
+            raise ValueError(
+                f"extra_body['chat_template_kwargs'] must stay the same within an episode: the first call had "
+                f"{self.conversation.template_kwargs}, this one {template_kwargs}"
+            )
+        return self.conversation
+
+    def _check_sampling(self, temperature, top_p, n, tool_choice, others: dict) -> None:
+        r = self.rollout
+        for name, asked, run in (("temperature", temperature, r.temperature), ("top_p", top_p, r.top_p)):
+            if asked is not None and asked != run:
+                raise ValueError(
+                    f"{name}={asked} differs from rollout.{name} ({run}): the trainer computes the sampled tokens' "
+                    f"logprobs at rollout.{name}; leave {name} unset in the call, or change rollout.{name}"
+                )
+        if n not in (None, 1):
+            raise ValueError(
+                f"n={n}: an episode samples one answer per call (the group's episodes are the n samples, "
+                "rollout.group_size); leave n unset"
+            )
+        if tool_choice not in (None, "auto", "none"):
+            raise ValueError(
+                f"tool_choice={tool_choice!r}: the rollout engine does not force tool calls; leave tool_choice "
+                'unset ("auto") or "none", and let the prompt ask for the call'
+            )
+        refused = sorted(k for k in _REFUSED if others.get(k))
+        if refused:
+            raise ValueError(f"{', '.join(refused)}: not supported by the rollout engine; leave them unset")
+
+    # --- shared by both calls ---
+
+    @contextlib.contextmanager
+    def _one_call(self):
+        """Refuses a call while another is in flight: both would extend the same sequence (and the
+        conversation's pending call), interleaving two turns into one record."""
+        if self._calling:
+            raise RuntimeError(
+                "one call to the policy at a time per episode (generate or chat.completions.create): await "
+                "each before the next; sample in parallel as separate episodes (rollout.group_size)"
+            )
+        self._calling = True
+        try:
+            yield
+        finally:
+            self._calling = False
+
+    def _out_of_turns(self) -> bool:
+        if self.turns >= self.rollout.max_turns:
+            self._limited = True
+        return self.turns >= self.rollout.max_turns
+
+    async def _turn(self, context: list[int], max_tokens: int | None) -> Turn | None:
+        """The engine's turn after `context` (the episode's current sequence), or None when no token fits
+        (`max_tokens` capped by rollout.max_new_tokens, the episode's tokens, the model's context)."""
+        budget = min(
+            min(max_tokens or self.rollout.max_new_tokens, self.rollout.max_new_tokens),
+            self.max_episode_tokens - self.episode.num_tokens,
+            self.max_model_len - len(context),
+        )
+        if budget <= 0:
+            self._limited = True
+            return None
+        turn = await self._sample(list(context), budget)
+        self.turns += 1
+        self._last_finish = turn.finish_reason
+        return turn
+
+    def _completion(self, model, message, finish_reason: str, prompt_tokens: int, token_ids: list[int]):
+        from openai.types.chat import ChatCompletion
+        from openai.types.chat.chat_completion import Choice
+        from openai.types.completion_usage import CompletionUsage
+
+        return ChatCompletion(
+            id=f"chatcmpl-{uuid.uuid4().hex}",
+            object="chat.completion",
+            created=int(time.time()),
+            model=model or self.tokenizer.name_or_path or "policy",
+            choices=[Choice(index=0, message=message, finish_reason=finish_reason)],
+            usage=CompletionUsage(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=len(token_ids),
+                total_tokens=prompt_tokens + len(token_ids),
+            ),
+            token_ids=token_ids,  # the sampled ids (an extra field: openai's models allow them)
+        )
+
+
+class _Completions:
+    """`client.chat.completions`, as on openai.AsyncOpenAI."""
+
+    def __init__(self, client: EpisodeClient):
+        self._client = client
+
+    async def create(self, **kwargs):
+        """An OpenAI-style chat completion (openai.types.chat.ChatCompletion) for one sampled turn; see
+        areal_hpc.workflow.client for what it does with the messages and the limits."""
+        return await self._client._create(**kwargs)
+
+
+class _Chat:
+    def __init__(self, client: EpisodeClient):
+        self.completions = _Completions(client)
+
+
+def _message(content: str | None, tool_calls=None):
+    from openai.types.chat import ChatCompletionMessage
+
+    return ChatCompletionMessage(role="assistant", content=content, tool_calls=tool_calls or None)
+
+
+def _strip_turn_end(ids: list[int], conversation: Conversation) -> list[int]:
+    """The turn's ids without the token that ended it (the parsers read the text before it)."""
+    ends = {conversation.turn_end_id, conversation.tokenizer.eos_token_id}
+    return ids[:-1] if ids and ids[-1] in ends else ids
+
+
+def _check_max_tokens(max_tokens) -> None:
+    if max_tokens is not None and (not isinstance(max_tokens, numbers.Integral) or max_tokens < 1):
+        raise ValueError(f"max_tokens must be a positive integer or None (rollout.max_new_tokens), got {max_tokens!r}")
