@@ -224,15 +224,17 @@ class EpisodeClient:
             self._calling = False
 
     def _out_of_turns(self) -> bool:
-        if self.turns >= self.rollout.max_turns:
-            self._limited = True
-        return self.turns >= self.rollout.max_turns
+        """`rollout.max_turns` reached: the call is refused and the episode ends as "length"."""
+        out = self.turns >= self.rollout.max_turns
+        self._limited |= out
+        return out
 
     async def _turn(self, context: list[int], max_tokens: int | None) -> Turn | None:
         """The engine's turn after `context` (the episode's current sequence), or None when no token fits
         (`max_tokens` capped by rollout.max_new_tokens, the episode's tokens, the model's context)."""
         budget = min(
-            min(max_tokens or self.rollout.max_new_tokens, self.rollout.max_new_tokens),
+            max_tokens or self.rollout.max_new_tokens,
+            self.rollout.max_new_tokens,
             self.max_episode_tokens - self.episode.num_tokens,
             self.max_model_len - len(context),
         )
