@@ -106,19 +106,24 @@ class TrainerCoords(NamedTuple):
 @dataclass(frozen=True)
 class TrainerGrid:
     """The trainer ranks' TP x PP x DP grid, in trainer-local ranks (the trainers' own communicator and
-    torch.distributed world): rank = tp + TP * (dp + DP * pp), Megatron's default order."""
+    torch.distributed world): rank = tp + TP * (dp + DP * pp), Megatron's default order. A mixture of
+    experts adds expert parallelism over the TP x DP ranks of a stage (Megatron's expert grid with expert
+    tensor parallelism 1): expert rank = (tp + TP * dp) % EP."""
 
     tp: int
     pp: int
     dp: int
+    ep: int = 1
 
     @classmethod
-    def of(cls, world: int, tp: int, pp: int) -> TrainerGrid:
-        """The grid of `world` trainer ranks with parallel sizes tp and pp (dp follows)."""
+    def of(cls, world: int, tp: int, pp: int, ep: int = 1) -> TrainerGrid:
+        """The grid of `world` trainer ranks with parallel sizes tp, pp and ep (dp follows)."""
         problem = replicas_problem(world, tp, pp)
+        if not problem and ep != 1 and (ep < 1 or world // (tp * pp) % ep):
+            problem = f"allocation.train_ep ({ep}) must divide the trainer's data-parallel size ({world // (tp * pp)})"
         if problem:
             raise ValueError(problem)
-        return cls(tp, pp, world // (tp * pp))
+        return cls(tp, pp, world // (tp * pp), ep)
 
     @property
     def size(self) -> int:
@@ -143,6 +148,18 @@ class TrainerGrid:
         if not 0 <= stage < self.pp:
             raise ValueError(f"pipeline stage {stage} outside 0..{self.pp - 1}")
         return self.rank(0, stage, 0)
+
+    def expert_rank(self, rank: int) -> int:
+        """The expert-parallel rank of trainer-local rank `rank`: which E / EP experts of each layer it holds."""
+        tp, _, dp = self.coords(rank)
+        return (tp + self.tp * dp) % self.ep
+
+    def expert_source(self, stage: int, expert_rank: int) -> int:
+        """The trainer-local rank that sends the experts of expert rank `expert_rank` in stage `stage`: the
+        stage's first rank holding them (expert rank 0: the stage source)."""
+        if not 0 <= expert_rank < self.ep:
+            raise ValueError(f"expert rank {expert_rank} outside 0..{self.ep - 1}")
+        return self.rank(expert_rank % self.tp, stage, expert_rank // self.tp)
 
 
 class Cores(NamedTuple):
