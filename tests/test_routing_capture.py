@@ -16,6 +16,7 @@ from areal_hpc.device import resolve_device
 from areal_hpc.protocol import routing_unknown
 from areal_hpc.testing.generator_runs import drain, load, perturb
 from areal_hpc.tiny import build_tiny_model
+from areal_hpc.workflow import Workflow
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -94,33 +95,62 @@ def test_a_prefix_cache_hit_finds_the_routing_of_the_pass_that_computed_it(setup
     check_routing(second, model)
 
 
+class TwoTurns(Workflow):
+    """A turn, three context tokens (a tool's output, say), a second turn after all of it."""
+
+    async def arun_episode(self, client, row):
+        first = await client.generate(row["prompt_ids"])
+        await client.generate(row["prompt_ids"] + first.token_ids + [40, 41, 42])
+
+
+def test_an_episodes_trajectory_carries_the_routing_of_every_position(setup):
+    """Through the episode runner: the Trajectory's routing [N, L, K] is transformers' at every position of
+    the sequence but its last (the latest turn computed or cached all of them)."""
+    from transformers import AutoTokenizer
+
+    from areal_hpc.config import RolloutConfig
+    from areal_hpc.generator.episodes import EpisodeRunner
+    from areal_hpc.protocol import GenerateRequest
+    from areal_hpc.testing.generator_runs import run_episodes
+
+    engine, model = setup
+    tokenizer = AutoTokenizer.from_pretrained(engine.engine.vllm_config.model_config.model)
+    runner = EpisodeRunner(engine, TwoTurns(), tokenizer, RolloutConfig(max_new_tokens=8), lambda: None)
+    request = GenerateRequest(0, np.array([5, 6, 7], np.int32), {"prompt": "", "target": "", "kind": "math"}, 3)
+    replies = run_episodes(runner, [request])
+    assert len(replies) == 3
+    for t in replies:
+        assert not t.error and len(t.seq_lens) == 1
+        assert t.routing.shape == (len(t.tokens), LAYERS, TOP_K)
+        assert (t.routing[-1] == routing_unknown(np.uint8)).all()
+        np.testing.assert_array_equal(np.sort(t.routing[:-1], -1), hf_routing(model, t.tokens)[:-1])
+
+
 def test_after_a_weight_update_a_resubmitted_turn_carries_the_new_routing(setup):
     """Turns interrupted mid-way by a weight update: at the end every position of each (the prompt and the
-    tokens sampled before the update included) has the new weights' routing, which differs from the old's."""
+    tokens sampled before the update included) has the new weights' routing, which differs from the old's.
+    Last in the module: the engine keeps the new weights."""
     from transformers import AutoModelForCausalLM
 
     engine, model = setup
     path = engine.engine.vllm_config.model_config.model
     new = perturb(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), seed=3)
-    with torch.no_grad():  # new attention, norms and routers; the experts as they were (syncing experts into
-        for name, p in new.named_parameters():  # vLLM is test_weight_sync's)
+    with torch.no_grad():  # new attention, norms and routers; the experts as they were (reloading experts
+        for name, p in new.named_parameters():  # into vLLM is test_weight_sync's)
             if ".mlp.experts." in name:
                 p.copy_(model.get_parameter(name))
-    try:
-        for g in range(4):
-            engine.submit(f"u{g}", [9 + g, 10, 11, 12], 16)
-        early = drain(engine, steps=4)
-        assert engine.in_flight  # the update catches turns mid-way
-        load(engine, new, engine.version + 1)
-        turns = drain(engine)
-        assert turns and all(t.attempt == 1 for t in turns)
-        changed = 0
-        for turn in turns:
-            check_routing(turn, new)
-            ids = turn.context_ids + turn.output_ids
-            changed += (np.sort(turn.routing[:-1], -1) != hf_routing(model, ids)[:-1]).any(axis=(1, 2)).sum()
-        assert changed > 0
-        for turn in early:
-            check_routing(turn, model)
-    finally:
-        load(engine, model, engine.version + 1)
+    for g in range(4):
+        engine.submit(f"u{g}", [9 + g, 10, 11, 12], 16)
+    early = drain(engine, steps=4)
+    assert engine.in_flight  # the update catches turns mid-way
+    load(engine, new, engine.version + 1)
+    turns = drain(engine)
+    assert turns and all(t.attempt == 1 for t in turns)
+    changed = 0
+    for turn in turns:
+        check_routing(turn, new)
+        ids = turn.context_ids + turn.output_ids
+        changed += (np.sort(turn.routing[:-1], -1) != hf_routing(model, ids)[:-1]).any(axis=(1, 2)).sum()
+    assert changed > 0
+    for turn in early:
+        check_routing(turn, model)

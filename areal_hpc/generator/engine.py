@@ -177,9 +177,12 @@ class WeightLoader:
 
         self._areal_routing = RoutingRecorder(self.model_runner)
 
-    def areal_take_routing(self, requests: list[tuple[str, int]]) -> list:
-        """`RoutingRecorder.take`: [n, L, K] per (vLLM request id, n) of requests finished in the last step."""
-        return self._areal_routing.take(requests)
+    def areal_take_routing(self, requests: list[tuple[str, int]]) -> list | None:
+        """`RoutingRecorder.take`: [n, L, K] per (vLLM request id, n) of requests finished in the last step;
+        on tensor-parallel rank 0 only (every rank routes every token alike: the router is not split)."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return self._areal_routing.take(requests) if get_tensor_model_parallel_rank() == 0 else None
 
 
 def _unquantized(module) -> bool:
@@ -370,7 +373,7 @@ class GenerationEngine:
         if self.record_routing and finished:
             # Now: the worker forgets a finished request, and its blocks may be reused, from the next step on.
             requests = [(vllm_id, len(t.context_ids) + len(t.output_ids)) for t, vllm_id in finished]
-            [routings] = self.engine.collective_rpc("areal_take_routing", args=(requests,))[:1]
+            routings = self.engine.collective_rpc("areal_take_routing", args=(requests,))[0]
             for (turn, _), routing in zip(finished, routings):
                 turn.routing = routing
         return [turn for turn, _ in finished]
