@@ -7,7 +7,7 @@ import pytest
 
 from areal_hpc.batch import build_train_batches
 from areal_hpc.data import Example
-from areal_hpc.protocol import Trajectory
+from areal_hpc.protocol import Trajectory, routing_dtype, routing_unknown
 from areal_hpc.rollouts import Group, single_turn
 from tests.sim_world import lost
 
@@ -122,3 +122,8 @@ def test_a_checkpointed_group_keeps_its_routing_and_an_older_one_loads_without()
     for t in older["trajectories"]:
         del t["routing"]
     assert [t.routing for t in Group.from_state(older).trajectories] == [None, None]
+
+
+def test_routing_ids_fit_the_smallest_dtype_with_room_for_unknown():
+    assert routing_dtype(4) == routing_dtype(254) == np.uint8 and routing_unknown(np.uint8) == 255
+    assert routing_dtype(255) == routing_dtype(512) == np.int16 and routing_unknown(np.int16) == 32767
