@@ -29,6 +29,9 @@ the model (on the CPU Dynamo traces the MoE layer into the compiled graph; on a 
 and the worker extension can only install it after the engine is built, so an engine that records routing
 runs eagerly (`engine_args(..., record_routing=True)` sets `enforce_eager`), on both devices.
 
+Memory: the slot table holds L x K bytes per KV slot on the worker's device, allocated after vLLM sized its
+KV cache, so outside `gpu_memory_utilization` (Qwen3-30B-A3B, 500k KV slots: 192 MB).
+
 Size: L x K bytes per token with uint8 ids (`protocol.routing_dtype`): 4 B for the tiny MoE (2 layers,
 top-2), 384 B for Qwen3-30B-A3B (48 x 8), 752 B for Qwen3-235B-A22B (94 x 8), against 13 B per token of
 the other per-token arrays of a `Trajectory` (token, mask, logprob, version).
