@@ -1,0 +1,304 @@
+"""Routing replay in the trainer (`trainer.moe`): a micro-batch's routing in the router's token order; on a
+real Megatron MoE model, replayed experts are the ones the layers use (-1 rows: the router's own), the
+agreement counts, full recompute replays the same experts in the backward pass, and replay restores the
+logprobs of a model whose router was perturbed (its own choices then differ from the recorded ones)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from areal_hpc.arch import model_arch
+from areal_hpc.testing.inputs import QWEN3, random_batch
+from areal_hpc.trainer.spawn import run_ranks
+
+EXPERTS, TOP_K = 8, 2
+UNKNOWN = np.iinfo(np.uint8).max
+NOISE = 0.2
+"""Noise on the trainer's router weights, times their standard deviation: its own top-k then differs from
+the generator's on about a third of the positions (0.2: 68% agree; 1.0: 33%)."""
+
+
+def _batch_with_routing(vocab: int, layers: int, seed: int = 0):
+    """A TrainBatch whose routing is token t's number in every entry (t % 200; the last token of each
+    sequence unknown): each entry tells where it went."""
+    batch = random_batch(vocab, n_seqs=4, seed=seed, microbatches=[[[0, 1, 2, 3]]])
+    n = len(batch.tokens)
+    routing = np.broadcast_to((np.arange(n) % 200)[:, None, None], (n, layers, TOP_K)).astype(np.uint8).copy()
+    routing[batch.cu_seqlens[1:] - 1] = UNKNOWN
+    batch.routing = routing
+    return batch
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_microbatch_routing_in_router_order(padded):
+    """Row s_idx * b + b_idx of the [s, b] rows holds the routing of the token there; padding and unknown
+    are -1; only the given layers; under sequence parallelism rank r holds rows [r s / TP, (r + 1) s / TP)."""
+    from areal_hpc.trainer.step import make_microbatch
+
+    batch = _batch_with_routing(100, layers=3)
+    ids = [0, 1, 2, 3]
+    halves = [make_microbatch(batch, ids, padded, multiple=2, layers=[2, 0], sp_rank=r) for r in (0, 1)]
+    rows = halves[0].rows
+    b, s = rows.tokens.shape
+    cu = batch.cu_seqlens
+    expected = torch.full((s, b), -1)
+    for i, (row, start, length) in zip(ids, rows.seq_slices):
+        expected[start : start + length - 1, row] = torch.arange(cu[i], cu[i + 1] - 1) % 200  # last: unknown
+    for r, half in enumerate(halves):
+        assert half.routing.shape == (2, s // 2 * b, TOP_K) and half.routing.dtype == torch.int64
+        want = expected[r * s // 2 : (r + 1) * s // 2].reshape(1, -1, 1).expand(2, -1, TOP_K)
+        assert torch.equal(half.routing, want), r
+    assert make_microbatch(batch, ids, padded).routing is None  # no layers asked: a dense stage
+
+
+# --- on a real Megatron MoE model (one rank) ---
+
+
+def _moe_config(par, recompute="none"):
+    from areal_hpc.trainer.choices import RECOMPUTE
+    from areal_hpc.trainer.model import transformer_config
+
+    cfg = transformer_config(model_arch(QWEN3), 1, 1, par.device)
+    return dataclasses.replace(
+        cfg,
+        **RECOMPUTE[recompute],
+        num_moe_experts=EXPERTS,
+        moe_ffn_hidden_size=32,
+        moe_router_topk=TOP_K,
+        moe_router_pre_softmax=False,  # Qwen's norm_topk_prob: softmax over the chosen experts' logits
+        moe_router_dtype="fp32",
+        moe_token_dispatcher_type="allgather",
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=0.01,
+        moe_grouped_gemm=False,
+    )
+
+
+def _moe_model(cfg, like=None):
+    """A Qwen3-shaped Megatron GPTModel with MoE layers routed by ReplayRouter (the weights of `like`)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from areal_hpc.trainer.model import HiddenGPTModel, RMSNorm
+    from areal_hpc.trainer.moe import ReplayRouter
+    from areal_hpc.trainer.packed import SegmentAttention
+
+    if not moe_utils.HAVE_TE:  # the TE-less router route (cpu_compat, WP-B) until the engine builds MoE
+        moe_utils.te_general_gemm = None
+    arch = model_arch(QWEN3)
+    spec = get_gpt_layer_local_spec(
+        num_experts=EXPERTS, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=True
+    )
+    spec.submodules.self_attention.submodules.core_attention = SegmentAttention
+    for name in ("input_layernorm", "pre_mlp_layernorm"):
+        setattr(spec.submodules, name, RMSNorm)
+    spec.submodules.self_attention.submodules.q_layernorm = RMSNorm
+    spec.submodules.self_attention.submodules.k_layernorm = RMSNorm
+    spec.submodules.mlp.submodules.router = ReplayRouter
+    model = HiddenGPTModel(
+        config=cfg,
+        transformer_layer_spec=TransformerBlockSubmodules(layer_specs=[spec] * cfg.num_layers, layer_norm=RMSNorm),
+        vocab_size=arch.vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
+        share_embeddings_and_output_weights=True,
+        position_embedding_type="mrope",
+        rotary_base=arch.rope_theta,
+    )
+    if like is not None:
+        model.load_state_dict(like.state_dict())
+    return model
+
+
+class _Routes:
+    """Per router of a model, in its latest forward: the experts it used and its own top-k (of its gate's
+    logits), [L, T, K] each, ascending."""
+
+    def __init__(self, model):
+        from areal_hpc.trainer.moe import routers
+
+        self.seen = {}
+        for i, r in enumerate(routers(model)):
+            r.register_forward_hook(
+                lambda m, inp, out, i=i: self.seen.__setitem__(i, (_experts(out[1]), _own(m, inp[0])))
+            )
+
+    def used(self) -> torch.Tensor:
+        return torch.stack([self.seen[i][0] for i in sorted(self.seen)]).cpu()
+
+    def own(self) -> torch.Tensor:
+        return torch.stack([self.seen[i][1] for i in sorted(self.seen)]).cpu()
+
+
+def _own(router, hidden: torch.Tensor) -> torch.Tensor:
+    """[s, b, h] -> [s * b, K] the router's own top-k (of its logits: Qwen's normalised top-k), ascending."""
+    logits = hidden.reshape(-1, hidden.shape[-1]).float() @ router.weight.float().t()
+    return logits.topk(TOP_K, dim=1).indices.sort(dim=1).values
+
+
+def _experts(routing_map: torch.Tensor) -> torch.Tensor:
+    """[T, E] bool (top-k per row) -> [T, K] expert ids, ascending."""
+    return routing_map.nonzero()[:, 1].view(routing_map.shape[0], TOP_K)
+
+
+def _logprobs(model, mb, routing="mb") -> torch.Tensor:
+    """[n] logprobs of the micro-batch's tokens, replaying its routing (or `routing`)."""
+    from areal_hpc.trainer import moe
+    from areal_hpc.trainer.logprobs import token_logprobs
+
+    moe.set_targets(model, mb.routing if isinstance(routing, str) else routing)
+    hidden = mb.rows.forward(model)
+    return token_logprobs(hidden, model.output_weight(), mb.where, mb.targets, 1.0, False, False)[0]
+
+
+def _record(model, batch) -> np.ndarray:
+    """[N, L, K] uint8: the experts `model` routes each token of the batch to (the generator's record),
+    the last token of each sequence unknown (the generator never computes it)."""
+    from areal_hpc.trainer.step import make_microbatch
+
+    routes = _Routes(model)
+    mb = make_microbatch(batch, list(range(len(batch.cu_seqlens) - 1)), device=model.output_weight().device)
+    with torch.no_grad():
+        _logprobs(model.eval(), mb, routing=None)  # one packed row: the rows are in the batch's token order
+    routing = routes.used()[:, : len(batch.tokens)].permute(1, 0, 2).numpy().astype(np.uint8)
+    routing[batch.cu_seqlens[1:] - 1] = UNKNOWN
+    return routing
+
+
+def _perturb_router(model, scale: float, seed: int) -> None:
+    from areal_hpc.trainer.moe import routers
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for r in routers(model):
+            r.weight += scale * r.weight.std() * torch.randn(r.weight.shape, generator=g).to(r.weight.device)
+
+
+def _replay_rank(par, noise: float) -> dict:
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from areal_hpc.trainer import moe
+    from areal_hpc.trainer.step import make_microbatch
+
+    torch.manual_seed(0)
+    cfg = _moe_config(par)
+    generator = _moe_model(cfg)
+    batch = random_batch(model_arch(QWEN3).vocab_size, n_seqs=6, seed=1, microbatches=[[[0, 1, 2, 3, 4, 5]]])
+    batch.routing = None
+    batch.routing = _record(generator, batch)
+    ids = list(range(6))
+    packed = make_microbatch(batch, ids, device=par.device)
+    with torch.no_grad():
+        reference = _logprobs(generator, packed, routing=None)  # the generator's logprobs
+
+    # the trainer: the same weights but its routers' (perturbed or not), rows padded: another token order
+    trainer = _moe_model(cfg, like=generator)
+    _perturb_router(trainer, noise, seed=2)
+    mb = make_microbatch(batch, ids, padded=True, device=par.device, layers=[0, 1])
+    routes = _Routes(trainer)
+    with torch.no_grad():
+        own = _logprobs(trainer.eval(), mb, routing=None)
+        logp = _logprobs(trainer.train(), mb)  # training mode: the agreement counts
+    agree, compared = moe.take_agreement(trainer)
+    out = {"agree": agree.item(), "compared": compared.item(), "used": routes.used(), "own": routes.own()}
+    out["mb_routing"] = mb.routing.cpu()
+    out["mismatch_own"] = (own - reference).abs().mean().item()
+    out["mismatch_replay"] = (logp - reference).abs().mean().item()
+    out["global_instances"] = len(RouterReplay.global_router_replay_instances)
+    return out
+
+
+def _replay_problems(out) -> list[str]:
+    """Where the used experts are not the replayed ones (known rows) or the router's own (-1 rows), and
+    where the agreement counts are not those of the own top-k against the replayed rows."""
+    routing, used, own = out["mb_routing"].sort(-1).values, out["used"], out["own"]
+    known = routing[..., :1] >= 0  # [L, T, 1]
+    problems = [
+        f"layer {layer}: {int((torch.where(known, routing, own) != used)[layer].any(-1).sum())} tokens not replayed"
+        for layer in range(len(used))
+        if not torch.equal(torch.where(known, routing, own)[layer], used[layer])
+    ]
+    agree = int(((own == routing).all(-1, keepdim=True) & known).sum())
+    if (out["agree"], out["compared"]) != (agree, int(known.sum())):
+        problems.append(f"agreement {out['agree']} / {out['compared']}, expected {agree} / {int(known.sum())}")
+    return problems
+
+
+@pytest.fixture(scope="module")
+def replayed():
+    """Per noise on the trainer's router weights (x their std): the replay run's figures."""
+    return run_ranks(_runs, 1, 1, 1)[0]
+
+
+def _runs(par):
+    return {noise: _replay_rank(par, noise) for noise in (0.0, NOISE)} | {"recompute": _recompute_rank(par)}
+
+
+@pytest.mark.megatron
+@pytest.mark.slow
+def test_replay_uses_the_recorded_experts_and_restores_the_logprobs(replayed):
+    """Router noise makes the trainer's own top-k differ from the recorded one on >= 20% of the replayed
+    positions; replaying the record, the layers use exactly the recorded experts (the router's own on the
+    unknown rows) and the logprob mismatch to the generator drops >= 10x. Without noise: agreement 1 and
+    the mismatch below 1e-5 (packed vs padded rows only)."""
+    noisy, clean = replayed[NOISE], replayed[0.0]
+    for out in (noisy, clean):
+        assert _replay_problems(out) == []
+        assert out["global_instances"] == 0  # never Megatron's class-level list
+    assert noisy["agree"] / noisy["compared"] <= 0.8
+    assert noisy["mismatch_replay"] * 10 <= noisy["mismatch_own"], (noisy["mismatch_replay"], noisy["mismatch_own"])
+    assert clean["agree"] == clean["compared"] > 0
+    assert clean["mismatch_replay"] < 1e-5 and clean["mismatch_own"] < 1e-5
+
+
+def _recompute_rank(par) -> dict:
+    """Two micro-batches through a replaying model as 1F1B runs them (forward 0, forward 1, backward 0,
+    backward 1) under ppo.recompute none and full: the gradients, the counts and the FIFO's leftovers."""
+    from areal_hpc.trainer import moe
+    from areal_hpc.trainer.step import make_microbatch
+
+    torch.manual_seed(0)
+    generator = _moe_model(_moe_config(par))
+    batch = random_batch(model_arch(QWEN3).vocab_size, n_seqs=4, seed=3, microbatches=[[[0, 1], [2, 3]]])
+    batch.routing = None
+    batch.routing = _record(generator, batch)
+    mbs = [make_microbatch(batch, ids, device=par.device, layers=[0, 1]) for ids in batch.microbatches[0]]
+    out = {}
+    for recompute in ("none", "full"):
+        model = _moe_model(_moe_config(par, recompute), like=generator).train()
+        _perturb_router(model, NOISE, seed=4)  # replayed experts differ from the router's own
+        losses = [_logprobs(model, mb).sum() for mb in mbs]
+        moe.set_targets(model, None)  # the backward passes must not need the targets of the forward
+        for loss in losses:
+            loss.backward()
+        out[recompute] = {
+            "grads": {name: p.grad.cpu().clone() for name, p in model.named_parameters()},
+            "stats": moe.take_stats(model, len(mbs), False, 0).cpu(),
+            "left": sum(len(r._recompute) for r in moe.routers(model)),
+        }
+    out["known"] = sum(int((mb.routing[..., 0] >= 0).sum()) for mb in mbs)
+    return out
+
+
+@pytest.mark.megatron
+@pytest.mark.slow
+def test_full_recompute_replays_the_forward_experts(replayed):
+    """ppo.recompute=full re-runs each router in the backward pass, after later micro-batches' forwards:
+    it replays each micro-batch's own targets (same gradients as without recompute), counts each row once,
+    and the load-balancing loss once per layer and micro-batch."""
+    out = replayed["recompute"]
+    none, full = out["none"], out["full"]
+    assert full["left"] == 0
+    assert none["grads"].keys() == full["grads"].keys()
+    for name, g in none["grads"].items():
+        assert torch.allclose(full["grads"][name], g, atol=1e-6, rtol=1e-5), name
+    router = [g for name, g in none["grads"].items() if name.endswith("router.weight")]
+    assert router and all(g.abs().sum() > 0 for g in router)  # replay keeps the gate's gradient
+    agree, compared, lb_sum, lb_n = full["stats"].tolist()
+    assert torch.equal(full["stats"], none["stats"])
+    assert compared == out["known"] and 0 < agree < compared
+    assert lb_n == 2 * 2 and 0.9 < lb_sum / lb_n < 2.0  # 1: balanced over the experts
