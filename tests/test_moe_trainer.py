@@ -1,0 +1,155 @@
+"""Qwen3-MoE in the trainer: Hugging Face <-> Megatron at expert-parallel sizes 1 and 2 (logits equal
+transformers', export round trip), PPO steps at EP 2 equal to EP 1 (the same data-parallel size), the
+load-balancing loss reaching the router, and a checkpoint written at EP 2 exported to a Hugging Face
+directory that transformers loads to the trainer's logits."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from areal_hpc.config import PPOConfig
+from areal_hpc.testing.compare import export_problems, logits_problems, max_diff, pick
+from areal_hpc.testing.trainer_runs import hf_logits, logits_and_export_rank
+from areal_hpc.trainer.convert import read_hf
+from areal_hpc.trainer.spawn import run_ranks
+
+pytestmark = [pytest.mark.megatron, pytest.mark.slow]
+
+EXPERTS, TOP_K = 4, 2
+
+
+def build_moe_model(out: Path, norm_topk_prob: bool, seed: int = 3) -> Path:
+    """A tiny transformers Qwen3MoeForCausalLM (4 experts, top 2, random norms and router) saved under
+    `out` with per-expert tensor names."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        norm_topk_prob=norm_topk_prob,
+        router_aux_loss_coef=0.01,
+        mlp_only_layers=[],
+        decoder_sparse_step=1,
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+    )
+    model = Qwen3MoeForCausalLM(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):  # all ones at init: a swapped norm would go unseen
+                p.add_(0.2 * torch.randn_like(p))
+            if name.endswith("mlp.gate.weight"):  # distinct router scores: a stable top-k
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    return {
+        "norm": build_moe_model(root / "norm", norm_topk_prob=True),
+        "softmax": build_moe_model(root / "softmax", norm_topk_prob=False, seed=4),
+    }
+
+
+@functools.cache
+def _hf_logits(model_dir: str):
+    return hf_logits(model_dir)
+
+
+def test_checkpoint_has_per_expert_names(moe_models):
+    names = set(read_hf(moe_models["norm"]))
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in names
+    assert "model.layers.0.mlp.gate.weight" in names
+    assert json.loads((moe_models["norm"] / "config.json").read_text())["model_type"] == "qwen3_moe"
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_logits_match_transformers_and_export_round_trips(moe_models, ep):
+    """Both routers (Qwen's renormalised top-k and plain softmax top-k), 2 data-parallel ranks split
+    into `ep` expert ranks: logits of transformers (fp32, 1e-5), and the export is the checkpoint."""
+    dirs = {k: str(v) for k, v in moe_models.items()}
+    results = run_ranks(logits_and_export_rank, 2, 1, 1, dirs, PPOConfig(), ep=ep)
+    for name, model_dir in dirs.items():
+        for rank in (0, 1):  # each data-parallel rank runs the probes through every expert
+            assert logits_problems(results[rank][f"{name}/logits"], _hf_logits(model_dir), tol=1e-5) == [], name
+        assert export_problems(pick(results, f"{name}/weights"), read_hf(model_dir)) == [], name
+
+
+def _optim(coef: float | None = None) -> PPOConfig:
+    # Adam with eps = 1: the update ~ lr * gradient, so the weights after a step show any gradient error
+    return PPOConfig(lr=1.0, weight_decay=0.0, adam_eps=1.0, grad_clip=1.0, load_balancing_coef=coef)
+
+
+def _ppo_rank(par, model_dir: str, steps: int, coefs: list) -> dict:
+    """Per load-balancing coefficient (fresh weights each): `steps` PPO steps (each data-parallel rank its
+    own batches), their stats, the weights after them, and the load-balancing loss Megatron tracked."""
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+    from areal_hpc.testing.inputs import random_batch
+    from areal_hpc.trainer.engine import Engine
+    from areal_hpc.trainer.step import StepConfig, ppo_step
+
+    out = {}
+    for coef in coefs:
+        clear_aux_losses_tracker()
+        engine = Engine(model_dir, par, _optim(coef))
+        assert len(engine.adams) == 2  # Megatron's chain at every ep: dense and expert parameters
+        vocab = engine.arch.vocab_size
+        stats, weights = [], []
+        for s in range(steps):
+            stats.append(ppo_step(engine, random_batch(vocab, seed=100 * s + par.coords.dp), StepConfig()))
+            weights.append(engine.export_full())
+        tracked = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+        if par.rank == 0:
+            lb_loss = None if tracked is None else tracked["values"].clone()
+            out[coef] = {"stats": stats, "weights": weights, "lb_loss": lb_loss}
+    return out or None
+
+
+@pytest.fixture(scope="module")
+def trained(moe_models):
+    """3 PPO steps on 2 data-parallel ranks at EP 1 and at EP 2, with config.json's load-balancing
+    coefficient (0.01) and with 0 (none); the weights after each step."""
+    model_dir = str(moe_models["norm"])
+    out = {ep: run_ranks(_ppo_rank, 2, 1, 1, model_dir, 3, [None, 0.0], ep=ep)[0] for ep in (1, 2)}
+    return out | {"model_dir": model_dir}
+
+
+def test_ppo_steps_at_ep2_equal_ep1(trained):
+    """The "done" test of expert parallelism: same losses and weights at EP 2 as at EP 1 (same DP)."""
+    one, two = trained[1][None], trained[2][None]
+    for a, b in zip(one["stats"], two["stats"], strict=True):
+        assert a["ppo/loss"] == pytest.approx(b["ppo/loss"], abs=1e-6)
+        assert a["ppo/grad_norm"] == pytest.approx(b["ppo/grad_norm"], rel=1e-5)
+    assert max_diff(one["weights"], two["weights"]) < 1e-5  # about 1e-7 seen
+    # and the steps moved every weight, the experts and routers among them (by 1e-3 or more)
+    start = read_hf(trained["model_dir"])
+    still = [k for k, v in start.items() if (one["weights"][-1][k] - v).abs().max() <= 1e-4]
+    assert still == []
+
+
+def test_load_balancing_loss_reaches_the_router(trained):
+    """The load-balancing loss is tracked (> 0 on every layer) and changes the router's update."""
+    for ep in (1, 2):
+        assert (trained[ep][None]["lb_loss"] > 0).all()
+        assert not trained[ep][0.0]["lb_loss"].any()  # coefficient 0: not computed
+        # after the first step: the same batch, the same main loss; only the load-balancing loss differs
+        with_lb, without = trained[ep][None]["weights"][0], trained[ep][0.0]["weights"][0]
+        gates = [k for k in with_lb if k.endswith("mlp.gate.weight")]
+        assert gates and all((with_lb[k] - without[k]).abs().max() > 1e-6 for k in gates)
