@@ -1,7 +1,7 @@
 """Qwen3-MoE in the trainer: Hugging Face <-> Megatron at expert-parallel sizes 1 and 2 (logits equal
 transformers', export round trip), PPO steps at EP 2 equal to EP 1 (the same data-parallel size), the
-load-balancing loss reaching the router, and a checkpoint written at EP 2 exported to a Hugging Face
-directory that transformers loads to the trainer's logits."""
+load-balancing loss reaching the router, a checkpoint written at EP 2 resumed exactly and loaded at
+EP 1, and exported to a Hugging Face directory that transformers loads to the trainer's logits."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from areal_hpc.config import PPOConfig
-from areal_hpc.testing.compare import export_problems, logits_problems, max_diff, pick
+from areal_hpc.testing.compare import export_problems, logits_problems, max_diff, pick, resume_problems
 from areal_hpc.testing.trainer_runs import hf_logits, logits_and_export_rank
 from areal_hpc.trainer.convert import read_hf
 from areal_hpc.trainer.spawn import run_ranks
@@ -153,3 +153,31 @@ def test_load_balancing_loss_reaches_the_router(trained):
         with_lb, without = trained[ep][None]["weights"][0], trained[ep][0.0]["weights"][0]
         gates = [k for k in with_lb if k.endswith("mlp.gate.weight")]
         assert gates and all((with_lb[k] - without[k]).abs().max() > 1e-6 for k in gates)
+
+
+def test_checkpoint_at_ep2_resumes_and_loads_at_ep1(moe_models, tmp_path):
+    """Megatron's chain of two optimizers saved and loaded: N steps, save, M steps at EP 2 equals the
+    resumed run; the same checkpoint loads at EP 1 with the same logits and the same next step."""
+    from areal_hpc.testing.trainer_runs import load_rank, resume_rank, save_rank
+
+    model_dir, optim = str(moe_models["norm"]), PPOConfig(lr=1e-2, weight_decay=0.01)
+    results = run_ranks(resume_rank, 2, 1, 1, model_dir, tmp_path / "resume", [0, 1], [2, 3], optim, ep=2)
+    assert resume_problems(results, tol=1e-7) == []
+    saved = run_ranks(save_rank, 2, 1, 1, model_dir, tmp_path / "step_2", [0, 1], [2], optim, ep=2)
+    loaded = run_ranks(load_rank, 2, 1, 1, model_dir, tmp_path / "step_2", [2], optim, ep=1)
+    assert max_diff(saved[0]["logits"], loaded[0]["logits"]) <= 1e-5
+    assert max_diff(pick(saved, "weights"), pick(loaded, "weights")) <= 1e-4
+
+
+def test_checkpoint_at_ep2_exports_to_transformers(moe_models, tmp_path):
+    """PPO steps at EP 2, a checkpoint as a run writes it, `areal-hpc export` (one CPU rank, EP 1):
+    the directory holds the trainer's weights bit for bit, and transformers gives the trainer's logits."""
+    from areal_hpc.testing.trainer_runs import train_and_save_rank
+    from areal_hpc.trainer.export import export_checkpoint
+
+    models = {"moe": (str(moe_models["norm"]), "float32")}
+    results = run_ranks(train_and_save_rank, 2, 1, 1, models, str(tmp_path / "run"), 2, PPOConfig(lr=1e-2), ep=2)
+    out = export_checkpoint(tmp_path / "run" / "moe", None, tmp_path / "hf", max_shard_size="100KB")
+    assert json.loads((out / "config.json").read_text())["model_type"] == "qwen3_moe"
+    assert export_problems(read_hf(out), pick(results, "moe/weights")) == []
+    assert logits_problems(results[0]["moe/logits"], hf_logits(str(out)), tol=1e-5) == []
