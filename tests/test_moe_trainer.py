@@ -12,58 +12,44 @@ from pathlib import Path
 import pytest
 import torch
 
-from areal_hpc.config import PPOConfig
+from areal_hpc.config import ModelConfig, PPOConfig
 from areal_hpc.testing.compare import export_problems, logits_problems, max_diff, pick, resume_problems
 from areal_hpc.testing.trainer_runs import hf_logits, logits_and_export_rank
+from areal_hpc.tiny import build_tiny_model
 from areal_hpc.trainer.convert import read_hf
 from areal_hpc.trainer.spawn import run_ranks
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
-EXPERTS, TOP_K = 4, 2
 
+def build_moe_model(root: Path, norm_topk_prob: bool, seed: int) -> Path:
+    """The tiny Qwen3-MoE (4 experts, top 2; per-expert tensor names), untied, with random norms and a
+    router far from uniform: norms are all ones at init (a swapped norm would go unseen), and near-equal
+    router scores would make the top-k hang on float rounding."""
+    from safetensors.torch import load_file, save_file
 
-def build_moe_model(out: Path, norm_topk_prob: bool, seed: int = 3) -> Path:
-    """A tiny transformers Qwen3MoeForCausalLM (4 experts, top 2, random norms and router) saved under
-    `out` with per-expert tensor names."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen3MoeConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=EXPERTS,
-        num_experts_per_tok=TOP_K,
-        norm_topk_prob=norm_topk_prob,
-        router_aux_loss_coef=0.01,
-        mlp_only_layers=[],
-        decoder_sparse_step=1,
-        tie_word_embeddings=False,
-        max_position_embeddings=512,
+    m = ModelConfig(
+        architecture="qwen3_moe", norm_topk_prob=norm_topk_prob, num_attention_heads=4, tie_word_embeddings=False
     )
-    model = Qwen3MoeForCausalLM(config).float()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):  # all ones at init: a swapped norm would go unseen
-                p.add_(0.2 * torch.randn_like(p))
-            if name.endswith("mlp.gate.weight"):  # distinct router scores: a stable top-k
-                p.normal_(0.0, 0.5)
-    model.save_pretrained(out, safe_serialization=True)
-    return out
+    model_dir = build_tiny_model(m, root, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    for f in model_dir.glob("*.safetensors"):
+        state = load_file(f)
+        for name, t in state.items():
+            if name.endswith("norm.weight"):
+                state[name] = t + 0.2 * torch.randn(t.shape, generator=g)
+            if name.endswith("mlp.gate.weight"):
+                state[name] = 0.5 * torch.randn(t.shape, generator=g)
+        save_file(state, f, metadata={"format": "pt"})
+    return model_dir
 
 
 @pytest.fixture(scope="module")
 def moe_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
     return {
-        "norm": build_moe_model(root / "norm", norm_topk_prob=True),
-        "softmax": build_moe_model(root / "softmax", norm_topk_prob=False, seed=4),
+        "norm": build_moe_model(root, norm_topk_prob=True, seed=3),
+        "softmax": build_moe_model(root, norm_topk_prob=False, seed=4),
     }
 
 
@@ -125,7 +111,7 @@ def _ppo_rank(par, model_dir: str, steps: int, coefs: list) -> dict:
 @pytest.fixture(scope="module")
 def trained(moe_models):
     """3 PPO steps on 2 data-parallel ranks at EP 1 and at EP 2, with config.json's load-balancing
-    coefficient (0.01) and with 0 (none); the weights after each step."""
+    coefficient (0.001) and with 0 (none); the weights after each step."""
     model_dir = str(moe_models["norm"])
     out = {ep: run_ranks(_ppo_rank, 2, 1, 1, model_dir, 3, [None, 0.0], ep=ep)[0] for ep in (1, 2)}
     return out | {"model_dir": model_dir}

@@ -165,7 +165,7 @@ class Engine:
         self.par = par
         self.model_dir = Path(model_dir)
         self.arch = QwenArch.from_hf(model_dir)
-        check_trainer(self.arch, par.grid.tp, par.grid.pp)  # TODO(i29 merge): and ep (train_ep_problem)
+        check_trainer(self.arch, par.grid.tp, par.grid.pp, par.grid.ep, par.grid.dp)
         self.device = par.device
         self.resumed_from: Path | None = None
         """The checkpoint this engine's state was loaded from (named in a non-finite step's error)."""
