@@ -69,14 +69,17 @@ def test_checkpoint_has_per_expert_names(moe_models):
     assert json.loads((moe_models["norm"] / "config.json").read_text())["model_type"] == "qwen3_moe"
 
 
-@pytest.mark.parametrize("ep", [1, 2])
-def test_logits_match_transformers_and_export_round_trips(moe_models, ep):
-    """Both routers (Qwen's renormalised top-k and plain softmax top-k), 2 data-parallel ranks split
-    into `ep` expert ranks: logits of transformers (fp32, 1e-5), and the export is the checkpoint."""
+@pytest.mark.parametrize("tp,pp,ep", [(1, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2)])
+def test_logits_match_transformers_and_export_round_trips(moe_models, tp, pp, ep):
+    """Both routers (Qwen's renormalised top-k and plain softmax top-k), 2 data-parallel ranks split into
+    `ep` expert ranks (with TP 2: 4 expert ranks' worth of TP x DP ranks, sequence parallel; with PP 2:
+    experts of each stage): logits of transformers (fp32, 1e-5), and the export is the checkpoint."""
     dirs = {k: str(v) for k, v in moe_models.items()}
-    results = run_ranks(logits_and_export_rank, 2, 1, 1, dirs, PPOConfig(), ep=ep)
+    results = run_ranks(logits_and_export_rank, 2 * tp * pp, tp, pp, dirs, PPOConfig(), ep=ep)
+    last = [r for r, v in results.items() if "norm/logits" in v]
+    assert len(last) == 2  # the last stage's TP rank 0 of each data-parallel rank
     for name, model_dir in dirs.items():
-        for rank in (0, 1):  # each data-parallel rank runs the probes through every expert
+        for rank in last:  # each data-parallel rank runs the probes through every expert
             assert logits_problems(results[rank][f"{name}/logits"], _hf_logits(model_dir), tol=1e-5) == [], name
         assert export_problems(pick(results, f"{name}/weights"), read_hf(model_dir)) == [], name
 
