@@ -386,3 +386,95 @@ def test_mpi_stages_bit_exact_in_the_agreed_order_then_timeout(run_mpi, tmp_path
     assert proc.stdout.count("start-up check passed") == 3 * groups, proc.stdout[-3000:]
     last = "areal-ws-1 (stage 1)" if ep == 1 else "areal-ws-1-1 (stage 1, expert rank 1)"
     assert proc.stdout.count(f"JOINED weight-sync group {last}: generator 1 (world rank 3) on host") == 1
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_sync_from_two_expert_sources_reaches_vllms_fused_experts(tmp_path, monkeypatch):
+    """A tiny MoE generator receives new weights over two groups, as from a stage's two expert ranks
+    ((0, 0): the dense tensors and experts 0-1, (0, 1): experts 2-3, per-expert Hugging Face names):
+    its greedy tokens then equal those of a fresh engine on the new weights, and after a sync back,
+    its own first ones (vLLM's CPU experts repack their weights on load: generator/engine.py). No
+    module goes through vLLM's layerwise reload."""
+    import re
+
+    from safetensors.torch import load_file
+    from transformers import Qwen3MoeForCausalLM
+
+    from areal_hpc.config import ModelConfig
+    from areal_hpc.device import resolve_device
+    from areal_hpc.generator.engine import GenerationEngine
+    from areal_hpc.testing.generator_runs import drain, perturb
+    from areal_hpc.tiny import build_tiny_model, build_tokenizer
+
+    m = ModelConfig(
+        architecture="qwen3_moe",
+        hidden_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+    )
+    path_a = build_tiny_model(m, tmp_path, seed=1)
+    path_b = tmp_path / "b"
+    perturb(Qwen3MoeForCausalLM.from_pretrained(path_a, dtype=torch.float32), seed=5).save_pretrained(path_b)
+    build_tokenizer().save_pretrained(path_b)
+    weights = {name: load_file(str(p / "model.safetensors")) for name, p in (("a", path_a), ("b", path_b))}
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in weights["b"]  # per-expert names, as export sends
+
+    def create(path):
+        return GenerationEngine.create(
+            path, device=resolve_device(), temperature=0.0, max_model_len=256, max_num_seqs=8, seed=0
+        )
+
+    def greedy(engine) -> list[list[int]]:
+        for i, prompt in enumerate(([5, 6, 7, 8], [9, 3, 30, 41, 2])):
+            engine.submit(f"p{i}", prompt, 16)
+        return [t.output_ids for t in sorted(drain(engine), key=lambda t: t.key)]
+
+    fresh = create(path_b)
+    expected_b = greedy(fresh)
+    fresh.close()
+
+    def expert_rank(name: str) -> int:  # experts 0-1 on expert rank 0 (with the dense tensors), 2-3 on 1
+        found = re.search(r"\.mlp\.experts\.(\d+)\.", name)
+        return int(found.group(1)) // 2 if found else 0
+
+    specs, senders = [], []
+    for e in range(2):
+        master = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+        spec = GroupSpec(f"areal-ws-0-{e}", 0, "127.0.0.1", master.port, 2, "gloo", 60.0, "", 4 + e, expert=e)
+        specs.append(spec)
+        senders.append(WeightSender(0, True, spec, _master_store=master))
+    receiver = WeightReceiver(specs, (1,))
+    engine = create(path_a)
+    from vllm.model_executor.model_loader.reload import layerwise  # once vLLM's environment is chosen
+
+    layerwise_calls = []
+    monkeypatch.setattr(layerwise, "_layerwise_process", lambda *a: layerwise_calls.append(a))
+    try:
+        expected_a = greedy(engine)
+        assert expected_a != expected_b  # the test can tell the weights apart
+        joins = [threading.Thread(target=s.join, args=(60,)) for s in senders]
+        for th in joins:
+            th.start()
+        joined = engine.join_weight_sync(receiver, 60)
+        for th in joins:
+            th.join(60)
+        assert [line.split(":")[0] for line in joined] == [
+            "weight-sync group areal-ws-0-0 (stage 0, expert rank 0)",
+            "weight-sync group areal-ws-0-1 (stage 0, expert rank 1)",
+        ]
+        for version, state, expected in ((1, weights["b"], expected_b), (2, weights["a"], expected_a)):
+            parts = [[(n, t) for n, t in sorted(state.items()) if expert_rank(n) == e] for e in range(2)]
+            sends = [threading.Thread(target=s.send, args=(part, 16_000)) for s, part in zip(senders, parts)]
+            for th in sends:
+                th.start()
+            engine.update_weights(receiver, version)
+            for th in sends:
+                th.join(60)
+            assert greedy(engine) == expected, f"version {version}"
+        assert not layerwise_calls
+    finally:
+        engine.close()
+        for s in senders:
+            s.leave()
