@@ -171,10 +171,10 @@ def test_agreed_order_written_out():
     ]  # fmt: skip
 
 
-def _issued(log: list[tuple[int, tuple[int, int]]], group_rank: int) -> list[tuple[int, int, int | str]]:
-    """(stage, expert rank, bucket or "end") in the order group rank `group_rank` issued its bucket
-    broadcasts (`log`: (group rank, group key) of each "bucket sizes" broadcast)."""
-    keys = [key for rank, key in log if rank == group_rank]
+def _issued(keys: list[tuple[int, int]]) -> list[tuple[int, int, int | str]]:
+    """(stage, expert rank, bucket or "end") in the order a receiver issued its bucket broadcasts (`keys`:
+    the group key of each "bucket sizes" broadcast, the end markers' too)."""
+    keys = [tuple(key) for key in keys]
     seen: dict = {}
     for key in keys:
         seen[key] = seen.get(key, -1) + 1
@@ -254,7 +254,7 @@ def test_pp2_ep2_every_receiver_issues_the_agreed_order(monkeypatch):
     expected = dict(item for k in counts for item in planned(*k))
     for i in range(2):
         assert sorted(got[i]) == sorted(expected) and all(torch.equal(got[i][n], expected[n]) for n in expected)
-        assert _issued(log, i + 1) == agreed_order(buckets)
+        assert _issued([key for rank, key in log if rank == i + 1]) == agreed_order(buckets)
     for end in [*receivers, *senders.values()]:
         end.leave()
 
@@ -478,3 +478,28 @@ def test_a_sync_from_two_expert_sources_reaches_vllms_fused_experts(tmp_path, mo
         engine.close()
         for s in senders:
             s.leave()
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.megatron
+@pytest.mark.vllm
+def test_mpi_ep2_trainers_sync_a_vllm_moe_generator(run_mpi, tmp_path):
+    """TP 2 x DP 2 x EP 2 trainers (Megatron, gloo) -> a vLLM tiny MoE generator through
+    `trainer.worker.send_weights`: expert rank 1's source is the stage source's TP peer, so it gathers
+    the dense tensors with it before sending its experts. After the sync the generator's greedy tokens
+    are a fresh engine's on the trainers' model, and it took the buckets in the agreed order."""
+    import json
+
+    proc = run_mpi(MPI_PROGRAMS / "expert_sync_world.py", n=7, timeout=900, args=[str(tmp_path)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line is not None, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads(line.removeprefix("RESULT "))
+    sources = {(s, e): (buckets, tensors) for s, e, buckets, tensors in result["sources"]}
+    assert sorted(sources) == [(0, 0), (0, 1)]
+    assert sources[0, 1][1] == 2 * 2 * 3  # 2 layers x experts 2-3 x gate, up, down
+    assert sources[0, 0][1] > 2 * 2 * 3  # the dense tensors and experts 0-1
+    assert result["after"] == result["expected"] != result["before"]
+    assert _issued(result["issued"]) == agreed_order({k: buckets for k, (buckets, _) in sources.items()})
+    assert proc.stdout.count("weight-sync group areal-ws-0-1 (stage 0, expert rank 1)") == 2  # both ends

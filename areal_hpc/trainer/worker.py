@@ -43,8 +43,9 @@ def build_engine(ctx) -> Engine:
     comm = ctx.role_comm
     timeout_s = cfg.train.collective_timeout_s
     store = world_store(comm, cfg.cluster.network_interface, timeout_s)
+    a = cfg.allocation
     par = init_parallel(
-        comm.Get_rank(), comm.Get_size(), cfg.allocation.train_tp, cfg.allocation.train_pp, store, ctx.device, timeout_s
+        comm.Get_rank(), comm.Get_size(), a.train_tp, a.train_pp, store, ctx.device, timeout_s, a.train_ep
     )
     engine = Engine(ctx.model_path, par, cfg.ppo, getattr(torch, cfg.model.dtype), cfg.train.total_steps)
     if ctx.resume_from is not None:
