@@ -79,11 +79,18 @@ class WeightLoader:
           - unquantized, but post-processing replaced a tensor (on CPU the linear weights live only
             in oneDNN handles: the parameter is empty): the module first gets fresh tensors of its
             recorded checkpoint format (vLLM's meta helpers), which the loaders then fill;
-          - both run the unquantized `process_weights_after_loading` again afterwards: it derives
-            only from the weights (on CPU it creates the oneDNN handles of the linear layers and of
-            the embedding / lm_head, whose sampling would otherwise stay on the old weights);
+          - unquantized MoE experts whose kernel repacks the weights after loading (on CPU into its
+            grouped-GEMM layout, of the checkpoint's shape, so the check above cannot see it): vLLM's
+            method repacks only at the first load (while it has no kernel), and its own reload
+            skips that step, leaving the experts unpacked in the packed layout; so such a module
+            gets fresh tensors as above and loses its kernel, and its post-processing runs as at the
+            first load (a new kernel, the repacking);
+          - all of them run the unquantized `process_weights_after_loading` again afterwards: it
+            derives only from the weights (on CPU it creates the oneDNN handles of the linear layers
+            and of the embedding / lm_head, whose sampling would otherwise stay on the old weights);
           - anything else (quantized): vLLM's layerwise reload, applied to those modules only.
-        On GPU an unquantized model loads in place throughout (no post-processing, no copies).
+        On GPU an unquantized model loads in place throughout (no post-processing, no copies; its
+        Triton experts repack nothing).
         """
         from torch import nn
         from vllm.model_executor.model_loader.reload.layerwise import (
@@ -102,11 +109,14 @@ class WeightLoader:
                 others.append(module)
                 continue
             direct.append(module)
-            if not _as_recorded(module):
+            repacked = _repacked_experts(module)
+            if repacked or not _as_recorded(module):
                 info = get_layerwise_info(module)
                 restore_layer_on_meta(module, info)
                 materialize_layer(module, info)
                 restored.append((name, module))
+            if repacked:
+                module.quant_method.moe_kernel = None
         # vLLM's layerwise functions walk `.modules()`: hand them a container of the others only.
         reloaded = nn.ModuleList(others)
         initialize_layerwise_reload(reloaded)
@@ -186,13 +196,30 @@ class WeightLoader:
 
 
 def _unquantized(module) -> bool:
-    """No quant method, or vLLM's unquantized one, whose `process_weights_after_loading` derives
-    only from the checkpoint-format weights (so it can run again after any load)."""
+    """No quant method, or one of vLLM's unquantized ones (linear, embedding, MoE experts), whose
+    `process_weights_after_loading` derives only from the checkpoint-format weights (so it can run
+    again after any load)."""
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
     quant = getattr(module, "quant_method", None)
-    return quant is None or type(quant) in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)
+    return quant is None or type(quant) in (
+        UnquantizedLinearMethod,
+        UnquantizedEmbeddingMethod,
+        UnquantizedFusedMoEMethod,
+    )
+
+
+def _repacked_experts(module) -> bool:
+    """Whether `module` is MoE experts whose kernel transforms the weights after loading (its
+    `process_weights_after_loading` is more than the base class's no-op: vLLM's CPU experts prepack)."""
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    if kernel is None:
+        return False
+    return type(kernel.fused_experts).process_weights_after_loading is not FusedMoEExperts.process_weights_after_loading
 
 
 def _as_recorded(module) -> bool:
