@@ -208,7 +208,7 @@ def weight_sync_check(world, starts: list[int], sources: list[int], device: str,
     specs, master = open_groups(
         world,
         "areal-probe",
-        sources,
+        [(stage, 0, source) for stage, source in enumerate(sources)],  # the stage sources' groups
         generators,
         dev,
         lambda r: (1 + r - starts[1],),

@@ -12,11 +12,13 @@ import pytest
 import torch
 
 from areal_hpc.arch import model_arch
-from areal_hpc.testing.inputs import QWEN3, random_batch
+from areal_hpc.config import ModelConfig
+from areal_hpc.protocol import routing_unknown
+from areal_hpc.testing.inputs import random_batch
 from areal_hpc.trainer.spawn import run_ranks
 
 EXPERTS, TOP_K = 8, 2
-UNKNOWN = np.iinfo(np.uint8).max
+UNKNOWN = routing_unknown(np.uint8)
 NOISE = 0.2
 """Noise on the trainer's router weights, times their standard deviation: its own top-k then differs from
 the generator's on about a third of the positions (0.2: 68% agree; 1.0: 33%)."""
@@ -58,56 +60,26 @@ def test_microbatch_routing_in_router_order(padded):
 # --- on a real Megatron MoE model (one rank) ---
 
 
-def _moe_config(par, recompute="none"):
-    from areal_hpc.trainer.choices import RECOMPUTE
-    from areal_hpc.trainer.model import transformer_config
-
-    cfg = transformer_config(model_arch(QWEN3), 1, 1, par.device)
-    return dataclasses.replace(
-        cfg,
-        **RECOMPUTE[recompute],
-        num_moe_experts=EXPERTS,
-        moe_ffn_hidden_size=32,
-        moe_router_topk=TOP_K,
-        moe_router_pre_softmax=False,  # Qwen's norm_topk_prob: softmax over the chosen experts' logits
-        moe_router_dtype="fp32",
-        moe_token_dispatcher_type="allgather",
-        moe_router_load_balancing_type="aux_loss",
-        moe_aux_loss_coeff=0.01,
-        moe_grouped_gemm=False,
-    )
+MOE = ModelConfig(
+    architecture="qwen3_moe",
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_experts=EXPERTS,
+    num_experts_per_tok=TOP_K,
+    moe_intermediate_size=32,
+)
+"""A tiny Qwen3-MoE: 8 experts, top-2, Qwen's renormalised top-k probabilities."""
 
 
-def _moe_model(cfg, like=None):
-    """A Qwen3-shaped Megatron GPTModel with MoE layers routed by ReplayRouter (the weights of `like`)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.moe import moe_utils
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+def _moe_model(par, recompute="none", like=None):
+    """The trainer's stage of MOE (`trainer.model`: routers are ReplayRouters), the weights of `like`."""
+    from areal_hpc.trainer.model import build_stage, transformer_config
 
-    from areal_hpc.trainer.model import HiddenGPTModel, RMSNorm
-    from areal_hpc.trainer.moe import ReplayRouter
-    from areal_hpc.trainer.packed import SegmentAttention
-
-    if not moe_utils.HAVE_TE:  # the TE-less router route (cpu_compat, WP-B) until the engine builds MoE
-        moe_utils.te_general_gemm = None
-    arch = model_arch(QWEN3)
-    spec = get_gpt_layer_local_spec(
-        num_experts=EXPERTS, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=True
-    )
-    spec.submodules.self_attention.submodules.core_attention = SegmentAttention
-    for name in ("input_layernorm", "pre_mlp_layernorm"):
-        setattr(spec.submodules, name, RMSNorm)
-    spec.submodules.self_attention.submodules.q_layernorm = RMSNorm
-    spec.submodules.self_attention.submodules.k_layernorm = RMSNorm
-    spec.submodules.mlp.submodules.router = ReplayRouter
-    model = HiddenGPTModel(
-        config=cfg,
-        transformer_layer_spec=TransformerBlockSubmodules(layer_specs=[spec] * cfg.num_layers, layer_norm=RMSNorm),
-        vocab_size=arch.vocab_size,
-        max_sequence_length=arch.max_position_embeddings,
-        share_embeddings_and_output_weights=True,
-        position_embedding_type="mrope",
-        rotary_base=arch.rope_theta,
+    arch = model_arch(MOE)
+    model = build_stage(
+        arch, transformer_config(arch, 1, 1, par.device, recompute=recompute, load_balancing_coef=0.01), par.device
     )
     if like is not None:
         model.load_state_dict(like.state_dict())
@@ -185,10 +157,8 @@ def _replay_rank(par, noise: float) -> dict:
     from areal_hpc.trainer.step import make_microbatch
 
     torch.manual_seed(0)
-    cfg = _moe_config(par)
-    generator = _moe_model(cfg)
-    batch = random_batch(model_arch(QWEN3).vocab_size, n_seqs=6, seed=1, microbatches=[[[0, 1, 2, 3, 4, 5]]])
-    batch.routing = None
+    generator = _moe_model(par)
+    batch = random_batch(model_arch(MOE).vocab_size, n_seqs=6, seed=1, microbatches=[[[0, 1, 2, 3, 4, 5]]])
     batch.routing = _record(generator, batch)
     ids = list(range(6))
     packed = make_microbatch(batch, ids, device=par.device)
@@ -196,7 +166,7 @@ def _replay_rank(par, noise: float) -> dict:
         reference = _logprobs(generator, packed, routing=None)  # the generator's logprobs
 
     # the trainer: the same weights but its routers' (perturbed or not), rows padded: another token order
-    trainer = _moe_model(cfg, like=generator)
+    trainer = _moe_model(par, like=generator)
     _perturb_router(trainer, noise, seed=2)
     mb = make_microbatch(batch, ids, padded=True, device=par.device, layers=[0, 1])
     routes = _Routes(trainer)
@@ -262,14 +232,13 @@ def _recompute_rank(par) -> dict:
     from areal_hpc.trainer.step import make_microbatch
 
     torch.manual_seed(0)
-    generator = _moe_model(_moe_config(par))
-    batch = random_batch(model_arch(QWEN3).vocab_size, n_seqs=4, seed=3, microbatches=[[[0, 1], [2, 3]]])
-    batch.routing = None
+    generator = _moe_model(par)
+    batch = random_batch(model_arch(MOE).vocab_size, n_seqs=4, seed=3, microbatches=[[[0, 1], [2, 3]]])
     batch.routing = _record(generator, batch)
     mbs = [make_microbatch(batch, ids, device=par.device, layers=[0, 1]) for ids in batch.microbatches[0]]
     out = {}
     for recompute in ("none", "full"):
-        model = _moe_model(_moe_config(par, recompute), like=generator).train()
+        model = _moe_model(par, recompute, like=generator).train()
         _perturb_router(model, NOISE, seed=4)  # replayed experts differ from the router's own
         losses = [_logprobs(model, mb).sum() for mb in mbs]
         moe.set_targets(model, None)  # the backward passes must not need the targets of the forward
@@ -302,3 +271,57 @@ def test_full_recompute_replays_the_forward_experts(replayed):
     assert torch.equal(full["stats"], none["stats"])
     assert compared == out["known"] and 0 < agree < compared
     assert lb_n == 2 * 2 and 0.9 < lb_sum / lb_n < 2.0  # 1: balanced over the experts
+
+
+# --- the PPO step on the engine, at TP 2 (sequence parallel) and PP 2 ---
+
+
+def _transformers_routing(model_dir, batch) -> np.ndarray:
+    """[N, L, K] uint8: the top-k of transformers' router logits for each token of the batch (what the
+    generator records for the same weights), the last token of each sequence unknown."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    cu, parts = batch.cu_seqlens, []
+    for a, b in zip(cu[:-1], cu[1:]):
+        with torch.no_grad():
+            logits = model(torch.from_numpy(batch.tokens[a:b].astype(np.int64))[None], output_router_logits=True)
+        parts.append(torch.stack([x.topk(model.config.num_experts_per_tok).indices for x in logits.router_logits], 1))
+    routing = torch.cat(parts).numpy().astype(np.uint8)
+    routing[cu[1:] - 1] = UNKNOWN
+    return routing
+
+
+def _step_rank(par, model_dir, batch) -> dict | None:
+    """One PPO step from the same weights with and without the batch's routing replayed."""
+    from areal_hpc.config import PPOConfig
+    from areal_hpc.trainer.engine import Engine
+    from areal_hpc.trainer.step import StepConfig, ppo_step
+
+    out = {}
+    for replay in (True, False):
+        engine = Engine(model_dir, par, PPOConfig(routing_replay=replay, lr=1e-3))
+        step_batch = batch if replay else dataclasses.replace(batch, routing=None)
+        out[replay] = ppo_step(engine, step_batch, StepConfig(prox_pass_always=True))
+    return out if par.rank == 0 else None
+
+
+@pytest.mark.megatron
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_ppo_step_replays_the_generators_routing(tmp_path, tp, pp):
+    """The routing transformers computes for the tiny MoE, replayed by the PPO step with sequence
+    parallelism (each TP rank its slice of the rows) or pipeline stages (each its layers): the trainer's
+    own routers agree on every position (the layout is the router's), the step is the one without replay,
+    and the load-balancing loss is reported."""
+    from areal_hpc.tiny import build_tiny_model
+
+    model = ModelConfig(architecture="qwen3_moe")
+    model_dir = build_tiny_model(model, tmp_path, seed=3)
+    batch = random_batch(model_arch(model).vocab_size, n_seqs=4, microbatches=[[[0, 1], [2, 3]]])
+    batch.routing = _transformers_routing(model_dir, batch)
+    out = run_ranks(_step_rank, tp * pp, tp, pp, str(model_dir), batch)[0]
+    replayed, own = out[True], out[False]
+    assert replayed.pop("ppo/routing_agreement") == 1.0 and "ppo/routing_agreement" not in own
+    assert replayed == pytest.approx(own, rel=1e-6, abs=1e-7)
+    assert 0.9 < replayed["ppo/load_balancing_loss"] < 2.0

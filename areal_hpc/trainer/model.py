@@ -164,10 +164,9 @@ def build_stage(arch: QwenArch, config, device: torch.device) -> HiddenGPTModel:
         qk_layernorm=config.qk_layernorm,
     )
     if config.num_moe_experts:
-        # TODO(i29 merge): areal_hpc.trainer.moe.ReplayRouter (WP-E) replaces TopKRouter here.
-        from megatron.core.transformer.moe.router import TopKRouter
+        from areal_hpc.trainer.moe import ReplayRouter
 
-        spec.submodules.mlp.submodules.router = TopKRouter
+        spec.submodules.mlp.submodules.router = ReplayRouter
     spec.submodules.self_attention.submodules.core_attention = SegmentAttention
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm

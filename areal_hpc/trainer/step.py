@@ -53,6 +53,7 @@ import torch.distributed as dist
 from megatron.core.utils import unwrap_model
 
 from areal_hpc.algo.ppo import decoupled_ppo_loss, kl_penalty
+from areal_hpc.protocol import routing_unknown
 from areal_hpc.trainer import moe
 from areal_hpc.trainer.choices import PROX_LOGPS
 from areal_hpc.trainer.logprobs import token_logprobs
@@ -174,7 +175,7 @@ def _router_order(routing: np.ndarray, rows: PackedRows, sp_size: int, sp_rank: 
     """[n, L, K] experts of a micro-batch's tokens (in the order of its sequences; the dtype's maximum
     unknown) -> [L, T, K] int64 in the router's token order, -1 for unknown and for padding."""
     n, layers, k = routing.shape
-    known = torch.from_numpy(np.where(routing == np.iinfo(routing.dtype).max, -1, routing.astype(np.int64)))
+    known = torch.from_numpy(np.where(routing == routing_unknown(routing.dtype), -1, routing.astype(np.int64)))
     b, s = rows.tokens.shape
     grid = torch.full((s, b, layers, k), -1, dtype=torch.int64)
     start = 0
