@@ -4,7 +4,7 @@ A vLLM engine with `record_routing` on the tiny Qwen3-MoE (`model.architecture=q
 experts, top-2): each finished turn's routing is, at every position the engine computed, the top-k of
 transformers' own router logits (`output_router_logits`) on the same tokens and weights; a prefix-cache
 hit finds the routing of the pass that computed the prefix; after a weight update a resubmitted turn
-carries the new weights' routing at every position (D7 of issue 29).
+carries the new weights' routing at every position (generator/routing.py: which routing a position carries).
 """
 
 import numpy as np

@@ -13,7 +13,7 @@ so the generator records them. `RoutingRecorder` lives in vLLM's worker (install
    scheduler hands its blocks to another): the rows of its positions 0 .. n-1, through its block table
 ```
 
-Which routing a position carries (D7 of issue 29): that of the last forward pass that computed its KV in the
+Which routing a position carries: that of the last forward pass that computed its KV in the
 turn's final attempt. A prefix-cache hit therefore finds the routing of the pass that computed the shared
 prefix (the same weights, the same tokens: the same experts). After a weight update the prefix cache is
 reset and an interrupted turn is resubmitted as context + partial output, so its final attempt computes
