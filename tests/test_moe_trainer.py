@@ -10,10 +10,10 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from areal_hpc.config import ModelConfig, PPOConfig
 from areal_hpc.testing.compare import export_problems, logits_problems, max_diff, pick, resume_problems
+from areal_hpc.testing.inputs import random_norms
 from areal_hpc.testing.trainer_runs import hf_logits, logits_and_export_rank
 from areal_hpc.tiny import build_tiny_model
 from areal_hpc.trainer.convert import read_hf
@@ -26,8 +26,6 @@ def build_moe_model(root: Path, norm_topk_prob: bool, seed: int) -> Path:
     """The tiny Qwen3-MoE (4 experts, top 2; per-expert tensor names), untied, with random norms and a
     router far from uniform: norms are all ones at init (a swapped norm would go unseen), and near-equal
     router scores would make the top-k hang on float rounding."""
-    from safetensors.torch import load_file, save_file
-
     m = ModelConfig(  # heads of 32 (vLLM's CPU attention needs that), 4 query heads per 2 key/value heads
         architecture="qwen3_moe",
         norm_topk_prob=norm_topk_prob,
@@ -36,15 +34,7 @@ def build_moe_model(root: Path, norm_topk_prob: bool, seed: int) -> Path:
         tie_word_embeddings=False,
     )
     model_dir = build_tiny_model(m, root, seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    for f in model_dir.glob("*.safetensors"):
-        state = load_file(f)
-        for name, t in state.items():
-            if name.endswith("norm.weight"):
-                state[name] = t + 0.2 * torch.randn(t.shape, generator=g)
-            if name.endswith("mlp.gate.weight"):
-                state[name] = 0.5 * torch.randn(t.shape, generator=g)
-        save_file(state, f, metadata={"format": "pt"})
+    random_norms(model_dir, seed, router_std=0.5)
     return model_dir
 
 
