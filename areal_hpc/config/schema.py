@@ -243,11 +243,11 @@ class PPOConfig:
     estimator); reported as ppo/kl. Costs a forward pass per step and the weights once more per trainer
     rank."""
     routing_replay: bool = False
-    """Mixture-of-experts models: the trainer's forward passes (proximal and training) route each token to
-    the experts the generator routed it to (recorded per position and layer by the generators, sent with
-    the trajectory), so that both compute the same function; the router still trains on its own
-    probabilities of those experts. Reported: ppo/routing_agreement, the share of positions whose top-k the
-    trainer's router would also choose."""
+    """Mixture-of-experts models: the trainer's forward passes (proximal, reference and training) route
+    each token to the experts the generator routed it to (recorded per position and layer by the
+    generators, sent with the trajectory), so that both compute the same function; the router still trains
+    on its own probabilities of those experts. Reported: ppo/routing_agreement, the share of positions
+    whose top-k the trainer's router would also choose."""
     load_balancing_coef: float | None = None
     """Mixture-of-experts models: weight of the router's load-balancing loss (Megatron's aux_loss; reported
     as ppo/load_balancing_loss); null: config.json's router_aux_loss_coef (Qwen3-MoE: 0.001); 0: off."""

@@ -53,6 +53,7 @@ class RoutingRecorder:
     def __init__(self, model_runner):
         import torch
         from vllm.model_executor.layers.fused_moe.layer import MoERunner
+        from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 
         self.model_runner = model_runner
         model_config = model_runner.model_config
@@ -77,6 +78,13 @@ class RoutingRecorder:
                 f"ppo.routing_replay: {model_config.model} has no MoE layer (routing replay is for MoE models)"
             )
         for runner in runners:
+            if runner._quant_method.is_monolithic or not isinstance(runner.router, BaseRouter):
+                raise ValueError(
+                    f"ppo.routing_replay: the MoE kernel of {model_config.model} "
+                    f"({type(runner._quant_method).__name__}) routes inside the kernel, past vLLM's router hook, "
+                    "so the routing cannot be recorded: set ppo.routing_replay=false, or use a MoE backend that "
+                    "routes with vLLM's router (the unquantized default)"
+                )
             runner.router.set_capture_fn(partial(self._capture, runner.layer_id))
 
     def _capture(self, layer: int, topk_ids) -> None:
