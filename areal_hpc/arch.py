@@ -29,7 +29,7 @@ from pathlib import Path
 
 from areal_hpc.errors import ConfigError
 
-ARCHITECTURES = ("qwen2", "qwen3")
+ARCHITECTURES = ("qwen2", "qwen3", "qwen3_moe")
 """The Hugging Face `model_type`s the trainer builds."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 """The values of `model.dtype`, and the bytes of one value of each."""
@@ -48,8 +48,9 @@ class ModelConfig:
     dtype: str = "float32"
     """Parameter and compute dtype: float32, bfloat16 or float16."""
     architecture: str | None = None
-    """qwen2 or qwen3, config.json's `model_type` (tiny: qwen2). Qwen3: RMSNorm on each query and key
-    head, no QKV bias, `head_dim` apart from hidden_size / heads."""
+    """qwen2, qwen3 or qwen3_moe, config.json's `model_type` (tiny: qwen2). Qwen3: RMSNorm on each query
+    and key head, no QKV bias, `head_dim` apart from hidden_size / heads. qwen3_moe: Qwen3's attention with
+    a mixture of experts in place of every layer's MLP (the four expert fields below)."""
     hidden_size: int | None = None
     """Width of the residual stream (Qwen2 `hidden_size`; tiny: 64)."""
     intermediate_size: int | None = None
@@ -75,6 +76,15 @@ class ModelConfig:
     """Epsilon of the RMSNorm layers (tiny: 1e-6)."""
     tie_word_embeddings: bool | None = None
     """Share the input embedding and the output projection (tiny: true)."""
+    num_experts: int | None = None
+    """qwen3_moe only (null for the dense architectures): routed experts per layer (tiny: 4)."""
+    num_experts_per_tok: int | None = None
+    """qwen3_moe only: experts each token is routed to, the router's top-k (tiny: 2)."""
+    moe_intermediate_size: int | None = None
+    """qwen3_moe only: width of each expert's SwiGLU feed-forward layer (tiny: 64)."""
+    norm_topk_prob: bool | None = None
+    """qwen3_moe only: renormalise the top-k routing probabilities to sum to 1 (Qwen3-MoE's models set
+    it; tiny: true)."""
 
 
 @dataclass(frozen=True)
@@ -96,9 +106,26 @@ class QwenArch:
     """Bias of the query, key and value projections (Qwen2; Qwen3's `attention_bias`, false in its models)."""
     qk_norm: bool
     """RMSNorm of each query and key head before RoPE (Qwen3)."""
+    num_experts: int = 0
+    """Routed experts per layer; 0: a dense model (an MLP per layer)."""
+    num_experts_per_tok: int = 0
+    """The router's top-k."""
+    moe_intermediate_size: int = 0
+    """Width of each expert's SwiGLU layer."""
+    norm_topk_prob: bool = False
+    """Renormalise the top-k routing probabilities (softmax over all experts, top-k, divide by their sum)."""
+    router_aux_loss_coef: float = 0.0
+    """config.json's load-balancing loss coefficient (the default of `ppo.load_balancing_coef`)."""
+
+    @property
+    def moe(self) -> bool:
+        """A mixture of experts in every layer (qwen3_moe)."""
+        return self.num_experts > 0
 
     @property
     def model_type(self) -> str:
+        if self.moe:
+            return "qwen3_moe"
         return "qwen3" if self.qk_norm else "qwen2"
 
     @classmethod
@@ -113,6 +140,7 @@ class QwenArch:
         if rope.get("rope_type", "default") != "default":
             raise ValueError(f"{model_dir}: RoPE scaling {rope.get('rope_type')!r} is not supported by the trainer")
         heads = c["num_attention_heads"]
+        moe = _hf_moe(c, model_dir) if model_type == "qwen3_moe" else {}
         return cls(
             vocab_size=c["vocab_size"],
             hidden_size=c["hidden_size"],
@@ -126,17 +154,36 @@ class QwenArch:
             tie_word_embeddings=c.get("tie_word_embeddings", False),
             max_position_embeddings=c.get("max_position_embeddings", 4096),
             qkv_bias=model_type == "qwen2" or c.get("attention_bias", False),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type != "qwen2",
+            **moe,
         )
 
     @property
     def params(self) -> int:
-        """Parameters of the decoder (d: the head size): per layer q, o: h * heads * d each; k, v:
-        h * kv_heads * d each; MLP: 3 h f; plus the embedding v h, and the output projection v h unless
-        tied (biases and norms left out: under 0.1%)."""
+        """Parameters of the decoder, all of them (d: the head size): per layer q, o: h * heads * d each;
+        k, v: h * kv_heads * d each; MLP: 3 h f, or for a MoE the router E h and E experts of 3 h f_e;
+        plus the embedding v h, and the output projection v h unless tied (biases and norms left out:
+        under 0.1%)."""
+        return self._params(self.num_experts)
+
+    @property
+    def active_params(self) -> int:
+        """The parameters one token uses: `params` with top-k experts per layer in place of all of them
+        (the router counted whole). Equal to `params` for a dense model."""
+        return self._params(self.num_experts_per_tok)
+
+    @property
+    def expert_params(self) -> int:
+        """The parameters of all experts of all layers (0 for a dense model): expert parallelism splits these."""
+        return self.num_layers * self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
+
+    def _params(self, experts: int) -> int:
         h, d = self.hidden_size, self.head_dim
         per_layer = 2 * h * self.num_attention_heads * d + 2 * h * self.num_key_value_heads * d
-        per_layer += 3 * h * self.intermediate_size
+        if self.moe:
+            per_layer += self.num_experts * h + experts * 3 * h * self.moe_intermediate_size
+        else:
+            per_layer += 3 * h * self.intermediate_size
         return self.num_layers * per_layer + self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
 
     def kv_bytes_per_token(self, dtype_bytes: int, tp: int = 1) -> int:
@@ -160,7 +207,11 @@ TINY = {
     "tie_word_embeddings": True,
 }
 """The tiny model's shape where the config leaves a `model.*` field unset (null)."""
-SHAPE_FIELDS = tuple(TINY)
+TINY_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True}
+"""The tiny model's expert fields where `model.architecture` is qwen3_moe and the config leaves them unset."""
+MOE_FIELDS = tuple(TINY_MOE)
+"""The `model.*` fields of a mixture of experts: set for qwen3_moe only."""
+SHAPE_FIELDS = tuple(TINY) + MOE_FIELDS
 """The `model.*` fields that describe the architecture (all of them null by default)."""
 
 
@@ -191,16 +242,25 @@ def model_arch(m: ModelConfig) -> QwenArch:
                 "from the config or correct them, e.g. " + " ".join(f"model.{k}=null" for k in wrong) + ")"
             )
         return dataclasses.replace(arch, max_position_embeddings=context)
+    architecture = given.get("architecture", TINY["architecture"])
+    needed = SHAPE_FIELDS if architecture == "qwen3_moe" else tuple(TINY)
     if m.path != "tiny":
-        missing = [f"model.{k}" for k in SHAPE_FIELDS if k not in given and k not in ("head_dim", "architecture")]
+        missing = [f"model.{k}" for k in needed if k not in given and k not in ("head_dim", "architecture")]
         if missing:
             raise ConfigError(
                 f"model.path {m.path} is not a Hugging Face model directory here (no config.json), so the config "
                 f"must give its architecture: set {', '.join(missing)}"
             )
-    s = TINY | given
-    if s["architecture"] not in ARCHITECTURES:
-        raise ConfigError(f"model.architecture must be {' or '.join(ARCHITECTURES)} (got '{s['architecture']}')")
+    if architecture not in ARCHITECTURES:
+        raise ConfigError(f"model.architecture must be one of {', '.join(ARCHITECTURES)} (got '{architecture}')")
+    if architecture != "qwen3_moe":
+        stray = [f"model.{k}" for k in MOE_FIELDS if k in given]
+        if stray:
+            raise ConfigError(
+                f"{', '.join(stray)} apply to model.architecture qwen3_moe only (it is {architecture}): "
+                "remove them, or set model.architecture=qwen3_moe"
+            )
+    s = TINY | (TINY_MOE if architecture == "qwen3_moe" else {}) | given
     if s["head_dim"] < 0:
         raise ConfigError(f"model.head_dim must be >= 0 (got {s['head_dim']}); 0 is hidden_size / num_attention_heads")
     for k in ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"):
@@ -216,9 +276,51 @@ def model_arch(m: ModelConfig) -> QwenArch:
             f"model.num_attention_heads ({s['num_attention_heads']}) must divide model.hidden_size "
             f"({s['hidden_size']}), or set model.head_dim"
         )
-    qwen3 = s.pop("architecture") == "qwen3"
+    if architecture == "qwen3_moe":
+        for k in ("num_experts", "moe_intermediate_size"):
+            if s[k] < 1:
+                raise ConfigError(f"model.{k} must be at least 1 (got {s[k]})")
+        if not 1 <= s["num_experts_per_tok"] <= s["num_experts"]:
+            raise ConfigError(
+                f"model.num_experts_per_tok ({s['num_experts_per_tok']}) must be between 1 and model.num_experts "
+                f"({s['num_experts']})"
+            )
+        s["router_aux_loss_coef"] = QWEN3_MOE_AUX_LOSS_COEF
+    qwen3 = s.pop("architecture") != "qwen2"
     s["head_dim"] = s["head_dim"] or s["hidden_size"] // s["num_attention_heads"]
     return QwenArch(qkv_bias=not qwen3, qk_norm=qwen3, **s)
+
+
+QWEN3_MOE_AUX_LOSS_COEF = 0.001
+"""The load-balancing loss coefficient of Qwen3-MoE's config.json (`router_aux_loss_coef`), for a model built
+from the config's fields (tiny, or a path not on this machine yet)."""
+
+
+def _hf_moe(c: dict, model_dir: str | Path) -> dict:
+    """The expert fields of a qwen3_moe config.json; ValueError naming the field this trainer cannot build
+    (it builds routed experts in every layer, softmax top-k, no shared expert)."""
+    unsupported = [  # (field, its value, the one value supported, what another value means)
+        ("shared_expert_intermediate_size", c.get("shared_expert_intermediate_size") or 0, 0, "a shared expert"),
+        ("mlp_only_layers", c.get("mlp_only_layers") or [], [], "dense MLP layers among the MoE ones"),
+        ("decoder_sparse_step", c.get("decoder_sparse_step", 1), 1, "experts only every few layers"),
+        ("scoring_func", c.get("scoring_func", "softmax"), "softmax", "a router other than softmax top-k"),
+        ("topk_method", c.get("topk_method", "greedy"), "greedy", "a router other than softmax top-k"),
+    ]
+    for name, value, supported, what in unsupported:
+        if value != supported:
+            raise ValueError(
+                f"{model_dir}: config.json's {name} is {value!r} ({what}): the trainer builds routed experts in every layer, "
+                f"softmax top-k, no shared expert ({name} {supported!r})"
+            )
+    return {
+        "num_experts": c["num_experts"]
+        if "num_experts" in c
+        else c["num_local_experts"],  # transformers 5 writes the latter
+        "num_experts_per_tok": c["num_experts_per_tok"],
+        "moe_intermediate_size": c["moe_intermediate_size"],
+        "norm_topk_prob": c.get("norm_topk_prob", False),
+        "router_aux_loss_coef": c.get("router_aux_loss_coef", QWEN3_MOE_AUX_LOSS_COEF),
+    }
 
 
 def _shape(arch: QwenArch) -> dict:

@@ -13,7 +13,9 @@
 
 A training sequence is one sequence of an episode (`Trajectory.seq_lens` cuts them; most episodes have
 one) exactly as the engine saw it. The loss mask is the episode's (1 on sampled tokens); behaviour
-logprobs and advantages are 0, versions -1, on context tokens (prompt, tool output, template text).
+logprobs and advantages are 0, versions -1, on context tokens (prompt, tool output, template text). With
+routing replay, `TrainBatch.routing` follows the tokens (each episode's `Trajectory.routing`; an episode
+without one, e.g. from a checkpoint written before, is unknown throughout: the trainer routes it itself).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import numpy as np
 
 from areal_hpc.algo.advantages import group_advantages
 from areal_hpc.packing import split_for_dp
-from areal_hpc.protocol import TrainBatch, Trajectory
+from areal_hpc.protocol import TrainBatch, Trajectory, routing_unknown
 from areal_hpc.rollouts import Group
 
 
@@ -63,6 +65,7 @@ def build_train_batches(
     lost = [x for g in groups for x in g.lost]
     rewards = [float("nan") if x else r for g in groups for r, x in zip(g.rewards, g.lost)]
     adv = group_advantages(rewards, n, adv_norm, lost=lost)  # [B * n]
+    routed = _routing_layout(groups)
     seqs = []
     members: list[list[int]] = []  # per group: its sequences' indices
     for gi, g in enumerate(groups):
@@ -71,7 +74,7 @@ def build_train_batches(
             if t.error:
                 continue
             trained = not (mask_truncated and t.finish_reason == "length")
-            for seq in _sequences(t, trained, adv[gi * n + j]):
+            for seq in _sequences(t, trained, adv[gi * n + j], routed):
                 members[-1].append(len(seqs))
                 seqs.append(seq)
     lengths = [len(s["tokens"]) for s in seqs]
@@ -99,6 +102,11 @@ def build_train_batches(
         def cat(key, dtype, mine=mine):
             return np.concatenate([s[key] for s in mine]).astype(dtype) if mine else np.zeros(0, dtype)
 
+        routing = None
+        if routed is not None:
+            dtype, shape = routed
+            routing = np.concatenate([np.zeros((0, *shape), dtype)] + [s["routing"] for s in mine])
+
         batches.append(
             TrainBatch(
                 version=version,
@@ -109,22 +117,38 @@ def build_train_batches(
                 advantages=cat("advantages", np.float32),
                 versions=cat("versions", np.int32),
                 microbatches=mbs[r],
+                routing=routing,
             )
         )
     return batches, _info([t for g in groups for t in g.trajectories if not t.error], rewards, lost, len(seqs))
 
 
-def _sequences(t: Trajectory, trained: bool, advantage: float) -> list[dict]:
+def _routing_layout(groups: list[Group]) -> tuple[np.dtype, tuple[int, ...]] | None:
+    """The dtype and [L, K] of the episodes' routing; None when none carries routing (no routing replay)."""
+    for g in groups:
+        for t in g.trajectories:
+            if not t.error and t.routing is not None:
+                return t.routing.dtype, t.routing.shape[1:]
+    return None
+
+
+def _sequences(t: Trajectory, trained: bool, advantage: float, routed=None) -> list[dict]:
     """The training sequences of episode `t`: its arrays cut at `seq_lens`; the advantage on its sampled
     tokens (kept even where `trained` is False and the loss mask is 0: the episode still counted in its
-    group)."""
+    group); its routing when the batch has routing (`routed`: `_routing_layout`), unknown if it has none."""
     sampled = t.loss_mask.astype(bool)
+    if routed is not None:
+        dtype, shape = routed
+        routing = (
+            t.routing if t.routing is not None else np.full((len(t.tokens), *shape), routing_unknown(dtype), dtype)
+        )
     arrays = {
         "tokens": t.tokens.astype(np.int32),
         "loss_mask": (sampled & trained).astype(np.uint8),
         "behav_logprobs": t.behav_logprobs.astype(np.float32),
         "advantages": np.where(sampled, advantage, 0).astype(np.float32),
         "versions": t.versions.astype(np.int32),
+        **({"routing": routing} if routed is not None else {}),
     }
     cuts = np.cumsum(t.seq_lens)[:-1]
     return [dict(zip(arrays, parts)) for parts in zip(*(np.split(a, cuts) for a in arrays.values()))]

@@ -270,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--search",
         action="store_true",
-        help="choose allocation.gen_nodes, gen_tp, train_tp and train_pp for the highest predicted asynchronous "
+        help="choose allocation.gen_nodes, gen_tp, train_tp, train_pp and train_ep (MoE) for the highest predicted asynchronous "
         "throughput that fits GPU memory, instead of taking them from the config; any of them given as a "
         "key=value override on the command line (e.g. allocation.train_pp=1) stays fixed",
     )

@@ -15,7 +15,7 @@ when the config is loaded).
 
 Each rank asks `Layout.role_of(rank)`; `Layout.split(comm)` gives the role communicators. Nothing
 else computes ranks: a trainer's (tp, pp, dp) coordinates (`TrainerGrid`, `Layout.trainer_coords`), the
-weight-sync groups' sources, members and sizes, and the cores of each rank on one machine
+weight-sync groups' sources (`Layout.sync_sources`), members and sizes, and the cores of each rank on one machine
 (`Layout.core_plan`) come from here too.
 
 Trainer ranks follow Megatron's default order, tp fastest, then dp, then pp:
@@ -106,19 +106,24 @@ class TrainerCoords(NamedTuple):
 @dataclass(frozen=True)
 class TrainerGrid:
     """The trainer ranks' TP x PP x DP grid, in trainer-local ranks (the trainers' own communicator and
-    torch.distributed world): rank = tp + TP * (dp + DP * pp), Megatron's default order."""
+    torch.distributed world): rank = tp + TP * (dp + DP * pp), Megatron's default order. A mixture of
+    experts adds expert parallelism over the TP x DP ranks of a stage (Megatron's expert grid with expert
+    tensor parallelism 1): expert rank = (tp + TP * dp) % EP."""
 
     tp: int
     pp: int
     dp: int
+    ep: int = 1
 
     @classmethod
-    def of(cls, world: int, tp: int, pp: int) -> TrainerGrid:
-        """The grid of `world` trainer ranks with parallel sizes tp and pp (dp follows)."""
+    def of(cls, world: int, tp: int, pp: int, ep: int = 1) -> TrainerGrid:
+        """The grid of `world` trainer ranks with parallel sizes tp, pp and ep (dp follows)."""
         problem = replicas_problem(world, tp, pp)
+        if not problem and ep != 1 and (ep < 1 or world // (tp * pp) % ep):
+            problem = f"allocation.train_ep ({ep}) must divide the trainer's data-parallel size ({world // (tp * pp)})"
         if problem:
             raise ValueError(problem)
-        return cls(tp, pp, world // (tp * pp))
+        return cls(tp, pp, world // (tp * pp), ep)
 
     @property
     def size(self) -> int:
@@ -144,6 +149,18 @@ class TrainerGrid:
             raise ValueError(f"pipeline stage {stage} outside 0..{self.pp - 1}")
         return self.rank(0, stage, 0)
 
+    def expert_rank(self, rank: int) -> int:
+        """The expert-parallel rank of trainer-local rank `rank`: which E / EP experts of each layer it holds."""
+        tp, _, dp = self.coords(rank)
+        return (tp + self.tp * dp) % self.ep
+
+    def expert_source(self, stage: int, expert_rank: int) -> int:
+        """The trainer-local rank that sends the experts of expert rank `expert_rank` in stage `stage`: the
+        stage's first rank holding them (expert rank 0: the stage source)."""
+        if not 0 <= expert_rank < self.ep:
+            raise ValueError(f"expert rank {expert_rank} outside 0..{self.ep - 1}")
+        return self.rank(expert_rank % self.tp, stage, expert_rank // self.tp)
+
 
 class Cores(NamedTuple):
     """Where a rank runs on one machine (`Layout.core_plan`)."""
@@ -167,6 +184,9 @@ class Layout:
     `gpus_per_node` counts process slots and nothing asks Slurm for GPUs)."""
     reward_nodes: int = 1
     """CPU nodes of the controller component (the controller and the reward workers)."""
+    train_ep: int = 1
+    """Expert-parallel size of the trainer (allocation.train_ep): each trainer holds 1/train_ep of every
+    MoE layer's experts, so each stage has train_ep weight-sync sources (`sync_sources`)."""
 
     # --- derived sizes ---
     @property
@@ -216,7 +236,7 @@ class Layout:
     # --- trainer grid and weight sync ---
     @property
     def trainer_grid(self) -> TrainerGrid:
-        return TrainerGrid(self.train_tp, self.train_pp, self.train_dp)
+        return TrainerGrid(self.train_tp, self.train_pp, self.train_dp, self.train_ep)
 
     def trainer_coords(self, rank: int) -> TrainerCoords:
         """(tp, pp, dp) of trainer world rank `rank`: `dp` is the data-parallel replica whose batch it
@@ -230,14 +250,25 @@ class Layout:
         rank 0 of the stage's weight-sync group."""
         return self.ranks(Role.TRAINER).start + self.trainer_grid.stage_source(stage)
 
+    def sync_sources(self) -> list[tuple[int, int, int]]:
+        """(stage, expert rank, world rank) of every weight-sync group's source, in the order every rank
+        opens and joins the groups: stages in index order, expert ranks in order within a stage.
+
+        Group (s, e)'s source is the first trainer of stage s whose expert rank is e
+        (`TrainerGrid.expert_source`); (s, 0)'s is the stage's (tp 0, dp 0) rank (`stage_source_rank`),
+        which also sends the stage's dense tensors. With train_ep 1 that is one group per stage.
+        TP 2, PP 2, DP 2, EP 2, trainers from world rank 4: [(0, 0, 4), (0, 1, 5), (1, 0, 8), (1, 1, 9)]."""
+        first, grid = self.ranks(Role.TRAINER).start, self.trainer_grid
+        return [(s, e, first + grid.expert_source(s, e)) for s in range(self.train_pp) for e in range(self.train_ep)]
+
     @property
     def weight_sync_size(self) -> int:
-        """Members of each stage's weight-sync group: its source and every generator engine's gen_tp workers."""
+        """Members of each weight-sync group: its source and every generator engine's gen_tp workers."""
         return 1 + self.generators * self.gen_tp
 
     def weight_sync_ranks(self, rank: int) -> tuple[int, ...]:
-        """Weight-sync group ranks of generator world rank `rank`'s engine workers, by their TP rank:
-        1 + generator index * gen_tp + tp (group rank 0 is the stage's source)."""
+        """Weight-sync group ranks of generator world rank `rank`'s engine workers, by their TP rank, the
+        same in every group: 1 + generator index * gen_tp + tp (group rank 0 is the group's source)."""
         if self.role_of(rank) != Role.GENERATOR:
             raise ValueError(f"{self.describe_rank(rank)} is not a generator")
         first = 1 + (rank - self.ranks(Role.GENERATOR).start) * self.gen_tp
@@ -371,7 +402,7 @@ class Layout:
             )
         return cls(
             c.nodes, c.gpus_per_node, a.reward_workers, a.gen_nodes, a.gen_tp, a.train_tp, a.train_pp,
-            uses_gpus=c.device != "cpu", reward_nodes=a.reward_nodes,
+            uses_gpus=c.device != "cpu", reward_nodes=a.reward_nodes, train_ep=a.train_ep,
         )  # fmt: skip
 
     def table(self, why: str = "") -> str:
@@ -402,7 +433,8 @@ class Layout:
                 str(self.trainers),
                 str(self.trainers),
                 _span(self.ranks(Role.TRAINER)),
-                f"Megatron TP {self.train_tp} x PP {self.train_pp} x DP {self.train_dp}",
+                f"Megatron TP {self.train_tp} x PP {self.train_pp} x DP {self.train_dp}"
+                + (f", EP {self.train_ep}" if self.train_ep > 1 else ""),
             ),
             ("total", f"{self.nodes} + {self.reward_nodes} CPU", str(self.nodes * g), str(self.world_size), "", ""),
         ]

@@ -8,6 +8,9 @@ the planner's search, the node split, the layout's trainer grid and the trainer'
  allocation.train_tp    model.num_attention_heads, num_key_value_heads,          Megatron's tensor-parallel layers
                         intermediate_size, vocab_size                            split each of them evenly
  allocation.train_pp    model.num_layers                                         pipeline stages of equal depth
+ allocation.train_ep    model.num_experts (MoE models only),                     each expert-parallel rank holds
+                        the trainer's data-parallel size                          E / ep whole experts; the experts
+                                                                                 split over data-parallel ranks
  train_tp x train_pp    the trainer's GPUs: (nodes - gen_nodes) x gpus_per_node  data-parallel replicas are whole
  cluster.nodes >= 2 and 1 <= allocation.gen_nodes <= nodes - 1                   generation and training each
                                                                                  get at least a node
@@ -56,6 +59,19 @@ def train_pp_problem(arch: QwenArch, pp: int) -> str | None:
     return _divides(pp, "allocation.train_pp", [("model.num_layers", arch.num_layers)])
 
 
+def train_ep_problem(arch: QwenArch, ep: int, dp: int | None = None) -> str | None:
+    """The trainer's expert-parallel size: whole experts per rank, over the data-parallel ranks (the
+    experts are not split by tensor parallelism). `dp`: the trainer's data-parallel size, when known."""
+    if ep == 1:
+        return None
+    if not arch.moe:
+        return f"allocation.train_ep ({ep}) applies to mixture-of-experts models only; model.path is a dense {arch.model_type}: set allocation.train_ep=1"
+    problem = _divides(ep, "allocation.train_ep", [("model.num_experts", arch.num_experts)])
+    if problem or dp is None:
+        return problem
+    return _divides(ep, "allocation.train_ep", [("the trainer's data-parallel size", dp)])
+
+
 def nodes_problem(nodes: int) -> str | None:
     """Generation and training each get at least a node."""
     if nodes < 2:
@@ -92,24 +108,35 @@ def check(
     train_tp: int,
     train_pp: int,
     gen_nodes: int | None = None,
+    train_ep: int = 1,
 ) -> None:
-    """ConfigError naming the first rule the sizes break; the split is checked when `gen_nodes` is known."""
+    """ConfigError naming the first rule the sizes break; the split, and the expert-parallel size against
+    the trainer's data-parallel size, are checked when `gen_nodes` is known."""
     problems = [
         nodes_problem(nodes),
         train_tp_problem(arch, train_tp),
         train_pp_problem(arch, train_pp),
         gen_tp_problem(arch, gpus_per_node, gen_tp),
+        train_ep_problem(arch, train_ep),
     ]
     if gen_nodes is not None:
         problems.append(split_problem(nodes, gpus_per_node, gen_nodes, train_tp, train_pp))
+        if not problems[-1]:
+            dp = (nodes - gen_nodes) * gpus_per_node // (train_tp * train_pp)
+            problems.append(train_ep_problem(arch, train_ep, dp))
     for problem in problems:
         if problem:
             raise ConfigError(problem)
 
 
-def check_trainer(arch: QwenArch, train_tp: int, train_pp: int) -> None:
-    """ConfigError when the model cannot be split train_tp x train_pp ways (the trainer's engine asks)."""
-    for problem in (train_tp_problem(arch, train_tp), train_pp_problem(arch, train_pp)):
+def check_trainer(arch: QwenArch, train_tp: int, train_pp: int, train_ep: int = 1, dp: int | None = None) -> None:
+    """ConfigError when the model cannot be split train_tp x train_pp (x train_ep over `dp` data-parallel
+    ranks) ways (the trainer's engine asks)."""
+    for problem in (
+        train_tp_problem(arch, train_tp),
+        train_pp_problem(arch, train_pp),
+        train_ep_problem(arch, train_ep, dp),
+    ):
         if problem:
             raise ConfigError(problem)
 

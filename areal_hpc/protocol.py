@@ -62,6 +62,10 @@ class Trajectory:
     reward: float = float("nan")  # the workflow's own reward; NaN: the reward workers score `answer_ids`
     stats: dict = field(default_factory=dict)  # EPISODE_STATS -> number
     error: str = ""  # the workflow raised: its traceback, and the episode is lost (no tokens)
+    routing: np.ndarray | None = None
+    """[N, L, K] (`routing_dtype`), with `ppo.routing_replay` only: per token and MoE layer, the K experts the
+    generator routed it to (areal_hpc.generator.routing says which pass); `routing_unknown` where it computed
+    none (the last token of each sequence, context after the last turn)."""
 
 
 # Controller -> generator -> controller, for the evaluation between training steps (areal_hpc.eval.training)
@@ -131,6 +135,20 @@ class TrainBatch:
     advantages: np.ndarray  # [N] float32, the episode's on its sampled tokens (0 on context)
     versions: np.ndarray  # [N] int32, policy version of each sampled token (-1 on context)
     microbatches: list = field(default_factory=list)
+    routing: np.ndarray | None = None
+    """[N, L, K], laid out like `tokens`: the episodes' `Trajectory.routing` (with `ppo.routing_replay`)."""
+
+
+def routing_dtype(num_experts: int) -> np.dtype:
+    """The dtype of routing arrays for a model of `num_experts` routed experts per layer: the smallest that
+    holds every expert index and, as its maximum, `routing_unknown` (uint8 up to 254 experts)."""
+    return np.dtype(np.uint8 if num_experts < np.iinfo(np.uint8).max else np.int16)
+
+
+def routing_unknown(dtype) -> int:
+    """The entry of a routing array (`Trajectory.routing`) at a position the generator never computed: the
+    dtype's maximum (255 for uint8); the trainer routes such positions itself."""
+    return int(np.iinfo(dtype).max)
 
 
 @dataclass

@@ -54,7 +54,8 @@ class WeightSyncError(RuntimeError):
 
 @dataclass(frozen=True)
 class GroupSpec:
-    """Where one stage's weight-sync group meets: enough for any member process to join it."""
+    """Where one weight-sync group meets (a stage's, or with expert parallelism one of a stage's):
+    enough for any member process to join it."""
 
     name: str
     stage: int
@@ -73,9 +74,26 @@ class GroupSpec:
     """The source's world rank (sent in the start-up broadcast)."""
     members: tuple[str, ...] = ()
     """Who each group rank is, for errors: 'generator 1 (world rank 3) on host n2'."""
+    expert: int | None = None
+    """The expert rank whose experts the group carries when the trainer is expert-parallel (its stage
+    has one group per expert rank); None for a stage's only group."""
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """(stage, expert rank): the order in which members join the groups and receivers take their streams."""
+        return self.stage, self.expert or 0
+
+    @property
+    def label(self) -> str:
+        return group_label(self.stage, self.expert)
 
     def who(self, rank: int) -> str:
         return self.members[rank] if rank < len(self.members) else f"group rank {rank}"
+
+
+def group_label(stage: int, expert: int | None) -> str:
+    """'stage 1' or 'stage 1, expert rank 0': how messages name what a group carries."""
+    return f"stage {stage}" + (f", expert rank {expert}" if expert is not None else "")
 
 
 def watchdog_timeout_s(timeout_s: float) -> float:
@@ -131,7 +149,7 @@ class SyncGroup:
         self._startup_check(min(spec.timeout_s, until(t0 + join_timeout_s)))
         peer = f"its {spec.size - 1} receiver(s)" if rank == 0 else spec.who(0)
         self.joined = (
-            f"weight-sync group {spec.name} (stage {spec.stage}): {spec.who(rank)} joined {peer} at {at} "
+            f"weight-sync group {spec.name} ({spec.label}): {spec.who(rank)} joined {peer} at {at} "
             f"({spec.backend}, own end {address}); start-up check passed in {time.monotonic() - t0:.1f} s"
         )
 
@@ -181,7 +199,7 @@ class SyncGroup:
         if cause is not None:
             first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
             what = f"{what}: {type(cause).__name__}: {first}"
-        return WeightSyncError(f"weight-sync group {spec.name} (stage {spec.stage}): {ends} {what}; {ADVICE}")
+        return WeightSyncError(f"weight-sync group {spec.name} ({spec.label}): {ends} {what}; {ADVICE}")
 
 
 def _process_group(spec: GroupSpec, store, rank: int, device: torch.device, address: str, join):
@@ -216,6 +234,7 @@ __all__ = [
     "STARTUP_CHECK",
     "SyncGroup",
     "WeightSyncError",
+    "group_label",
     "own_device",
     "until",
     "use_device",

@@ -1,5 +1,5 @@
 """The embedded default's assets, built here with no download: a character-level tokenizer with a chat
-template of its own, a small random Qwen2 or Qwen3 model (`model.architecture`), and the files of the
+template of its own, a small random Qwen2, Qwen3 or Qwen3-MoE model (`model.architecture`), and the files of the
 synthetic tasks (`areal_hpc.synthetic`).
 
 Everything is a pure function of its inputs (architecture, seed, size) and is cached under the run
@@ -117,12 +117,27 @@ def build_tokenizer():
 
 
 def hf_config(m: ModelConfig):
-    """The transformers config (Qwen2Config or Qwen3Config) of a model section (`model_arch(m)`)."""
-    from transformers import Qwen2Config, Qwen3Config
+    """The transformers config (Qwen2Config, Qwen3Config or Qwen3MoeConfig) of a model section
+    (`model_arch(m)`). A MoE has routed experts in every layer (no dense layers, no shared expert)."""
+    from transformers import Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     arch = model_arch(m)
-    cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch.model_type]
+    cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}[arch.model_type]
+    experts = (
+        {
+            "num_experts": arch.num_experts,
+            "num_experts_per_tok": arch.num_experts_per_tok,
+            "moe_intermediate_size": arch.moe_intermediate_size,
+            "norm_topk_prob": arch.norm_topk_prob,
+            "router_aux_loss_coef": arch.router_aux_loss_coef,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        }
+        if arch.moe
+        else {}
+    )
     return cls(
+        **experts,
         vocab_size=arch.vocab_size,
         hidden_size=arch.hidden_size,
         intermediate_size=arch.intermediate_size,

@@ -7,11 +7,25 @@
          and sends on its own)
 ```
 
-One process group per pipeline stage s: group rank 0 is `layout.stage_source_rank(s)`; the engine
-workers of generator g take the group ranks `layout.weight_sync_ranks(g)`, one per tensor-parallel
-rank. A generator's receive runs where its model lives: inside the vLLM worker (the engine's worker
-extension calls `WeightReceiver.join` and `receive`), which on CPU with gen_tp 1 is the generator
-rank itself; with gen_tp > 1 each worker process joins the group with its own rank.
+One process group per pipeline stage s: group rank 0 is the stage's source, its (tp 0, dp 0) trainer;
+the engine workers of generator g take the group ranks `layout.weight_sync_ranks(g)`, one per
+tensor-parallel rank. A generator's receive runs where its model lives: inside the vLLM worker (the
+engine's worker extension calls `WeightReceiver.join` and `receive`), which on CPU with gen_tp 1 is the
+generator rank itself; with gen_tp > 1 each worker process joins the group with its own rank.
+
+With an expert-parallel trainer (allocation.train_ep = EP > 1) every trainer holds 1/EP of each MoE
+layer's experts, so a stage has EP sources, one group each, "areal-ws-{s}-{e}":
+
+```
+ (s, 0) source: tp 0, dp 0 of stage s ──"areal-ws-s-0"──┐  dense tensors (TP-gathered) + its experts
+ (s, e) source: first rank of s with expert rank e ──"areal-ws-s-e"──┤  its experts only, no gather
+                                                                   └──> every generator's workers
+```
+
+The sources are `layout.sync_sources()` (stage, expert rank, world rank); every generator worker is a
+member of every group, with the same group ranks. Each source streams what the trainer's export yields
+on it (`Engine.export`: the dense tensors on the (s, 0) source, a rank's own experts under their
+global names on each expert source); with EP 1 the stage's source gets everything, as above.
 
 Order at start, so that a wrong address or a blocked port fails before the first prompt:
   1. `setup_weight_sync` (a collective over the MPI world, before any engine exists): each group's
@@ -20,32 +34,42 @@ Order at start, so that a wrong address or a blocked port fails before the first
      that routes to the group's members; 127.0.0.1 when they all share its host) and shares it over MPI
      (`network.offer`: when it cannot, every member of the group raises its error, not only the source).
   2. A trainer source joins right after its engine is built (`WeightSender.join`); a generator
-     right after its engine exists, inside vLLM's workers (`WeightReceiver.join`, every stage in
-     index order). A join is the rendezvous (each member reaches the store and says so; the source
-     waits for all of them, then the process group connects) and one small broadcast from the
-     source, int64 [stage, source world rank, STARTUP_CHECK], which every receiver checks. All of it
-     within `train.startup_timeout_s` of step 1 (engine start takes minutes); the error names both
-     ends (`layout.describe_rank`), their hosts and the address tried.
+     right after its engine exists, inside vLLM's workers (`WeightReceiver.join`, every group in
+     (stage, expert rank) order). A join is the rendezvous (each member reaches the store and says
+     so; the source waits for all of them, then the process group connects) and one small
+     broadcast from the source, int64 [stage, source world rank, STARTUP_CHECK], which every
+     receiver checks. All of it within `train.startup_timeout_s` of step 1 (engine start takes
+     minutes); the error names both ends (`layout.describe_rank`), their hosts and the address tried.
   3. Each sync: the buckets (wire format below), every collective within `train.collective_timeout_s`.
   4. On Stop, every member leaves its end (`leave`).
 A rank's errors go to the controller as `Failure` from its serve loop, which the start-up path is in;
 the controller's limit for a rank's first answer is `train.startup_timeout_s` plus
 `train.collective_timeout_s` (areal_hpc.controller), so the rank's named error arrives first.
 
-The agreed order. Every receiver is a member of every stage's group, so on its device it drives one
-communicator per stage. NCCL documents concurrent communicators on one device as a deadlock risk
+The agreed order. Every receiver is a member of every group, so on its device it drives one
+communicator per group. NCCL documents concurrent communicators on one device as a deadlock risk
 unless every rank issues their collectives in the same order (two receivers that each wait in a
 different group's kernel can each hold up the other group). So a receiver issues all its collectives
 from one thread, in an order every receiver derives from the data alone: round robin over the stages
-that have not yet sent their end marker, a bucket (or the end marker) each, stages in index order:
+that have not yet sent their last end marker, a bucket (or an end marker) each, stages in index
+order, where a stage's stream is its groups' streams one after the other, expert ranks in order:
 
-    (0, bucket 0), (1, bucket 0), (0, bucket 1), (1, bucket 1), (1, bucket 2), (1, end) ...
+    EP 1:  (0, bucket 0), (1, bucket 0), (0, bucket 1), (1, bucket 1), (1, bucket 2), (1, end) ...
+    EP 2:  (0,0) b0, (1,0) b0, (0,0) b1, (1,0) end + (1,1) b0, (0,0) end + (0,1) b0, (1,1) end, ...
 
-A source belongs to one group only and issues its own bucket stream in order, which is that order's
-subsequence, so no cycle of waits can form. What overlaps, safely: the sources gather and pack their
-stages at the same time (each on its own device), and a receiver loads one bucket into its engine
-(the caller's thread) while its receiving thread takes the next ones. The joins at start follow the
-same order (every stage's group in index order; a source joins its own only).
+(an end marker that leaves a stage with groups to go is taken in the same turn as the next group's
+first bucket). Each trainer rank issues, per sync, (1) every TP gather of its stage's dense tensors,
+in the export's order, then (2) if it is a source, its bucket stream; the (s, 0) source's sends
+interleave with its gathers. No cycle of waits can form: a source's stream is a subsequence of the
+receivers' order; an (s, e > 0) source, which may be a TP peer in the (s, 0) source's gathers, sends
+only after its gathers, and the receivers reach its group only after (s, 0)'s end marker, when every
+gather of the stage is done. Why not round robin over all the groups: a receiver waiting on the
+(s, 1) source's first bucket, while that source waits in a gather for the (s, 0) source, which
+waits for the receivers to take its next bucket, would close such a cycle. What overlaps, safely:
+the stages gather and pack at the same time (each on its own devices), a stage's expert sources
+pack theirs while (s, 0) sends, and a receiver loads one bucket into its engine (the caller's thread)
+while its receiving thread takes the next ones. The joins at start follow the same order (every
+group in (stage, expert rank) order; a source joins its own only).
 
 Backend and devices: gloo on cpu, NCCL on cuda (`device.backend` of the rank's `RankContext.device`);
 the tensors' device is the only other difference. The members of a group must agree:
@@ -62,6 +86,7 @@ Nothing hangs: every wait has its limit and raises `WeightSyncError` naming the 
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import queue
 import socket
@@ -75,7 +100,7 @@ import torch
 import torch.distributed as dist
 
 from areal_hpc import network
-from areal_hpc.sync_group import GroupSpec, SyncGroup, WeightSyncError, own_device, until, use_device
+from areal_hpc.sync_group import GroupSpec, SyncGroup, WeightSyncError, group_label, own_device, until, use_device
 
 if TYPE_CHECKING:
     from areal_hpc.runtime import RankContext
@@ -90,8 +115,8 @@ MIN_JOIN_S = 10.0
 
 @dataclass
 class WeightSender:
-    """A trainer rank's end. Only a stage's source rank (`is_source`) sends; the others take part in
-    the trainer's own TP gather and hold this handle only to say which stage they belong to."""
+    """A trainer rank's end. Only a group's source rank (`is_source`, one group each) sends; the others
+    take part in the trainer's own TP gather and hold this handle only to say which stage they belong to."""
 
     stage: int
     is_source: bool
@@ -102,7 +127,7 @@ class WeightSender:
     _group: SyncGroup | None = field(default=None, repr=False)
 
     def join(self, timeout_s: float | None = None) -> str | None:
-        """Join the stage's group (waiting up to `timeout_s`, default: until `join_by`, for every member)
+        """Join its group (waiting up to `timeout_s`, default: until `join_by`, for every member)
         and send the start-up check; returns the log line. A rank that is no source has nothing to join."""
         if not self.is_source:
             return None
@@ -120,9 +145,9 @@ class WeightSender:
         """Broadcast full (TP-gathered) tensors under their Hugging Face names, in buckets of about
         `bucket_bytes` (a tensor larger than that travels alone). Returns {bytes, buckets, tensors, seconds}."""
         if not self.is_source:
-            raise RuntimeError(f"this trainer rank is not the weight-sync source of stage {self.stage}")
+            raise RuntimeError(f"this trainer rank is no weight-sync source (stage {self.stage})")
         if self._group is None:
-            raise WeightSyncError(f"the source of stage {self.stage} sends before joining its group (join)")
+            raise WeightSyncError(f"the source of {self.spec.label} sends before joining its group (join)")
         t0 = time.perf_counter()
         stats = {"bytes": 0, "buckets": 0, "tensors": 0}
         bucket: list[tuple[str, torch.Tensor]] = []
@@ -174,7 +199,7 @@ class WeightReceiver:
     join_by: float = 0.0
     """When the joins at start must be done (time.monotonic, in the generator rank's process)."""
     _groups: dict = field(default_factory=dict, repr=False)
-    """stage -> this process's connected `SyncGroup`."""
+    """(stage, expert rank) (`GroupSpec.key`) -> this process's connected `SyncGroup`."""
 
     def __getstate__(self):
         return {**self.__dict__, "_groups": {}}  # connections stay in the process that made them
@@ -184,14 +209,14 @@ class WeightReceiver:
         return until(self.join_by, MIN_JOIN_S)
 
     def join(self, tp_rank: int = 0, timeout_s: float | None = None) -> list[str]:
-        """Join every stage's group as the worker of tensor-parallel rank `tp_rank`, stages in index
+        """Join every group as the worker of tensor-parallel rank `tp_rank`, in (stage, expert rank)
         order, each ending with the source's start-up check, all within `timeout_s` (default: until
         `join_by`); returns a log line per group. Called once per process, at start."""
         if not self._groups:
             deadline = time.monotonic() + (self.startup_left_s() if timeout_s is None else timeout_s)
             device = own_device(self.specs[0].backend)
-            for spec in sorted(self.specs, key=lambda s: s.stage):
-                self._groups[spec.stage] = SyncGroup(spec, self.group_ranks[tp_rank], device, until(deadline))
+            for spec in sorted(self.specs, key=lambda s: s.key):
+                self._groups[spec.key] = SyncGroup(spec, self.group_ranks[tp_rank], device, until(deadline))
         return [g.joined for _, g in sorted(self._groups.items())]
 
     def leave(self) -> None:
@@ -200,8 +225,8 @@ class WeightReceiver:
         self._groups.clear()
 
     def receive(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Yield each bucket (a list of (hf_name, tensor)) of every stage, in the agreed order (module
-        docstring), until all stages have sent their end marker. One thread receives, in that order;
+        """Yield each bucket (a list of (hf_name, tensor)) of every group, in the agreed order (module
+        docstring), until all groups have sent their end marker. One thread receives, in that order;
         the caller consumes a bucket while the next ones arrive (at most 2 waiting)."""
         if not self._groups:
             raise WeightSyncError("weight sync: this generator receives before joining its groups (join)")
@@ -225,7 +250,7 @@ class WeightReceiver:
             try:
                 item = out.get(timeout=patience)
             except queue.Empty:
-                raise WeightSyncError(f"weight sync: no bucket from any stage within {patience:g} s") from None
+                raise WeightSyncError(f"weight sync: no bucket from any group within {patience:g} s") from None
             if item is done:
                 break
             if isinstance(item, BaseException):
@@ -234,8 +259,16 @@ class WeightReceiver:
         thread.join()
 
     def _in_agreed_order(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Round robin over the stages still sending, a bucket each, stages in index order."""
-        streams = {stage: self._stream(group) for stage, group in sorted(self._groups.items())}
+        """Round robin over the stages still sending, a bucket each, stages in index order; a stage's
+        stream is its groups' streams one after the other, expert ranks in order (each group's stream
+        starts once the one before it has ended)."""
+        groups: dict[int, list[SyncGroup]] = {}
+        for (stage, _), group in sorted(self._groups.items()):
+            groups.setdefault(stage, []).append(group)
+        streams = {
+            stage: itertools.chain.from_iterable(self._stream(g) for g in stage_groups)
+            for stage, stage_groups in groups.items()
+        }
         while streams:
             for stage, stream in list(streams.items()):
                 bucket = next(stream, None)
@@ -271,7 +304,7 @@ def setup_weight_sync(ctx: RankContext) -> WeightSender | WeightReceiver | None:
     `WeightReceiver` on generator ranks, None on the controller and reward workers; the joins come
     later, once the engines exist (module docstring), by `join_by` = now + train.startup_timeout_s.
 
-    The groups: `open_groups` of the stages' sources (`layout.stage_source_rank`) and the generators.
+    The groups: `open_groups` of the sources (`layout.sync_sources`) and the generators.
     """
     from areal_hpc.layout import Role
 
@@ -281,7 +314,7 @@ def setup_weight_sync(ctx: RankContext) -> WeightSender | WeightReceiver | None:
     specs, master = open_groups(
         world,
         "areal-ws",
-        [layout.stage_source_rank(stage) for stage in range(layout.train_pp)],
+        layout.sync_sources(),
         layout.ranks(Role.GENERATOR),
         ctx.device,
         layout.weight_sync_ranks,
@@ -292,7 +325,7 @@ def setup_weight_sync(ctx: RankContext) -> WeightSender | WeightReceiver | None:
     if role == Role.GENERATOR:
         return WeightReceiver(specs, layout.weight_sync_ranks(rank), join_by)
     if role == Role.TRAINER:
-        if specs:  # a stage's source: its own group only
+        if specs:  # a source: its own group only
             return WeightSender(specs[0].stage, True, specs[0], join_by, master)
         return WeightSender(layout.trainer_coords(rank).pp, False)
     return None
@@ -301,7 +334,7 @@ def setup_weight_sync(ctx: RankContext) -> WeightSender | WeightReceiver | None:
 def open_groups(
     world,
     prefix: str,
-    sources: Sequence[int],
+    sources: Sequence[tuple[int, int, int]],
     receivers: Container[int],
     device: str,
     ranks_of: Callable[[int], tuple[int, ...]],
@@ -309,25 +342,27 @@ def open_groups(
     interface: str,
     timeout_s: float,
 ) -> tuple[list[GroupSpec], object | None]:
-    """Collective over `world`: for each stage s in index order, its members (the source, world rank
-    `sources[s]`, first, then every rank of `receivers`) split off and `open_group` "{prefix}-{s}".
-    Returns this rank's specs (a receiver's: every stage's; a source's: its own; none on the others)
-    and, on a source, its group's store. A stage whose group fails to open fails on all its members
-    (`open_group`), who still open the later stages' groups, so no rank waits in their collectives;
-    then the first error is raised."""
+    """Collective over `world`: for each group in the order of `sources` ((stage, expert rank, source
+    world rank), `Layout.sync_sources`), its members (the source first, then every rank of `receivers`)
+    split off and `open_group` "{prefix}-{stage}", or "{prefix}-{stage}-{expert rank}" when the stages
+    have several groups. Returns this rank's specs (a receiver's: every group's; a source's: its own;
+    none on the others) and, on a source, its group's store. A group that fails to open fails on all
+    its members (`open_group`), who still open the later groups, so no rank waits in their
+    collectives; then the first error is raised."""
     from mpi4py import MPI
 
     rank = world.Get_rank()
+    several = len({e for _, e, _ in sources}) > 1  # expert-parallel: a group per (stage, expert rank)
     specs, master, failed = [], None, None
-    for stage, source in enumerate(sources):
+    for stage, e, source in sources:
         member = rank == source or rank in receivers
         comm = world.Split(0 if member else MPI.UNDEFINED, 0 if rank == source else 1 + rank)
         if comm == MPI.COMM_NULL:
             continue
+        expert = e if several else None
+        name = f"{prefix}-{stage}" + (f"-{e}" if several else "")
         try:
-            spec, store = open_group(
-                comm, f"{prefix}-{stage}", stage, rank, device, ranks_of, describe, interface, timeout_s
-            )
+            spec, store = open_group(comm, name, stage, expert, rank, device, ranks_of, describe, interface, timeout_s)
         except Exception as e:  # noqa: BLE001 - raised once every group is open
             failed = failed or e
             continue
@@ -345,6 +380,7 @@ def open_group(
     comm,
     name: str,
     stage: int,
+    expert: int | None,
     me: int,
     device: str,
     ranks_of: Callable[[int], tuple[int, ...]],
@@ -352,9 +388,10 @@ def open_group(
     interface: str,
     timeout_s: float,
 ) -> tuple[GroupSpec, object | None]:
-    """Collective over `comm`, a group's members with the source first (world rank `me` each, on
-    `device`): every member's host and device are shared and checked, the source opens the group's
-    TCPStore at its address and offers it (areal_hpc.network). Returns the spec, and on the source the
+    """Collective over `comm`, the members of group `name` (carrying stage `stage`, and with expert
+    parallelism expert rank `expert`) with the source first (world rank `me` each, on `device`):
+    every member's host and device are shared and checked, the source opens the group's TCPStore at
+    its address and offers it (areal_hpc.network). Returns the spec, and on the source the
     store (it must live as long as the group); or raises on every member, the same check failing or the
     source's error offered to all. `ranks_of(world rank)`: a receiver's group ranks, one per engine
     worker; `describe(world rank)`: how errors name it."""
@@ -379,9 +416,12 @@ def open_group(
         )
         return host, master.port
 
-    host, port = network.offer(comm, open_store, f"weight-sync group {name} (stage {stage}): its source {who[0]}")
+    what = f"weight-sync group {name} ({group_label(stage, expert)}): its source {who[0]}"
+    host, port = network.offer(comm, open_store, what)
     members_text = tuple(who[r] for r in range(len(who)))
-    spec = GroupSpec(name, stage, host, port, len(who), backend(device), timeout_s, interface, source, members_text)
+    spec = GroupSpec(
+        name, stage, host, port, len(who), backend(device), timeout_s, interface, source, members_text, expert
+    )
     return spec, master
 
 

@@ -17,9 +17,10 @@
   resources)      gpus           each GPU rank sees its node's GPUs (cuda)
                   all-reduce     torch.distributed across the nodes of each GPU component, with the run's
                                  backend: NCCL on cuda, gloo on cpu
-                  weight sync    the run's start-up weight-sync broadcasts, from each pipeline stage's
-                                 source to every generator rank (one group per stage, as a run opens,
-                                 joins and checks them); a FAIL names the stages that did not get through
+                  weight sync    the run's start-up weight-sync broadcasts, from each group's source to
+                                 every generator rank (a group per pipeline stage and, with
+                                 allocation.train_ep > 1, expert rank, as a run opens, joins and checks
+                                 them); a FAIL names the groups that did not get through
 ```
 
 Each check is PASS, FAIL (with what to do), or SKIP when it does not apply (GPUs on a CPU config: a
@@ -228,7 +229,7 @@ def probe(cfg: Config, python: str, wait_s: float, say) -> list[Check]:
     token = uuid.uuid4().hex
     (reports / "token").write_text(token)
     starts = ",".join(str(c.first_rank) for c in layout.components)
-    sources = ",".join(str(r) for r in stage_sources(layout))
+    sources = probe_sources(layout)
     interface = cfg.cluster.network_interface
     command = [python, "-u", str(PROBE), str(reports), cfg.cluster.device, starts, sources, interface]
     script = render_sbatch(pcfg, workdir=Path.cwd(), python=python, command=command)
@@ -450,16 +451,24 @@ def check_sandbox(cfg: Config, layout: Layout, reports: dict) -> Check:
 
 
 def check_weight_sync(cfg: Config, layout: Layout, reports: dict) -> Check:
-    """The start-up broadcasts from each pipeline stage's source to every generator rank, one group per
-    stage (launch/doctor_probe.py `weight_sync_check`): PASS when every member joined and checked every
-    group it belongs to; a FAIL names the stages whose source did not get through, and every error."""
-    sources, generators = stage_sources(layout), list(layout.ranks(Role.GENERATOR))
+    """The start-up broadcasts from each weight-sync group's source to every generator rank, a group per
+    (pipeline stage, expert rank) (`Layout.sync_sources`; launch/doctor_probe.py `weight_sync_check`):
+    PASS when every member joined and checked every group it belongs to; a FAIL names the groups whose
+    source did not get through, and every error."""
+    groups, generators = layout.sync_sources(), list(layout.ranks(Role.GENERATOR))
+    sources = [r for _, _, r in groups]
     members = [*sources, *generators]
     done = {r: reports[r]["weight_sync"] for r in members if "weight_sync" in reports.get(r, {})}
     if len(done) == len(members) and all(d["ok"] for d in done.values()):
         kind = done[sources[0]]["backend"]
         at = ", ".join(at for r in sources for _, at in done[r]["joined"])
-        stages = f", the sources of stages 0-{len(sources) - 1}," if len(sources) > 1 else ""
+        stages = f"stages 0-{layout.train_pp - 1}" if layout.train_pp > 1 else "stage 0"
+        which = ""
+        if layout.train_ep > 1:
+            each = " of each" if layout.train_pp > 1 else ""
+            which = f", the sources of {stages}, expert ranks 0-{layout.train_ep - 1}{each},"
+        elif layout.train_pp > 1:
+            which = f", the sources of {stages},"
         note = (
             ""
             if cfg.cluster.device == "cuda"
@@ -467,18 +476,20 @@ def check_weight_sync(cfg: Config, layout: Layout, reports: dict) -> Check:
         )
         return Check(
             "weight sync", "PASS",
-            f"{kind} from {_ranks_text(layout, sources)}{stages} to {_ranks_text(layout, generators)} at {at}, "
+            f"{kind} from {_ranks_text(layout, sources)}{which} to {_ranks_text(layout, generators)} at {at}, "
             f"checked by every receiver{note}",
         )  # fmt: skip
     errors = sorted({reports[r]["weight_sync_error"] for r in members if "weight_sync_error" in reports.get(r, {})})
     bad = [r for r in members if r not in done]
-    failed = [s for s, r in enumerate(sources) if r not in done]
-    where = (
-        f"stage{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} of {len(sources)} (from "
-        f"{_ranks_text(layout, [sources[s] for s in failed])}) not checked; "
-        if failed
-        else ""
-    )
+    failed = [(stage, e, r) for stage, e, r in groups if r not in done]
+    where = ""
+    if failed:
+        plural = "s" if len(failed) > 1 else ""
+        if layout.train_ep > 1:
+            what = f"group{plural} " + ", ".join(f"(stage {stage}, expert rank {e})" for stage, e, _ in failed)
+        else:
+            what = f"stage{plural} " + ", ".join(str(stage) for stage, _, _ in failed)
+        where = f"{what} of {len(groups)} (from {_ranks_text(layout, [r for _, _, r in failed])}) not checked; "
     return Check(
         "weight sync", "FAIL", where + f"{_ranks_text(layout, bad)}: " + ("; ".join(e.split("; the address is")[0] for e in errors) or "no result"),
         "set cluster.network_interface to an interface every node has (the weight-sync address, NCCL_SOCKET_IFNAME, "
@@ -486,9 +497,10 @@ def check_weight_sync(cfg: Config, layout: Layout, reports: dict) -> Check:
     )  # fmt: skip
 
 
-def stage_sources(layout: Layout) -> list[int]:
-    """World rank of each pipeline stage's weight-sync source, stages in index order."""
-    return [layout.stage_source_rank(stage) for stage in range(layout.train_pp)]
+def probe_sources(layout: Layout) -> str:
+    """The probe's SOURCES: each weight-sync group's source (`Layout.sync_sources`) as stage:expert
+    rank:world rank, comma-separated ("0:0:4,0:1:5,1:0:8,1:1:9")."""
+    return ",".join(f"{stage}:{e}:{r}" for stage, e, r in layout.sync_sources())
 
 
 def _ranks_text(layout: Layout, ranks: list[int]) -> str:

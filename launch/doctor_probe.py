@@ -8,16 +8,17 @@
  every rank   MPI: allreduce over the world                    -> DIR/rank<r>.json again, with the result
  GPU ranks    GPUs they see; all-reduce of their component's ranks over torch.distributed with the
    (comps 1+) run's backend (nccl on cuda, gloo on cpu)        -> DIR/rank<r>.json again
- stage        the run's start-up weight-sync broadcasts: each pipeline stage's source to every
-   sources +  generator rank, one group per stage, opened, joined and checked as a run does
+ sync         the run's start-up weight-sync broadcasts: each group's source to every generator rank,
+   sources +  one group per (pipeline stage, expert rank), opened, joined and checked as a run does
  generators   (areal_hpc.weight_sync: open_groups, then each end's join)
                                                                -> DIR/rank<r>.json again
 ```
 
 Only the standard library at import: on a node where the environment is broken this still runs and says
 so. The versions come from a child process so that vLLM is imported before MPI is initialised in no
-process (a generator rank never sees that order either). STARTS: the first world rank of each component;
-SOURCES: the world rank of each pipeline stage's source (`Layout.stage_source_rank`). A check that fails
+process (a generator rank never sees that order either). STARTS: the first world rank of each component
+("0,2,3"); SOURCES: each weight-sync group's source as stage:expert rank:world rank (`Layout.sync_sources`,
+"0:0:4,0:1:5,1:0:8,1:1:9"; expert rank 0 only when the trainer is not expert-parallel). A check that fails
 on one rank fails on every rank taking part (areal_hpc.network.offer, `agree`), which all go on to the
 next check: the probe ends and every rank writes its report.
 """
@@ -69,7 +70,19 @@ def sandbox() -> str:
     return "ok"
 
 
-def main(out: Path, device: str, starts: list[int], sources: list[int], interface: str) -> None:
+def cli(argv: list[str]) -> None:
+    """`main` from the command line's DIR DEVICE STARTS SOURCES IFACE (module docstring)."""
+    out, device, starts, sources, interface = argv
+    main(
+        Path(out),
+        device,
+        [int(s) for s in starts.split(",")],
+        [tuple(int(n) for n in group.split(":")) for group in sources.split(",")],
+        interface,
+    )
+
+
+def main(out: Path, device: str, starts: list[int], sources: list[tuple[int, int, int]], interface: str) -> None:
     rank = int(os.environ.get("SLURM_PROCID", "0"))
     component = max(i for i, s in enumerate(starts) if s <= rank)
     report = {"rank": rank, "component": component, "host": os.environ.get("SLURMD_NODENAME", socket.gethostname())}
@@ -182,20 +195,24 @@ def agree(comm, step):
     return result
 
 
-def weight_sync_check(world, starts: list[int], sources: list[int], device: str, interface: str) -> dict | None:
+def weight_sync_check(
+    world, starts: list[int], sources: list[tuple[int, int, int]], device: str, interface: str
+) -> dict | None:
     """The run's start-up weight-sync broadcasts, made as a run makes them (`open_groups`, then each
     end's `join`: the rendezvous, then the source's start-up check, checked by every receiver): from
-    each pipeline stage's source (SOURCES) to every rank of the generator component, one group rank
-    each, on its current GPU, every stage's group in index order. Collective over the world; None on
-    the ranks that are not members."""
+    each group's source (SOURCES: (stage, expert rank, world rank)) to every rank of the generator
+    component, one group rank each, on its current GPU, the groups in (stage, expert rank) order; a
+    source joins its own group, a receiver every group. Collective over the world; None on the ranks
+    that are not members."""
     sys.path.insert(0, REPO)
     rank, generators = world.Get_rank(), range(starts[1], starts[2])
+    senders = {source for _, _, source in sources}
 
     def on_device() -> str:
         from areal_hpc.device import resolve_device
         from areal_hpc.weight_sync import open_groups  # noqa: F401 - imports on every rank, or none goes on
 
-        if rank not in sources and rank not in generators:
+        if rank not in senders and rank not in generators:
             return "cpu"  # not a member: opens no group
         try:
             return resolve_device(device, gpus=True)
@@ -218,15 +235,15 @@ def weight_sync_check(world, starts: list[int], sources: list[int], device: str,
     )
     if not specs:
         return None
-    if rank in sources:
+    if rank in senders:
         end = WeightSender(specs[0].stage, True, specs[0], _master_store=master)
     else:
         end = WeightReceiver(specs, (1 + rank - starts[1],))
     try:
-        lines = [end.join(JOIN_S)] if rank in sources else end.join(0, JOIN_S)
+        lines = [end.join(JOIN_S)] if rank in senders else end.join(0, JOIN_S)
     finally:
         end.leave()
-    joined = [[spec.stage, f"{spec.host}:{spec.port}"] for spec in specs]
+    joined = [[spec.label, f"{spec.host}:{spec.port}"] for spec in specs]
     return {"backend": specs[0].backend, "joined": joined, "ok": True, "lines": lines}
 
 
@@ -234,5 +251,4 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--versions"]:
         print(json.dumps(versions()))
     else:
-        starts, sources = ([int(s) for s in arg.split(",")] for arg in sys.argv[3:5])
-        main(Path(sys.argv[1]), sys.argv[2], starts, sources, sys.argv[5])
+        cli(sys.argv[1:])

@@ -7,7 +7,7 @@ import pytest
 
 from areal_hpc.batch import build_train_batches
 from areal_hpc.data import Example
-from areal_hpc.protocol import Trajectory
+from areal_hpc.protocol import Trajectory, routing_dtype, routing_unknown
 from areal_hpc.rollouts import Group, single_turn
 from tests.sim_world import lost
 
@@ -82,3 +82,48 @@ def test_a_groups_sequences_stay_in_one_minibatch_and_lost_episodes_are_left_out
         assert sorted(held) == ([2 + 3, 6, 6] if k == 0 else [2 + 4, 6, 6, 6, 6])
     adv = {tuple(s["tokens"]): max(s["advantages"], key=abs) for b in batches for s in sequences(b)}
     assert adv[(5, 6, 7, 7, 7)] == pytest.approx(-1.0, abs=1e-5), "group 0's advantages are over its 2 kept episodes"
+
+
+def routed(t: Trajectory) -> Trajectory:
+    """`t` with routing [N, 2 layers, top-2]: row i holds (i, i + 1) on layer 0, (i + 2, i + 3) on layer 1."""
+    n = len(t.tokens)
+    t.routing = (np.arange(n)[:, None, None] + np.array([[0, 1], [2, 3]])).astype(np.uint8)
+    return t
+
+
+def test_routing_follows_the_tokens_and_an_episode_without_is_unknown():
+    """Routing replay: each sequence's routing rows sit beside its tokens (cut like them), over both
+    DP ranks; an episode without routing (a checkpoint written before) is unknown throughout."""
+    groups = [
+        group(0, [routed(two_sequences(0, 0)), routed(one_turn(0, 1, 3))], [1.0, 0.0]),
+        group(1, [one_turn(1, 0, 4), routed(two_sequences(1, 1))], [0.0, 1.0]),
+    ]
+    batches, _ = build_train_batches(groups, 4, 2, 1, 64)
+    rows = {}
+    for batch in batches:
+        assert batch.routing.shape == (len(batch.tokens), 2, 2) and batch.routing.dtype == np.uint8
+        cu = batch.cu_seqlens
+        for a, b in zip(cu[:-1], cu[1:]):
+            rows.setdefault(tuple(batch.tokens[a:b]), []).append(batch.routing[a:b, 0, 0].tolist())
+    assert rows[(5, 6, 7, 7, 9, 8)] == [list(range(6))] * 2  # the first sequence of each two_sequences
+    assert rows[(4, 5, 6, 7, 8, 1)] == [list(range(6, 12))] * 2  # the second: rows 6..11 of its episode
+    assert rows[(5, 6, 7, 7, 7)] == [list(range(5))]
+    assert rows[(5, 6, 7, 7, 7, 7)] == [[255] * 6]  # no routing: unknown (protocol.routing_unknown)
+    (plain,), _ = build_train_batches([group(0, [one_turn(0, 0), one_turn(0, 1)], [1.0, 0.0])], 4, 1, 1, 64)
+    assert plain.routing is None  # no routing replay: nothing carried
+
+
+def test_a_checkpointed_group_keeps_its_routing_and_an_older_one_loads_without():
+    g = group(0, [routed(two_sequences(0, 0)), one_turn(0, 1)], [1.0, 0.0])
+    restored = Group.from_state(g.to_state())
+    np.testing.assert_array_equal(restored.trajectories[0].routing, g.trajectories[0].routing)
+    assert restored.trajectories[1].routing is None
+    older = g.to_state()
+    for t in older["trajectories"]:
+        del t["routing"]
+    assert [t.routing for t in Group.from_state(older).trajectories] == [None, None]
+
+
+def test_routing_ids_fit_the_smallest_dtype_with_room_for_unknown():
+    assert routing_dtype(4) == routing_dtype(254) == np.uint8 and routing_unknown(np.uint8) == 255
+    assert routing_dtype(255) == routing_dtype(512) == np.int16 and routing_unknown(np.int16) == 32767

@@ -64,7 +64,7 @@ def test_override_changes_a_field():
         (["cluster.nodes=1"], "cluster.nodes (1) must be at least 2"),
         (["allocation.gen_tp=2"], "allocation.gen_tp (2) must divide cluster.gpus_per_node (1)"),
         (["model.dtype=float8"], "model.dtype must be float32, bfloat16 or float16"),
-        (["model.architecture=llama"], "model.architecture must be qwen2 or qwen3"),
+        (["model.architecture=llama"], "model.architecture must be one of qwen2, qwen3, qwen3_moe"),
         (["model.num_attention_heads=6"], "(6) must divide model.hidden_size (128), or set model.head_dim"),
         (["ppo.minibatches=9"], "ppo.minibatches (9) must not exceed rollout.prompts_per_step (8)"),
         (["rollout.group_size=1"], "rollout.group_size is 1: every advantage is 0"),

@@ -2,7 +2,8 @@
 nodes, and each broken setup the tests make is named (a partition that does not exist, a run directory on
 a node-local disk, packages missing on the nodes). The checks of a probe's reports on a cuda config,
 which this machine cannot run, are tested on reports written out here; the probe's own code, the run's
-start-up weight-sync broadcast included, runs in an MPI world of stand-in Slurm tasks."""
+start-up weight-sync broadcasts included (a group per pipeline stage and expert rank), runs in an MPI world
+of stand-in Slurm tasks."""
 
 import dataclasses
 import json
@@ -15,9 +16,11 @@ import pytest
 from areal_hpc.cli import main as cli_main
 from areal_hpc.config import load_config
 from areal_hpc.layout import Layout
-from launch.doctor import check_sandbox, check_weight_sync, doctor, evaluate, stage_sources
+from launch.doctor import check_sandbox, check_weight_sync, doctor, evaluate, probe_sources
 from tests.helpers import MPI_PROGRAMS, TINY
 
+MOE_EP2 = ["model.architecture=qwen3_moe", "allocation.train_ep=2"]
+"""A mixture-of-experts trainer at expert-parallel size 2 (its data-parallel size must be a multiple)."""
 CHECKS = [
     "slurm",
     "pmix",
@@ -177,7 +180,7 @@ def test_the_weight_sync_check_covers_every_stage_and_names_the_one_that_failed(
         TINY, ["cluster.nodes=2", "cluster.device=cuda", "cluster.gpus_per_node=2", "allocation.train_pp=2"]
     )
     layout = Layout.from_config(cfg)  # 2 generators on node2 | stage 0's source rank 4, stage 1's rank 5 on node3
-    assert stage_sources(layout) == [4, 5]
+    assert probe_sources(layout) == "0:0:4,1:0:5"
     reports = {r: {"rank": r, "host": "node2" if r < 4 else "node3"} for r in range(2, 6)}
     for r, joined in [
         (2, [[0, "a:1"], [1, "a:2"]]),
@@ -205,16 +208,50 @@ def test_the_weight_sync_check_covers_every_stage_and_names_the_one_that_failed(
     ), check.detail
 
 
-def _probe(run_mpi, tmp_path, interface: str):
-    """The probe's own code, each rank where Slurm would start it, for tiny-cpu at PP 2: controller +
-    reward | generator | 2 trainers, the sources of stages 0 and 1. Returns (cfg, layout, reports)."""
-    cfg = load_config(TINY, ["cluster.nodes=3", "allocation.train_pp=2"])
+def test_the_weight_sync_check_covers_every_expert_rank_and_names_the_group_that_failed():
+    cfg = load_config(
+        TINY,
+        [*MOE_EP2, "cluster.nodes=3", "cluster.device=cuda", "cluster.gpus_per_node=2", "allocation.train_pp=2"],
+    )
+    layout = Layout.from_config(cfg)  # 2 generators on node2 | 4 trainers: PP 2 x DP 2, expert ranks 0-1
+    assert probe_sources(layout) == "0:0:4,0:1:5,1:0:6,1:1:7"
+    groups = [["stage 0, expert rank 0", "a:1"], ["stage 0, expert rank 1", "a:2"]]
+    groups += [["stage 1, expert rank 0", "a:3"], ["stage 1, expert rank 1", "a:4"]]
+    reports = {r: {"rank": r, "host": "node2" if r < 4 else "node3"} for r in range(2, 8)}
+    for r, joined in [(2, groups), (3, groups), *((4 + i, [group]) for i, group in enumerate(groups))]:
+        reports[r]["weight_sync"] = {"backend": "nccl", "joined": joined, "ok": True, "lines": []}
+    check = check_weight_sync(cfg, layout, reports)
+    assert check.status == "PASS" and check.detail == (
+        "nccl from world ranks 4-7 (trainer), the sources of stages 0-1, expert ranks 0-1 of each, to world ranks "
+        "2-3 (generator) at a:1, a:2, a:3, a:4, checked by every receiver"
+    )
+    # the source of stage 1's experts of expert rank 1 cannot be reached: the other three groups connect
+    for r in (2, 3, 7):
+        reports[r].pop("weight_sync")
+        reports[r]["weight_sync_error"] = (
+            f"WeightSyncError: weight-sync group areal-probe-1-1 (stage 1, expert rank 1): world rank {r} ..."
+        )
+    check = check_weight_sync(cfg, layout, reports)
+    assert check.status == "FAIL"
+    assert check.detail.startswith(
+        "group (stage 1, expert rank 1) of 4 (from world rank 7 (trainer)) not checked; world ranks 2-3, 7 "
+        "(generator, trainer): WeightSyncError: weight-sync group areal-probe-1-1 (stage 1, expert rank 1): "
+    ), check.detail
+    reports[6].pop("weight_sync")  # and stage 1's expert rank 0 too
+    assert check_weight_sync(cfg, layout, reports).detail.startswith(
+        "groups (stage 1, expert rank 0), (stage 1, expert rank 1) of 4 (from world ranks 6-7 (trainer)) not checked; "
+    )
+
+
+def _probe(run_mpi, tmp_path, interface: str, overrides=("allocation.train_pp=2",)):
+    """The probe's own code, each rank where Slurm would start it, for tiny-cpu on 3 nodes (controller +
+    reward | generator | 2 trainers), by default at PP 2: the sources of stages 0 and 1. Returns (cfg,
+    layout, reports)."""
+    cfg = load_config(TINY, ["cluster.nodes=3", *overrides])
     layout = Layout.from_config(cfg)
     (tmp_path / "token").write_text("t")
     starts = ",".join(str(c.first_rank) for c in layout.components)
-    sources = ",".join(map(str, stage_sources(layout)))
-    assert (layout.world_size, sources) == (5, "3,4")
-    args = [str(tmp_path), "cpu", starts, sources, interface]
+    args = [str(tmp_path), "cpu", starts, probe_sources(layout), interface]
     proc = run_mpi(MPI_PROGRAMS / "probe_world.py", n=layout.world_size, timeout=240, args=args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return cfg, layout, {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(layout.world_size)}
@@ -224,6 +261,7 @@ def _probe(run_mpi, tmp_path, interface: str):
 @pytest.mark.slow
 def test_the_probe_passes_in_an_mpi_world_with_the_runs_start_up_broadcasts(run_mpi, tmp_path):
     cfg, layout, reports = _probe(run_mpi, tmp_path, "")
+    assert layout.sync_sources() == [(0, 0, 3), (1, 0, 4)]
     for source, stage in [(3, 0), (4, 1)]:
         assert reports[source]["weight_sync"]["lines"][0].startswith(
             f"weight-sync group areal-probe-{stage} (stage {stage}): world rank {source} (trainer) on host "
@@ -242,6 +280,26 @@ def test_the_probe_passes_in_an_mpi_world_with_the_runs_start_up_broadcasts(run_
     assert checks["weight sync"].detail.startswith(
         "gloo from world ranks 3-4 (trainer), the sources of stages 0-1, to world rank 2 (generator) at 127.0.0.1:"
     )
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_the_probe_checks_every_expert_ranks_group_in_an_mpi_world(run_mpi, tmp_path):
+    # EP 2 at PP 1: the two trainers (DP 2) hold expert ranks 0 and 1, each the source of its own group
+    cfg, layout, reports = _probe(run_mpi, tmp_path, "", MOE_EP2)
+    assert layout.sync_sources() == [(0, 0, 3), (0, 1, 4)]
+    for source, e in [(3, 0), (4, 1)]:
+        assert reports[source]["weight_sync"]["lines"][0].startswith(
+            f"weight-sync group areal-probe-0-{e} (stage 0, expert rank {e}): world rank {source} (trainer) on host "
+        ), reports[source]
+    lines = reports[2]["weight_sync"]["lines"]  # the generator joined both groups, in expert-rank order
+    assert len(lines) == 2 and all("start-up check passed" in line for line in lines), lines
+    assert "(stage 0, expert rank 0)" in lines[0] and "(stage 0, expert rank 1)" in lines[1], lines
+    check = check_weight_sync(cfg, layout, reports)
+    assert check.status == "PASS" and check.detail.startswith(
+        "gloo from world ranks 3-4 (trainer), the sources of stage 0, expert ranks 0-1, to world rank 2 (generator) "
+        "at 127.0.0.1:"
+    ), check
 
 
 @pytest.mark.mpi

@@ -1,10 +1,10 @@
 """`areal-hpc export`: Hugging Face model -> PPO steps -> checkpoint -> export -> transformers and vLLM
 load the directory and give the trainer's logits, for Qwen2 and Qwen3, from checkpoints written at TP 2
-and at PP 2; a bf16 checkpoint exports its bf16 weights bit for bit; export refuses, naming the fix,
+and at PP 2, and for Qwen3-MoE from one written at EP 2; a bf16 checkpoint exports its bf16 weights bit for bit; export refuses, naming the fix,
 what it cannot do.
 
-Cost: two spawned trainings of two ranks (every model in each), five exports of one spawned rank
-each, the CLI's one more, and one vLLM engine per fp32 export (only the first start is slow).
+Cost: three spawned trainings of two ranks (every dense model in two, the MoE in one), six exports of one
+spawned rank each, the CLI's one more, and one vLLM engine per fp32 export (only the first start is slow).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from areal_hpc.tiny import build_tiny_model
 from areal_hpc.trainer.convert import read_hf
 from areal_hpc.trainer.export import ExportError, export_checkpoint
 from areal_hpc.trainer.spawn import run_ranks
+from tests.test_moe_trainer import build_moe_model
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
@@ -125,6 +126,31 @@ def test_vllm_logprobs_equal_the_trainers(runs, case):
     want = [torch.log_softmax(x[:-1], -1) for x in runs.trained[case]["logits"]]
     got = vllm_logprobs(runs.exported[case], model_arch(MODELS[case[1]]).vocab_size)
     assert max_diff(got, want) <= 1e-3
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory):
+    """PPO steps on Qwen3-MoE at EP 2 (2 data-parallel ranks), a checkpoint as a run writes it, its export
+    (one CPU rank: EP 1)."""
+    root = tmp_path_factory.mktemp("moe")
+    models = {"moe": (str(build_moe_model(root / "models", norm_topk_prob=True, seed=3)), "float32")}
+    results = run_ranks(train_and_save_rank, 2, 1, 1, models, str(root / "run"), STEPS, OPTIM, ep=2)
+    out = export_checkpoint(root / "run" / "moe", None, root / "hf", max_shard_size=SHARD)
+    return SimpleNamespace(out=out, logits=results[0]["moe/logits"], weights=pick(results, "moe/weights"))
+
+
+def test_moe_checkpoint_at_ep2_exports_the_trainers_model(moe_run):
+    """Every expert of every expert rank, under its global name, bit for bit; transformers' logits."""
+    assert json.loads((moe_run.out / "config.json").read_text())["model_type"] == "qwen3_moe"
+    assert export_problems(read_hf(moe_run.out), moe_run.weights) == []
+    assert logits_problems(hf_logits(moe_run.out), moe_run.logits, tol=1e-5) == []
+
+
+@pytest.mark.vllm
+def test_vllm_logprobs_of_the_moe_export_equal_the_trainers(moe_run):
+    want = [torch.log_softmax(x[:-1], -1) for x in moe_run.logits]
+    vocab = json.loads((moe_run.out / "config.json").read_text())["vocab_size"]
+    assert max_diff(vllm_logprobs(moe_run.out, vocab), want) <= 1e-3
 
 
 def test_export_refuses_with_the_fix(runs, tmp_path):

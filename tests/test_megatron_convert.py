@@ -7,11 +7,10 @@ import dataclasses
 import functools
 
 import pytest
-import torch
 
 from areal_hpc.config import ModelConfig, PPOConfig
 from areal_hpc.testing.compare import export_problems, logits_problems, pick
-from areal_hpc.testing.inputs import QWEN3
+from areal_hpc.testing.inputs import QWEN3, random_norms
 from areal_hpc.testing.trainer_runs import hf_logits, logits_and_export_rank
 from areal_hpc.tiny import build_tiny_model
 from areal_hpc.trainer.spawn import run_ranks
@@ -41,20 +40,6 @@ CONFIGS = {
     # Qwen3 (q/k norms, no QKV bias, heads of size 32, not 64 / 4), untied
     "qwen3": dataclasses.replace(QWEN3, tie_word_embeddings=False),
 }
-
-
-def random_norms(model_dir, seed: int) -> None:
-    """Every RMSNorm weight of the model 1 + noise: transformers initializes them all to one, under which
-    two norms swapped by the conversion (q_norm and k_norm, say) would give the same logits."""
-    from safetensors.torch import load_file, save_file
-
-    g = torch.Generator().manual_seed(seed)
-    for f in model_dir.glob("*.safetensors"):
-        state = load_file(f)
-        for name, t in state.items():
-            if name.endswith("norm.weight"):
-                state[name] = t + 0.2 * torch.randn(t.shape, generator=g)
-        save_file(state, f, metadata={"format": "pt"})
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ import pytest
 from areal_hpc import parallel
 from areal_hpc.arch import model_arch
 from areal_hpc.config import ConfigError, load_config, validate
+from areal_hpc.layout import TrainerGrid
 from areal_hpc.planner import candidates, resolve_split, with_plan
 from tests.helpers import REPO, TINY
 
@@ -36,3 +37,38 @@ def test_the_split_rules():
     assert parallel.split_problem(4, 8, 4, 1, 1).startswith("allocation.gen_nodes (4) must be between 1 and")
     assert "(3 x 1 = 3) must divide the trainer GPUs (2 nodes x 8 = 16)" in parallel.split_problem(4, 8, 2, 3, 1)
     assert parallel.split_problem(4, 8, 2, 4, 2) is None
+
+
+def test_the_expert_parallel_rules_name_the_field():
+    moe = ["model.architecture=qwen3_moe", "model.num_experts=6"]
+    with pytest.raises(ConfigError, match=r"allocation.train_ep \(4\) must divide model.num_experts \(6\)"):
+        load_config(TINY, [*moe, "allocation.train_ep=4"])
+    # 4 nodes x 2 GPUs, 2 generator nodes: 4 trainer GPUs at tp 2, so data-parallel size 2
+    split = ["cluster.nodes=4", "cluster.gpus_per_node=2", "allocation.gen_nodes=2", "allocation.train_tp=2"]
+    with pytest.raises(
+        ConfigError, match=r"allocation.train_ep \(3\) must divide the trainer's data-parallel size \(2\)"
+    ):
+        load_config(TINY, [*moe, *split, "allocation.train_ep=3"])
+    cfg = load_config(TINY, [*moe, *split, "allocation.train_ep=2"])
+    assert cfg.allocation.train_ep == 2
+    with pytest.raises(ConfigError, match=r"allocation.train_ep \(2\) applies to mixture-of-experts models only"):
+        load_config(TINY, ["allocation.train_ep=2"])
+    with pytest.raises(ConfigError, match="ppo.routing_replay applies to mixture-of-experts models only"):
+        load_config(TINY, ["ppo.routing_replay=true"])
+    with pytest.raises(ConfigError, match=r"model.num_experts apply to model.architecture qwen3_moe only"):
+        load_config(TINY, ["model.num_experts=4"])
+    with pytest.raises(
+        ConfigError, match=r"model.num_experts_per_tok \(5\) must be between 1 and model.num_experts \(4\)"
+    ):
+        load_config(TINY, ["model.architecture=qwen3_moe", "model.num_experts_per_tok=5"])
+
+
+def test_the_expert_grid_follows_megatrons_order():
+    grid = TrainerGrid.of(8, 2, 1, ep=4)
+    assert [grid.expert_rank(r) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [grid.expert_source(0, e) for e in range(4)] == [0, 1, 2, 3]
+    grid = TrainerGrid.of(8, 1, 2, ep=2)
+    assert [grid.expert_source(1, e) for e in range(2)] == [4, 5]
+    assert grid.expert_source(1, 0) == grid.stage_source(1)
+    with pytest.raises(ValueError, match=r"train_ep \(3\) must divide the trainer's data-parallel size \(4\)"):
+        TrainerGrid.of(8, 1, 2, ep=3)

@@ -1,15 +1,20 @@
 """The planner's cost model against the AReaL paper's figures, and the plans it chooses."""
 
+import dataclasses
 import subprocess
 import sys
 
 import pytest
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from areal_hpc import planner
+from areal_hpc.cli import main as cli_main
 from areal_hpc.config import ConfigError, load_config
 from areal_hpc.layout import Layout
+from areal_hpc.planner.cost import Hardware
+from areal_hpc.planner.predict import expert_alltoall_s, train_step_s, weight_sync_s
 from tests.helpers import REPO
 
 CONFIGS = REPO / "configs"
@@ -179,11 +184,11 @@ def test_cli_plan_prints_split_and_both_predictions():
     assert "steps/hour" in out and "effective tokens/s" in out and "--search would choose" in out
 
 
-@pytest.mark.parametrize("name", ["qwen1.5b", "qwen7b", "qwen32b"])
+@pytest.mark.parametrize("name", ["qwen1.5b", "qwen7b", "qwen32b", "qwen3-30b-a3b"])
 def test_shipped_configs_are_the_split_their_planner_prefers(name):
     cfg, _ = planner.resolve_split(load_config(CONFIGS / f"{name}.yaml"))
     assert cfg.allocation.gen_share == "auto"
-    best, _ = planner.choose(cfg)  # the full search: gen_nodes, gen_tp, train_tp, train_pp
+    best, _ = planner.choose(cfg)  # the full search: gen_nodes, gen_tp, train_tp, train_pp, train_ep
     shipped = planner.predict(cfg)
     assert shipped.fits and best.tokens_per_s() <= shipped.tokens_per_s() * 1.005  # nothing that fits is faster
     assert "--search would keep this plan" in planner.search_hint(cfg, planner.predict(cfg))
@@ -266,3 +271,92 @@ def test_a_cpu_run_is_checked_against_the_hosts_memory():
         planner.check_host_fits(cfg, available=need * 0.99)
     bigger, _ = planner.resolve_split(load_config(None, ["cluster.device=cpu", "ppo.max_tokens_per_mb=65536"]))
     assert planner.host_memory_need(bigger)["trainer"] > planner.host_memory_need(cfg)["trainer"]
+
+
+# Qwen3-30B-A3B's published sizes: 30.5B parameters, 3.3B activated per token (its model card).
+MOE_TOTAL, MOE_ACTIVE = 30.5e9, 3.3e9
+
+
+def test_moe_counts_are_the_published_total_and_active_parameters():
+    m = planner.ModelSize.from_config(cfg_of("qwen3-30b-a3b"))
+    assert m.params == pytest.approx(MOE_TOTAL, rel=0.02) and m.active_params == pytest.approx(MOE_ACTIVE, rel=0.02)
+    assert m.active_params < m.params / 8
+    assert m.expert_params == 48 * 128 * 3 * 2048 * 768 and m.dense_params == m.params - m.expert_params
+    dense = planner.ModelSize.from_config(cfg_of("qwen7b"))
+    assert dense.active_params == dense.params and dense.expert_params == 0 and not dense.experts
+
+
+def test_moe_costs_follow_active_parameters_and_memory_all_of_them():
+    cfg = cfg_of("qwen3-30b-a3b")
+    m = planner.ModelSize.from_config(cfg)
+    as_dense = dataclasses.replace(m, active_params=m.params)  # the same model, every expert used by every token
+    hw, lengths = Hardware.from_config(cfg), planner.Lengths.from_config(cfg)
+    args = (hw, lengths, 48, 2, 12, 8192, cfg)
+    assert train_step_s(m, *args) < train_step_s(as_dense, *args) / 4  # FLOPs of 3.35B, not 30.5B, per token
+    assert weight_sync_s(m, hw, 12) == weight_sync_s(as_dense, hw, 12)  # every parameter is sent
+    # a decode step of one trajectory reads its 8 experts of 128; of hundreds, all of them
+    assert m.decode_weight_bytes(1) == pytest.approx((m.dense_params + m.expert_params * 8 / 128) * 2)
+    assert m.decode_weight_bytes(1000) == pytest.approx(m.weight_bytes)
+    # the trainer's state: dense / (tp pp) + experts / (ep pp), optimizer sharded over the replicas
+    one, eight = (planner.train_memory_parts(m, 1, 1, 48, cfg, ep=ep)["states"] for ep in (1, 8))
+    dense_share = m.dense_params * (2 + 4 + 12 / 48)
+    assert one == pytest.approx(dense_share + m.expert_params * (2 + 4 + 12 / 48))
+    assert eight == pytest.approx(dense_share + m.expert_params / 8 * (2 + 4 + 12 / 6))
+
+
+def test_expert_all_to_all_costs_time_over_nvlink_in_a_node_and_more_across():
+    cfg = cfg_of("qwen3-30b-a3b")
+    m, hw = planner.ModelSize.from_config(cfg), Hardware.from_config(cfg)
+    tokens = 1e6
+    assert expert_alltoall_s(m, hw, tokens, 1, 1, 8) == 0  # ep 1: every token's experts are local
+    in_node = expert_alltoall_s(m, hw, tokens, 1, 8, 8)
+    bytes_ = tokens * 48 * 2 * 2048 * 8 * 2 * 7 / 8  # dispatch + combine, h k bf16, 7/8 leave the GPU
+    assert in_node == pytest.approx(bytes_ / (planner.COST.nvlink_gbs * 1e9))
+    assert expert_alltoall_s(m, hw, tokens, 1, 16, 8) > 4 * in_node  # 16 ranks span two nodes: the network
+    dense = planner.ModelSize.from_config(cfg_of("qwen7b"))
+    assert expert_alltoall_s(dense, hw, tokens, 1, 8, 8) == 0
+
+
+@pytest.fixture(scope="module")
+def moe_16_nodes():
+    cfg = cfg_of("qwen3-30b-a3b")
+    return cfg, planner.predict(cfg)
+
+
+def test_qwen3_30b_a3b_fits_80gb_on_16_nodes(moe_16_nodes):
+    cfg, p = moe_16_nodes
+    assert cfg.cluster.nodes == 16 and cfg.cluster.gpu_memory_gb == 80
+    assert p.fits and max(p.gen_memory, p.train_memory) <= 80e9
+
+
+def test_search_chooses_train_ep_dividing_the_experts_and_the_trainer_dp(moe_16_nodes):
+    cfg, _ = moe_16_nodes
+    plans = list(planner.candidates(cfg, {"gen_tp": 4, "train_tp": 1}))
+    assert {p.train_ep for p in plans} == {1, 2, 4, 8, 16, 32, 64}  # divisors of 128 that a DP size here divides
+    for plan in plans:
+        assert 128 % plan.train_ep == 0 and plan.layout(cfg).train_dp % plan.train_ep == 0
+    # without PP to split the experts' memory, only expert parallelism fits them
+    best, _ = planner.choose(cfg, {"train_pp": 1, "train_tp": 1})
+    ep, dp = best.plan.train_ep, best.plan.layout(cfg).train_dp
+    assert ep > 1 and 128 % ep == 0 and dp % ep == 0 and best.fits
+    assert not planner.predict(cfg, dataclasses.replace(best.plan, train_ep=1)).fits
+
+
+def test_a_dense_model_plans_with_ep_1_and_no_expert_terms():
+    cfg = cfg_of("qwen7b")
+    assert {p.train_ep for p in planner.candidates(cfg)} == {1}
+    assert planner.choose(cfg)[0].plan.train_ep == 1 and planner.Plan.of(cfg).train_ep == 1
+
+
+def test_plan_render_and_submit_dry_run_of_the_moe_config(tmp_path, capsys):
+    moe = str(CONFIGS / "qwen3-30b-a3b.yaml")
+    assert cli_main(["plan", moe, "--nodes", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" not in out and "3.35B of 30.53B parameters per token" in out
+    assert "trainer expert parallel EP 1 (allocation.train_ep)" in out
+    root = f"experiment.root={tmp_path}"
+    assert cli_main(["render", moe, "--nodes", "16", "-o", str(tmp_path / "job.sbatch"), root]) == 0
+    written = yaml.safe_load(next(tmp_path.glob("*/*/config.yaml")).read_text())["allocation"]
+    assert (written["train_tp"], written["train_pp"], written["train_ep"]) == (2, 12, 1)
+    assert cli_main(["submit", moe, "--nodes", "16", "--dry-run", f"experiment.root={tmp_path / 'dry'}"]) == 0
+    assert "#SBATCH --nodes=6" in capsys.readouterr().out  # the trainer's 6 nodes

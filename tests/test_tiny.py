@@ -2,7 +2,10 @@
 
 import json
 
-from areal_hpc.config import ModelConfig
+import pytest
+
+from areal_hpc.arch import hf_arch, model_arch
+from areal_hpc.config import ConfigError, ModelConfig
 from areal_hpc.synthetic import synthetic_rows
 from areal_hpc.tiny import build_synthetic_data, build_tiny_model, build_tokenizer
 
@@ -30,6 +33,28 @@ def test_tiny_model_is_deterministic_and_cached(tmp_path):
     assert model.config.model_type == "qwen2" and model.config.num_key_value_heads == 2
     tok = AutoTokenizer.from_pretrained(a)
     assert tok.decode(tok("3+4=")["input_ids"]) == "3+4="
+
+
+def test_tiny_moe_is_a_qwen3_moe_checkpoint_whose_counts_the_architecture_knows(tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    m = ModelConfig(architecture="qwen3_moe")
+    arch = model_arch(m)
+    path = build_tiny_model(m, tmp_path, seed=3)
+    assert hf_arch(path) == arch  # config.json reads back as the architecture it was built from
+    weights = load_file(path / "model.safetensors")
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in weights  # per-expert names, as vLLM loads them
+    assert weights["model.layers.0.mlp.gate.weight"].shape == (arch.num_experts, arch.hidden_size)
+    assert sum(w.numel() for k, w in weights.items() if "norm" not in k) == arch.params
+    assert arch.expert_params < arch.params and arch.active_params == arch.params - arch.expert_params // 2
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert model.config.model_type == "qwen3_moe" and model.config.num_experts_per_tok == 2
+    config = json.loads((path / "config.json").read_text())
+    with open(path / "config.json", "w") as f:
+        json.dump(config | {"decoder_sparse_step": 2}, f)
+    with pytest.raises(ConfigError, match="decoder_sparse_step is 2"):
+        model_arch(ModelConfig(path=str(path)))
 
 
 def test_arithmetic_data_is_deterministic(tmp_path):

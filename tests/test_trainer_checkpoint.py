@@ -2,7 +2,8 @@
 steps equals N + M steps uninterrupted, weights and optimizer state, at (TP, PP, DP) = (1,1,1),
 (1,1,2), (2,1,1), (1,2,1), and in bf16 at TP 2; a TP 2 checkpoint resumes at PP 2 with the same logits and the same next
 step; a non-finite step stops before any weight changes and names the checkpoint it resumed from; a
-save interrupted before its rename never looks complete."""
+save interrupted before its rename never looks complete; a MoE checkpoint is never resumed as a dense model
+or the other way round (EP checkpoints: tests/test_moe_trainer.py)."""
 
 from __future__ import annotations
 
@@ -76,3 +77,36 @@ def test_incomplete_checkpoint_is_refused(tmp_path):
     assert not trainer_checkpoint.is_complete(partial)
     with pytest.raises(FileNotFoundError, match="not a complete trainer checkpoint"):
         trainer_checkpoint.load(None, partial)
+
+
+@pytest.mark.parametrize(
+    "saved,now,why",
+    [
+        ({}, {"num_experts": 4}, "is qwen2 but model.path .* is qwen3_moe \\(4 experts\\)"),  # before MoE
+        ({"num_experts": 4}, {}, "is qwen3_moe \\(4 experts\\) but model.path .* is qwen2"),
+        (
+            {"num_experts": 4},
+            {"num_experts": 8},
+            "is qwen3_moe \\(4 experts\\) but model.path .* is qwen3_moe \\(8 experts\\)",
+        ),
+    ],
+)
+def test_resume_refuses_moe_as_dense_and_the_other_way(tmp_path, saved, now, why):
+    """A checkpoint of a MoE model resumed as a dense one (or the other way round, or with another expert
+    count) is refused before anything loads, naming the model setting to fix."""
+    import dataclasses
+    import json
+    from types import SimpleNamespace
+
+    from areal_hpc.arch import QwenArch
+
+    dense = QwenArch(128, 64, 256, 2, 2, 2, 32, 1e4, 1e-6, True, 512, qkv_bias=True, qk_norm=False)
+    ckpt = tmp_path / "trainer"
+    ckpt.mkdir()
+    arch = dataclasses.asdict(dense)
+    for field in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"):
+        arch.pop(field)  # a manifest written before MoE
+    (ckpt / trainer_checkpoint.MANIFEST).write_text(json.dumps({"arch": arch | saved}))
+    engine = SimpleNamespace(arch=dataclasses.replace(dense, **now), model_dir=tmp_path / "model")
+    with pytest.raises(ValueError, match=f"checkpoint {ckpt} {why}: resume with the model .*model.architecture"):
+        trainer_checkpoint.load(engine, ckpt)

@@ -216,9 +216,10 @@ def _schedule_rank(par, model_dir, settings, total):
         engine = Engine(model_dir, par, ppo, total_steps=total)
         rates = {v: engine.set_step(v) for v in reversed(range(total))}  # any order: the step decides
         engine.set_step(2)
-        assert {g["lr"] for g in engine.adam.param_groups} == {rates[2]}  # what Adam steps with
+        (adam,) = engine.adams  # a dense model: one optimizer
+        assert {g["lr"] for g in adam.param_groups} == {rates[2]}  # what Adam steps with
         # Megatron's weight decay: none on biases and norms (wd_mult 0), ppo.weight_decay elsewhere
-        decays = {(g["wd_mult"], g["weight_decay"]) for g in engine.adam.param_groups}
+        decays = {(g["wd_mult"], g["weight_decay"]) for g in adam.param_groups}
         assert decays == {(0.0, 0.0), (1.0, ppo.weight_decay)}, decays
         out.append([rates[v] for v in range(total)])
     return out

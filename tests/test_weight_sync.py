@@ -1,10 +1,12 @@
-"""Weight sync: bucketed broadcast of named tensors from trainer stage sources to generators.
+"""Weight sync: bucketed broadcast of named tensors from trainer sources to generators.
 
-Ladder: one process with gloo (sender and receivers as threads, each joining through the real join:
-the rendezvous and the start-up check), the joins that cannot complete (a port nobody listens on, a
-member that never comes, a start-up broadcast from another group) failing within their limit with
-both ends named, then real MPI ranks through `setup_weight_sync` (two pipeline stages joined at start
-and sending in parallel to two generators, every receiver issuing its collectives in the agreed
+Ladder: the sources of a layout (one per stage, or per stage and expert rank), one process with gloo
+(sender and receivers as threads, each joining through the real join: the rendezvous and the start-up
+check; with PP 2 x EP 2, four sources, two of them gathering with a TP peer source, every receiver
+issuing its collectives in the agreed order), the joins that cannot complete (a port nobody listens
+on, a member that never comes, a start-up broadcast from another group) failing within their limit
+with both ends named, then real MPI ranks through `setup_weight_sync` (two pipeline stages, or two
+stages x two expert ranks, joined at start and sending in parallel to two generators in the agreed
 order), the timeout, and groups whose members disagree on the device.
 """
 
@@ -13,14 +15,15 @@ import datetime
 import socket
 import threading
 import time
+from collections import deque
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from areal_hpc.config import load_config
-from areal_hpc.layout import Layout
-from areal_hpc.sync_group import STARTUP_CHECK, GroupSpec, WeightSyncError
+from areal_hpc.layout import Layout, Role
+from areal_hpc.sync_group import STARTUP_CHECK, GroupSpec, SyncGroup, WeightSyncError
 from areal_hpc.weight_sync import WeightReceiver, WeightSender, _check_devices
 from tests.helpers import MPI_PROGRAMS
 
@@ -100,6 +103,160 @@ def test_threads_bit_exact_buckets():
     sender.send([("x", torch.ones(3))], bucket_bytes=1 << 20)
     th.join(30), th2.join(30)
     assert torch.equal(got[-1][0][0][1], torch.ones(3))
+
+
+def _layout(*overrides: str) -> Layout:
+    return Layout.from_config(
+        load_config(
+            None,
+            ["cluster.nodes=2", "cluster.gpus_per_node=8", "allocation.gen_nodes=1", "model.architecture=qwen3_moe"]
+            + list(overrides),
+        )
+    )
+
+
+def test_sync_sources_one_per_stage_and_expert_rank():
+    dense = _layout("allocation.train_tp=2", "allocation.train_pp=2")
+    assert dense.sync_sources() == [(s, 0, dense.stage_source_rank(s)) for s in range(2)]
+    # 16 trainers at TP 2 x PP 2 x DP 4, EP 4: a stage's expert ranks 0..3 first sit on (tp, dp) = (0, 0),
+    # (1, 0) (a TP peer of the stage source), (0, 1), (1, 1)
+    moe = _layout("cluster.nodes=3", "allocation.train_tp=2", "allocation.train_pp=2", "allocation.train_ep=4")
+    first = moe.ranks(Role.TRAINER).start
+    sources = moe.sync_sources()
+    assert [(s, e) for s, e, _ in sources] == [(s, e) for s in range(2) for e in range(4)]
+    assert [r - first for _, _, r in sources] == [0, 1, 2, 3, 8, 9, 10, 11]
+    grid = moe.trainer_grid
+    for stage, e, rank in sources:
+        local = rank - first
+        assert moe.trainer_coords(rank).pp == stage and grid.expert_rank(local) == e
+        # the stage's first rank holding expert rank e; expert rank 0's is the stage source
+        stage_ranks = [r for r in range(grid.size) if grid.coords(r).pp == stage]
+        assert local == min(r for r in stage_ranks if grid.expert_rank(r) == e)
+    assert [r for s, e, r in sources if e == 0] == [moe.stage_source_rank(s) for s in range(2)]
+    # TP 1, EP 2: expert rank 1's source is a data-parallel peer (dp 1), not a TP peer
+    tp1 = _layout("allocation.train_pp=2", "allocation.train_ep=2")
+    assert [tp1.trainer_coords(r) for _, _, r in tp1.sync_sources()] == [
+        (0, 0, 0),
+        (0, 0, 1),
+        (0, 1, 0),
+        (0, 1, 1),
+    ]
+
+
+def agreed_order(buckets: dict[tuple[int, int], int]) -> list[tuple[int, int, int | str]]:
+    """The order the module docstring derives, written out independently: events (stage, expert rank,
+    bucket or "end") of each stage's groups one after the other; round robin over the stages still
+    sending, each turn taking events up to and including one bucket (or the stage's last end marker)."""
+    pending = {}
+    for s, e in sorted(buckets):
+        pending.setdefault(s, deque()).extend([*((s, e, k) for k in range(buckets[s, e])), (s, e, "end")])
+    order = []
+    while pending:
+        for s in sorted(pending):
+            events = pending[s]
+            while events:
+                order.append(events.popleft())
+                if order[-1][2] != "end":
+                    break
+            if not events:
+                del pending[s]
+    return order
+
+
+def test_agreed_order_written_out():
+    order = agreed_order({(0, 0): 2, (0, 1): 1, (1, 0): 1, (1, 1): 1})
+    assert order == [
+        (0, 0, 0), (1, 0, 0), (0, 0, 1), (1, 0, "end"), (1, 1, 0),
+        (0, 0, "end"), (0, 1, 0), (1, 1, "end"), (0, 1, "end"),
+    ]  # fmt: skip
+
+
+def _issued(keys: list[tuple[int, int]]) -> list[tuple[int, int, int | str]]:
+    """(stage, expert rank, bucket or "end") in the order a receiver issued its bucket broadcasts (`keys`:
+    the group key of each "bucket sizes" broadcast, the end markers' too)."""
+    keys = [tuple(key) for key in keys]
+    seen: dict = {}
+    for key in keys:
+        seen[key] = seen.get(key, -1) + 1
+    order, count = [], {}
+    for key in keys:
+        count[key] = count.get(key, -1) + 1
+        order.append((*key, "end" if count[key] == seen[key] else count[key]))
+    return order
+
+
+def test_pp2_ep2_every_receiver_issues_the_agreed_order(monkeypatch):
+    """Four groups (2 stages x 2 expert ranks) into two receivers, the senders as threads. Each
+    stage's expert-rank-1 source is a TP peer of its (s, 0) source: both pass every dense tensor
+    through a barrier (the export's TP gather) before the peer yields its experts."""
+    log, lock = [], threading.Lock()
+    broadcast = SyncGroup.broadcast
+
+    def recorded(group, tensor, what, *rest):
+        if what == "bucket sizes" and group.rank != 0:
+            with lock:
+                log.append((group.rank, group.spec.key))
+        return broadcast(group, tensor, what, *rest)
+
+    monkeypatch.setattr(SyncGroup, "broadcast", recorded)
+    tensor_bytes = 4000
+    counts = {(0, 0): (3, 2), (0, 1): (0, 2), (1, 0): (1, 1), (1, 1): (0, 4)}  # (dense, experts) tensors
+    senders, specs = {}, []
+    for (stage, e), _ in counts.items():
+        master = dist.TCPStore("127.0.0.1", 0, 3, True, timeout=datetime.timedelta(seconds=20), wait_for_workers=False)
+        spec = GroupSpec(
+            f"areal-ws-{stage}-{e}", stage, "127.0.0.1", master.port, 3, "gloo", 20.0, "", 4 + 2 * stage + e,
+            MEMBERS, expert=e,
+        )  # fmt: skip
+        senders[stage, e] = WeightSender(stage, True, spec, _master_store=master)
+        specs.append(spec)
+    receivers = [WeightReceiver(specs, (rank,)) for rank in (1, 2)]
+    joins = [threading.Thread(target=r.join, args=(0, 20.0)) for r in receivers]
+    joins += [threading.Thread(target=s.join, args=(20.0,)) for s in senders.values()]
+    for th in joins:
+        th.start()
+    for th in joins:
+        th.join(30)
+    gathers = {stage: threading.Barrier(2, timeout=20) for stage in (0, 1)}
+
+    def planned(stage, e):
+        """What the export yields on the (stage, e) source: the dense tensors (on e 0), then its experts."""
+        dense, experts = counts[stage, e]
+        names = [f"s{stage}.dense.{i}" for i in range(dense)] + [f"s{stage}.e{e}.{i}" for i in range(experts)]
+        return [(n, torch.full((tensor_bytes // 4,), float(100 * stage + 10 * e + i))) for i, n in enumerate(names)]
+
+    def export(stage, e):
+        items, dense = planned(stage, e), counts[stage, e][0]
+        for i in range(counts[stage, 0][0]):  # every rank of the stage joins every gather
+            gathers[stage].wait()
+            if i < dense:
+                yield items[i]
+        yield from items[dense:]
+
+    got = [{}, {}]
+
+    def receive(i):
+        for bucket in receivers[i].receive():
+            got[i].update((n, t.clone()) for n, t in bucket)
+
+    stats = {}
+    threads = [threading.Thread(target=receive, args=(i,)) for i in range(2)]
+    threads += [
+        threading.Thread(target=lambda k=k: stats.update({k: senders[k].send(export(*k), tensor_bytes)}))
+        for k in senders
+    ]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    buckets = {k: sum(counts[k]) for k in counts}  # one tensor per bucket
+    assert {k: v["buckets"] for k, v in stats.items()} == buckets
+    expected = dict(item for k in counts for item in planned(*k))
+    for i in range(2):
+        assert sorted(got[i]) == sorted(expected) and all(torch.equal(got[i][n], expected[n]) for n in expected)
+        assert _issued([key for rank, key in log if rank == i + 1]) == agreed_order(buckets)
+    for end in [*receivers, *senders.values()]:
+        end.leave()
 
 
 def test_receiver_times_out_when_sender_is_silent():
@@ -193,7 +350,10 @@ def test_members_on_different_devices_are_refused_by_name():
 
 
 @pytest.mark.mpi
-def test_mpi_two_stages_bit_exact_in_the_agreed_order_then_timeout(run_mpi, tmp_path):
+@pytest.mark.parametrize("ep", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_mpi_stages_bit_exact_in_the_agreed_order_then_timeout(run_mpi, tmp_path, ep):
+    import json
+
     from transformers import Qwen2ForCausalLM
 
     from areal_hpc.config import ModelConfig
@@ -202,21 +362,144 @@ def test_mpi_two_stages_bit_exact_in_the_agreed_order_then_timeout(run_mpi, tmp_
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(hf_config(ModelConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1)))
     torch.save(model.state_dict(), tmp_path / "state.pt")
-    # world: controller, reward, 2 generators, 2 trainers (PP 2: one source per stage)
+    # world: controller, reward, 2 generators, 2 x ep trainers (PP 2 x DP ep: a source per stage and expert rank)
     proc = run_mpi(
         MPI_PROGRAMS / "weight_sync_world.py",
-        n=6,
+        n=4 + 2 * ep,
         timeout=180,
-        env={"AREAL_TEST_STATE": str(tmp_path / "state.pt")},
+        env={"AREAL_TEST_STATE": str(tmp_path / "state.pt"), "AREAL_TEST_EP": str(ep)},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "RESULT 1" in proc.stdout, proc.stdout[-3000:]
-    # both receivers issued (stage, bucket) in the agreed round-robin order, stages of unequal length
-    assert "ORDERS" in proc.stdout and "(1, 'end')]" in proc.stdout, proc.stdout[-3000:]
+    # both receivers issued (stage, expert rank, bucket) in the agreed order, groups of unequal length
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("ORDERS "))
+    report = json.loads(line.removeprefix("ORDERS "))
+    buckets = {(s, e): n for s, e, n in report["buckets"]}
+    assert sorted(buckets) == [(s, e) for s in range(2) for e in range(ep)] and len(set(buckets.values())) > 1
+    assert [[tuple(x) for x in order] for order in report["orders"]] == [agreed_order(buckets)] * 2, line
     assert proc.stdout.count("timed out after") == 2, proc.stdout[-3000:]
-    # joined at start: each generator both stages' groups, each source its own, all checked
+    # joined at start: each generator every group, each source its own, all checked
     # (counted in the whole output: mpirun forwards the ranks' stdout and stderr in chunks, so another
     # rank's text may share a line with a JOINED one)
-    assert proc.stdout.count("JOINED weight-sync group") == 6, proc.stdout[-3000:]
-    assert proc.stdout.count("start-up check passed") == 6, proc.stdout[-3000:]
-    assert proc.stdout.count("JOINED weight-sync group areal-ws-1 (stage 1): generator 1 (world rank 3) on host") == 1
+    groups = 2 * ep
+    assert proc.stdout.count("JOINED weight-sync group") == 3 * groups, proc.stdout[-3000:]
+    assert proc.stdout.count("start-up check passed") == 3 * groups, proc.stdout[-3000:]
+    last = "areal-ws-1 (stage 1)" if ep == 1 else "areal-ws-1-1 (stage 1, expert rank 1)"
+    assert proc.stdout.count(f"JOINED weight-sync group {last}: generator 1 (world rank 3) on host") == 1
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_sync_from_two_expert_sources_reaches_vllms_fused_experts(tmp_path, monkeypatch):
+    """A tiny MoE generator receives new weights over two groups, as from a stage's two expert ranks
+    ((0, 0): the dense tensors and experts 0-1, (0, 1): experts 2-3, per-expert Hugging Face names):
+    its greedy tokens then equal those of a fresh engine on the new weights, and after a sync back,
+    its own first ones (vLLM's CPU experts repack their weights on load: generator/engine.py). No
+    module goes through vLLM's layerwise reload."""
+    import re
+
+    from safetensors.torch import load_file
+    from transformers import Qwen3MoeForCausalLM
+
+    from areal_hpc.config import ModelConfig
+    from areal_hpc.device import resolve_device
+    from areal_hpc.generator.engine import GenerationEngine
+    from areal_hpc.testing.generator_runs import drain, perturb
+    from areal_hpc.tiny import build_tiny_model, build_tokenizer
+
+    m = ModelConfig(
+        architecture="qwen3_moe",
+        hidden_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+    )
+    path_a = build_tiny_model(m, tmp_path, seed=1)
+    path_b = tmp_path / "b"
+    perturb(Qwen3MoeForCausalLM.from_pretrained(path_a, dtype=torch.float32), seed=5).save_pretrained(path_b)
+    build_tokenizer().save_pretrained(path_b)
+    weights = {name: load_file(str(p / "model.safetensors")) for name, p in (("a", path_a), ("b", path_b))}
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in weights["b"]  # per-expert names, as export sends
+
+    def create(path):
+        return GenerationEngine.create(
+            path, device=resolve_device(), temperature=0.0, max_model_len=256, max_num_seqs=8, seed=0
+        )
+
+    def greedy(engine) -> list[list[int]]:
+        for i, prompt in enumerate(([5, 6, 7, 8], [9, 3, 30, 41, 2])):
+            engine.submit(f"p{i}", prompt, 16)
+        return [t.output_ids for t in sorted(drain(engine), key=lambda t: t.key)]
+
+    fresh = create(path_b)
+    expected_b = greedy(fresh)
+    fresh.close()
+
+    def expert_rank(name: str) -> int:  # experts 0-1 on expert rank 0 (with the dense tensors), 2-3 on 1
+        found = re.search(r"\.mlp\.experts\.(\d+)\.", name)
+        return int(found.group(1)) // 2 if found else 0
+
+    specs, senders = [], []
+    for e in range(2):
+        master = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+        spec = GroupSpec(f"areal-ws-0-{e}", 0, "127.0.0.1", master.port, 2, "gloo", 60.0, "", 4 + e, expert=e)
+        specs.append(spec)
+        senders.append(WeightSender(0, True, spec, _master_store=master))
+    receiver = WeightReceiver(specs, (1,))
+    engine = create(path_a)
+    from vllm.model_executor.model_loader.reload import layerwise  # once vLLM's environment is chosen
+
+    layerwise_calls = []
+    monkeypatch.setattr(layerwise, "_layerwise_process", lambda *a: layerwise_calls.append(a))
+    try:
+        expected_a = greedy(engine)
+        assert expected_a != expected_b  # the test can tell the weights apart
+        joins = [threading.Thread(target=s.join, args=(60,)) for s in senders]
+        for th in joins:
+            th.start()
+        joined = engine.join_weight_sync(receiver, 60)
+        for th in joins:
+            th.join(60)
+        assert [line.split(":")[0] for line in joined] == [
+            "weight-sync group areal-ws-0-0 (stage 0, expert rank 0)",
+            "weight-sync group areal-ws-0-1 (stage 0, expert rank 1)",
+        ]
+        for version, state, expected in ((1, weights["b"], expected_b), (2, weights["a"], expected_a)):
+            parts = [[(n, t) for n, t in sorted(state.items()) if expert_rank(n) == e] for e in range(2)]
+            sends = [threading.Thread(target=s.send, args=(part, 16_000)) for s, part in zip(senders, parts)]
+            for th in sends:
+                th.start()
+            engine.update_weights(receiver, version)
+            for th in sends:
+                th.join(60)
+            assert greedy(engine) == expected, f"version {version}"
+        assert not layerwise_calls
+    finally:
+        engine.close()
+        for s in senders:
+            s.leave()
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.megatron
+@pytest.mark.vllm
+def test_mpi_ep2_trainers_sync_a_vllm_moe_generator(run_mpi, tmp_path):
+    """TP 2 x DP 2 x EP 2 trainers (Megatron, gloo) -> a vLLM tiny MoE generator through
+    `trainer.worker.send_weights`: expert rank 1's source is the stage source's TP peer, so it gathers
+    the dense tensors with it before sending its experts. After the sync the generator's greedy tokens
+    are a fresh engine's on the trainers' model, and it took the buckets in the agreed order."""
+    import json
+
+    proc = run_mpi(MPI_PROGRAMS / "expert_sync_world.py", n=7, timeout=900, args=[str(tmp_path)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line is not None, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads(line.removeprefix("RESULT "))
+    sources = {(s, e): (buckets, tensors) for s, e, buckets, tensors in result["sources"]}
+    assert sorted(sources) == [(0, 0), (0, 1)]
+    assert sources[0, 1][1] == 2 * 2 * 3  # 2 layers x experts 2-3 x gate, up, down
+    assert sources[0, 0][1] > 2 * 2 * 3  # the dense tensors and experts 0-1
+    assert result["after"] == result["expected"] != result["before"]
+    assert _issued(result["issued"]) == agreed_order({k: buckets for k, (buckets, _) in sources.items()})
+    assert proc.stdout.count("weight-sync group areal-ws-0-1 (stage 0, expert rank 1)") == 2  # both ends

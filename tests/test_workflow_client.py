@@ -413,7 +413,7 @@ def test_the_code_interpreter_agent_chats_in_qwens_format(agent, tmp_path):
     engine = Engine(tok, [call, "It is \\boxed{1776}."])
     seen = []
 
-    async def python(name, arguments):  # the sandbox is WP-D's: here only what the agent sends and reads
+    async def python(name, arguments):  # the sandbox is tested apart: here only what the agent sends and reads
         seen.append((name, arguments))
         return "1776\n", True, 0.1
 

@@ -7,6 +7,7 @@ tokens are exactly its characters and `encode(render(...))` can be compared with
 import importlib.util
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from areal_hpc.tiny import build_tokenizer
@@ -332,3 +333,34 @@ def test_a_turn_end_the_template_never_writes_starts_a_new_sequence():
     messages = [*conv.messages, {"role": "user", "content": "again"}]
     assert conv.prompt_ids(messages) == encode(tok, render(tok, messages))
     assert len(conv.episode.sequences) == 2
+
+
+def test_a_sequence_keeps_its_latest_turns_routing_cut_like_its_tokens():
+    """Routing replay: each turn's routing covers its sequence so far and replaces the earlier turn's (the
+    engine computed every earlier position again, or found it in its prefix cache); the arrays cut it like
+    the tokens, context after the latest turn unknown; no routing at all: None."""
+
+    def routing(n: int, fill: int) -> np.ndarray:
+        r = np.full((n, 2, 2), fill, np.uint8)
+        r[-1] = 255  # the turn's last token: never computed
+        return r
+
+    episode = EpisodeTokens()
+    episode.extend_to([1, 2, 3])
+    episode.add_sampled([4, 5], [-0.5, -0.25], [2, 2], routing(5, 1))
+    episode.extend_to([1, 2, 3, 4, 5, 6])
+    with pytest.raises(ValueError, match="routing covers its context and output"):
+        episode.add_sampled([7], [-0.1], [3], routing(6, 2))
+    episode.add_sampled([7, 8], [-0.1, -0.2], [3, 3], routing(8, 2))  # replaces the first turn's
+    episode.extend_to([9])  # a second sequence: its own routing
+    episode.add_sampled([10], [-0.3], [3], routing(2, 3))
+    episode.add_context([11, 12])  # trailing context: cut, like the tokens
+    a = episode.arrays()
+    assert a["seq_lens"].tolist() == [8, 2]
+    assert a["routing"].shape == (10, 2, 2)
+    assert a["routing"][:, 0, 0].tolist() == [2] * 7 + [255] + [3, 255]
+
+    plain = EpisodeTokens()
+    plain.extend_to([1, 2])
+    plain.add_sampled([3], [-0.5], [1])
+    assert plain.arrays()["routing"] is None

@@ -6,6 +6,13 @@ tokenizer, generation config; what `areal_hpc.trainer.export` needs beside the w
 checkpoint exports without the run's initial model) and `manifest.json` (parallel sizes, dtype and
 architecture, written last).
 
+With experts (Qwen3-MoE) Megatron's optimizer is a chain of two distributed optimizers (dense and
+expert parameters); their states are saved side by side under `chained_0.` / `chained_1.` and each
+loads as below. Expert weights are stored by global expert index, so a checkpoint written at one
+expert-parallel size loads at another. The model must be the same: a checkpoint of a MoE model
+resumed as a dense one, the other way round, or with another expert count, is refused before
+anything loads (`load`).
+
     {"model": model.sharded_state_dict(),
      "optimizer": optimizer.sharded_state_dict(model, metadata={"distrib_optim_sharding_type": "fully_reshardable"})}
 
@@ -28,6 +35,7 @@ the `.partial` directory, which `load` never reads; a `trainer/` directory alway
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -36,6 +44,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from areal_hpc.arch import QwenArch
 from areal_hpc.trainer.engine import adam_step
 
 MANIFEST = "manifest.json"
@@ -80,6 +89,7 @@ def save(engine, step_dir: str | Path) -> Path:
             "tp": par.grid.tp,
             "pp": par.grid.pp,
             "dp": par.grid.dp,
+            "ep": par.grid.ep,
             "world": par.grid.size,
             "dtype": dtype,
             "arch": asdict(engine.arch),
@@ -116,7 +126,7 @@ def is_complete(ckpt_dir: str | Path) -> bool:
 
 
 def manifest(ckpt_dir: str | Path) -> dict:
-    """The manifest of a complete checkpoint: {tp, pp, dp, world, dtype, arch}."""
+    """The manifest of a complete checkpoint: {tp, pp, dp, ep (absent before MoE), world, dtype, arch}."""
     ckpt_dir = Path(ckpt_dir)
     if not is_complete(ckpt_dir):
         raise FileNotFoundError(f"{ckpt_dir}: not a complete trainer checkpoint (no {MANIFEST})")
@@ -130,29 +140,50 @@ def load(engine, ckpt_dir: str | Path) -> dict:
 
     ckpt_dir = Path(ckpt_dir)
     written = manifest(ckpt_dir)
-    saved = written["arch"]
-    current = asdict(engine.arch)
-    # Fields added since a checkpoint was written are absent from its manifest: they were Qwen2's then.
-    changed = {k: (v, current.get(k)) for k, v in saved.items() if current.get(k) != v}
-    if changed:
-        raise ValueError(f"{ckpt_dir} holds another model: {changed} (checkpoint, this run)")
-    (opt,) = engine.optimizer.chained_optimizers  # Megatron wraps even one optimizer in a chain
-    adam = engine.adam
-    if not adam.state:  # a fresh engine: Megatron builds the loading state dict from the live state
+    _check_same_model(written["arch"], engine.arch, ckpt_dir, engine.model_dir)
+    chain = engine.optimizer.chained_optimizers  # Megatron wraps even one optimizer in a chain
+    if not any(
+        opt.optimizer.state for opt in chain
+    ):  # a fresh engine: the loading state dict comes from the live state
         engine.init_optimizer_state()
     loaded = dist_checkpointing.load(sharded_state_dict(engine, is_loading=True), str(ckpt_dir))
     engine.stage.load_state_dict(loaded["model"])
-    groups = dict(loaded["optimizer"])
-    param_state = groups.pop("param_state")
-    if groups.pop("param_state_sharding_type") != SHARDING["distrib_optim_sharding_type"]:
-        raise ValueError(f"{ckpt_dir}: optimizer state not in the {SHARDING} format")
-    opt.load_state_dict(groups)  # parameter groups, Adam's step among them (see the module docstring)
-    steps = {p: state.pop("step") for p, state in adam.state.items()}
-    opt.load_parameter_state_from_fully_reshardable(param_state)
-    for p, state in adam.state.items():
-        state["step"] = adam_step(steps[p].item(), p)
+    parts = [loaded["optimizer"]] if len(chain) == 1 else [loaded["optimizer"][i] for i in range(len(chain))]
+    for opt, part in zip(chain, parts, strict=True):
+        groups = dict(part)
+        param_state = groups.pop("param_state")
+        if groups.pop("param_state_sharding_type") != SHARDING["distrib_optim_sharding_type"]:
+            raise ValueError(f"{ckpt_dir}: optimizer state not in the {SHARDING} format")
+        opt.load_state_dict(groups)  # parameter groups, Adam's step among them (see the module docstring)
+        adam = opt.optimizer
+        steps = {p: state.pop("step") for p, state in adam.state.items()}
+        opt.load_parameter_state_from_fully_reshardable(param_state)
+        for p, state in adam.state.items():
+            state["step"] = adam_step(steps[p].item(), p)
     engine.resumed_from = ckpt_dir
     return written
+
+
+def _check_same_model(saved: dict, arch: QwenArch, ckpt_dir: Path, model_dir: Path) -> None:
+    """ValueError unless the checkpoint's architecture (its manifest's `saved`) is this run's `arch`.
+
+    Fields added since a checkpoint was written are absent from its manifest: they had their default
+    then (no experts), or were Qwen2's (the attention fields, which have no default)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(QwenArch) if f.default is not dataclasses.MISSING}
+    was = dataclasses.replace(arch, **(defaults | saved))
+    if was.model_type != arch.model_type or was.num_experts != arch.num_experts:
+        raise ValueError(
+            f"checkpoint {ckpt_dir} is {_describe(was)} but model.path {model_dir} is {_describe(arch)}: resume "
+            "with the model the checkpoint was trained from (model.path, model.architecture)"
+        )
+    current = asdict(arch)
+    changed = {k: (v, current[k]) for k, v in asdict(was).items() if current[k] != v}
+    if changed:
+        raise ValueError(f"{ckpt_dir} holds another model: {changed} (checkpoint, this run)")
+
+
+def _describe(arch: QwenArch) -> str:
+    return f"{arch.model_type} ({arch.num_experts} experts)" if arch.moe else arch.model_type
 
 
 def load_model(stage, ckpt_dir: str | Path) -> None:

@@ -72,6 +72,8 @@ KINDS: dict[str, tuple[str, ...]] = {
         "ppo.mask_truncated",
         "ppo.prox_logp",
         "ppo.kl_coef",
+        "ppo.routing_replay",
+        "ppo.load_balancing_coef",
         "reward.overlong_penalty",
         "reward.overlong_buffer",
     ),

@@ -126,6 +126,10 @@ class AllocationConfig:
     """Megatron tensor-parallel size of the trainer."""
     train_pp: int = 1
     """Megatron pipeline-parallel size of the trainer."""
+    train_ep: int = 1
+    """Megatron expert-parallel size of the trainer (mixture-of-experts models): each of train_ep ranks
+    holds model.num_experts / train_ep whole experts of every layer; it must divide the experts and the
+    trainer's data-parallel size (the experts split over the data-parallel ranks, not the TP ones)."""
     reward_workers: int = 1
     """Reward worker ranks, on the controller component's nodes."""
     reward_nodes: int = 1
@@ -238,6 +242,15 @@ class PPOConfig:
     over trained tokens of exp(ref_logp - logp) - (ref_logp - logp) - 1 to the loss (GRPO's k3
     estimator); reported as ppo/kl. Costs a forward pass per step and the weights once more per trainer
     rank."""
+    routing_replay: bool = False
+    """Mixture-of-experts models: the trainer's forward passes (proximal, reference and training) route
+    each token to the experts the generator routed it to (recorded per position and layer by the
+    generators, sent with the trajectory), so that both compute the same function; the router still trains
+    on its own probabilities of those experts. Reported: ppo/routing_agreement, the share of positions
+    whose top-k the trainer's router would also choose."""
+    load_balancing_coef: float | None = None
+    """Mixture-of-experts models: weight of the router's load-balancing loss (Megatron's aux_loss; reported
+    as ppo/load_balancing_loss); null: config.json's router_aux_loss_coef (Qwen3-MoE: 0.001); 0: off."""
     sequence_parallel: bool = True
     """Megatron's sequence parallelism when allocation.train_tp > 1: the norms, dropout and the residual
     stream are split over the tensor-parallel ranks along the sequence (packed rows are padded to a

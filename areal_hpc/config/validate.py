@@ -64,6 +64,7 @@ def validate(cfg: Config) -> None:
         ("allocation.gen_tp", a.gen_tp),
         ("allocation.train_tp", a.train_tp),
         ("allocation.train_pp", a.train_pp),
+        ("allocation.train_ep", a.train_ep),
         ("allocation.reward_workers", a.reward_workers),
         ("allocation.reward_nodes", a.reward_nodes),
         ("rollout.max_concurrent", r.max_concurrent),
@@ -198,7 +199,16 @@ def validate(cfg: Config) -> None:
         f"allocation.gen_share must be auto or strictly between 0 and 1 (got {a.gen_share!r})",
     )
     # How nodes, GPUs and parallel sizes fit together (the split too, when allocation.gen_nodes is set).
-    parallel.check(m, c.nodes, c.gpus_per_node, a.gen_tp, a.train_tp, a.train_pp, a.gen_nodes)
+    parallel.check(m, c.nodes, c.gpus_per_node, a.gen_tp, a.train_tp, a.train_pp, a.gen_nodes, a.train_ep)
+    need(
+        not p.routing_replay or m.moe,
+        f"ppo.routing_replay applies to mixture-of-experts models only; model.path is a dense {m.model_type}: "
+        "set ppo.routing_replay=false",
+    )
+    need(
+        p.load_balancing_coef is None or p.load_balancing_coef >= 0,
+        f"ppo.load_balancing_coef must be >= 0 or null (got {p.load_balancing_coef})",
+    )
 
 
 def _one_of(options: tuple[str, ...]) -> str:

@@ -25,6 +25,10 @@ Interruption (`update_weights`), nothing lost or duplicated:
   3. reset the prefix cache (its KV entries were computed by the old weights);
   4. resubmit each turn as its context + partial output with what is left of its own token budget;
      tokens sampled from then on carry the new version.
+
+Routing (a MoE model with `record_routing`, i.e. `ppo.routing_replay`): each finished turn also carries, for
+its context and output positions, the experts every MoE layer chose in its final attempt, read from vLLM's
+worker right after the step it finished in (areal_hpc.generator.routing).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ import os
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from areal_hpc.arch import model_arch
 from areal_hpc.generator.choices import ENGINE_ARGS, choose_environment, resolved
@@ -73,11 +79,18 @@ class WeightLoader:
           - unquantized, but post-processing replaced a tensor (on CPU the linear weights live only
             in oneDNN handles: the parameter is empty): the module first gets fresh tensors of its
             recorded checkpoint format (vLLM's meta helpers), which the loaders then fill;
-          - both run the unquantized `process_weights_after_loading` again afterwards: it derives
-            only from the weights (on CPU it creates the oneDNN handles of the linear layers and of
-            the embedding / lm_head, whose sampling would otherwise stay on the old weights);
+          - unquantized MoE experts whose kernel repacks the weights after loading (on CPU into its
+            grouped-GEMM layout, of the checkpoint's shape, so the check above cannot see it): vLLM's
+            method repacks only at the first load (while it has no kernel), and its own reload
+            skips that step, leaving the experts unpacked in the packed layout; so such a module
+            gets fresh tensors as above and loses its kernel, and its post-processing runs as at the
+            first load (a new kernel, the repacking);
+          - all of them run the unquantized `process_weights_after_loading` again afterwards: it
+            derives only from the weights (on CPU it creates the oneDNN handles of the linear layers
+            and of the embedding / lm_head, whose sampling would otherwise stay on the old weights);
           - anything else (quantized): vLLM's layerwise reload, applied to those modules only.
-        On GPU an unquantized model loads in place throughout (no post-processing, no copies).
+        On GPU an unquantized model loads in place throughout (no post-processing, no copies; its
+        Triton experts repack nothing).
         """
         from torch import nn
         from vllm.model_executor.model_loader.reload.layerwise import (
@@ -96,11 +109,14 @@ class WeightLoader:
                 others.append(module)
                 continue
             direct.append(module)
-            if not _as_recorded(module):
+            repacked = _repacked_experts(module)
+            if repacked or not _as_recorded(module):
                 info = get_layerwise_info(module)
                 restore_layer_on_meta(module, info)
                 materialize_layer(module, info)
                 restored.append((name, module))
+            if repacked:
+                module.quant_method.moe_kernel = None
         # vLLM's layerwise functions walk `.modules()`: hand them a container of the others only.
         reloaded = nn.ModuleList(others)
         initialize_layerwise_reload(reloaded)
@@ -165,15 +181,45 @@ class WeightLoader:
             receiver.leave()
         self._areal_receiver = None
 
+    def areal_record_routing(self) -> None:
+        """Record the experts of every token this worker computes from now on (`routing.RoutingRecorder`)."""
+        from areal_hpc.generator.routing import RoutingRecorder
+
+        self._areal_routing = RoutingRecorder(self.model_runner)
+
+    def areal_take_routing(self, requests: list[tuple[str, int]]) -> list | None:
+        """`RoutingRecorder.take`: [n, L, K] per (vLLM request id, n) of requests finished in the last step;
+        on tensor-parallel rank 0 only (every rank routes every token alike: the router is not split)."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return self._areal_routing.take(requests) if get_tensor_model_parallel_rank() == 0 else None
+
 
 def _unquantized(module) -> bool:
-    """No quant method, or vLLM's unquantized one, whose `process_weights_after_loading` derives
-    only from the checkpoint-format weights (so it can run again after any load)."""
+    """No quant method, or one of vLLM's unquantized ones (linear, embedding, MoE experts), whose
+    `process_weights_after_loading` derives only from the checkpoint-format weights (so it can run
+    again after any load)."""
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
     quant = getattr(module, "quant_method", None)
-    return quant is None or type(quant) in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)
+    return quant is None or type(quant) in (
+        UnquantizedLinearMethod,
+        UnquantizedEmbeddingMethod,
+        UnquantizedFusedMoEMethod,
+    )
+
+
+def _repacked_experts(module) -> bool:
+    """Whether `module` is MoE experts whose kernel transforms the weights after loading (its
+    `process_weights_after_loading` is more than the base class's no-op: vLLM's CPU experts prepack)."""
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    if kernel is None:
+        return False
+    return type(kernel.fused_experts).process_weights_after_loading is not FusedMoEExperts.process_weights_after_loading
 
 
 def _as_recorded(module) -> bool:
@@ -207,6 +253,9 @@ class EngineTurn:
     versions: list[int] = field(default_factory=list)  # the policy version that sampled each token
     attempt: int = 0  # resubmissions so far (one per weight update it lived through)
     finish_reason: str = ""  # once finished: "stop" (a stop token) or "length" (its budget or the model's context)
+    routing: np.ndarray | None = None
+    """Once finished, when the engine records routing: [len(context_ids) + len(output_ids), L, K], the experts
+    of each position's KV in the final attempt (areal_hpc.generator.routing), the last position unknown."""
 
     @property
     def request_id(self) -> str:
@@ -217,15 +266,21 @@ class EngineTurn:
 class GenerationEngine:
     """A vLLM engine sampling turns, interruptible for weight updates.
 
-    `engine` is a vLLM v1 `LLMEngine` built with `engine_args(...)` (or `GenerationEngine.create`).
+    `engine` is a vLLM v1 `LLMEngine` built with `engine_args(...)` (or `GenerationEngine.create`). With
+    `record_routing` (an engine built with `engine_args(..., record_routing=True)`) every finished turn
+    carries its routing (`EngineTurn.routing`).
     """
 
-    def __init__(self, engine, temperature: float = 1.0, top_p: float = 1.0):
+    def __init__(self, engine, temperature: float = 1.0, top_p: float = 1.0, record_routing: bool = False):
         self.engine = engine
         self.temperature, self.top_p = temperature, top_p
         self.version = 0
         """Policy version of the loaded weights (0: the initial model)."""
         self._running: dict[str, EngineTurn] = {}  # turn key -> the turn
+        self._vllm_ids: dict[str, str] = {}  # turn key -> vLLM's id of its current attempt (it suffixes ours)
+        self.record_routing = record_routing
+        if record_routing:
+            engine.collective_rpc("areal_record_routing")
 
     # --- construction ---
     @staticmethod
@@ -239,10 +294,12 @@ class GenerationEngine:
         max_model_len: int | None = None,
         max_num_seqs: int = 256,
         enforce_eager: bool = False,
+        record_routing: bool = False,
     ):
         """vLLM `EngineArgs` for a generator: processed logprobs (see the module doc), our worker extension,
         the project's choices where vLLM's defaults differ by platform (`choices.ENGINE_ARGS`).
-        `device`: 'cpu' or 'cuda', the rank's (`RankContext.device`); vLLM's own platform is never asked."""
+        `device`: 'cpu' or 'cuda', the rank's (`RankContext.device`); vLLM's own platform is never asked.
+        `record_routing`: an engine whose routing is recorded runs eagerly (areal_hpc.generator.routing)."""
         from vllm import EngineArgs
 
         kv_bytes = _cpu_setup(model_path, tp, max_num_seqs, max_model_len) if device == "cpu" else None
@@ -256,22 +313,23 @@ class GenerationEngine:
             logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION,
             enable_prefix_caching=True,
-            enforce_eager=enforce_eager,
+            enforce_eager=enforce_eager or record_routing,
             disable_log_stats=True,
             kv_cache_memory_bytes=kv_bytes,
             **ENGINE_ARGS,
         )
 
     @classmethod
-    def create(cls, model_path, *, temperature=1.0, top_p=1.0, **engine_kwargs):
+    def create(cls, model_path, *, temperature=1.0, top_p=1.0, record_routing=False, **engine_kwargs):
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        engine = LLMEngine.from_engine_args(cls.engine_args(model_path, **engine_kwargs))
-        return cls(engine, temperature, top_p)
+        args = cls.engine_args(model_path, record_routing=record_routing, **engine_kwargs)
+        return cls(LLMEngine.from_engine_args(args), temperature, top_p, record_routing)
 
     @classmethod
     def from_config(cls, cfg, model_path, device: str, seed_offset: int = 0) -> GenerationEngine:
-        """The engine of a generator rank, from the run config (model, allocation.gen_tp, rollout)."""
+        """The engine of a generator rank, from the run config (model, allocation.gen_tp, rollout; it records
+        routing with ppo.routing_replay)."""
         r, m = cfg.rollout, cfg.model
         return cls.create(
             model_path,
@@ -283,6 +341,7 @@ class GenerationEngine:
             seed=cfg.experiment.seed + seed_offset,
             max_model_len=model_arch(m).max_position_embeddings,
             max_num_seqs=r.engine_seqs,
+            record_routing=cfg.ppo.routing_replay,
         )
 
     def settings(self) -> dict[str, str]:
@@ -331,13 +390,20 @@ class GenerationEngine:
             if turn is None or turn.request_id != out.request_id:  # an attempt aborted by an interruption
                 continue
             del self._running[turn.key]
+            vllm_id = self._vllm_ids.pop(turn.key)
             completion = out.outputs[0]
             # FINAL_ONLY: the whole attempt at once; flat logprobs with logprobs=0 hold exactly the
             # sampled token's logprob at each position. An attempt never spans a weight update.
             _extend(turn, completion.token_ids, completion.logprobs.logprobs, self.version)
             turn.finish_reason = "stop" if completion.finish_reason == "stop" else "length"
-            finished.append(turn)
-        return finished
+            finished.append((turn, vllm_id))
+        if self.record_routing and finished:
+            # Now: the worker forgets a finished request, and its blocks may be reused, from the next step on.
+            requests = [(vllm_id, len(t.context_ids) + len(t.output_ids)) for t, vllm_id in finished]
+            routings = self.engine.collective_rpc("areal_take_routing", args=(requests,))[0]
+            for (turn, _), routing in zip(finished, routings):
+                turn.routing = routing
+        return [turn for turn, _ in finished]
 
     @property
     def in_flight(self) -> int:
@@ -366,6 +432,7 @@ class GenerationEngine:
         if turns:
             self.engine.abort_request([turn.request_id for turn in turns])
         self._running.clear()
+        self._vllm_ids.clear()
         return turns
 
     def _attempt_output(self, request_id: str) -> tuple[list[int], list[float]]:
@@ -421,7 +488,7 @@ class GenerationEngine:
             output_kind=RequestOutputKind.FINAL_ONLY,  # partial output is read on interruption
         )
         prompt = {"prompt_token_ids": turn.context_ids + turn.output_ids}
-        self.engine.add_request(turn.request_id, prompt, params)
+        self._vllm_ids[turn.key] = self.engine.add_request(turn.request_id, prompt, params)
         self._running[turn.key] = turn
 
 

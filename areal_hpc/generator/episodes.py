@@ -158,7 +158,7 @@ class EpisodeRunner:
             self.engine.submit(key, token_ids, max_tokens)
             self._turns[key] = future
             turn = await future
-            return Turn(turn.output_ids, turn.behav_logprobs, turn.versions, turn.finish_reason)
+            return Turn(turn.output_ids, turn.behav_logprobs, turn.versions, turn.finish_reason, turn.routing)
 
         return sample
 

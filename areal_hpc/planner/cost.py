@@ -91,28 +91,58 @@ COST = CostModel()
 @dataclass(frozen=True)
 class ModelSize:
     """The model as the cost model sees it: its architecture (`areal_hpc.arch.model_arch`, which counts the
-    parameters and the KV bytes per token) in the config's dtype."""
+    parameters and the KV bytes per token) in the config's dtype. A mixture of experts stores all its
+    parameters (`params`: memory, weight sync) but runs a token through `active_params` (its FLOPs);
+    expert parallelism splits `expert_params` where tensor parallelism splits the rest."""
 
     params: float
+    """All parameters."""
     layers: int
     hidden: int
     vocab: int
     dtype_bytes: int
-    intermediate: int
+    mlp_values: int
+    """Values one token keeps per layer in its MLP for the backward pass: 4 f (gate, up, the activation and
+    the product) for a dense model; a MoE: k (4 f_e + 2 h), the same in each of its k experts plus the
+    token's routed copy in and out of them (the dispatcher's permuted rows)."""
     kv_bytes_per_token: float
     """K and V of every layer, one token, in the dtype (`QwenArch.kv_bytes_per_token`)."""
+    active_params: float
+    """The parameters one token uses (= params for a dense model)."""
+    expert_params: float = 0.0
+    """The experts' parameters, all layers (0 for a dense model)."""
+    experts: int = 0
+    """Routed experts per layer (0: dense)."""
+    experts_per_token: int = 0
+    """The router's top-k."""
 
     @classmethod
     def from_config(cls, cfg: Config) -> ModelSize:
         m, dtype_bytes = model_arch(cfg.model), DTYPE_BYTES[cfg.model.dtype]
+        k = m.num_experts_per_tok
+        mlp_values = k * (4 * m.moe_intermediate_size + 2 * m.hidden_size) if m.moe else 4 * m.intermediate_size
         return cls(
-            m.params, m.num_layers, m.hidden_size, m.vocab_size, dtype_bytes, m.intermediate_size,
-            m.kv_bytes_per_token(dtype_bytes),
+            m.params, m.num_layers, m.hidden_size, m.vocab_size, dtype_bytes, mlp_values,
+            m.kv_bytes_per_token(dtype_bytes), m.active_params, m.expert_params, m.num_experts, k,
         )  # fmt: skip
+
+    @property
+    def dense_params(self) -> float:
+        """Everything but the experts: what tensor parallelism splits."""
+        return self.params - self.expert_params
 
     @property
     def weight_bytes(self) -> float:
         return self.params * self.dtype_bytes
+
+    def decode_weight_bytes(self, batch):
+        """Weight bytes a decode step of `batch` trajectories reads: the dense weights, and of each layer's
+        experts those some token of the batch is routed to, E (1 - (1 - k/E)^batch) of E for independent
+        uniform routing (all of them from a few dozen trajectories; k of E for one)."""
+        if not self.experts:
+            return self.weight_bytes
+        touched = 1 - (1 - self.experts_per_token / self.experts) ** np.maximum(batch, 1)
+        return (self.dense_params + self.expert_params * touched) * self.dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -206,13 +236,15 @@ class Plan:
     gen_tp: int
     train_tp: int
     train_pp: int
+    train_ep: int = 1
+    """Expert parallelism of the trainer (1 for a dense model)."""
 
     @classmethod
     def of(cls, cfg: Config) -> Plan:
         """The allocation of a config whose split is resolved (`resolve_split`; its `layout` refuses one that
         is not)."""
         a = cfg.allocation
-        return cls(a.gen_nodes, a.gen_tp, a.train_tp, a.train_pp)
+        return cls(a.gen_nodes, a.gen_tp, a.train_tp, a.train_pp, a.train_ep)
 
     def layout(self, cfg: Config) -> Layout:
         """The rank map of this plan on the config's cluster: its generators (engines) and trainers."""
@@ -221,7 +253,5 @@ class Plan:
 
 def with_plan(cfg: Config, plan: Plan) -> Config:
     """A copy of cfg whose allocation is `plan`."""
-    a = dataclasses.replace(
-        cfg.allocation, gen_nodes=plan.gen_nodes, gen_tp=plan.gen_tp, train_tp=plan.train_tp, train_pp=plan.train_pp
-    )
+    a = dataclasses.replace(cfg.allocation, **dataclasses.asdict(plan))
     return dataclasses.replace(cfg, allocation=a)

@@ -43,9 +43,12 @@ def memory_advice(cfg: Config, p: Prediction, cost: CostModel = COST) -> str:
             if predict(_with_ppo(cfg, max_tokens_per_mb=mb), p.plan, cost).train_memory <= p.memory:
                 options.append(f"lower ppo.max_tokens_per_mb to {mb:,}")
                 break
-        options.append(
-            "raise allocation.train_tp or allocation.train_pp (`areal-hpc plan --search` finds a split that fits)"
+        sizes = (
+            "allocation.train_tp, train_pp or train_ep"
+            if model_arch(cfg.model).moe
+            else "allocation.train_tp or allocation.train_pp"
         )
+        options.append(f"raise {sizes} (`areal-hpc plan --search` finds a split that fits)")
         fixes.append(
             f"the trainer needs {p.train_memory / GB:,.1f} GB of {p.memory / GB:g} GB: " + ", or ".join(options)
         )
@@ -100,7 +103,7 @@ def host_memory_need(cfg: Config) -> dict[str, float]:
     (`areal_hpc.generator.kv_cache.cpu_kv_cache_bytes`)."""
     layout, m, arch = Layout.from_config(cfg), ModelSize.from_config(cfg), model_arch(cfg.model)
     a = cfg.allocation
-    parts = train_memory_parts(m, a.train_tp, a.train_pp, layout.train_dp, cfg)
+    parts = train_memory_parts(m, a.train_tp, a.train_pp, layout.train_dp, cfg, ep=a.train_ep)
     kv = cpu_kv_cache_bytes(arch, a.gen_tp, cfg.rollout.engine_seqs, arch.max_position_embeddings)
     return {
         "trainer": layout.trainers * sum(parts.values()),

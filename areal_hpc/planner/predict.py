@@ -64,9 +64,10 @@ class Prediction:
 def decode_step_s(m: ModelSize, hw: Hardware, tp: int, batch, kv_bytes, cost: CostModel = COST):
     """One decode step of an engine at tensor-parallel size tp, with `batch` trajectories whose KV cache
     totals `kv_bytes`: t = t_step + t_traj * batch + TP latency + max(memory time, compute time), where
-    memory time = (W + KV) / (tp * bandwidth * efficiency) and compute time = 2 P batch / (tp * flops * mfu)."""
-    memory_s = (m.weight_bytes + kv_bytes) / (tp * hw.bandwidth * cost.decode_bandwidth_efficiency)
-    compute_s = 2 * m.params * batch / (tp * hw.flops * cost.decode_mfu)
+    memory time = (W_read + KV) / (tp * bandwidth * efficiency) and compute time = 2 P_active batch / (tp *
+    flops * mfu) (W_read: all weights of a dense model, a MoE's touched experts, `ModelSize.decode_weight_bytes`)."""
+    memory_s = (m.decode_weight_bytes(batch) + kv_bytes) / (tp * hw.bandwidth * cost.decode_bandwidth_efficiency)
+    compute_s = 2 * m.active_params * batch / (tp * hw.flops * cost.decode_mfu)
     tp_s = 2 * m.layers * cost.tp_allreduce_latency_s if tp > 1 else 0.0
     overhead = cost.decode_step_overhead_s + cost.decode_trajectory_overhead_s * batch
     return overhead + tp_s + np.maximum(memory_s, compute_s)
@@ -108,30 +109,33 @@ def full_generation_rate(m, hw, lengths: Lengths, engines: int, tp: int, concurr
 
 def interruption_s(m, hw, lengths: Lengths, engines: int, tp: int, concurrent: float, cost=COST) -> float:
     """After a weight update an interrupted engine recomputes the KV of its running trajectories:
-    c * resident context tokens of prefill at 2 P FLOPs each."""
+    c * resident context tokens of prefill at 2 P_active FLOPs each."""
     c = running_trajectories(m, hw, lengths, engines, tp, concurrent, cost)
-    return 2 * m.params * c * lengths.resident_context / (tp * hw.flops * cost.prefill_mfu)
+    return 2 * m.active_params * c * lengths.resident_context / (tp * hw.flops * cost.prefill_mfu)
 
 
 def train_step_s(
-    m, hw, lengths: Lengths, gpus: int, tp: int, pp: int, trajectories: int, cfg: Config, cost=COST
+    m, hw, lengths: Lengths, gpus: int, tp: int, pp: int, trajectories: int, cfg: Config, cost=COST, *, ep: int = 1
 ) -> float:
-    """One PPO step on `gpus` trainer GPUs (TP tp, PP pp, DP d = gpus / (tp pp)) over trajectories of
-    length s = prompt + L:
-      FLOPs = 8 P N E[s] + 8 layers h N E[s^2]   (forward + backward = 6 P per token, plus the forward
-              that recomputes prox_logprobs = 2 P; causal attention 2 h s^2 per layer and pass;
-              x (8 + 2 + 2) / 8 with ppo.recompute full (the forward again in the backward) and
+    """One PPO step on `gpus` trainer GPUs (TP tp, PP pp, DP d = gpus / (tp pp), EP ep) over trajectories of
+    length s = prompt + L (P_active: the parameters a token uses, P for a dense model):
+      FLOPs = 8 P_active N E[s] + 8 layers h N E[s^2]   (forward + backward = 6 P_active per token, plus
+              the forward that recomputes prox_logprobs = 2 P_active; causal attention 2 h s^2 per layer
+              and pass; x (8 + 2 + 2) / 8 with ppo.recompute full (the forward again in the backward) and
               ppo.kl_coef > 0 (the reference policy's forward), each counted when on)
       compute = FLOPs / (gpus * flops * mfu) * (m + pp - 1) / m   (1F1B bubble, m micro-batches per
               DP rank and minibatch, each ppo.max_tokens_per_mb tokens)
       + TP all-reduces (6 per layer and token, h * dtype bytes each) over NVLink
-      + DP gradient all-reduce (fp32, 2 (d-1)/d of P / (tp pp) * 4 bytes) per minibatch over the network."""
+      + a MoE's expert all-to-alls (`expert_alltoall_s`)
+      + DP gradient all-reduce per minibatch over the network (fp32): 2 (d-1)/d of the dense P / (tp pp) * 4
+        bytes, and a MoE's experts 2 (e-1)/e of P_experts / (ep pp) * 4 bytes over their e = tp d / ep
+        replicas (experts are not split by TP)."""
     d = gpus // (tp * pp)
     p = lengths.prompt
     mean_s = p + lengths.mean
     second_s = p * p + 2 * p * lengths.mean + lengths.second_moment
     tokens = trajectories * mean_s
-    flops = 8 * m.params * tokens + 8 * m.layers * m.hidden * trajectories * second_s
+    flops = 8 * m.active_params * tokens + 8 * m.layers * m.hidden * trajectories * second_s
     # in forwards' worth of 2 P: 4 (forward, backward, prox forward), + recompute full, + reference forward
     passes = 4 + (cfg.ppo.recompute == "full") + (cfg.ppo.kl_coef > 0)
     flops *= passes / 4
@@ -143,15 +147,33 @@ def train_step_s(
     if tp > 1:
         volume = (tokens / d) * (m.layers / pp) * 6 * m.hidden * m.dtype_bytes * 2 * (tp - 1) / tp
         tp_comm = volume / (cost.nvlink_gbs * GB) * bubble
+    forwards = passes - 2  # the backward moves as many tokens as a forward
+    a2a = expert_alltoall_s(m, hw, tokens / (d * tp) * (forwards + 1), pp, ep, cfg.cluster.gpus_per_node, cost)
     dp_comm = 0.0
     if d > 1:
-        dp_comm = minibatches * 2 * (d - 1) / d * 4 * m.params / (tp * pp) / hw.network
-    return compute + tp_comm + dp_comm
+        dp_comm = minibatches * 2 * (d - 1) / d * 4 * m.dense_params / (tp * pp) / hw.network
+    e = tp * d // ep
+    if m.experts and e > 1:
+        dp_comm += minibatches * 2 * (e - 1) / e * 4 * m.expert_params / (ep * pp) / hw.network
+    return compute + tp_comm + a2a * bubble + dp_comm
+
+
+def expert_alltoall_s(m, hw, tokens: float, pp: int, ep: int, gpus_per_node: int, cost=COST) -> float:
+    """A MoE's expert-parallel all-to-alls on one trainer GPU for `tokens` passes of a token through its
+    layers / pp layers (a forward or a backward each): per layer and pass a dispatch and a combine, each
+    sending h k dtype bytes per token, the share (ep - 1) / ep of it to the other ranks: over NVLink when
+    the ep ranks (consecutive in Megatron's order) share a node (ep divides the node's GPUs), else over the
+    network. 0 for a dense model or ep 1."""
+    if not m.experts or ep == 1:
+        return 0.0
+    volume = tokens * (m.layers / pp) * 2 * m.hidden * m.experts_per_token * m.dtype_bytes * (ep - 1) / ep
+    return volume / (cost.nvlink_gbs * GB if gpus_per_node % ep == 0 else hw.network)
 
 
 def weight_sync_s(m: ModelSize, hw: Hardware, pp: int, cost: CostModel = COST) -> float:
-    """Each pipeline stage broadcasts its W / pp bytes over the network (pipelined broadcast: about one
-    link's time), plus the fixed pause/load/resume cost."""
+    """Each pipeline stage broadcasts its W / pp bytes (all parameters: a MoE's experts too, from its
+    expert-parallel ranks in turn) over the network (pipelined broadcast: about one link's time), plus the
+    fixed pause/load/resume cost."""
     return m.weight_bytes / pp / hw.network + cost.weight_sync_fixed_s
 
 
@@ -162,33 +184,41 @@ def gen_memory(m: ModelSize, hw: Hardware, tp: int, lengths: Lengths, cost: Cost
     return need / cost.gen_memory_fraction
 
 
-def train_memory_parts(m: ModelSize, tp: int, pp: int, dp: int, cfg: Config, cost: CostModel = COST) -> dict:
+def train_memory_parts(
+    m: ModelSize, tp: int, pp: int, dp: int, cfg: Config, cost: CostModel = COST, *, ep: int = 1
+) -> dict:
     """Bytes per trainer GPU (or CPU rank), by part:
-    states:      P / (tp pp) x (dtype weights + 4 fp32 gradient buffer
-                                + (4 fp32 master weights unless fp32 + 8 Adam moments) / dp)
-                 (Megatron's distributed optimizer shards the master weights and moments over dp)
-    activations: tokens / tp x dtype bytes x (layers x a (8 h + 4 f)), or with full recompute
-                 (layers x h + a (8 h + 4 f)) (a: activation_factor)
+    states:      P_dense / (tp pp) x (dtype weights + 4 fp32 gradient buffer
+                                      + (4 fp32 master weights unless fp32 + 8 Adam moments) / dp)
+                 + P_experts / (ep pp) x (the same, sharded over e = tp dp / ep expert replicas)
+                 (Megatron's distributed optimizer shards the master weights and moments over the replicas;
+                 experts are not split by TP; P_dense = P and P_experts = 0 for a dense model)
+    activations: tokens / tp x dtype bytes x (layers x a (8 h + mlp)), or with full recompute
+                 (layers x h + a (8 h + mlp)) (a: activation_factor; mlp: 4 f, or a MoE's k (4 f_e + 2 h))
                  (1F1B keeps pp micro-batches of layers / pp layers on the first stage: one micro-batch of
-                 every layer; sequence parallelism splits what TP does not; tokens: ppo.max_tokens_per_mb)
+                 every layer; sequence parallelism splits what TP does not, and a MoE rank's experts see
+                 k of its tokens' rows on average; tokens: ppo.max_tokens_per_mb)
     transients:  the dense gradient of the input embedding (vocab / tp x h x dtype bytes, made in its
                  backward) + the token logprobs' chunk temporaries. No micro-batch's whole logits: the
                  token logprobs come chunk by chunk.
-    reference:   with ppo.kl_coef > 0, the frozen initial policy: P / (tp pp) x dtype bytes (else 0)."""
+    reference:   with ppo.kl_coef > 0, the frozen initial policy: P_dense / (tp pp) + P_experts / (ep pp)
+                 x dtype bytes (else 0)."""
     master = 0 if m.dtype_bytes == 4 else 4
-    states = m.params / (tp * pp) * (m.dtype_bytes + 4 + (master + 8) / dp)
-    layer = cost.activation_factor * (8 * m.hidden + 4 * m.intermediate)  # values per token, one layer
+    states = m.dense_params / (tp * pp) * (m.dtype_bytes + 4 + (master + 8) / dp)
+    states += m.expert_params / (ep * pp) * (m.dtype_bytes + 4 + (master + 8) / (tp * dp / ep))
+    layer = cost.activation_factor * (8 * m.hidden + m.mlp_values)  # values per token, one layer
     kept = m.hidden * m.layers + layer if cfg.ppo.recompute == "full" else layer * m.layers
     activations = cfg.ppo.max_tokens_per_mb / tp * kept * m.dtype_bytes
     chunks = min(cost.logprob_transient_bytes, 2 * cfg.ppo.max_tokens_per_mb * m.vocab / tp * 4)  # short batches
     transients = m.vocab / tp * m.hidden * m.dtype_bytes + chunks
-    reference = m.params / (tp * pp) * m.dtype_bytes if cfg.ppo.kl_coef > 0 else 0.0
+    weights = m.dense_params / (tp * pp) + m.expert_params / (ep * pp)
+    reference = weights * m.dtype_bytes if cfg.ppo.kl_coef > 0 else 0.0
     return {"states": states, "activations": activations, "transients": transients, "reference": reference}
 
 
-def train_memory(m: ModelSize, tp: int, pp: int, dp: int, cfg: Config, cost: CostModel = COST) -> float:
+def train_memory(m: ModelSize, tp: int, pp: int, dp: int, cfg: Config, cost: CostModel = COST, *, ep: int = 1) -> float:
     """Bytes per trainer GPU (`train_memory_parts`), over the usable share of memory."""
-    return sum(train_memory_parts(m, tp, pp, dp, cfg, cost).values()) / cost.train_memory_fraction
+    return sum(train_memory_parts(m, tp, pp, dp, cfg, cost, ep=ep).values()) / cost.train_memory_fraction
 
 
 def predict(cfg: Config, plan: Plan | None = None, cost: CostModel = COST) -> Prediction:
@@ -202,7 +232,9 @@ def predict(cfg: Config, plan: Plan | None = None, cost: CostModel = COST) -> Pr
     engines, train_gpus = layout.generators, layout.trainers
     concurrent = r.max_concurrent * r.group_size
     t_gen_sync = sync_generation_s(m, hw, lengths, engines, plan.gen_tp, trajectories, cost)
-    t_train = train_step_s(m, hw, lengths, train_gpus, plan.train_tp, plan.train_pp, trajectories, cfg, cost)
+    t_train = train_step_s(
+        m, hw, lengths, train_gpus, plan.train_tp, plan.train_pp, trajectories, cfg, cost, ep=plan.train_ep
+    )
     t_ws = weight_sync_s(m, hw, plan.train_pp, cost)
     rate = full_generation_rate(m, hw, lengths, engines, plan.gen_tp, concurrent, cost)
     tokens = trajectories * lengths.mean
@@ -211,7 +243,7 @@ def predict(cfg: Config, plan: Plan | None = None, cost: CostModel = COST) -> Pr
         plan, r.max_staleness, trajectories, tokens, lengths.longest(trajectories), t_gen_sync, t_train, t_ws,
         t_gen_full,
         gen_memory(m, hw, plan.gen_tp, lengths, cost),
-        train_memory(m, plan.train_tp, plan.train_pp, max(1, layout.train_dp), cfg, cost),
+        train_memory(m, plan.train_tp, plan.train_pp, max(1, layout.train_dp), cfg, cost, ep=plan.train_ep),
         hw.memory,
     )  # fmt: skip
 
@@ -225,7 +257,7 @@ def colocated_step_s(cfg: Config, plan: Plan, cost: CostModel = COST) -> float:
     trajectories = r.prompts_per_step * r.group_size
     return (
         sync_generation_s(m, hw, lengths, n * g // plan.gen_tp, plan.gen_tp, trajectories, cost)
-        + train_step_s(m, hw, lengths, n * g, plan.train_tp, plan.train_pp, trajectories, cfg, cost)
+        + train_step_s(m, hw, lengths, n * g, plan.train_tp, plan.train_pp, trajectories, cfg, cost, ep=plan.train_ep)
         + weight_sync_s(m, hw, plan.train_pp, cost)
     )
 

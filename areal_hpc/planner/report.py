@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from areal_hpc.errors import ConfigError
-from areal_hpc.planner.cost import GB
+from areal_hpc.planner.cost import GB, ModelSize
 from areal_hpc.planner.memory import check_host_fits, memory_advice
 from areal_hpc.planner.predict import Prediction, colocated_step_s, tok_rate
 from areal_hpc.planner.search import choose
@@ -46,6 +46,15 @@ def report(cfg: Config, p: Prediction) -> str:
         "model and constants: docs/planner.md (GPU figures from cluster.gpu_tflops, gpu_memory_bandwidth_gbs, "
         "interconnect_gbps)",
     ]
+    m = ModelSize.from_config(cfg)
+    if m.experts:
+        ep = p.plan.train_ep
+        lines.insert(
+            -1,
+            f"mixture of experts: {m.active_params / 1e9:,.2f}B of {m.params / 1e9:,.2f}B parameters per token "
+            f"(top {m.experts_per_token} of {m.experts} experts); trainer expert parallel EP {ep} "
+            f"(allocation.train_ep): {m.experts // ep} experts of each layer per GPU",
+        )
     if cfg.cluster.device == "cpu":
         lines.append(
             "cluster.device is cpu: these figures are for GPUs with the cluster.gpu_* numbers, not this machine"
@@ -68,9 +77,10 @@ def search_hint(cfg: Config, p: Prediction) -> str:
     if best.plan == p.plan or gain < 1.005:
         return "--search would keep this plan: no other plan that fits is predicted faster"
     b = best.plan
+    ep = f" x EP {b.train_ep}" if ModelSize.from_config(cfg).experts else ""
     return (
         f"--search would choose {b.gen_nodes} generator nodes (TP {b.gen_tp}) and trainer TP {b.train_tp} x PP "
-        f"{b.train_pp}: {tok_rate(best.tokens_per_s())} effective tokens/s asynchronous"
+        f"{b.train_pp}{ep}: {tok_rate(best.tokens_per_s())} effective tokens/s asynchronous"
         + (f" ({gain:.2f}x this plan)" if p.fits else "")
         + f", {best.bottleneck}-bound"
     )

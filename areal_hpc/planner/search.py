@@ -9,22 +9,24 @@ from typing import TYPE_CHECKING
 
 from areal_hpc.arch import model_arch
 from areal_hpc.errors import ConfigError
-from areal_hpc.parallel import gen_tp_problem, split_problem, train_pp_problem, train_tp_problem
+from areal_hpc.parallel import gen_tp_problem, split_problem, train_ep_problem, train_pp_problem, train_tp_problem
 from areal_hpc.planner.cost import COST, CostModel, Plan, with_plan
 from areal_hpc.planner.predict import Prediction, predict, tok_rate
 
 if TYPE_CHECKING:
+    from areal_hpc.arch import QwenArch
     from areal_hpc.config.schema import Config
 
-ALLOCATION_FIELDS = ("gen_nodes", "gen_tp", "train_tp", "train_pp")
+ALLOCATION_FIELDS = ("gen_nodes", "gen_tp", "train_tp", "train_pp", "train_ep")
 """The allocation fields the planner chooses with `--search` (unless fixed on the command line)."""
 
 
 def candidates(cfg: Config, fixed: dict[str, int] | None = None):
     """Every plan the system can run (`areal_hpc.parallel`'s rules: generator TP within a node, both TPs
-    splitting the model evenly, PP dividing the layers, trainer GPUs in whole TP x PP replicas), as the
-    search narrows them: a trainer's TP group inside a node (NVLink; a config may set a larger one) and
-    PP at most 16. Fields in `fixed` keep their value."""
+    splitting the model evenly, PP dividing the layers, trainer GPUs in whole TP x PP replicas, a MoE's EP
+    dividing its experts and the trainer's DP size; 1 for a dense model), as the search narrows them: a
+    trainer's TP group inside a node (NVLink; a config may set a larger one) and PP at most 16. Fields in
+    `fixed` keep their value."""
     fixed = fixed or {}
     m, n, g = model_arch(cfg.model), cfg.cluster.nodes, cfg.cluster.gpus_per_node
     gen_nodes = [fixed["gen_nodes"]] if "gen_nodes" in fixed else range(1, n)
@@ -35,12 +37,25 @@ def candidates(cfg: Config, fixed: dict[str, int] | None = None):
         else [t for t in range(1, g + 1) if g % t == 0 and not train_tp_problem(m, t)]
     )
     pps = [fixed["train_pp"]] if "train_pp" in fixed else [p for p in range(1, 17) if not train_pp_problem(m, p)]
+    eps = [fixed["train_ep"]] if "train_ep" in fixed else range(1, max(m.num_experts, 1) + 1)
     for k in gen_nodes:
         for gtp in gen_tps:
             for ttp in train_tps:
                 for pp in pps:
-                    if not split_problem(n, g, k, ttp, pp):
-                        yield Plan(k, gtp, ttp, pp)
+                    for ep in eps:
+                        if not trainer_problem(m, n, g, k, ttp, pp, ep):
+                            yield Plan(k, gtp, ttp, pp, ep)
+
+
+def trainer_problem(
+    arch: QwenArch, nodes: int, gpus_per_node: int, gen_nodes: int, tp: int, pp: int, ep: int
+) -> str | None:
+    """What keeps the trainer of a split from running at these sizes: its GPUs in whole TP x PP replicas
+    (`split_problem`), and EP dividing the experts and its DP size (`train_ep_problem`)."""
+    problem = split_problem(nodes, gpus_per_node, gen_nodes, tp, pp)
+    if problem:
+        return problem
+    return train_ep_problem(arch, ep, (nodes - gen_nodes) * gpus_per_node // (tp * pp))
 
 
 def choose(
@@ -57,15 +72,20 @@ def choose(
         if fit and not p.fits:
             continue
         fitting += 1
-        key = (round(p.tokens_per_s(), -2), -plan.gen_tp - plan.train_tp * plan.train_pp, plan.gen_nodes)
+        key = (
+            round(p.tokens_per_s(), -2),
+            -plan.gen_tp - plan.train_tp * plan.train_pp,
+            -plan.train_ep,
+            plan.gen_nodes,
+        )
         if best is None or key > best[0]:
             best = (key, p)
     if not tried:
         raise ConfigError(
             f"no split of {cfg.cluster.nodes} nodes x {cfg.cluster.gpus_per_node} GPUs can run "
             f"{'these parallel sizes (' + str(fixed) + ')' if fixed else 'the model'}: the trainer's GPUs must hold "
-            "whole allocation.train_tp x train_pp replicas, and allocation.gen_tp must divide a node's GPUs; change "
-            "cluster.nodes or the parallel sizes"
+            "whole allocation.train_tp x train_pp replicas (a MoE's allocation.train_ep dividing their number), and "
+            "allocation.gen_tp must divide a node's GPUs; change cluster.nodes or the parallel sizes"
         )
     if best is None:
         raise ConfigError(
@@ -83,10 +103,11 @@ def choose(
 
 def auto_split(cfg: Config, cost: CostModel = COST) -> tuple[int, str]:
     """`allocation.gen_share: auto`: the generator nodes of the fastest plan (`choose`) with the config's
-    gen_tp, train_tp and train_pp; returns (gen_nodes, why). Deterministic: every rank finds the same."""
+    gen_tp, train_tp, train_pp and train_ep; returns (gen_nodes, why). Deterministic: every rank finds the
+    same."""
 
     a = cfg.allocation
-    fixed = {"gen_tp": a.gen_tp, "train_tp": a.train_tp, "train_pp": a.train_pp}
+    fixed = {f: getattr(a, f) for f in ALLOCATION_FIELDS if f != "gen_nodes"}
     try:
         p, _ = choose(cfg, fixed, cost)
         fits = ""
@@ -103,8 +124,9 @@ def auto_split(cfg: Config, cost: CostModel = COST) -> tuple[int, str]:
 def resolve_split(cfg: Config) -> tuple[Config, str]:
     """The config a run is launched with, its node split a number (`allocation.gen_nodes`), and why:
     `allocation.gen_nodes` when set; with `gen_share: auto` the fastest split (`auto_split`); else the
-    split nearest `gen_share` whose trainer GPUs hold whole TP x PP replicas. Launchers call this once and
-    write the result into the run's config.yaml, which every rank then reads (the Layout reads numbers)."""
+    split nearest `gen_share` whose trainer GPUs hold whole TP x PP replicas (as many as EP divides).
+    Launchers call this once and write the result into the run's config.yaml, which every rank then reads
+    (the Layout reads numbers)."""
     a, n, g = cfg.allocation, cfg.cluster.nodes, cfg.cluster.gpus_per_node
     if a.gen_nodes is not None:
         return cfg, f"allocation.gen_nodes = {a.gen_nodes} (set in the config)"
@@ -112,16 +134,18 @@ def resolve_split(cfg: Config) -> tuple[Config, str]:
         gen_nodes, why = auto_split(cfg)
     else:
         target = a.gen_share * n
-        fits = [k for k in range(1, n) if not split_problem(n, g, k, a.train_tp, a.train_pp)]
+        arch = model_arch(cfg.model)
+        fits = [k for k in range(1, n) if not trainer_problem(arch, n, g, k, a.train_tp, a.train_pp, a.train_ep)]
         if not fits:
             raise ConfigError(
                 f"no split of {n} nodes x {g} GPUs leaves the trainer a multiple of train_tp x train_pp "
-                f"({a.train_tp} x {a.train_pp} = {a.train_tp * a.train_pp}) GPUs; change cluster.nodes or the "
-                "parallel sizes"
+                f"({a.train_tp} x {a.train_pp} = {a.train_tp * a.train_pp}) GPUs"
+                + (f" in a number of replicas that train_ep ({a.train_ep}) divides" if a.train_ep > 1 else "")
+                + "; change cluster.nodes or the parallel sizes"
             )
         gen_nodes = min(fits, key=lambda k: (abs(k - target), -k))
         why = (
             f"allocation.gen_share {a.gen_share:g} of {n} nodes = {target:g}; nearest split whose trainer "
             f"GPUs divide by train_tp x train_pp ({a.train_tp * a.train_pp}): {gen_nodes} generator nodes"
         )
-    return with_plan(cfg, Plan(gen_nodes, a.gen_tp, a.train_tp, a.train_pp)), why
+    return with_plan(cfg, Plan(gen_nodes, a.gen_tp, a.train_tp, a.train_pp, a.train_ep)), why

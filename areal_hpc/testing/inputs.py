@@ -1,9 +1,12 @@
 """The trainer checks' inputs: two tiny models (a Qwen2 and a Qwen3), random TrainBatches with the
-fields a PPO step reads, one data-parallel rank's shard of a batch, and the probe sequences whose logits
-the checks compare.
+fields a PPO step reads, one data-parallel rank's shard of a batch, the probe sequences whose logits
+the checks compare, and `random_norms`, which makes a built model's norms (and router) tell their
+tensors apart.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -79,3 +82,21 @@ def probe_sequences(vocab: int) -> list[torch.Tensor]:
     """Three token sequences of different lengths, the same on every rank."""
     g = torch.Generator().manual_seed(0)
     return [torch.randint(0, vocab, (n,), generator=g) for n in PROBE_LENGTHS]
+
+
+def random_norms(model_dir: Path, seed: int, router_std: float = 0.0) -> None:
+    """Every RMSNorm weight of the model's safetensors 1 + noise: transformers initializes them all to one,
+    under which two norms swapped by the conversion (q_norm and k_norm, say) would give the same logits.
+    `router_std` > 0: also a MoE router's gate weights drawn with that deviation, far from uniform, so that
+    near-equal scores do not make the top-k hang on float rounding."""
+    from safetensors.torch import load_file, save_file
+
+    g = torch.Generator().manual_seed(seed)
+    for f in Path(model_dir).glob("*.safetensors"):
+        state = load_file(f)
+        for name, t in state.items():
+            if name.endswith("norm.weight"):
+                state[name] = t + 0.2 * torch.randn(t.shape, generator=g)
+            if router_std and name.endswith("mlp.gate.weight"):
+                state[name] = router_std * torch.randn(t.shape, generator=g)
+        save_file(state, f, metadata={"format": "pt"})

@@ -57,13 +57,13 @@ def logits(engine, seqs: list[torch.Tensor]) -> list[torch.Tensor] | None:
 
 def optimizer_state(engine) -> list[torch.Tensor]:
     """This rank's optimizer state (fp32 main weights, Adam moments and steps), in a fixed order."""
-    adam = engine.adam
     out = []
-    for group in adam.param_groups:
-        for p in group["params"]:
-            out.append(p.detach().float().cpu())
-            state = adam.state[p]
-            out.extend(state[k].detach().float().cpu().reshape(-1) for k in sorted(state))
+    for adam in engine.adams:
+        for group in adam.param_groups:
+            for p in group["params"]:
+                out.append(p.detach().float().cpu())
+                state = adam.state[p]
+                out.extend(state[k].detach().float().cpu().reshape(-1) for k in sorted(state))
     return out
 
 

@@ -17,10 +17,21 @@ them raises; with these routes the same Megatron code (GPTModel, tensor/pipeline
 | `clip_grad_by_total_norm_fp32` asserts CUDA grads    | optimizer.clip_grads                      | same math, CPU    |
 | `param.type()` must name a `torch.cuda.*Tensor`       | DistributedOptimizer and Float16Optimizer | CPU tensors named |
 |                                                      | constructors (the main-param setup)       | as CUDA ones      |
+| a `torch.cuda.Stream` for device-to-host copies of   | moe.token_dispatcher, the all-to-all      | none: the counts  |
+| the token counts, and its event synchronized         | dispatcher (MoE; the trainer's only one)  | are on the CPU    |
 
-`enable(device)` installs them once, and only for a CPU device: on GPUs nothing is patched and
-Megatron runs unmodified. The device comes from `areal_hpc.device` (decided once per rank); call this
-before building any Megatron object.
+`enable(device)` installs them once, and only for a CPU device. The device comes from
+`areal_hpc.device` (decided once per rank); call this before building any Megatron object.
+
+One more route is installed on every device, because it is about TransformerEngine, not the CPU
+(`te_less_routes`, called by `enable`): the trainer builds Megatron's local layer spec, which runs on a
+machine without TransformerEngine, and megatron-core 0.16.1 has one call that fails there:
+
+| megatron-core call                                   | where                                     | without TE        |
+|------------------------------------------------------|-------------------------------------------|-------------------|
+| `te_general_gemm` (the MoE router's gate)            | moe_utils.RouterGatingLinearFunction      | None: its torch   |
+|                                                      | (imported only when TE is, then tested    | mm/addmm branch,  |
+|                                                      | against None: a NameError without TE)     | the same math     |
 """
 
 from __future__ import annotations
@@ -39,8 +50,10 @@ def enabled() -> bool:
 
 
 def enable(device: torch.device) -> bool:
-    """Install the CPU routes when `device` is the CPU (idempotent); returns whether they are active."""
+    """Install the CPU routes when `device` is the CPU (idempotent); returns whether they are active.
+    The TransformerEngine-less routes (`te_less_routes`) are installed on every device."""
     global _enabled
+    te_less_routes()
     if _enabled or torch.device(device).type != "cpu":
         return _enabled
     import megatron.core.optimizer.clip_grads as clip_grads
@@ -49,6 +62,7 @@ def enable(device: torch.device) -> bool:
     import megatron.core.optimizer.optimizer as optimizer
     import megatron.core.pipeline_parallel.schedules as schedules
     import megatron.core.tensor_parallel.random as mrandom
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
     import megatron.core.utils as mutils
 
     # Megatron passes `torch.cuda.current_device()` as `device=` when it allocates; "cpu" works there.
@@ -70,8 +84,21 @@ def enable(device: torch.device) -> bool:
     # names the CUDA tensor types only; while they are built, CPU tensors answer with those names.
     for cls in (distrib_optimizer.DistributedOptimizer, optimizer.Float16OptimizerWithFloat16Params):
         cls.__init__ = _with_cuda_type_names(cls.__init__)
+    # The all-to-all dispatcher copies its token counts to the host on a side CUDA stream (made once per
+    # process, kept on the class) and waits for that copy's event; on the CPU they are there already.
+    alltoall = token_dispatcher.MoEAlltoAllTokenDispatcher
+    alltoall.cuda_dtoh_stream = "cpu"  # any value but None: the constructor makes no CUDA stream
+    alltoall._maybe_dtoh_and_synchronize = _counts_on_host
     _enabled = True
     return True
+
+
+def te_less_routes() -> None:
+    """Without TransformerEngine: the MoE router's gate through torch (idempotent; any device)."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not moe_utils.HAVE_TE:
+        moe_utils.te_general_gemm = None
 
 
 class CpuRNGStatesTracker:
@@ -175,6 +202,17 @@ class _CpuTorch(types.ModuleType):
 
     def tensor(self, *args, device=None, **kwargs):
         return torch.tensor(*args, device=_cpu(device), **kwargs)
+
+
+def _counts_on_host(self, point: str, tokens_per_expert=None):
+    """The all-to-all dispatcher's device-to-host step on the CPU: at the copy point its split sizes
+    become numpy arrays, as the GPU path leaves them; there is nothing to wait for."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, name)
+            if torch.is_tensor(value):
+                setattr(self, name, value.numpy())
+    return tokens_per_expert
 
 
 def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):

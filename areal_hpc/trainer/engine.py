@@ -62,20 +62,33 @@ class Parallel:
 
     @property
     def stage_source(self) -> bool:
-        """Whether this rank sends its pipeline stage's weights (`TrainerGrid.stage_source`)."""
+        """Whether this rank sends its pipeline stage's dense weights (`TrainerGrid.stage_source`)."""
         return self.rank == self.grid.stage_source(self.coords.pp)
 
+    @property
+    def expert_rank(self) -> int:
+        """This rank's expert-parallel rank (`TrainerGrid.expert_rank`): it holds that rank's experts."""
+        return self.grid.expert_rank(self.rank)
 
-def init_parallel(rank: int, world: int, tp: int, pp: int, store, device: str, timeout_s: float = 300.0) -> Parallel:
+    @property
+    def expert_source(self) -> bool:
+        """Whether this rank sends its expert rank's experts of its stage (`TrainerGrid.expert_source`)."""
+        return self.rank == self.grid.expert_source(self.coords.pp, self.expert_rank)
+
+
+def init_parallel(
+    rank: int, world: int, tp: int, pp: int, store, device: str, timeout_s: float = 300.0, ep: int = 1
+) -> Parallel:
     """torch.distributed (gloo on cpu, NCCL on cuda) + Megatron parallel state; checks the rank order.
 
+    `ep`: expert-parallel size (MoE models; experts never split over TP).
     `store`: the world's TCPStore (`areal_hpc.network.world_store` in a run, `spawn.run_ranks`'s here).
     `device` is the rank's resolved device, "cpu" or "cuda" (`areal_hpc.device.resolve_device`).
     """
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    grid = TrainerGrid.of(world, tp, pp)  # raises when tp x pp does not divide world
+    grid = TrainerGrid.of(world, tp, pp, ep)  # raises when tp x pp does not divide world
     dev = torch.device("cpu") if device == "cpu" else torch.device(device, 0)  # its own GPU: see above
     cpu_compat.enable(dev)
     if dev.type == "cuda":
@@ -87,7 +100,13 @@ def init_parallel(rank: int, world: int, tp: int, pp: int, store, device: str, t
         world_size=world,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
-    ps.initialize_model_parallel(tp, pp, distributed_timeout_minutes=max(1, int(timeout_s // 60)))
+    ps.initialize_model_parallel(
+        tp,
+        pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
+        distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+    )
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     par = Parallel(rank, grid, dev)
     megatron = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank())
@@ -95,6 +114,11 @@ def init_parallel(rank: int, world: int, tp: int, pp: int, store, device: str, t
         raise RuntimeError(
             f"Megatron placed trainer rank {rank} at (tp, pp, dp) = {megatron}, "
             f"the layout expects {tuple(par.coords)} (rank = tp + TP * (dp + DP * pp))"
+        )
+    if ps.get_expert_model_parallel_rank() != par.expert_rank:
+        raise RuntimeError(
+            f"Megatron placed trainer rank {rank} at expert rank {ps.get_expert_model_parallel_rank()}, "
+            f"the layout expects {par.expert_rank} ((tp + TP * dp) % EP)"
         )
     return par
 
@@ -141,13 +165,21 @@ class Engine:
         self.par = par
         self.model_dir = Path(model_dir)
         self.arch = QwenArch.from_hf(model_dir)
-        check_trainer(self.arch, par.grid.tp, par.grid.pp)
+        check_trainer(self.arch, par.grid.tp, par.grid.pp, par.grid.ep, par.grid.dp)
         self.device = par.device
         self.resumed_from: Path | None = None
         """The checkpoint this engine's state was loaded from (named in a non-finite step's error)."""
         grid = par.grid
         self.config = transformer_config(
-            self.arch, grid.tp, grid.pp, self.device, dtype, ppo.recompute, ppo.sequence_parallel and grid.tp > 1
+            self.arch,
+            grid.tp,
+            grid.pp,
+            self.device,
+            dtype,
+            ppo.recompute,
+            ppo.sequence_parallel and grid.tp > 1,
+            grid.ep,
+            ppo.load_balancing_coef,
         )
         # Micro-batches differ in length: the pipeline sends each activation's shape before it.
         self.config.variable_seq_lengths = True
@@ -183,8 +215,9 @@ class Engine:
         )
         # torch's fused Adam (CPU and CUDA kernels): Megatron builds a plain torch Adam, whose default
         # implementation allocates temporaries as large as the parameters (gigabytes for a 1.5B model).
-        for group in self.adam.param_groups:
-            group["fused"], group["foreach"] = True, False
+        for adam in self.adams:
+            for group in adam.param_groups:
+                group["fused"], group["foreach"] = True, False
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
             init_lr=0.0,
@@ -209,7 +242,9 @@ class Engine:
 
         grid, coords = self.par.grid, self.par.coords
         stage = build_stage(self.arch, self.config, self.device)
-        load_hf_into(stage, self.model_dir, self.arch, coords.tp, grid.tp, coords.pp, grid.pp)
+        load_hf_into(
+            stage, self.model_dir, self.arch, coords.tp, grid.tp, coords.pp, grid.pp, self.par.expert_rank, grid.ep
+        )
         if dtype != torch.float32:
             # As Megatron's own training does: every parameter in the 16-bit dtype (the local layer
             # spec makes its norms fp32; the distributed optimizer needs one dtype per gradient buffer).
@@ -217,20 +252,18 @@ class Engine:
         return stage
 
     @property
-    def adam(self) -> torch.optim.Optimizer:
-        """The torch Adam inside Megatron's (one distributed optimizer, in Megatron's chain)."""
-        chained = self.optimizer.chained_optimizers
-        if len(chained) != 1:
-            raise RuntimeError(f"expected one distributed optimizer, Megatron built {len(chained)}")
-        return chained[0].optimizer
+    def adams(self) -> list[torch.optim.Optimizer]:
+        """The torch Adams inside Megatron's chain of distributed optimizers: one, or with experts two
+        (the dense parameters, reduced over DP; the experts', reduced over the expert-DP ranks)."""
+        return [opt.optimizer for opt in self.optimizer.chained_optimizers]
 
     def init_optimizer_state(self) -> None:
         """Give every parameter Adam's state (zero moments, step 0) before the first step, as Adam
         would at it (Megatron's `init_state_fn` leaves the step out)."""
-        (opt,) = self.optimizer.chained_optimizers
-        opt.init_state_fn(opt.optimizer, opt.config)
-        for p, state in opt.optimizer.state.items():
-            state.setdefault("step", adam_step(0.0, p))
+        for opt in self.optimizer.chained_optimizers:
+            opt.init_state_fn(opt.optimizer, opt.config)
+            for p, state in opt.optimizer.state.items():
+                state.setdefault("step", adam_step(0.0, p))
 
     @property
     def is_last_stage(self) -> bool:
@@ -274,16 +307,24 @@ class Engine:
     def optimizer_step(self, what: str) -> float:
         """Clip the gradients and step; returns the gradient norm before clipping.
 
-        Megatron's `MixedPrecisionOptimizer.step()` in its own order (gradients to the main params,
-        norm and clip, step), with a check before the step: a non-finite norm (or fp16 overflow)
-        raises NonFiniteError naming `what` (the step) and leaves every weight as it was.
-        Collective over the trainer ranks (the norm is all-reduced).
+        Megatron's `ChainedOptimizer.step()` in its own order (gradients to the main params, the norm
+        over every optimizer of the chain, each one's gradients clipped by it, step), with a check
+        before the clip: a non-finite norm (or fp16 overflow) raises NonFiniteError naming `what` (the
+        step) and leaves every weight as it was. Collective over the trainer ranks (the norm is
+        all-reduced).
         """
+        from megatron.core.optimizer import optimizer as megatron_optimizer
+
         opt = self.optimizer
         found_inf = opt.prepare_grads()
-        grad_norm = opt.clip_grad_norm(self.grad_clip) if self.grad_clip > 0 else opt.get_grad_norm()
+        grad_norm = opt.get_grad_norm()
         if found_inf or not math.isfinite(grad_norm):
             raise NonFiniteError(f"{what}: gradient norm is {grad_norm}{self._origin()}; no weight was changed")
+        if self.grad_clip > 0:
+            for chained in opt.chained_optimizers:
+                params = chained.get_parameters()
+                if params:  # the module's function: cpu_compat's route on the CPU
+                    megatron_optimizer.clip_grad_by_total_norm_fp32(params, self.grad_clip, grad_norm)
         opt.step_with_ready_grads()
         return float(grad_norm)
 
@@ -296,34 +337,36 @@ class Engine:
         return f" (resumed from {self.resumed_from})" if self.resumed_from is not None else ""
 
     def export(self) -> Iterable[tuple[str, torch.Tensor]]:
-        """This stage's weights under Hugging Face names (yielded on the stage source; collective in TP)."""
+        """This stage's weights under Hugging Face names; every rank of the stage iterates it to the end.
+
+        First the dense tensors (all but the experts), TP-gathered within data-parallel replica 0 and
+        yielded on the stage source; then this rank's experts (global names), yielded on each expert
+        source (`Parallel.expert_source`) without a collective. Other ranks yield nothing. With ep 1
+        the stage source is the only source."""
         from megatron.core import parallel_state as ps
 
+        par = self.par
         return export_stage(
             self.model,
             self.arch,
-            self.par.coords.pp,
-            self.par.grid.pp,
+            par.coords.pp,
+            par.grid.pp,
             ps.get_tensor_model_parallel_group(),
             dst=ps.get_tensor_model_parallel_src_rank(),
+            dense=par.coords.dp == 0,
+            experts=par.expert_source,
+            ep_rank=par.expert_rank,
+            ep=par.grid.ep,
         )
 
     def export_full(self) -> dict[str, torch.Tensor] | None:
-        """The whole model under Hugging Face names on trainer rank 0 (None elsewhere); collective."""
-        from megatron.core import parallel_state as ps
-
-        stage = dict(self.export()) if self.par.coords.dp == 0 else {}
-        stage = {k: v.cpu() for k, v in stage.items()}
-        if self.par.grid.pp == 1:
-            return stage if self.par.rank == 0 else None
-        parts = [None] * self.par.grid.pp if self.par.rank == 0 else None
-        # gather over the pipeline group of the stage sources (tp 0, dp 0): rank 0's group
-        group = ps.get_pipeline_model_parallel_group()
-        if self.par.stage_source:
-            dist.gather_object(stage, parts, dst=0, group=group)
+        """The whole model under Hugging Face names on trainer rank 0 (None elsewhere); collective
+        over the trainer ranks: each source's part (dense tensors, experts) is gathered there."""
+        part = {k: v.cpu() for k, v in self.export()}
+        if self.par.grid.size == 1:
+            return part
+        parts = [None] * self.par.grid.size if self.par.rank == 0 else None
+        dist.gather_object(part, parts, dst=0)
         if self.par.rank != 0:
             return None
-        full = {}
-        for part in parts:
-            full.update(part)
-        return full
+        return {k: v for p in parts for k, v in p.items()}

@@ -32,7 +32,7 @@ def default_device() -> str:
     return resolve_device(os.environ.get("AREAL_DEVICE", "auto"))
 
 
-def _entry(rank, world, tp, pp, port, device, out_dir, fn, args):
+def _entry(rank, world, tp, pp, ep, port, device, out_dir, fn, args):
     from areal_hpc.trainer.cuda_allocator import expandable_segments
     from areal_hpc.trainer.engine import init_parallel, shutdown_parallel
 
@@ -43,7 +43,7 @@ def _entry(rank, world, tp, pp, port, device, out_dir, fn, args):
     try:
         timeout = datetime.timedelta(seconds=120)
         store = torch.distributed.TCPStore(LOOPBACK, port, world, False, timeout=timeout)
-        par = init_parallel(rank, world, tp, pp, store, device, timeout_s=120)
+        par = init_parallel(rank, world, tp, pp, store, device, timeout_s=120, ep=ep)
         result = fn(par, *args)
         if result is not None:
             torch.save(result, Path(out_dir) / f"rank{rank}.pt")
@@ -53,8 +53,11 @@ def _entry(rank, world, tp, pp, port, device, out_dir, fn, args):
         raise
 
 
-def run_ranks(fn, world: int, tp: int, pp: int, *args, device: str | None = None, timeout_s: float = 240.0) -> dict:
-    """`fn(par, *args)` on `world` spawned ranks (TP x PP x DP); returns {rank: value} of non-None results."""
+def run_ranks(
+    fn, world: int, tp: int, pp: int, *args, ep: int = 1, device: str | None = None, timeout_s: float = 240.0
+) -> dict:
+    """`fn(par, *args)` on `world` spawned ranks (TP x PP x DP, expert parallel `ep`); returns {rank: value}
+    of non-None results."""
     device = device or default_device()
     gpus = visible_gpus() if device == "cuda" else []
     if device == "cuda" and world > len(gpus):
@@ -69,7 +72,7 @@ def run_ranks(fn, world: int, tp: int, pp: int, *args, device: str | None = None
             for r in range(world):
                 if gpus:  # a spawned process reads its environment at start
                     os.environ["CUDA_VISIBLE_DEVICES"] = gpus[r]
-                p = ctx.Process(target=_entry, args=(r, world, tp, pp, port, device, out, fn, args))
+                p = ctx.Process(target=_entry, args=(r, world, tp, pp, ep, port, device, out, fn, args))
                 p.start()
                 procs.append(p)
         finally:

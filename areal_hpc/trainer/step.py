@@ -22,6 +22,13 @@ Megatron's schedule adds the counts and `finalize_model_grads` divides the gradi
 the data-parallel ranks. Gradient accumulation over micro-batches therefore gives the gradient of one
 big batch, whatever the packing.
 
+Routing replay (`ppo.routing_replay`, MoE models): a micro-batch carries the experts the generator chose
+for each of its tokens in each MoE layer of this stage (`MicroBatch.routing`), and every forward pass
+(proximal, reference, training) hands them to the stage's routers before it runs (`trainer.moe`).
+ppo/routing_agreement is the share of replayed (token, layer) rows of the training passes whose own
+top-k is the replayed set; ppo/load_balancing_loss the mean over MoE layers and micro-batches of
+Megatron's load-balancing loss without its coefficient (1: balanced).
+
 With one minibatch the recompute pass is skipped: the minibatch's own forward pass runs on the weights
 at the start of the step, so prox_logp = logp (detached) exactly, for free.
 
@@ -46,6 +53,8 @@ import torch.distributed as dist
 from megatron.core.utils import unwrap_model
 
 from areal_hpc.algo.ppo import decoupled_ppo_loss, kl_penalty
+from areal_hpc.protocol import routing_unknown
+from areal_hpc.trainer import moe
 from areal_hpc.trainer.choices import PROX_LOGPS
 from areal_hpc.trainer.logprobs import token_logprobs
 from areal_hpc.trainer.packed import PackedRows, pack_rows
@@ -103,15 +112,28 @@ class MicroBatch:
     versions: torch.Tensor  # [n] int64
     prox_logprobs: torch.Tensor | None = None  # [n], filled on the last stage
     ref_logprobs: torch.Tensor | None = None  # [n] under the reference policy (ppo.kl_coef > 0), last stage
+    routing: torch.Tensor | None = None
+    """[L_stage, T, K] int64: the experts each MoE layer of this stage replays (`trainer.moe`), per token in
+    the router's order (row s_idx * b + b_idx of the [s, b] rows; this TP rank's s / TP slice under
+    sequence parallelism), -1 where the router picks its own (unknown, padding); None: no replay."""
 
     @property
     def width(self) -> int:
         return self.rows.tokens.shape[1]
 
 
-def make_microbatch(batch, seq_ids: list[int], padded: bool = False, device="cpu", multiple: int = 1) -> MicroBatch:
+def make_microbatch(
+    batch,
+    seq_ids: list[int],
+    padded: bool = False,
+    device="cpu",
+    multiple: int = 1,
+    layers: list[int] | None = None,
+    sp_rank: int = 0,
+) -> MicroBatch:
     """The micro-batch of sequences `seq_ids` of a TrainBatch, on `device`, rows padded to a multiple of
-    `multiple` (the TP size under sequence parallelism)."""
+    `multiple` (the TP size under sequence parallelism). With the batch's routing, its layers `layers`
+    (this stage's MoE layers) in the order of slice `sp_rank` of `multiple` (this TP rank's)."""
     cu = np.asarray(batch.cu_seqlens)
     spans = [(int(cu[i]), int(cu[i + 1])) for i in seq_ids]
     take = np.concatenate([np.arange(a, b) for a, b in spans])
@@ -134,6 +156,9 @@ def make_microbatch(batch, seq_ids: list[int], padded: bool = False, device="cpu
         return torch.from_numpy(np.asarray(x)[take].astype(dtype))
 
     where = (torch.cat(r_idx), torch.cat(c_idx))
+    routing = None
+    if batch.routing is not None and layers is not None:
+        routing = _router_order(np.asarray(batch.routing)[take][:, layers], rows, multiple, sp_rank).to(device)
     return MicroBatch(
         rows.to(device),
         (where[0].to(device), where[1].to(device)),
@@ -142,7 +167,23 @@ def make_microbatch(batch, seq_ids: list[int], padded: bool = False, device="cpu
         arr(batch.behav_logprobs, np.float32).to(device),
         arr(batch.advantages, np.float32).to(device),
         arr(batch.versions, np.int64).to(device),
+        routing=routing,
     )
+
+
+def _router_order(routing: np.ndarray, rows: PackedRows, sp_size: int, sp_rank: int) -> torch.Tensor:
+    """[n, L, K] experts of a micro-batch's tokens (in the order of its sequences; the dtype's maximum
+    unknown) -> [L, T, K] int64 in the router's token order, -1 for unknown and for padding."""
+    n, layers, k = routing.shape
+    known = torch.from_numpy(np.where(routing == routing_unknown(routing.dtype), -1, routing.astype(np.int64)))
+    b, s = rows.tokens.shape
+    grid = torch.full((s, b, layers, k), -1, dtype=torch.int64)
+    start = 0
+    for r, a, length in rows.seq_slices:
+        grid[a : a + length, r] = known[start : start + length]
+        start += length
+    width = s // sp_size  # sequence parallelism: TP rank t holds positions [t * s / TP, (t + 1) * s / TP)
+    return grid[sp_rank * width : (sp_rank + 1) * width].permute(2, 0, 1, 3).reshape(layers, -1, k)
 
 
 def _forward_step(loss_of):
@@ -151,6 +192,7 @@ def _forward_step(loss_of):
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
+        moe.set_targets(model, mb.routing)
         stage = unwrap_model(model)
         weight = stage.output_weight() if stage.post_process else None
         return mb.rows.forward(model), partial(loss_of, mb, weight, stage.config.sequence_parallel)
@@ -231,7 +273,8 @@ def compute_logprobs(engine, mbs: list[MicroBatch], temperature: float, model=No
     return [o["logprobs"] for o in out] if engine.is_last_stage else None
 
 
-_STAT_KEYS = ("loss_sum", "n", "clip_sum", "behav_weight_sum", "mismatch_sum", "mismatch_n", "entropy_sum", "kl_sum")
+_LOSS_KEYS = ("loss_sum", "n", "clip_sum", "behav_weight_sum", "mismatch_sum", "mismatch_n", "entropy_sum", "kl_sum")
+_STAT_KEYS = _LOSS_KEYS + moe.STAT_KEYS
 
 
 def ppo_step(engine, batch, cfg: StepConfig) -> dict[str, float]:
@@ -243,9 +286,12 @@ def ppo_step(engine, batch, cfg: StepConfig) -> dict[str, float]:
     """
     version = int(batch.version)
     lr = engine.set_step(version)
-    multiple = engine.par.grid.tp if engine.config.sequence_parallel else 1
+    sp, tp_rank = engine.config.sequence_parallel, engine.par.coords.tp
+    multiple = engine.par.grid.tp if sp else 1
+    layers = [r.layer_number - 1 for r in moe.routers(engine.model)]  # this stage's MoE layers
     minibatches = [
-        [make_microbatch(batch, ids, cfg.padded, engine.device, multiple) for ids in mb] for mb in batch.microbatches
+        [make_microbatch(batch, ids, cfg.padded, engine.device, multiple, layers, tp_rank if sp else 0) for ids in mb]
+        for mb in batch.microbatches
     ]
     flat = [mb for k in minibatches for mb in k]
     if cfg.prox_logp == "recompute" and (len(minibatches) > 1 or cfg.prox_pass_always):
@@ -274,9 +320,10 @@ def ppo_step(engine, batch, cfg: StepConfig) -> dict[str, float]:
         )
         # Only the last stage's TP rank 0 of each replica holds the token stats: sum them everywhere.
         part = torch.zeros_like(totals)
-        if engine.is_last_stage and engine.par.coords.tp == 0:
+        if engine.is_last_stage and tp_rank == 0:
             for o in out:
-                part += torch.stack([o[key] for key in _STAT_KEYS])
+                part[: len(_LOSS_KEYS)] += torch.stack([o[key] for key in _LOSS_KEYS])
+        part[len(_LOSS_KEYS) :] = moe.take_stats(engine.model, len(mbs), sp, tp_rank)
         dist.all_reduce(part)
         engine.check_finite(part[0].item() / max(part[1].item(), 1.0), "the loss", what)
         grad_norms.append(engine.optimizer_step(what))
@@ -284,6 +331,10 @@ def ppo_step(engine, batch, cfg: StepConfig) -> dict[str, float]:
     s = dict(zip(_STAT_KEYS, totals.tolist()))
     n = max(s["n"], 1.0)
     optional = {"ppo/kl": s["kl_sum"] / n} if cfg.kl_coef > 0 else {}
+    if s["routing_compared"] > 0:  # ppo.routing_replay
+        optional["ppo/routing_agreement"] = s["routing_agree"] / s["routing_compared"]
+    if s["load_balancing_n"] > 0:  # an MoE model with a load-balancing coefficient > 0
+        optional["ppo/load_balancing_loss"] = s["load_balancing_sum"] / s["load_balancing_n"]
     if engine.device.type == "cuda":  # a CPU process's max RSS counts everything else it holds: another quantity
         optional["memory/peak_gib"] = torch.cuda.max_memory_allocated(engine.device) / 2**30
     return optional | {

@@ -1,12 +1,14 @@
-"""The trainer rank: Megatron state up, its stage's weight-sync group joined (a source), then the
+"""The trainer rank: Megatron state up, its weight-sync group joined (a source), then the
 controller's messages in order until Stop.
 
 The controller sends each message for a data-parallel replica to the replica's first rank, which
 passes it on to the replica's other TP x PP ranks (`protocol.ReplicaRelay`).
 
     TrainBatch(v)   -> one PPO step (every rank); trainer-local rank 0 replies TrainResult(v + 1, stats)
-    WeightSync(v)   -> each stage's (dp 0, tp 0) rank sends the stage's HF-named weights through the
-                       weight-sync handle; its TP peers take part in the gather; other ranks skip
+    WeightSync(v)   -> every rank iterates its stage's export (the dense tensors' TP gathers); each
+                       weight-sync source sends what the export yields on it, HF-named, through the
+                       weight-sync handle: a stage's (tp 0, dp 0) rank the dense tensors (and its
+                       experts), with expert parallelism the first rank of each expert rank its experts
     Save(v, path)   -> every rank writes its part under path/trainer/ (atomic) and replies Saved(v)
     Stop            -> leave the weight-sync group (a source), flush and exit
 
@@ -41,8 +43,9 @@ def build_engine(ctx) -> Engine:
     comm = ctx.role_comm
     timeout_s = cfg.train.collective_timeout_s
     store = world_store(comm, cfg.cluster.network_interface, timeout_s)
+    a = cfg.allocation
     par = init_parallel(
-        comm.Get_rank(), comm.Get_size(), cfg.allocation.train_tp, cfg.allocation.train_pp, store, ctx.device, timeout_s
+        comm.Get_rank(), comm.Get_size(), a.train_tp, a.train_pp, store, ctx.device, timeout_s, a.train_ep
     )
     engine = Engine(ctx.model_path, par, cfg.ppo, getattr(torch, cfg.model.dtype), cfg.train.total_steps)
     if ctx.resume_from is not None:
@@ -56,13 +59,12 @@ def build_engine(ctx) -> Engine:
 
 
 def send_weights(engine: Engine, sync, bucket_bytes: int) -> dict | None:
-    """Stream this stage's weights (HF names, TP-gathered) to the generators; collective in TP."""
-    if engine.par.coords.dp != 0:
-        return None
+    """Iterate this rank's export (collective in TP); a weight-sync source streams what it yields (HF
+    names, TP-gathered) into its group, to the generators (areal_hpc.weight_sync: the order)."""
     stream = engine.export()
-    if engine.par.stage_source and sync is not None:
+    if sync is not None and sync.is_source:
         return sync.send(stream, bucket_bytes)
-    for _ in stream:  # TP peers (and a source without generators) take part in the gather
+    for _ in stream:  # the others take part in the gathers
         pass
     return None
 

@@ -38,6 +38,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import numpy as np
+
 from areal_hpc.protocol import EPISODE_STATS
 from areal_hpc.workflow.conversation import Conversation, EpisodeTokens
 from areal_hpc.workflow.tool_calls import parse_tool_calls
@@ -51,6 +53,7 @@ class Turn:
     behav_logprobs: list[float]  # per token, under the weights that sampled it
     versions: list[int]  # per token, the policy version that sampled it
     finish_reason: str  # "stop" | "length"
+    routing: np.ndarray | None = None  # [context + output, L, K] when the engine records it (ppo.routing_replay)
 
 
 _REFUSED = ("stop", "logit_bias", "presence_penalty", "frequency_penalty", "stream")
@@ -93,7 +96,7 @@ class EpisodeClient:
             turn = await self._turn(context, max_tokens)
             if turn is None:
                 return Turn([], [], [], "length")
-            self.episode.add_sampled(turn.token_ids, turn.behav_logprobs, turn.versions)
+            self.episode.add_sampled(turn.token_ids, turn.behav_logprobs, turn.versions, turn.routing)
             return turn
 
     async def run_tool(self, name: str, arguments) -> str:
@@ -119,7 +122,7 @@ class EpisodeClient:
 
     def trajectory_fields(self) -> dict:
         """What a reply (`protocol.Trajectory`) carries of the episode: `tokens`, `seq_lens`, `loss_mask`,
-        `behav_logprobs`, `versions`, `answer_ids` (EpisodeTokens.arrays), `finish_reason` ("length"
+        `behav_logprobs`, `versions`, `answer_ids`, `routing` (EpisodeTokens.arrays), `finish_reason` ("length"
         when a limit refused a call or the last sampled turn was cut, else "stop") and `stats`
         (protocol.EPISODE_STATS)."""
         rewrites = self.conversation.rewrites if self.conversation else 0
@@ -170,7 +173,7 @@ class EpisodeClient:
             if tools and tool_choice != "none":  # as vLLM's server: parse only when the request has tools
                 content, calls = parse_tool_calls(self.rollout.tool_format, self.tokenizer, text)
             message = _message(content, calls)
-            conversation.add_turn(ids, turn.behav_logprobs, turn.versions, message)
+            conversation.add_turn(ids, turn.behav_logprobs, turn.versions, message, turn.routing)
             finish = "tool_calls" if calls else turn.finish_reason
             return self._completion(model, message, finish, len(context), ids)
 

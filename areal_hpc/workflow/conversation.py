@@ -3,7 +3,9 @@
 An episode is one or more sequences (`EpisodeTokens`). Each holds per token its id, `loss_mask` (1
 exactly on sampled tokens), `behav_logprobs` (each sampled token's logprob under the weights that
 sampled it; 0 on context) and `versions` (the policy version that sampled it; -1 on context: the
-prompt, tool and user messages, template glue). A chat (`Conversation`) grows the current sequence:
+prompt, tool and user messages, template glue); with routing replay also `routing`, [n, L, K]: the latest
+turn's (the engine computed every earlier position of the sequence in that turn's final attempt, or found
+it in its prefix cache: areal_hpc.generator.routing), the positions after it unknown. A chat (`Conversation`) grows the current sequence:
 
     first call          render(messages, tools, generation prompt)             -> a new sequence (context)
     a sampled turn      its token ids as the engine gave them, EOS included     -> appended (sampled)
@@ -37,6 +39,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from areal_hpc.protocol import routing_unknown
+
 STUB = "areal-hpc stub turn"
 """The stub assistant turn's content, found again in its render to locate the end of its turn."""
 
@@ -49,6 +53,7 @@ class Sequence:
     loss_mask: list[int] = field(default_factory=list)  # 1: sampled, trained; 0: context
     behav_logprobs: list[float] = field(default_factory=list)  # 0.0 on context
     versions: list[int] = field(default_factory=list)  # -1 on context
+    routing: np.ndarray | None = None  # [n, L, K] of the latest turn's n positions, when the engine records it
 
     def add_context(self, ids: list[int]) -> None:
         n = len(ids)
@@ -57,16 +62,26 @@ class Sequence:
         self.behav_logprobs += [0.0] * n
         self.versions += [-1] * n
 
-    def add_sampled(self, ids: list[int], behav_logprobs: list[float], versions: list[int]) -> None:
+    def add_sampled(
+        self, ids: list[int], behav_logprobs: list[float], versions: list[int], routing: np.ndarray | None = None
+    ) -> None:
+        """Append a turn sampled after this sequence's tokens; `routing` (when recorded) covers the sequence
+        with the turn, and replaces the earlier turn's."""
         if not len(ids) == len(behav_logprobs) == len(versions):
             raise ValueError(
                 f"a sampled turn needs one logprob and one version per token: "
                 f"{len(ids)} ids, {len(behav_logprobs)} logprobs, {len(versions)} versions"
             )
+        if routing is not None and len(routing) != len(self.tokens) + len(ids):
+            raise ValueError(
+                f"a turn's routing covers its context and output: {len(routing)} positions for "
+                f"{len(self.tokens)} context tokens and {len(ids)} sampled"
+            )
         self.tokens += ids
         self.loss_mask += [1] * len(ids)
         self.behav_logprobs += [float(x) for x in behav_logprobs]
         self.versions += [int(v) for v in versions]
+        self.routing = routing
 
     def trained_length(self) -> int:
         """The length up to its last sampled token: context after it is never trained or needed."""
@@ -109,14 +124,15 @@ class EpisodeTokens:
     def add_context(self, ids: list[int]) -> None:
         self.current.add_context(list(ids))
 
-    def add_sampled(self, ids: list[int], behav_logprobs: list[float], versions: list[int]) -> None:
-        self.current.add_sampled(list(ids), list(behav_logprobs), list(versions))
+    def add_sampled(self, ids: list[int], behav_logprobs: list[float], versions: list[int], routing=None) -> None:
+        self.current.add_sampled(list(ids), list(behav_logprobs), list(versions), routing)
         self.answer_ids = list(ids)
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The trained arrays: the sequences concatenated, each cut after its last sampled token, those
         with none left out. `tokens`, `loss_mask`, `behav_logprobs`, `versions` are [N];
-        `seq_lens` [S] sums to N; `answer_ids` [A]."""
+        `seq_lens` [S] sums to N; `answer_ids` [A]; `routing` [N, L, K] when the turns carried routing
+        (else None), unknown past each sequence's latest turn."""
         kept = [(s, s.trained_length()) for s in self.sequences]
         kept = [(s, n) for s, n in kept if n]
 
@@ -124,6 +140,7 @@ class EpisodeTokens:
             return np.asarray([x for s, n in kept for x in getattr(s, name)[:n]], dtype)
 
         return {
+            "routing": _routing([(s.routing, n) for s, n in kept]),
             "tokens": cat("tokens", np.int32),
             "seq_lens": np.asarray([n for _, n in kept], np.int32),
             "loss_mask": cat("loss_mask", np.uint8),
@@ -131,6 +148,22 @@ class EpisodeTokens:
             "versions": cat("versions", np.int32),
             "answer_ids": np.asarray(self.answer_ids, np.int32),
         }
+
+
+def _routing(parts: list[tuple[np.ndarray | None, int]]) -> np.ndarray | None:
+    """The sequences' routing concatenated, each cut or padded (unknown) to its trained length `n`; None when
+    no turn carried routing."""
+    shaped = [r for r, _ in parts if r is not None]
+    if not shaped:
+        return None
+    sample = shaped[0]
+    out = np.full((sum(n for _, n in parts), *sample.shape[1:]), routing_unknown(sample.dtype), sample.dtype)
+    at = 0
+    for routing, n in parts:
+        if routing is not None:
+            out[at : at + min(n, len(routing))] = routing[:n]
+        at += n
+    return out
 
 
 class Conversation:
@@ -177,13 +210,14 @@ class Conversation:
         self._pending = (msgs, tools)
         return list(self.episode.current.tokens)
 
-    def add_turn(self, token_ids, behav_logprobs, versions, message) -> None:
+    def add_turn(self, token_ids, behav_logprobs, versions, message, routing=None) -> None:
         """Record the turn sampled for the last `prompt_ids` and the assistant `message` returned for it
-        (what a following call's messages must contain to extend the conversation)."""
+        (what a following call's messages must contain to extend the conversation); `routing` as
+        `Sequence.add_sampled`."""
         if self._pending is None:
             raise RuntimeError("add_turn without prompt_ids: a turn answers a call")
         token_ids = list(token_ids)
-        self.episode.add_sampled(token_ids, behav_logprobs, versions)
+        self.episode.add_sampled(token_ids, behav_logprobs, versions, routing)
         msgs, self.tools = self._pending
         self._pending = None
         self.messages = [*msgs, _normalize_message(message)]

@@ -14,7 +14,6 @@ os.environ["SLURM_PROCID"] = rank
 os.environ["SLURM_LOCALID"] = rank  # only rank 0 checks its node's package versions (a child process each)
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from launch.doctor_probe import main  # noqa: E402 - after the stand-in Slurm variables
+from launch.doctor_probe import cli  # noqa: E402 - after the stand-in Slurm variables
 
-starts, sources = ([int(s) for s in arg.split(",")] for arg in sys.argv[3:5])
-main(Path(sys.argv[1]), sys.argv[2], starts, sources, sys.argv[5])
+cli(sys.argv[1:])
