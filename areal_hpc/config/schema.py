@@ -155,6 +155,14 @@ class RolloutConfig:
     """Sampling temperature."""
     top_p: float = 1.0
     """Nucleus sampling threshold (1.0: off)."""
+    interruptible: bool = True
+    """What a generator does with the turns it is sampling when a weight update is due. True: it interrupts
+    them, loads the new weights and resumes them, so a turn's tokens may carry several policy versions.
+    False (the non-interruptible baseline): it starts no new turn, lets the turns in its engine finish
+    (an episode's next turn waits), then loads and starts the waiting turns under the new weights, so every
+    token of a turn carries one version. The trainers wait in the weight broadcast meanwhile
+    (timing/sync_drain_s): `train.collective_timeout_s` must exceed the longest turn's decode time.
+    With max_staleness 0 (synchronous RL) no training episode is in flight at an update: it changes little there."""
     filter_uniform_groups: bool = False
     """Dynamic filtering (DAPO): a group whose trajectories all got the same reward (all right or all wrong:
     every advantage is 0) is left out before training and another prompt takes its place; counted in

@@ -9,8 +9,10 @@
           EvalRequest(prompt_index, prompt_ids, row, n) -> the same, for an eval row
           WeightSync(version) -> interrupt the turns in flight, receive + load the broadcast, resume them
                                  -> SyncDone(version, s)
-          Stop                -> cancel the episodes, close the tool pool, flush, exit
-        advance the runner (areal_hpc.generator.episodes): step the engine if turns are in flight, poll the
+                                 rollout.interruptible false: hold new turns (engine.hold) and drain
+          Stop                -> (a drain: load now, SyncDone) cancel the episodes, close the tool pool, flush, exit
+        draining and no turn running in vLLM -> receive + load, start the held turns -> SyncDone(version, s, drain_s)
+        advance the runner (areal_hpc.generator.episodes): step the engine if turns are running, poll the
         tool pool, let every episode whose turn or tool call came back run to its next await (IDLE_S sleep
         when nothing happened) -> each finished episode's reply (Trajectory; EvalTrajectory to an EvalRequest)
 ```
@@ -20,12 +22,20 @@ flight: they resume under the new weights with what they sampled so far, and an 
 samples its next one under the new weights. A request that arrived in the same poll, before the
 WeightSync, has only had its episodes created (`runner.start` makes their tasks; they first run at the
 next `advance`), so even their first turn is sampled under the new weights.
+
+Without interruption (`rollout.interruptible` false) the WeightSync starts a drain instead: turns submitted
+from then on are held out of vLLM (an episode between two turns waits with its next one), the runner keeps
+advancing until the turns running in vLLM have finished under the old weights, then the rank receives the
+broadcast (the trainers wait in it meanwhile, within train.collective_timeout_s) and its held turns start
+under the new weights. A Stop during a drain loads at once (interrupting: the episodes are cancelled anyway),
+so the trainers' broadcast completes rather than waiting for its timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import traceback
 
 log = logging.getLogger("areal_hpc.generator")
@@ -45,6 +55,12 @@ async def _serve(ctx, sync) -> None:
     from areal_hpc.workflow import load_workflow
 
     mailbox, runner = Mailbox(ctx.world), None
+    draining = None  # (version, when its WeightSync came) while the turns in vLLM finish (rollout.interruptible false)
+
+    def load(version: int, drain_s: float = 0.0) -> None:
+        seconds = engine.update_weights(sync, version)
+        mailbox.send(CONTROLLER_RANK, SyncDone(version, seconds, drain_s))
+
     try:
         workflow = load_workflow(ctx.cfg.rollout.workflow)()
         engine = GenerationEngine.from_config(ctx.cfg, ctx.model_path, ctx.device, seed_offset=ctx.rank)
@@ -58,10 +74,16 @@ async def _serve(ctx, sync) -> None:
                 msg = envelope.msg
                 if isinstance(msg, GenerateRequest | EvalRequest):
                     runner.start(msg)
+                elif isinstance(msg, WeightSync) and ctx.cfg.rollout.interruptible:
+                    load(msg.version)
                 elif isinstance(msg, WeightSync):
-                    seconds = engine.update_weights(sync, msg.version)
-                    mailbox.send(CONTROLLER_RANK, SyncDone(msg.version, seconds))
+                    if draining is not None:  # the trainers are still in the previous broadcast: cannot happen
+                        raise RuntimeError(f"WeightSync {msg.version} while draining for {draining[0]}")
+                    engine.hold()
+                    draining = (msg.version, time.perf_counter())
                 elif isinstance(msg, Stop):
+                    if draining is not None:
+                        load(draining[0], time.perf_counter() - draining[1])
                     runner.close()
                     engine.leave_weight_sync()
                     engine.close()
@@ -69,6 +91,9 @@ async def _serve(ctx, sync) -> None:
                     return
                 else:
                     raise RuntimeError(f"generator got an unexpected {type(msg).__name__} from the controller")
+            if draining is not None and not engine.running:
+                load(draining[0], time.perf_counter() - draining[1])
+                draining = None
             for reply in await runner.advance():
                 mailbox.send(CONTROLLER_RANK, reply)
     except Exception:
