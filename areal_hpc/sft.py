@@ -155,6 +155,7 @@ def warm_start(cfg: Config, base: Path) -> Path:
             "data": vars(d),
             "max_prompt_tokens": max_prompt_tokens(cfg),
             "max_new_tokens": cfg.rollout.max_new_tokens,
+            "batches": "by length",  # since `_batches`
             "synthetic_problems": "all",  # since the test split: every problem, the held-out ones too
             "seed": cfg.experiment.seed,
         }
@@ -173,6 +174,21 @@ def warm_start(cfg: Config, base: Path) -> Path:
             torch.set_num_threads(threads)
 
     return _build_atomically(Path(cfg.experiment.root) / ".assets" / f"sft-{key}", build)
+
+
+def _batches(examples: list, size: int, rng: random.Random, window: int = 8) -> list[list]:
+    """One epoch's batches: the examples shuffled, sorted by length within runs of `window` batches,
+    cut into batches, and the batches shuffled. A batch is padded to its longest example, so with
+    long-tailed lengths (the chain task: median 190 tokens, a few at 1,024) batches of similar lengths
+    compute about a third of what random ones do."""
+    rng.shuffle(examples)
+    run = window * size
+    batches = []
+    for i in range(0, len(examples), run):
+        ordered = sorted(examples[i : i + run], key=lambda e: len(e[0]))
+        batches += [ordered[j : j + size] for j in range(0, len(ordered), size)]
+    rng.shuffle(batches)
+    return batches
 
 
 def _train(cfg: Config, base: Path, out: Path) -> None:
@@ -195,9 +211,7 @@ def _train(cfg: Config, base: Path, out: Path) -> None:
             f"warm start: epoch {epoch + 1}/{s.epochs} of {len(examples)} examples ({time.monotonic() - started:.0f} s)",
             flush=True,
         )
-        rng.shuffle(examples)
-        for i in range(0, len(examples), s.batch_size):
-            batch = examples[i : i + s.batch_size]
+        for batch in _batches(examples, s.batch_size, rng):
             width = max(len(x) for x, _ in batch)
             ids = torch.full((len(batch), width), tok.pad_token_id)  # [batch, width]
             labels = torch.full((len(batch), width), -100)  # -100: no loss (prompt, tool answer, padding)
