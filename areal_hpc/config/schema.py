@@ -331,7 +331,9 @@ class DataConfig:
     rollout.max_new_tokens). At most that much when set."""
     synthetic_task: str = "arithmetic"
     """The synthetic task when `train_path` is empty: arithmetic ('a+b=' and 'a-b=', which the tiny model
-    learns by itself) or multiplication ('a*b=', which it gets right mostly with the calculator tool)."""
+    learns by itself), multiplication ('a*b=', which it gets right mostly with the calculator tool) or
+    chain ('a%b=', answered by the countdown a - b, a - 2b, ... to a mod b, then that remainder boxed:
+    long-tailed answers like reasoning ones; the warm start writes the countdown)."""
     synthetic_size: int = 4096
     """Prompts in the synthetic task when `train_path` is empty, drawn with repeats from its training
     problems; a fifth of the problems (at most 500) is held out of them as its test split, which `eval`
@@ -339,7 +341,8 @@ class DataConfig:
     pretraining would; the multiplication one never sees the held-out problems."""
     synthetic_max_operand: int = 99
     """Largest operand of the synthetic task: arithmetic 0 <= a, b <= this; multiplication a and b of as
-    many digits as this (10..99 for 99)."""
+    many digits as this (10..99 for 99); chain a <= this, at least 9 (b is 2..9; the median count of
+    steps is a twentieth of this)."""
 
 
 @dataclass
