@@ -254,6 +254,20 @@ def check_trl_setting(cfg, model_dir: Path, out_dir: Path, setting: str) -> str:
     return weights_verdict([logp(after, p, ids) - logp(before, p, ids) for p, ids in answers if ids])
 
 
+def check_apart(cfg, model_dir: Path, out_dir: Path, setting: str) -> str:
+    """check_trl_setting in a process of its own: what a setting leaves behind (a vLLM engine and its
+    threads and KV cache, after a failed weight sync) must not weigh on the timed runs; a crash is a verdict."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        try:
+            return pool.submit(check_trl_setting, cfg, model_dir, out_dir, setting).result()
+        except BrokenProcessPool:
+            return "fails: the check's process died"
+
+
 def bench_trl(cfg, model_dir: Path, out_dir: Path, steps: int, warmup: int, setting: str = "padded") -> float:
     import torch
     from datasets import Dataset
@@ -348,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} cores)", flush=True)
     counted = []
     for setting in args.trl:
-        verdict = check_trl_setting(cfg, model_dir, root / f"check-{setting}", setting)
+        verdict = check_apart(cfg, model_dir, root / f"check-{setting}", setting)
         print(f"TRL {setting}: {VERDICTS.get(verdict) or 'does not run here: ' + verdict.removeprefix('fails: ')}")
         if verdict == "follows":
             counted.append(setting)
