@@ -99,6 +99,16 @@ def test_trl_bench_rates():
     assert bench_trl.TRAJECTORIES_PER_STEP == 64
 
 
+def test_weights_verdict_reads_the_sign_of_the_gain_against_its_noise():
+    assert bench_trl.weights_verdict([7.4, 7.1, 16.9, 6.1, 12.2, 18.1, 5.2, 5.7]) == "follows"
+    assert bench_trl.weights_verdict([-31.1, -15.5, -24.6, -7.3, 1.0, -1.9, -21.5, -22.3]) == "stale"
+    assert bench_trl.weights_verdict([5.0, -4.0, 6.0, -5.0]) == "unclear"  # mean 0.5, standard error 2.9
+    with pytest.raises(ValueError, match="at least 2"):
+        bench_trl.weights_verdict([1.0])
+    assert set(bench_trl.VERDICTS) == {"follows", "stale", "unclear"}
+    assert set(bench_trl.TRL_SETTINGS) == {"padded", "paged", "vllm"}
+
+
 # --- timeline and plot_run -----------------------------------------------------------------------
 
 
