@@ -15,7 +15,8 @@ started), reward/errors (rewards scored 0 for a timeout or an error since the
 previous step), rollout/filtered (prompt groups left out by rollout.filter_uniform_groups since the
 previous step), rollout/truncated (episodes of the step cut at a token limit), the episode figures
 (rollout/turns_mean, rollout/tool_calls_mean, rollout/tool_s_mean, rollout/episode_tokens_mean: means over
-the step's episodes; rollout/workflow_errors, rollout/tool_errors, rollout/template_rewrites,
+the step's episodes; rollout/answer_tokens_mean, _median, _p90, _max: the tokens sampled in each of the step's
+episodes, all its turns; rollout/workflow_errors, rollout/tool_errors, rollout/template_rewrites,
 rollout/lost_groups: counts since the previous step; areal_hpc.controller.step_metrics), and after an
 evaluation between steps eval/pass@1 ... (areal_hpc.eval.training). Each line also has `step`, the policy
 version after the step.
@@ -100,6 +101,19 @@ def drop_rows_after(path: Path, version: int) -> None:
             break  # a later step, or a row that is not one: cut here
         offset = end
     os.truncate(path, offset)
+
+
+def length_summary(lengths) -> dict:
+    """Mean, median, 90th percentile and maximum of token counts (a run's answers, an evaluation's episodes)."""
+    import numpy as np
+
+    x = np.asarray(lengths, np.float64).ravel()
+    return {
+        "mean": float(x.mean()),
+        "median": float(np.median(x)),
+        "p90": float(np.percentile(x, 90)),
+        "max": int(x.max()),
+    }
 
 
 def _plain(v):

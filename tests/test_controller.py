@@ -49,6 +49,10 @@ def test_staleness_bound_and_every_prompt_once(tmp_path, eta):
     # 0.5 s, two sequences)
     assert all(1 < r["rollout/turns_mean"] < 2 and 0 < r["rollout/tool_calls_mean"] < 1 for r in rows)
     assert all(r["rollout/tool_s_mean"] == 0.5 and r["rollout/episode_tokens_mean"] > 0 for r in rows)
+    assert all(
+        0 < r["rollout/answer_tokens_median"] <= r["rollout/answer_tokens_p90"] <= r["rollout/answer_tokens_max"]
+        for r in rows
+    )
     assert sum(r["rollout/tool_errors"] for r in rows) > 0 and sum(r["rollout/template_rewrites"] for r in rows) > 0
     assert sum(r["rollout/workflow_errors"] + r["rollout/lost_groups"] for r in rows) == 0
     if eta == 0:  # synchronous: each step trains what the weights of that very version generated

@@ -78,6 +78,7 @@ class StepMetrics:
             "rollout/tool_calls_mean": info.tool_calls_mean,
             "rollout/tool_s_mean": info.tool_s_mean,
             "rollout/episode_tokens_mean": info.episode_tokens_mean,
+            **{f"rollout/answer_tokens_{k}": v for k, v in info.answer_tokens.items()},
             **self.episode_counts,
             "throughput/effective_tokens_per_s": info.response_tokens / max(step_s, 1e-9),
             "timing/step_s": step_s,
