@@ -155,7 +155,6 @@ def warm_start(cfg: Config, base: Path) -> Path:
             "data": vars(d),
             "max_prompt_tokens": max_prompt_tokens(cfg),
             "max_new_tokens": cfg.rollout.max_new_tokens,
-            "batches": "by length",  # since `_batches`
             "synthetic_problems": "all",  # since the test split: every problem, the held-out ones too
             "seed": cfg.experiment.seed,
         }
@@ -176,12 +175,14 @@ def warm_start(cfg: Config, base: Path) -> Path:
     return _build_atomically(Path(cfg.experiment.root) / ".assets" / f"sft-{key}", build)
 
 
-def _batches(examples: list, size: int, rng: random.Random, window: int = 8) -> list[list]:
-    """One epoch's batches: the examples shuffled, sorted by length within runs of `window` batches,
-    cut into batches, and the batches shuffled. A batch is padded to its longest example, so with
-    long-tailed lengths (the chain task: median 190 tokens, a few at 1,024) batches of similar lengths
-    compute about a third of what random ones do."""
+def _batches(examples: list, size: int, rng: random.Random, by_length: bool, window: int = 8) -> list[list]:
+    """One epoch's batches: the examples shuffled and cut into batches; `by_length` (`sft.batch_by_length`)
+    first sorts them by length within runs of `window` batches and then shuffles the batches. A batch is
+    padded to its longest example, so with long-tailed lengths (the chain task: median 190 tokens, a few
+    at 1,024) batches of similar lengths compute about a third of what random ones do."""
     rng.shuffle(examples)
+    if not by_length:
+        return [examples[i : i + size] for i in range(0, len(examples), size)]
     run = window * size
     batches = []
     for i in range(0, len(examples), run):
@@ -211,7 +212,7 @@ def _train(cfg: Config, base: Path, out: Path) -> None:
             f"warm start: epoch {epoch + 1}/{s.epochs} of {len(examples)} examples ({time.monotonic() - started:.0f} s)",
             flush=True,
         )
-        for batch in _batches(examples, s.batch_size, rng):
+        for batch in _batches(examples, s.batch_size, rng, s.batch_by_length):
             width = max(len(x) for x, _ in batch)
             ids = torch.full((len(batch), width), tok.pad_token_id)  # [batch, width]
             labels = torch.full((len(batch), width), -100)  # -100: no loss (prompt, tool answer, padding)

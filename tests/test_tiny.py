@@ -176,7 +176,8 @@ def test_chain_warm_start_writes_the_steps_and_stops_at_the_answer_limit(tmp_pat
 
 def test_warm_start_batches_hold_every_example_once_with_similar_lengths():
     """`sft._batches`: an epoch is every example once, in batches of the size (the last run's last one
-    shorter), each sorted run padded to far less than random batches are."""
+    shorter), each sorted run padded to far less than random batches are; without `by_length` the
+    shuffled examples cut in order (what the embedded default's warm start was tuned on)."""
     import random
 
     from areal_hpc.sft import _batches
@@ -185,8 +186,15 @@ def test_warm_start_batches_hold_every_example_once_with_similar_lengths():
     rows = synthetic_rows(1000, seed=3, task="chain", max_operand=999)
     lengths = [min(1030, 9 + len(worked_steps("chain", r["prompt"]))) for r in rows]
     examples = [([0] * n, i) for i, n in enumerate(lengths)]  # (ids, a tag in the place of the mask)
-    batches = _batches(list(examples), 16, random.Random(0))
+
+    def padded(batches):
+        return sum(len(b) * max(len(x) for x, _ in b) for b in batches)
+
+    batches = _batches(list(examples), 16, random.Random(0), by_length=True)
     assert sorted(e[1] for b in batches for e in b) == list(range(1000))
     assert all(len(b) == 16 for b in batches if len(b) != 1000 % 16) and len(batches) == -(-1000 // 16)
-    padded = sum(len(b) * max(len(x) for x, _ in b) for b in batches)
-    assert padded < 1.5 * sum(len(x) for x, _ in examples)
+    assert padded(batches) < 1.5 * sum(len(x) for x, _ in examples)
+    shuffled = list(examples)
+    random.Random(0).shuffle(shuffled)
+    plain = _batches(list(examples), 16, random.Random(0), by_length=False)
+    assert plain == [shuffled[i : i + 16] for i in range(0, 1000, 16)] and padded(plain) > 2 * padded(batches)
