@@ -37,12 +37,63 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from areal_hpc.bench import (
+    PAPER_CAP,
+    below_2x_line,
+    bounds_line,
+    dropped_share,
+    format_lengths,
+    ideal_ratio,
+    interruption_line,
+    occupancy,
+    planner_lengths,
+    run_lengths,
+    task_lengths,
+)
+from areal_hpc.config import load_config
 from areal_hpc.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "configs" / "tiny-cpu.yaml"
 ASYNC_STALENESS = 2
-BENCH_OVERRIDES = ["logging.tensorboard=false"]  # tiny-cpu as shipped, less the TensorBoard writes
+BENCH_OVERRIDES = ["logging.tensorboard=false"]  # the configs as shipped, less the TensorBoard writes
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A config and the modes run on it: (name, overrides given --staleness) in the order of round 1;
+    `rotate` reverses the order every second round."""
+
+    config: Path
+    modes: tuple[str, ...]
+    steps: int
+    warmup: int
+    rotate: bool
+
+
+WORKLOADS = {
+    "short": Workload(REPO / "configs" / "tiny-cpu.yaml", ("sync", "async"), steps=60, warmup=5, rotate=False),
+    "reasoning": Workload(
+        REPO / "configs" / "tiny-reasoning-cpu.yaml",
+        ("sync", "async", "async-noint"),
+        steps=100,
+        warmup=10,
+        rotate=True,
+    ),
+}
+
+
+def mode_overrides(mode: str, staleness: int) -> list[str]:
+    """sync: max_staleness 0; async: `staleness`, interruptible; async-noint: `staleness`, not interruptible."""
+    return {
+        "sync": ["rollout.max_staleness=0"],
+        "async": [f"rollout.max_staleness={staleness}"],
+        "async-noint": [f"rollout.max_staleness={staleness}", "rollout.interruptible=false"],
+    }[mode]
+
+
+def round_order(modes: tuple[str, ...], k: int, rotate: bool) -> tuple[str, ...]:
+    """The modes of round k (from 1): as given, or reversed in every even round when `rotate`."""
+    return modes[::-1] if rotate and k % 2 == 0 else modes
 
 
 @dataclass(frozen=True)
@@ -88,13 +139,9 @@ def summarize(rows: list[dict], warmup: int) -> Summary:
     )
 
 
-def ideal_ratio(gen_s: float, train_s: float) -> float:
-    """Best async/sync speedup from overlapping a step's generation G and training T: (G + T) / max(G, T)."""
-    return (gen_s + train_s) / max(gen_s, train_s)
-
-
-def speedup(sync: Summary, asyn: Summary) -> float:
-    return asyn.effective_tokens_per_s / sync.effective_tokens_per_s
+def speedup(base: Summary, other: Summary) -> float:
+    """Effective throughput of `other` over `base`."""
+    return other.effective_tokens_per_s / base.effective_tokens_per_s
 
 
 def describe(name: str, s: Summary) -> str:
@@ -108,58 +155,28 @@ def describe(name: str, s: Summary) -> str:
 # --- running -----------------------------------------------------------------------------------
 
 
-def run_mode(root: Path, trial: str, staleness: int, steps: int, overrides: list[str], log: Path) -> Path:
-    """One fresh `areal-hpc run` of the tiny config; returns its run directory (under root/tiny-cpu/trial)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "areal_hpc.cli",
-        "run",
-        str(CONFIG),
-        "--fresh",
+def run_mode(config: Path, root: Path, trial: str, overrides: list[str], steps: int, log: Path) -> Path:
+    """One fresh `areal-hpc run` of `config`; returns its run directory (root/experiment.name/trial)."""
+    run_overrides = [
         f"experiment.root={root}",
         f"experiment.trial={trial}",
-        f"rollout.max_staleness={staleness}",
         f"train.total_steps={steps}",
         f"train.save_every={steps}",
         *BENCH_OVERRIDES,
         *overrides,
     ]
+    cfg = load_config(config, run_overrides)
+    cmd = [sys.executable, "-m", "areal_hpc.cli", "run", str(config), "--fresh", *run_overrides]
     t0 = time.monotonic()
     with open(log, "w") as out:
         code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO).returncode
     if code != 0:
         sys.exit(f"{trial}: areal-hpc run failed (exit {code}); its output: {log}")
     print(f"{trial}: {steps} steps in {time.monotonic() - t0:.0f} s (start-up included); output {log}", flush=True)
-    return root / "tiny-cpu" / trial
+    return root / cfg.experiment.name / trial
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=60, help="training steps per run")
-    p.add_argument("--warmup", type=int, default=5, help="first steps of each run left out of the figures")
-    p.add_argument("--rounds", type=int, default=2, help="runs per mode, alternating sync and async")
-    p.add_argument("--staleness", type=int, default=ASYNC_STALENESS, help="max_staleness of the async runs")
-    p.add_argument("--root", default=str(REPO / "runs" / "bench"), help="run root of all runs")
-    p.add_argument("overrides", nargs="*", help="more config overrides for every run (section.field=value)")
-    args = p.parse_args(argv)
-    if args.rounds < 1 or args.steps <= args.warmup:
-        p.error(f"need --rounds >= 1 and --steps > --warmup (got {args.rounds}, {args.steps}, {args.warmup})")
-    root = Path(args.root).resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} cores)")
-    print(f"settings: {' '.join(BENCH_OVERRIDES + args.overrides)}", flush=True)
-    steady: dict[str, list[dict]] = {"sync": [], "async": []}
-    for k in range(1, args.rounds + 1):
-        this_round = {}
-        for name, staleness in (("sync", 0), ("async", args.staleness)):
-            trial = f"{name}{k}"
-            run_dir = run_mode(root, trial, staleness, args.steps, args.overrides, root / f"{trial}.out")
-            rows = [r for r in read_metrics(run_dir) if r["step"] > args.warmup]
-            this_round[name] = summarize(rows, 0)
-            steady[name] += rows
-        print(f"round {k}: async/sync {speedup(this_round['sync'], this_round['async']):.2f}x", flush=True)
-    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+def report_short(steady: dict[str, list[dict]]) -> None:
     sync, asyn = summarize(steady["sync"], 0), summarize(steady["async"], 0)
     print(describe("sync", sync))
     print(describe("async", asyn))
@@ -167,6 +184,87 @@ def main(argv: list[str] | None = None) -> int:
         f"ideal ratio on this machine (sync G, T): (G + T) / max(G, T) = {ideal_ratio(sync.gen_s, sync.train_s):.2f}x"
     )
     print(f"async/sync effective throughput: {speedup(sync, asyn):.2f}x")
+
+
+def report_reasoning(cfg, steady: dict[str, list[dict]], rounds: list[dict[str, Summary]]) -> None:
+    from areal_hpc.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    cap = cfg.rollout.max_new_tokens
+    per_step = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    s = {mode: summarize(rows, 0) for mode, rows in steady.items()}
+    print(
+        f"answer tokens (task: the chain task's worked answers; planner: its model of the paper's 1.5B run, "
+        f"the median scaled from {PAPER_CAP:,} to the cap of {cap}; each mode: what it trained on, steady steps):"
+    )
+    print(format_lengths("task", task_lengths(cfg, lambda t: len(tokenizer.encode(t, add_special_tokens=False))), cap))
+    print(format_lengths("planner, 1.5B run scaled", planner_lengths(cap), cap))
+    for mode, rows in steady.items():
+        print(format_lengths(mode, run_lengths(rows), cap))
+    for mode, rows in steady.items():
+        extra = f"  dropped {dropped_share(rows, per_step):.1%} of the trajectories generated"
+        if mode == "async-noint":
+            drain = sum(r["timing/sync_drain_s"] for r in rows) / len(rows)
+            extra += f"  sync drain {drain:.2f} s a step"
+        print(describe(f"{mode:11s}", s[mode]) + extra)
+    sync, asyn, noint = s["sync"], s["async"], s["async-noint"]
+    print(bounds_line(sync.gen_s, sync.train_s, sync.step_s, asyn.gen_s, asyn.train_s))
+    print(interruption_line(speedup(noint, asyn), [speedup(r["async-noint"], r["async"]) for r in rounds]))
+    headline = speedup(sync, asyn)
+    if headline < 2:
+        print(below_2x_line(sync.gen_s, sync.train_s, sync.step_s, occupancy(steady["sync"])))
+    print(f"async/sync effective throughput: {headline:.2f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="short", help="config and modes (module doc)")
+    p.add_argument("--steps", type=int, help="training steps per run (default: the workload's)")
+    p.add_argument(
+        "--warmup", type=int, help="first steps of each run left out of the figures (default: the workload's)"
+    )
+    p.add_argument("--rounds", type=int, default=2, help="runs per mode, the modes alternating")
+    p.add_argument("--staleness", type=int, default=ASYNC_STALENESS, help="max_staleness of the async runs")
+    p.add_argument("--root", default=str(REPO / "runs" / "bench"), help="run root of all runs")
+    p.add_argument("overrides", nargs="*", help="more config overrides for every run (section.field=value)")
+    args = p.parse_args(argv)
+    w = WORKLOADS[args.workload]
+    steps = w.steps if args.steps is None else args.steps
+    warmup = w.warmup if args.warmup is None else args.warmup
+    if args.rounds < 1 or steps <= warmup:
+        p.error(f"need --rounds >= 1 and --steps > --warmup (got {args.rounds}, {steps}, {warmup})")
+    root = Path(args.root).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    cfg = load_config(w.config, BENCH_OVERRIDES + args.overrides)
+    if args.workload == "reasoning":
+        r = cfg.rollout
+        print(
+            f"workload reasoning: {w.config.relative_to(REPO)}, {cfg.data.synthetic_task} task, up to "
+            f"{r.max_new_tokens} new tokens, {r.prompts_per_step} x {r.group_size} a step, async staleness {args.staleness}"
+        )
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} cores)")
+    print(f"settings: {' '.join(BENCH_OVERRIDES + args.overrides)}", flush=True)
+    steady: dict[str, list[dict]] = {mode: [] for mode in w.modes}
+    rounds: list[dict[str, Summary]] = []
+    for k in range(1, args.rounds + 1):
+        this_round = {}
+        for mode in round_order(w.modes, k, w.rotate):
+            trial = f"{mode}{k}"
+            overrides = mode_overrides(mode, args.staleness) + args.overrides
+            run_dir = run_mode(w.config, root, trial, overrides, steps, root / f"{trial}.out")
+            rows = [r for r in read_metrics(run_dir) if r["step"] > warmup]
+            this_round[mode] = summarize(rows, 0)
+            steady[mode] += rows
+        rounds.append(this_round)
+        line = f"round {k}: async/sync {speedup(this_round['sync'], this_round['async']):.2f}x"
+        if "async-noint" in this_round:
+            line += f", async/async-noint {speedup(this_round['async-noint'], this_round['async']):.2f}x"
+        print(line, flush=True)
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.workload == "reasoning":
+        report_reasoning(cfg, steady, rounds)
+    else:
+        report_short(steady)
     return 0
 
 
