@@ -1,12 +1,29 @@
 """Asynchronous versus synchronous RL on this machine: the speedup of overlapping generation and training.
 
-Runs the tiny config in both modes in one invocation, identical but for `rollout.max_staleness` (0:
-synchronous, generation and training take turns; > 0: asynchronous, they overlap), each run with a fresh
-run directory under one root, the modes alternating for `--rounds` rounds (sync, async, sync, async, ...)
-so that a change in the machine's load over the invocation falls on both. `areal-hpc run` pins the
-generator rank and the trainer rank to their own cores (the CPU stand-in for separate GPUs;
-areal_hpc.layout.Layout.core_plan). Then prints, per mode, over the steady-state steps of all its rounds (the
-first `--warmup` steps of each run left out: engine warm-up, and the asynchronous pipeline filling):
+Runs one workload's config in its modes in one invocation, each run with a fresh run directory under one
+root (root/experiment.name/<mode><round>), the modes alternating for `--rounds` rounds so that a change
+in the machine's load over the invocation falls on all of them. `areal-hpc run` pins the generator rank
+and the trainer rank to their own cores (the CPU stand-in for separate GPUs;
+areal_hpc.layout.Layout.core_plan). Settings given on the command line apply to every mode.
+
+    python tools/bench_async_vs_sync.py                          # short: 2 rounds of 60 steps per mode
+    python tools/bench_async_vs_sync.py --rounds 1 --steps 100 ppo.prox_logp=loglinear
+    python tools/bench_async_vs_sync.py --workload reasoning     # 2 rounds x 3 modes, about 25-30 min
+
+Workloads (`--workload`):
+
+  short      configs/tiny-cpu.yaml (short arithmetic answers); modes sync (rollout.max_staleness 0:
+             generation and training take turns) and async (--staleness: they overlap), in that order
+             every round.
+  reasoning  configs/tiny-reasoning-cpu.yaml (the chain task: long-tailed answers of up to 1,024
+             tokens); modes sync, async (interruptible: a weight update interrupts the answers in
+             flight, loads, resumes them) and async-noint (same staleness, rollout.interruptible=false: a
+             generator lets its running answers finish before it loads), the order reversed every
+             second round (sync, async, async-noint; then async-noint, async, sync).
+
+Each run prints its wall time as it ends, each round its ratios. Then, per mode, over the steady-state
+steps of all its rounds (the first `--warmup` steps of each run left out: engine warm-up, and the
+asynchronous pipeline filling):
 
   effective throughput   generated tokens consumed by training per second, computed from metrics.jsonl:
                          sum(throughput/effective_tokens_per_s * timing/step_s) / sum(timing/step_s)
@@ -14,17 +31,27 @@ first `--warmup` steps of each run left out: engine warm-up, and the asynchronou
   G, T                   per-step generation time (generator busy) and training time (trainer busy):
                          G = (1 - gen_idle_frac) * step_s, T = (1 - train_idle_frac) * step_s
 
-and the ideal speedup the synchronous run's costs allow, (G + T) / max(G, T) (2.0 when generation and
-training cost the same; overlap cannot hide more than the cheaper of the two), each round's ratio, then
-last `async/sync effective throughput: X.XXx` over all rounds.
+short then prints the ideal speedup the synchronous run's costs allow, (G + T) / max(G, T) (2.0 when
+generation and training cost the same; overlap cannot hide more than the cheaper of the two). reasoning
+prints, in order:
 
-    python tools/bench_async_vs_sync.py                   # 2 rounds of 60 steps per mode
-    python tools/bench_async_vs_sync.py --rounds 1 --steps 100 ppo.prox_logp=loglinear
+  answer tokens      mean, median, p90, max of: the task (its worked answers, capped; char tokenizer),
+                     the planner's model of the AReaL paper's 1.5B run with its median scaled from 27,648
+                     to this cap (the same shape at this cap), and what each mode trained on
+  per mode           the figures above, the share of the trajectories generated that staleness dropped
+                     (dropped / (dropped + trained)), and for async-noint the mean timing/sync_drain_s
+                     (the wait for the running answers before a load)
+  bounds             balanced: (G + T) / max(G, T) with the sync run's G and T; and the sync step over
+                     max(async G, async T), which names the side bounding the asynchronous run
+  interruption       async / async-noint effective throughput as a signed percentage, and each round's
+  below 2x           only under 2x: the sync run's G and T as shares of its step, and how full its
+                     batches are (mean of answer_tokens_mean / answer_tokens_max: a synchronous step's
+                     answers start together and it decodes until the longest ends)
 
-Settings given on the command line apply to both modes. The ratio follows the balance of G and T
-(overlap hides only the cheaper of the two): with tiny-cpu's own settings they come out about equal on
-this machine. The measured ratio can come close to the ideal one, or pass it: the synchronous step also
-waits for the rewards and the weight sync (step_s > G + T), which the asynchronous run overlaps too.
+and last, for both, `async/sync effective throughput: X.XXx` over all rounds. The ratio follows the
+balance of G and T: with tiny-cpu's own settings they come out about equal on this machine. The measured
+ratio can come close to the balanced bound, or pass it: the synchronous step also waits for the rewards,
+the weight sync and (reasoning) its batch's longest answer, which the asynchronous run overlaps too.
 """
 
 from __future__ import annotations
