@@ -224,8 +224,9 @@ def report_reasoning(cfg, steady: dict[str, list[dict]], rounds: list[dict[str, 
         f"answer tokens (task: the chain task's worked answers; planner: its model of the paper's 1.5B run, "
         f"the median scaled from {PAPER_CAP:,} to the cap of {cap}; each mode: what it trained on, steady steps):"
     )
-    print(format_lengths("task", task_lengths(cfg, lambda t: len(tokenizer.encode(t, add_special_tokens=False))), cap))
-    print(format_lengths("planner, 1.5B run scaled", planner_lengths(cap), cap))
+    task = task_lengths(cfg, lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
+    print(format_lengths("task (what it asks)", task, cap))
+    print(format_lengths("planner (paper 1.5B)", planner_lengths(cap), cap))
     for mode, rows in steady.items():
         print(format_lengths(mode, run_lengths(rows), cap))
     for mode, rows in steady.items():
