@@ -85,6 +85,21 @@ def test_ideal_ratio_and_speedup():
     assert "100 effective tok/s" in bench_sync.describe("sync", sync)
 
 
+def test_workloads_modes_and_their_order():
+    from areal_hpc.config import load_config
+
+    reasoning = bench_sync.WORKLOADS["reasoning"]
+    assert bench_sync.WORKLOADS["short"].modes == ("sync", "async")  # today's runs, in today's order
+    assert bench_sync.round_order(bench_sync.WORKLOADS["short"].modes, 2, False) == ("sync", "async")
+    assert bench_sync.round_order(reasoning.modes, 1, True) == ("sync", "async", "async-noint")
+    assert bench_sync.round_order(reasoning.modes, 2, True) == ("async-noint", "async", "sync")
+    runs = {m: load_config(reasoning.config, bench_sync.mode_overrides(m, 3)).rollout for m in reasoning.modes}
+    assert runs["sync"].max_staleness == 0
+    assert (runs["async"].max_staleness, runs["async"].interruptible) == (3, True)
+    assert (runs["async-noint"].max_staleness, runs["async-noint"].interruptible) == (3, False)
+    assert load_config(reasoning.config, []).experiment.name == "tiny-reasoning-cpu"  # the run directory's parent
+
+
 # --- bench_vs_trl --------------------------------------------------------------------------------
 
 
