@@ -133,6 +133,32 @@ def test_weights_verdict_reads_the_sign_of_the_gain_against_its_noise():
     assert set(bench_trl.TRL_SETTINGS) == {"padded", "paged", "vllm"}
 
 
+def test_trl_bench_summary_prints_both_systems_lengths_and_the_ratio_last(capsys):
+    from areal_hpc.config import load_config
+
+    w = bench_trl.WORKLOADS["reasoning"]
+    cfg = load_config(w.config, list(w.overrides))
+    trl = {
+        "padded": [bench_trl.Run(1.0, {"mean": 300.0}, 0.9, 0.1)],
+        "paged": [bench_trl.Run(1.5, {"mean": 200.0}, 0.8, 0.2)],
+    }
+    answers = {"padded": [100, 200, 600], "paged": [50, 100, 450]}
+    row = {f"rollout/answer_tokens_{k}": v for k, v in {"mean": 250, "median": 150, "p90": 600, "max": 1024}.items()}
+    bench_trl.summarize(cfg, len, 2, trl, answers, [bench_trl.Run(2.4, {"mean": 250.0}, 0.99, 0.6)], [row])
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split()[0:2] for ln in lines[1:6]] == [
+        ["task", "(chain)"],
+        ["planner", "1.5B,"],
+        ["TRL", "padded"],
+        ["TRL", "paged"],
+        ["areal-hpc", "mean"],
+    ]
+    assert "answer tokens/s 600.00 (median of 1: 600.00)" in lines[8]  # areal-hpc: 2.4 x 250
+    assert lines[-3] == "areal-hpc/TRL paged answer tokens per second: 2.00x"  # 600 / (1.5 x 200)
+    assert lines[-2].startswith("below 2x: TRL paged generates 80% of its step")
+    assert lines[-1] == "areal-hpc/TRL paged (the best TRL setting here) trained trajectories per second: 1.60x"
+
+
 # --- timeline and plot_run -----------------------------------------------------------------------
 
 

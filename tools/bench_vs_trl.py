@@ -103,7 +103,7 @@ WORKLOADS = {
     ),
     # the config as shipped (warm-started 2-layer model, chain task, long-tailed answers up to 1,024 tokens,
     # 8 x 8 a step, cluster.nodes 2: generation dominates, a second trainer rank would take its core)
-    "reasoning": Workload(REPO / "configs" / "tiny-reasoning-cpu.yaml", tuple(SYSTEMS), steps=6, warmup=2),
+    "reasoning": Workload(REPO / "configs" / "tiny-reasoning-cpu.yaml", tuple(SYSTEMS), steps=12, warmup=2),
 }
 
 
@@ -138,8 +138,9 @@ def per_step(cfg) -> int:
 
 @dataclass
 class Run:
-    """One timed run: trained trajectories per second after the warm-up, the answers of those steps, and
-    the share of the time the generator was busy (TRL: generating, areal-hpc: its generator's busy share)."""
+    """One timed run: trained trajectories per second after the warm-up, the answers of those steps (a
+    length_summary), and the shares of the time spent generating and training (TRL: of its steps, in
+    turn; areal-hpc: its generator's and its trainer's busy shares, which overlap)."""
 
     trajectories_per_s: float
     lengths: dict
@@ -422,9 +423,7 @@ def median_of(runs: list[Run], key: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from areal_hpc.bench import format_lengths, planner_lengths, run_lengths, task_lengths
     from areal_hpc.config import load_config
-    from areal_hpc.metrics import length_summary
     from areal_hpc.sft import initial_model
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -492,15 +491,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"round {k}: {each}, areal-hpc {areal[-1].trajectories_per_s:.2f} trained trajectories/s")
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    print(f"answer tokens (the steps after the {warmup} warm-up steps of each run)")
-    print(
-        format_lengths(
-            f"task ({cfg.data.synthetic_task})",
-            task_lengths(cfg, lambda t: len(tokenizer(t, add_special_tokens=False)["input_ids"])),
-            cap,
-        )
+    tokens_of = AutoTokenizer.from_pretrained(model_dir)
+    summarize(
+        cfg,
+        lambda t: len(tokens_of(t, add_special_tokens=False)["input_ids"]),
+        warmup,
+        trl,
+        trl_answers,
+        areal,
+        areal_rows,
     )
+    return 0
+
+
+def summarize(
+    cfg, tokens_of, warmup: int, trl: dict, trl_answers: dict, areal: list[Run], areal_rows: list[dict]
+) -> None:
+    """The figures over the rounds, the ratio to the best TRL setting last: `trl` and `trl_answers` by
+    setting (its runs, its answers' lengths after the warm-up), `areal_rows` areal-hpc's steady metrics rows."""
+    from areal_hpc.bench import format_lengths, planner_lengths, run_lengths, task_lengths
+    from areal_hpc.metrics import length_summary
+
+    cap = cfg.rollout.max_new_tokens
+    print(f"answer tokens (the steps after the {warmup} warm-up steps of each run)")
+    print(format_lengths(f"task ({cfg.data.synthetic_task})", task_lengths(cfg, tokens_of), cap))
     print(format_lengths("planner 1.5B, scaled", planner_lengths(cap), cap))
     for setting, answers in trl_answers.items():
         print(format_lengths(f"TRL {setting}", length_summary(answers), cap))
@@ -535,7 +549,6 @@ def main(argv: list[str] | None = None) -> int:
         f"areal-hpc/TRL {best} (the best TRL setting here) trained trajectories per second: "
         f"{ratio(areal_rate, rate[best]):.2f}x"
     )
-    return 0
 
 
 if __name__ == "__main__":
