@@ -36,7 +36,7 @@ and last the ratio of areal-hpc's median to the best TRL setting's (below 2x, a 
 bounds it). Needs the `bench` extra (pip install -e .[bench]).
 
     python tools/bench_vs_trl.py                          # short: 2 rounds, 2 warm-up + 8 measured steps a run
-    python tools/bench_vs_trl.py --workload reasoning     # the long-tailed answers
+    python tools/bench_vs_trl.py --workload reasoning     # the long-tailed answers: 2 warm-up + 4 measured steps
     python tools/bench_vs_trl.py --rounds 3 --steps 6 --warmup 2
     python tools/bench_vs_trl.py --trl padded vllm         # TRL settings to check and time (default: all)
     python tools/bench_vs_trl.py ppo.prox_logp=recompute  # areal-hpc settings given last win
@@ -102,8 +102,9 @@ WORKLOADS = {
         warmup=2,
     ),
     # the config as shipped (warm-started 2-layer model, chain task, long-tailed answers up to 1,024 tokens,
-    # 8 x 8 a step, cluster.nodes 2: generation dominates, a second trainer rank would take its core)
-    "reasoning": Workload(REPO / "configs" / "tiny-reasoning-cpu.yaml", tuple(SYSTEMS), steps=12, warmup=2),
+    # 8 x 8 a step, cluster.nodes 2: generation dominates, a second trainer rank would take its core).
+    # 6 steps: TRL padded waits for the longest answer, ~100 s a step here, paged ~25 s, areal-hpc ~2 s
+    "reasoning": Workload(REPO / "configs" / "tiny-reasoning-cpu.yaml", tuple(SYSTEMS), steps=6, warmup=2),
 }
 
 
