@@ -449,8 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     workload = WORKLOADS[args.workload]
-    steps = args.steps or workload.steps
-    warmup = args.warmup or workload.warmup
+    steps = workload.steps if args.steps is None else args.steps
+    warmup = workload.warmup if args.warmup is None else args.warmup
     if args.rounds < 1 or not 1 <= warmup < steps:
         p.error(f"need --rounds >= 1 and 1 <= --warmup < --steps (got {args.rounds}, {warmup}, {steps})")
     root = Path(args.root or tempfile.mkdtemp(prefix="bench-trl-")).resolve()
