@@ -159,7 +159,7 @@ def test_trl_bench_summary_prints_both_systems_lengths_and_the_ratio_last(capsys
     }
     answers = {"padded": [100, 200, 600], "paged": [50, 100, 450]}
     row = {f"rollout/answer_tokens_{k}": v for k, v in {"mean": 250, "median": 150, "p90": 600, "max": 1024}.items()}
-    bench_trl.summarize(cfg, len, 2, trl, answers, [bench_trl.Run(2.4, {"mean": 250.0}, 0.99, 0.6)], [row])
+    bench_trl.summarize(cfg, len, trl, answers, [bench_trl.Run(2.4, {"mean": 250.0}, 0.99, 0.6)], [row])
     lines = capsys.readouterr().out.splitlines()
     assert [ln.split()[0:2] for ln in lines[1:6]] == [
         ["task", "(chain)"],

@@ -36,7 +36,7 @@ and last the ratio of areal-hpc's median to the best TRL setting's (below 2x, a 
 bounds it). Needs the `bench` extra (pip install -e .[bench]).
 
     python tools/bench_vs_trl.py                          # short: 2 rounds, 2 warm-up + 8 measured steps a run
-    python tools/bench_vs_trl.py --workload reasoning     # the long-tailed answers: 2 warm-up + 4 measured steps
+    python tools/bench_vs_trl.py --workload reasoning     # long-tailed answers: TRL 2 + 4 steps, areal-hpc 5 + 35
     python tools/bench_vs_trl.py --rounds 3 --steps 6 --warmup 2
     python tools/bench_vs_trl.py --trl padded vllm         # TRL settings to check and time (default: all)
     python tools/bench_vs_trl.py ppo.prox_logp=recompute  # areal-hpc settings given last win
@@ -77,6 +77,9 @@ class Workload:
     overrides: tuple[str, ...]
     steps: int
     warmup: int
+    areal_steps: int | None = None
+    """areal-hpc's runs, when its steps are far shorter than TRL's (None: `steps` and `warmup` as TRL's)."""
+    areal_warmup: int | None = None
 
 
 WORKLOADS = {
@@ -103,8 +106,11 @@ WORKLOADS = {
     ),
     # the config as shipped (warm-started 2-layer model, chain task, long-tailed answers up to 1,024 tokens,
     # 8 x 8 a step, cluster.nodes 2: generation dominates, a second trainer rank would take its core).
-    # 6 steps: TRL padded waits for the longest answer, ~100 s a step here, paged ~25 s, areal-hpc ~2 s
-    "reasoning": Workload(REPO / "configs" / "tiny-reasoning-cpu.yaml", tuple(SYSTEMS), steps=6, warmup=2),
+    # 6 steps: TRL padded waits for the longest answer, ~100 s a step here, paged ~25 s; areal-hpc ~2 s a step,
+    # so its runs take 40 steps (5 warm-up: the asynchronous pipeline fills) to be measured over more than seconds
+    "reasoning": Workload(
+        REPO / "configs" / "tiny-reasoning-cpu.yaml", tuple(SYSTEMS), steps=6, warmup=2, areal_steps=40, areal_warmup=5
+    ),
 }
 
 
@@ -431,7 +437,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--workload", choices=list(WORKLOADS), default="short", help="what both systems train (default short)"
     )
-    p.add_argument("--steps", type=int, help="steps of each run, warm-up included (default: the workload's)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        help="steps of each TRL run, warm-up included (default: the workload's; areal-hpc's too where the workload gives it none)",
+    )
     p.add_argument(
         "--warmup", type=int, help="first steps of each run left out of the figures (default: the workload's)"
     )
@@ -453,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     warmup = workload.warmup if args.warmup is None else args.warmup
     if args.rounds < 1 or not 1 <= warmup < steps:
         p.error(f"need --rounds >= 1 and 1 <= --warmup < --steps (got {args.rounds}, {warmup}, {steps})")
+    areal_steps, areal_warmup = workload.areal_steps or steps, workload.areal_warmup or warmup
     root = Path(args.root or tempfile.mkdtemp(prefix="bench-trl-")).resolve()
     root.mkdir(parents=True, exist_ok=True)
     cfg = load_config(workload.config, [f"experiment.root={root}", *workload.overrides])
@@ -485,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
             run, answers = bench_trl(cfg, model_dir, root / f"trl-{setting}{k}", steps, warmup, setting)
             trl[setting].append(run)
             trl_answers[setting] += answers
-        run, rows = bench_areal(cfg, workload, f"areal{k}", steps, warmup, args.overrides)
+        run, rows = bench_areal(cfg, workload, f"areal{k}", areal_steps, areal_warmup, args.overrides)
         areal.append(run)
         areal_rows += rows
         each = ", ".join(f"TRL {s} {v[-1].trajectories_per_s:.2f}" for s, v in trl.items())
@@ -496,7 +507,6 @@ def main(argv: list[str] | None = None) -> int:
     summarize(
         cfg,
         lambda t: len(tokens_of(t, add_special_tokens=False)["input_ids"]),
-        warmup,
         trl,
         trl_answers,
         areal,
@@ -505,16 +515,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def summarize(
-    cfg, tokens_of, warmup: int, trl: dict, trl_answers: dict, areal: list[Run], areal_rows: list[dict]
-) -> None:
+def summarize(cfg, tokens_of, trl: dict, trl_answers: dict, areal: list[Run], areal_rows: list[dict]) -> None:
     """The figures over the rounds, the ratio to the best TRL setting last: `trl` and `trl_answers` by
     setting (its runs, its answers' lengths after the warm-up), `areal_rows` areal-hpc's steady metrics rows."""
     from areal_hpc.bench import format_lengths, planner_lengths, run_lengths, task_lengths
     from areal_hpc.metrics import length_summary
 
     cap = cfg.rollout.max_new_tokens
-    print(f"answer tokens (the steps after the {warmup} warm-up steps of each run)")
+    print("answer tokens (the steps after each run's warm-up)")
     print(format_lengths(f"task ({cfg.data.synthetic_task})", task_lengths(cfg, tokens_of), cap))
     print(format_lengths("planner 1.5B, scaled", planner_lengths(cap), cap))
     for setting, answers in trl_answers.items():
