@@ -36,7 +36,7 @@ and last the ratio of areal-hpc's median to the best TRL setting's (below 2x, a 
 bounds it). Needs the `bench` extra (pip install -e .[bench]).
 
     python tools/bench_vs_trl.py                          # short: 2 rounds, 2 warm-up + 8 measured steps a run
-    python tools/bench_vs_trl.py --workload reasoning     # long-tailed answers: TRL 2 + 4 steps, areal-hpc 5 + 35
+    python tools/bench_vs_trl.py --workload reasoning     # long-tailed answers: TRL 2 + 18 steps, areal-hpc 5 + 35
     python tools/bench_vs_trl.py --rounds 3 --steps 6 --warmup 2
     python tools/bench_vs_trl.py --trl padded vllm         # TRL settings to check and time (default: all)
     python tools/bench_vs_trl.py ppo.prox_logp=recompute  # areal-hpc settings given last win
@@ -106,10 +106,11 @@ WORKLOADS = {
     ),
     # the config as shipped (warm-started 2-layer model, chain task, long-tailed answers up to 1,024 tokens,
     # 8 x 8 a step, cluster.nodes 2: generation dominates, a second trainer rank would take its core).
-    # 6 steps: TRL padded waits for the longest answer, ~100 s a step here, paged ~25 s; areal-hpc ~2 s a step,
-    # so its runs take 40 steps (5 warm-up: the asynchronous pipeline fills) to be measured over more than seconds
+    # 20 steps: TRL padded waits for the longest answer, ~12 s a step on a quiet machine, paged ~17 s; areal-hpc
+    # ~2 s a step, so its runs take 40 steps (5 warm-up: the asynchronous pipeline fills) to be measured over
+    # more than seconds. Two rounds: 2 x (20 x 29 s + 95 s) + the checks, about 25 minutes
     "reasoning": Workload(
-        REPO / "configs" / "tiny-reasoning-cpu.yaml", tuple(SYSTEMS), steps=6, warmup=2, areal_steps=40, areal_warmup=5
+        REPO / "configs" / "tiny-reasoning-cpu.yaml", tuple(SYSTEMS), steps=20, warmup=2, areal_steps=40, areal_warmup=5
     ),
 }
 
