@@ -83,9 +83,9 @@ def test_generator_rank_serves_and_syncs(run_mpi, tmp_path, interruptible):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     out = pickle.loads((tmp_path / "out.pkl").read_bytes())
 
-    assert [(s.version, s.seconds > 0) for s in out["syncs"]] == [(1, True), (2, True)]
-    first_drain = out["syncs"][0].drain_s
-    assert first_drain > 0 if not interruptible else first_drain == 0  # the drain waited for the answers
+    assert [(s.version, s.seconds > 0) for s in out["syncs"]] == [(1, True), (2, True), (3, True)]
+    if interruptible:
+        assert all(s.drain_s == 0 for s in out["syncs"])
     assert sorted((t.group_id, t.index) for t in out["first"]) == [(0, i) for i in range(4)]
     assert sorted((t.prompt_index, t.index) for t in out["evals"]) == [(0, 0), (0, 1)], "an EvalRequest's replies"
     assert sorted((t.group_id, t.index) for t in out["rest"]) == [(g, i) for g in (1, 2, 3) for i in range(4)]
@@ -97,15 +97,15 @@ def test_generator_rank_serves_and_syncs(run_mpi, tmp_path, interruptible):
     for t in out["rest"]:
         answer, logprobs, versions = _answer(t)
         k = int((versions == 0).sum())
-        assert list(versions) == [0] * k + [1] * (len(versions) - k)
+        assert (np.diff(versions) >= 0).all() and set(versions[k:].tolist()) <= {1, 2}  # weights B from version 1
         assert len(answer) == MAX_NEW or t.finish_reason == "stop"
         np.testing.assert_allclose(logprobs[:k], _logprobs(model_a, t)[:k], atol=1e-3, rtol=0)
         np.testing.assert_allclose(logprobs[k:], _logprobs(model_b, t)[k:], atol=1e-3, rtol=0)
         new_tokens += len(versions) - k
         mixed += 0 < k < len(versions)
         old += k == len(versions)
-        if t.group_id == 3:  # requested after the WeightSync
-            assert k == 0
+        if t.group_id == 3:  # requested after the two WeightSyncs
+            assert (versions == 2).all()
     assert new_tokens > 0
     if interruptible:
         assert mixed > 0  # answers interrupted mid-way resumed under the new weights

@@ -161,7 +161,8 @@ class RolloutConfig:
     False (the non-interruptible baseline): it starts no new turn, lets the turns in its engine finish
     (an episode's next turn waits), then loads and starts the waiting turns under the new weights, so every
     token of a turn carries one version. The trainers wait in the weight broadcast meanwhile
-    (timing/sync_drain_s): `train.collective_timeout_s` must exceed the longest turn's decode time.
+    (timing/sync_drain_s): `train.collective_timeout_s` and `train.rank_timeout_s` must exceed the longest
+    turn's decode time.
     With max_staleness 0 (synchronous RL) no training episode is in flight at an update: it changes little there."""
     filter_uniform_groups: bool = False
     """Dynamic filtering (DAPO): a group whose trajectories all got the same reward (all right or all wrong:
