@@ -20,11 +20,12 @@ without one, e.g. from a checkpoint written before, is unknown throughout: the t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from areal_hpc.algo.advantages import group_advantages
+from areal_hpc.metrics import length_summary
 from areal_hpc.packing import split_for_dp
 from areal_hpc.protocol import TrainBatch, Trajectory, routing_unknown
 from areal_hpc.rollouts import Group
@@ -46,6 +47,9 @@ class BatchInfo:
     """Seconds per tool call (0 without calls)."""
     episode_tokens_mean: float = 0.0
     """Tokens of an episode, all its sequences."""
+    answer_tokens: dict = field(default_factory=dict)
+    """`length_summary` of the tokens sampled in each episode, all its turns (loss mask 1 before
+    `ppo.mask_truncated`): the lengths of the answers the policy wrote."""
 
 
 def build_train_batches(
@@ -168,4 +172,5 @@ def _info(episodes: list[Trajectory], rewards: list[float], lost: list[bool], se
         tool_calls_mean=float(stat("tool_calls").mean()),
         tool_s_mean=float(stat("tool_s").sum() / calls) if calls else 0.0,
         episode_tokens_mean=float(np.mean([len(t.tokens) for t in episodes])),
+        answer_tokens=length_summary([int(t.loss_mask.sum()) for t in episodes]),
     )

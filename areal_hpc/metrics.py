@@ -4,7 +4,8 @@
 
 Names (one per concept): reward/mean, staleness/max, staleness/dropped (trajectories dropped as too
 stale since the previous step), throughput/effective_tokens_per_s, timing/step_s,
-timing/weight_sync_s (the latest completed sync: the slowest generator's load), timing/gen_idle_frac,
+timing/weight_sync_s (the latest completed sync: the slowest generator's load), timing/sync_drain_s (its
+slowest generator's wait for its turns in flight to finish first, rollout.interruptible false), timing/gen_idle_frac,
 timing/train_idle_frac, timing/save_s (the trainers' time in checkpoint saves since the previous step),
 the trainer's ppo/* statistics (ppo/entropy: the mean over trained tokens of the entropy of the
 policy's next-token distribution; ppo/kl with ppo.kl_coef > 0: the mean k3 estimate of the KL to the
@@ -14,7 +15,8 @@ started), reward/errors (rewards scored 0 for a timeout or an error since the
 previous step), rollout/filtered (prompt groups left out by rollout.filter_uniform_groups since the
 previous step), rollout/truncated (episodes of the step cut at a token limit), the episode figures
 (rollout/turns_mean, rollout/tool_calls_mean, rollout/tool_s_mean, rollout/episode_tokens_mean: means over
-the step's episodes; rollout/workflow_errors, rollout/tool_errors, rollout/template_rewrites,
+the step's episodes; rollout/answer_tokens_mean, _median, _p90, _max: the tokens sampled in each of the step's
+episodes, all its turns; rollout/workflow_errors, rollout/tool_errors, rollout/template_rewrites,
 rollout/lost_groups: counts since the previous step; areal_hpc.controller.step_metrics), and after an
 evaluation between steps eval/pass@1 ... (areal_hpc.eval.training). Each line also has `step`, the policy
 version after the step.
@@ -99,6 +101,19 @@ def drop_rows_after(path: Path, version: int) -> None:
             break  # a later step, or a row that is not one: cut here
         offset = end
     os.truncate(path, offset)
+
+
+def length_summary(lengths) -> dict:
+    """Mean, median, 90th percentile and maximum of token counts (a run's answers, an evaluation's episodes)."""
+    import numpy as np
+
+    x = np.asarray(lengths, np.float64).ravel()
+    return {
+        "mean": float(x.mean()),
+        "median": float(np.median(x)),
+        "p90": float(np.percentile(x, 90)),
+        "max": int(x.max()),
+    }
 
 
 def _plain(v):

@@ -169,8 +169,11 @@ class WeightSync:
 
 @dataclass
 class SyncDone:
+    """Generator -> controller: it runs the weights of `version` now."""
+
     version: int
-    seconds: float
+    seconds: float  # receiving and loading them
+    drain_s: float = 0.0  # before that, waiting for the turns in its engine to finish (rollout.interruptible false)
 
 
 @dataclass

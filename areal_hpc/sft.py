@@ -23,7 +23,7 @@ from pathlib import Path
 
 from areal_hpc.config import Config, ConfigError
 from areal_hpc.data import max_prompt_tokens
-from areal_hpc.synthetic import synthetic_rows
+from areal_hpc.synthetic import synthetic_rows, worked_steps
 from areal_hpc.tiny import BOXED, _build_atomically, _digest, build_tiny_model
 from areal_hpc.workflow.conversation import Conversation, EpisodeTokens
 from areal_hpc.workflow.tools import CALCULATOR_SCHEMA, calculator
@@ -53,13 +53,15 @@ def sft_examples(cfg: Config, tokenizer) -> list[tuple[list[int], list[int]]]:
     """(token ids, loss mask) of each warm-start example: the prompt as the RL run formats it
     (`data.PromptFormat`, mask 0), then the response (mask 1), one of
 
-        direct:   \\boxed{answer}<eos>                       (a share `sft.unboxed`: answer<eos>)
+        direct:   steps \\boxed{answer}<eos>                 (a share `sft.unboxed`: steps answer<eos>)
         tool:     <calc>a*b<eos> <result>p\\n \\boxed{p}<eos>   (a share `sft.tool_share`)
 
     A tool example's turns are rendered by the tokenizer's chat template as the episode renders them
     (each message is the text it adds to the render of those before it); the calculator's answer is
-    context (mask 0), as in the episode. The rows: fresh synthetic ones (a seed the RL prompts do not
-    use; for arithmetic every problem, the test split's too: the warm start stands in for the
+    context (mask 0), as in the episode. The steps are the synthetic chain task's countdown
+    (`worked_steps`; empty otherwise); a response longer than `rollout.max_new_tokens` is cut there, as
+    the rollouts cut it, so the model learns to go on where it is cut. The rows: fresh synthetic ones
+    (a seed the RL prompts do not use; for arithmetic every problem, the test split's too: the warm start stands in for the
     pretraining of a real base model, and the test split measures what RL adds on problems it never
     trained on; for multiplication the training split only: what RL teaches there is the tool call, and
     the test split shows it carries over to numbers never seen), or the first `sft.examples` of
@@ -88,8 +90,10 @@ def sft_examples(cfg: Config, tokenizer) -> list[tuple[list[int], list[int]]]:
         if cfg.sft.tool_share and calls.random() < cfg.sft.tool_share:
             out.append(_tool_episode(tokenizer, prompt, answer))
             continue
-        text = str(answer) if bare.random() < cfg.sft.unboxed else f"{BOXED}{answer}}}"
+        steps = "" if d.train_path else worked_steps(d.synthetic_task, prompt)
+        text = steps + (str(answer) if bare.random() < cfg.sft.unboxed else f"{BOXED}{answer}}}")
         response = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        response = response[: cfg.rollout.max_new_tokens]
         out.append((ids + response, [0] * len(ids) + [1] * len(response)))
     return out
 
@@ -150,6 +154,7 @@ def warm_start(cfg: Config, base: Path) -> Path:
             "sft": vars(s),
             "data": vars(d),
             "max_prompt_tokens": max_prompt_tokens(cfg),
+            "max_new_tokens": cfg.rollout.max_new_tokens,
             "synthetic_problems": "all",  # since the test split: every problem, the held-out ones too
             "seed": cfg.experiment.seed,
         }
@@ -168,6 +173,23 @@ def warm_start(cfg: Config, base: Path) -> Path:
             torch.set_num_threads(threads)
 
     return _build_atomically(Path(cfg.experiment.root) / ".assets" / f"sft-{key}", build)
+
+
+def _batches(examples: list, size: int, rng: random.Random, by_length: bool, window: int = 8) -> list[list]:
+    """One epoch's batches: the examples shuffled and cut into batches; `by_length` (`sft.batch_by_length`)
+    first sorts them by length within runs of `window` batches and then shuffles the batches. A batch is
+    padded to its longest example, so with long-tailed lengths (the chain task: median 190 tokens, a few
+    at 1,024) batches of similar lengths compute about a third of what random ones do."""
+    rng.shuffle(examples)
+    if not by_length:
+        return [examples[i : i + size] for i in range(0, len(examples), size)]
+    run = window * size
+    batches = []
+    for i in range(0, len(examples), run):
+        ordered = sorted(examples[i : i + run], key=lambda e: len(e[0]))
+        batches += [ordered[j : j + size] for j in range(0, len(ordered), size)]
+    rng.shuffle(batches)
+    return batches
 
 
 def _train(cfg: Config, base: Path, out: Path) -> None:
@@ -190,9 +212,7 @@ def _train(cfg: Config, base: Path, out: Path) -> None:
             f"warm start: epoch {epoch + 1}/{s.epochs} of {len(examples)} examples ({time.monotonic() - started:.0f} s)",
             flush=True,
         )
-        rng.shuffle(examples)
-        for i in range(0, len(examples), s.batch_size):
-            batch = examples[i : i + s.batch_size]
+        for batch in _batches(examples, s.batch_size, rng, s.batch_by_length):
             width = max(len(x) for x, _ in batch)
             ids = torch.full((len(batch), width), tok.pad_token_id)  # [batch, width]
             labels = torch.full((len(batch), width), -100)  # -100: no loss (prompt, tool answer, padding)

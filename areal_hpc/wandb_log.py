@@ -22,7 +22,9 @@ W&B prompt or traceback mid-run.
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from pathlib import Path
 
 from areal_hpc.config.schema import Config, LoggingConfig
@@ -33,6 +35,8 @@ ID_FILE = "wandb_id"
 STEP = "step"
 """The training step (the policy version after it): the metrics.jsonl key, and W&B's x axis."""
 NO_NETWORK_MODES = ("offline", "dryrun", "disabled")
+
+log = logging.getLogger(__name__)
 
 
 def check_wandb(cfg: LoggingConfig) -> str:
@@ -79,11 +83,15 @@ class WandbLog:
         run_dir = Path(run_dir).resolve()
         id_file = run_dir / ID_FILE
         run_id = id_file.read_text().strip() if id_file.exists() else None  # None: W&B makes one
-        log = cfg.logging
+        settings = cfg.logging
+        # Where a run hangs at start, the log says whether it is here: wandb.init waits up to W&B's
+        # init_timeout (90 s) for its service, and raises then.
+        log.info("W&B: %s under %s", f"resuming run {run_id}" if run_id else "starting a run", run_dir / "wandb")
+        t0 = time.monotonic()
         self.run = wandb.init(
-            project=log.wandb_project,
-            entity=log.wandb_entity or None,
-            group=log.wandb_group or cfg.experiment.name,
+            project=settings.wandb_project,
+            entity=settings.wandb_entity or None,
+            group=settings.wandb_group or cfg.experiment.name,
             name=f"{cfg.experiment.name}/{cfg.experiment.trial}",
             id=run_id,
             resume="allow" if run_id else None,
@@ -91,6 +99,7 @@ class WandbLog:
             config={**OmegaConf.to_container(OmegaConf.structured(cfg)), "run_dir": str(run_dir)},
             settings=wandb.Settings(console="off"),  # the rank's output is its log file already
         )
+        log.info("W&B run %s open (%s, %.1f s)", self.run.id, self.run.settings.mode, time.monotonic() - t0)
         id_file.write_text(self.run.id + "\n")
         self.run.summary["run_dir"] = str(run_dir)
         self.run.define_metric(STEP)
@@ -101,4 +110,6 @@ class WandbLog:
         self.run.log(row)
 
     def close(self) -> None:
+        t0 = time.monotonic()
         self.run.finish()
+        log.info("W&B run %s finished (%.1f s)", self.run.id, time.monotonic() - t0)

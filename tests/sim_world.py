@@ -102,9 +102,11 @@ class World:
         elif isinstance(msg, WeightSync):
             if dest in self.gen_version:
                 self.gen_version[dest] = msg.version
-                # the first generator loads slowest: 0.01 s x the generators from it on
-                seconds = 0.01 * (len(self.gen_version) - list(self.gen_version).index(dest))
-                self.later.append((1, Envelope(dest, SyncDone(msg.version, seconds))))
+                # the first generator loads slowest: 0.01 s x the generators from it on; each drains 0.03 s or
+                # 0.06 s, every other generator the slower one, from one version to the next
+                i = list(self.gen_version).index(dest)
+                seconds, drain_s = 0.01 * (len(self.gen_version) - i), 0.03 * (1 + (msg.version + i) % 2)
+                self.later.append((1, Envelope(dest, SyncDone(msg.version, seconds, drain_s))))
         elif isinstance(msg, RewardRequest):
             self.reward_requests += 1
             response = response_text(self.tok, msg.answer_ids)  # as the reward worker decodes

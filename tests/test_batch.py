@@ -65,6 +65,8 @@ def test_both_sequences_of_an_episode_train_with_its_advantage(mask_truncated):
     assert info.response_tokens == 6 + 2 and info.truncated == 1
     assert info.turns_mean == 2.0 and info.tool_calls_mean == 0.5 and info.tool_s_mean == 0.25
     assert info.episode_tokens_mean == (12 + 4) / 2 and info.reward_mean == 0.5
+    # the answers' lengths: 6 sampled tokens in the two-sequence episode (masked or not), 2 in the other
+    assert info.answer_tokens == {"mean": 4.0, "median": 4.0, "p90": pytest.approx(5.6), "max": 6}
 
 
 def test_a_groups_sequences_stay_in_one_minibatch_and_lost_episodes_are_left_out():

@@ -49,6 +49,10 @@ def test_staleness_bound_and_every_prompt_once(tmp_path, eta):
     # 0.5 s, two sequences)
     assert all(1 < r["rollout/turns_mean"] < 2 and 0 < r["rollout/tool_calls_mean"] < 1 for r in rows)
     assert all(r["rollout/tool_s_mean"] == 0.5 and r["rollout/episode_tokens_mean"] > 0 for r in rows)
+    assert all(
+        0 < r["rollout/answer_tokens_median"] <= r["rollout/answer_tokens_p90"] <= r["rollout/answer_tokens_max"]
+        for r in rows
+    )
     assert sum(r["rollout/tool_errors"] for r in rows) > 0 and sum(r["rollout/template_rewrites"] for r in rows) > 0
     assert sum(r["rollout/workflow_errors"] + r["rollout/lost_groups"] for r in rows) == 0
     if eta == 0:  # synchronous: each step trains what the weights of that very version generated
@@ -64,14 +68,17 @@ def test_staleness_bound_and_every_prompt_once(tmp_path, eta):
     assert latest_checkpoint(run_dir).name == "step_12"
 
 
-def test_weight_sync_time_is_the_slowest_generators(tmp_path):
-    """timing/weight_sync_s is the latest completed sync's slowest load: with two generators the first
-    reports 0.02 s and the second, last, 0.01 s."""
+def test_weight_sync_times_are_the_slowest_generators(tmp_path):
+    """timing/weight_sync_s and timing/sync_drain_s are the latest completed sync's slowest load and slowest
+    drain, each kept apart: with two generators the first reports a load of 0.02 s, the second, last,
+    0.01 s; their drains of 0.03 s and 0.06 s change places from one version to the next."""
     cfg, layout, run_dir, tok_dir = make(tmp_path, "cluster.gpus_per_node=2", "train.total_steps=4")
     assert len(layout.ranks(Role.GENERATOR)) == 2
     _, code = run(cfg, layout, run_dir, tok_dir, World(layout, build_tokenizer()), Prompts())
     assert code == EXIT_DONE
-    assert [r["timing/weight_sync_s"] for r in metrics(run_dir)][1:] == [0.02] * 3
+    rows = metrics(run_dir)
+    assert [r["timing/weight_sync_s"] for r in rows][1:] == [0.02] * 3
+    assert [r["timing/sync_drain_s"] for r in rows][1:] == [0.06] * 3
 
 
 def test_the_log_and_the_metrics_number_a_step_alike(tmp_path, caplog):

@@ -366,5 +366,5 @@ def test_warm_start_calls_the_calculator_in_the_tool_share(tmp_path):
         load_config(None, [f"experiment.root={tmp_path}", "sft.tool_share=0.3"])
     with pytest.raises(ConfigError, match=r"sft.tool_share must be in \[0, 1\] \(got 1.5\)"):
         load_config(None, [f"experiment.root={tmp_path}", *overrides, "sft.tool_share=1.5"])
-    with pytest.raises(ConfigError, match="data.synthetic_task must be arithmetic or multiplication"):
+    with pytest.raises(ConfigError, match="data.synthetic_task must be arithmetic, multiplication or chain"):
         load_config(None, [f"experiment.root={tmp_path}", "data.synthetic_task=division"])

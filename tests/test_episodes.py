@@ -221,6 +221,49 @@ def test_a_weight_update_between_turns_while_other_episodes_run(setup):
         check_logprobs(t, s2, e2, model)
 
 
+def test_without_interruption_turn_1_ends_on_its_version_and_turn_2_waits_for_the_next(setup):
+    """rollout.interruptible false: the engine is held (`GenerationEngine.hold`, as the generator's WeightSync
+    does) while the episodes' first turns run. Turn 1 runs on to its end on v0; turn 2, submitted during the
+    hold, waits outside vLLM and is sampled on v0 + 1 once the weights load. (A turn 2 already running at the
+    hold would end on v0 as well.)"""
+    engine, tokenizer, model_a, model_b = setup
+    v0 = engine.version + 1
+    load(engine, model_a, v0)
+    runner = runner_of(engine, tokenizer, Scripted(), interruptible=False)
+    prompt = [15, 16, 17, 18]
+
+    async def scenario():
+        replies = []
+        runner.start(request(2, prompt, n=4))
+        for _ in range(6):  # the episodes' first turns a few tokens in
+            replies += await runner.advance()
+        at_hold = {t.key: len(t.output_ids) for t in engine.partial()}
+        engine.hold()
+        # every episode left has its next turn held, nothing runs in vLLM
+        await pump(runner, replies, lambda: not engine.running and engine.in_flight == runner.episodes)
+        held = [t.key for t in engine.partial()]
+        assert held and all(not t.output_ids for t in engine.partial())
+        load(engine, model_b, v0 + 1)
+        await pump(runner, replies, lambda: not runner.episodes)
+        return at_hold, held, replies
+
+    at_hold, held, replies = asyncio.run(scenario())
+    assert sorted(t.index for t in replies) == [0, 1, 2, 3] and all(t.group_id == 2 for t in replies)
+    assert {k.rsplit(".", 1)[1] for k in held} == {"t1"}  # the held turns are second turns
+    went_on = 0
+    for t in replies:
+        turn1, turn2 = check_scripted(t, prompt)
+        (s1, e1), (s2, e2) = sampled_runs(t)
+        assert t.versions[s1:e1].tolist() == [v0] * len(turn1)
+        check_logprobs(t, s1, e1, model_a)
+        v, model = (v0, model_a) if f"group2.{t.index}.t1" in at_hold else (v0 + 1, model_b)
+        assert f"group2.{t.index}.t1" in held or v == v0
+        assert t.versions[s2:e2].tolist() == [v] * len(turn2)
+        check_logprobs(t, s2, e2, model)
+        went_on += len(turn1) > at_hold.get(f"group2.{t.index}.t0", len(turn1))
+    assert went_on >= 1  # a turn 1 caught mid-way at the hold ran on past it, on v0
+
+
 def test_an_episode_waiting_on_a_tool_holds_up_nothing(setup):
     """Calls of a slow tool are held back: their episodes wait with no vLLM request while another group's
     episodes call a quick tool and finish; released, the slow ones finish too. Stop cancels them all."""

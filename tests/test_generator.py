@@ -167,6 +167,41 @@ def test_interrupt_switches_versions_and_weights(setup):
     assert not interruption_problems(run, mismatch, TOL)
 
 
+def test_without_interruption_turns_finish_on_one_version(setup):
+    """The engine's part of rollout.interruptible false: after `hold` the turns running finish under the
+    old weights (none aborted: one attempt, one version), the turns submitted meanwhile wait outside vLLM
+    and start under the new weights once they load."""
+    engine, model_a, model_b = setup
+    v = engine.version + 1
+    load(engine, model_a, v)
+    add(engine, 600, [5, 6, 7, 8], n=8)
+    finished = drain(engine, steps=4)
+    caught = [t for t in engine.partial() if t.output_ids]
+    assert caught  # the hold catches turns mid-way
+    engine.hold()
+    add(engine, 601, [5, 6, 7, 9], n=4)
+    with pytest.raises(ValueError, match="already in flight"):
+        engine.submit("g601.0", [9], 4)
+    assert engine.in_flight == engine.running + 4 == 8 - len(finished) + 4
+    while engine.running:
+        finished += engine.step()
+    assert engine.in_flight == 4 and [t.output_ids for t in engine.partial()] == [[]] * 4  # none started
+    load(engine, model_b, v + 1)
+    assert engine.running == 4
+    later = drain(engine)
+    check_shape(finished, 8)
+    check_shape(later, 4)
+    assert {group_of(t) for t in later} == {601}
+    for turns, version, model in ((finished, v, model_a), (later, v + 1, model_b)):
+        for t in turns:
+            assert t.attempt == 0 and t.versions == [version] * len(t.output_ids)
+            np.testing.assert_allclose(
+                t.behav_logprobs, hf_logprobs(model, t.context_ids, t.output_ids), atol=TOL, rtol=0
+            )
+    by_key = {t.key: t for t in finished}
+    assert any(len(by_key[t.key].output_ids) > len(t.output_ids) for t in caught)  # they went on past the hold
+
+
 def test_loaded_weights_change_outputs(setup):
     engine, model_a, model_b = setup
     v = engine.version + 1

@@ -117,3 +117,84 @@ def test_multiplication_task_holds_out_numbers_of_its_own():
     assert synthetic_problems("multiplication", 150)[0][0][0] >= 100, "three-digit operands for 150"
     with pytest.raises(ConfigError, match="data.synthetic_task must be one of arithmetic, multiplication"):
         synthetic_problems("division", 99)
+
+
+def test_chain_task_is_deterministic_correct_and_long_tailed():
+    """The chain task: rows the same for a seed; each answer is a mod b and its worked steps the countdown
+    to it; no row is a test problem; the answers' lengths in tokens (steps, `\\boxed{`, the answer, `}`,
+    EOS) follow the documented shape: median about 190, one in 10 past about 680, a few % past 1,024."""
+    from statistics import median
+
+    from areal_hpc.synthetic import synthetic_problems, synthetic_test_rows, worked_steps
+
+    rows = synthetic_rows(4000, seed=1, task="chain", max_operand=999)
+    assert rows == synthetic_rows(4000, seed=1, task="chain", max_operand=999)
+    assert rows != synthetic_rows(4000, seed=2, task="chain", max_operand=999)
+    train, test = synthetic_problems("chain", 999)
+    assert len(test) == 500 and not set(train) & set(test) and synthetic_problems("chain", 999) == (train, test)
+    test_rows = synthetic_test_rows("chain", 999)
+    assert not {r["prompt"] for r in rows} & {r["prompt"] for r in test_rows}
+    assert worked_steps("chain", "23%7=") == "16,9,2," and worked_steps("chain", "5%7=") == ""
+    assert worked_steps("arithmetic", "2+3=") == ""
+    for row in rows + test_rows:
+        a, b = map(int, row["prompt"].removesuffix("=").split("%"))
+        steps = [int(n) for n in worked_steps("chain", row["prompt"]).split(",")[:-1]]
+        assert 2 <= b <= 9 and b <= a <= 999 and int(row["answer"]) == a % b == steps[-1]
+        assert steps == [a - i * b for i in range(1, a // b + 1)]
+    for sample in (rows, test_rows):
+        lengths = sorted(len(worked_steps("chain", r["prompt"])) + len(r["answer"]) + 3 for r in sample)
+        p90, past_cap = lengths[len(lengths) * 9 // 10], sum(n > 1024 for n in lengths) / len(lengths)
+        assert 160 < median(lengths) < 220 and 580 < p90 < 800 and 0.02 < past_cap < 0.06, (p90, past_cap)
+    with pytest.raises(ConfigError, match="synthetic_max_operand must be at least 9 for the chain task"):
+        synthetic_problems("chain", 5)
+
+
+def test_chain_warm_start_writes_the_steps_and_stops_at_the_answer_limit(tmp_path):
+    """A chain warm-start example is the prompt, then the countdown and the boxed remainder; one longer
+    than rollout.max_new_tokens is cut there (no EOS), as a rollout is."""
+    from areal_hpc.config import load_config
+    from areal_hpc.sft import sft_examples
+    from areal_hpc.synthetic import worked_steps
+
+    tok = build_tokenizer()
+    cfg = load_config(
+        "configs/tiny-reasoning-cpu.yaml",
+        [f"experiment.root={tmp_path}", "sft.examples=200", "rollout.max_new_tokens=300"],
+    )
+    examples = sft_examples(cfg, tok)
+    assert len(examples) == 200
+    cut = 0
+    for ids, mask in examples:
+        start = mask.index(1)
+        prompt, response = tok.decode(ids[:start]), ids[start:]
+        a, b = map(int, prompt.removesuffix("=").split("%"))
+        full = tok(f"{worked_steps('chain', prompt)}\\boxed{{{a % b}}}")["input_ids"] + [tok.eos_token_id]
+        assert response == full[:300] and set(mask[start:]) == {1}
+        cut += len(full) > 300
+    assert 0 < cut < 100
+
+
+def test_warm_start_batches_hold_every_example_once_with_similar_lengths():
+    """`sft._batches`: an epoch is every example once, in batches of the size (the last run's last one
+    shorter), each sorted run padded to far less than random batches are; without `by_length` the
+    shuffled examples cut in order (what the embedded default's warm start was tuned on)."""
+    import random
+
+    from areal_hpc.sft import _batches
+    from areal_hpc.synthetic import worked_steps
+
+    rows = synthetic_rows(1000, seed=3, task="chain", max_operand=999)
+    lengths = [min(1030, 9 + len(worked_steps("chain", r["prompt"]))) for r in rows]
+    examples = [([0] * n, i) for i, n in enumerate(lengths)]  # (ids, a tag in the place of the mask)
+
+    def padded(batches):
+        return sum(len(b) * max(len(x) for x, _ in b) for b in batches)
+
+    batches = _batches(list(examples), 16, random.Random(0), by_length=True)
+    assert sorted(e[1] for b in batches for e in b) == list(range(1000))
+    assert all(len(b) == 16 for b in batches if len(b) != 1000 % 16) and len(batches) == -(-1000 // 16)
+    assert padded(batches) < 1.5 * sum(len(x) for x, _ in examples)
+    shuffled = list(examples)
+    random.Random(0).shuffle(shuffled)
+    plain = _batches(list(examples), 16, random.Random(0), by_length=False)
+    assert plain == [shuffled[i : i + 16] for i in range(0, 1000, 16)] and padded(plain) > 2 * padded(batches)

@@ -85,6 +85,21 @@ def test_ideal_ratio_and_speedup():
     assert "100 effective tok/s" in bench_sync.describe("sync", sync)
 
 
+def test_workloads_modes_and_their_order():
+    from areal_hpc.config import load_config
+
+    reasoning = bench_sync.WORKLOADS["reasoning"]
+    assert bench_sync.WORKLOADS["short"].modes == ("sync", "async")  # today's runs, in today's order
+    assert bench_sync.round_order(bench_sync.WORKLOADS["short"].modes, 2, False) == ("sync", "async")
+    assert bench_sync.round_order(reasoning.modes, 1, True) == ("sync", "async", "async-noint")
+    assert bench_sync.round_order(reasoning.modes, 2, True) == ("async-noint", "async", "sync")
+    runs = {m: load_config(reasoning.config, bench_sync.mode_overrides(m, 3)).rollout for m in reasoning.modes}
+    assert runs["sync"].max_staleness == 0
+    assert (runs["async"].max_staleness, runs["async"].interruptible) == (3, True)
+    assert (runs["async-noint"].max_staleness, runs["async-noint"].interruptible) == (3, False)
+    assert load_config(reasoning.config, []).experiment.name == "tiny-reasoning-cpu"  # the run directory's parent
+
+
 # --- bench_vs_trl --------------------------------------------------------------------------------
 
 
@@ -96,7 +111,67 @@ def test_trl_bench_rates():
     with pytest.raises(ValueError):
         bench_trl.trajectories_per_s_from_step_ends([10.0], warmup=1, trajectories_per_step=64)
     assert bench_trl.ratio(32.0, 16.0) == 2.0
-    assert bench_trl.TRAJECTORIES_PER_STEP == 64
+
+
+def test_trl_bench_workloads_share_the_systems_settings_and_keep_the_reasoning_config_as_shipped():
+    from areal_hpc.config import load_config
+
+    short, reasoning = bench_trl.WORKLOADS["short"], bench_trl.WORKLOADS["reasoning"]
+    assert set(bench_trl.SYSTEMS) <= set(short.overrides) and set(reasoning.overrides) == set(bench_trl.SYSTEMS)
+    for w in (short, reasoning):
+        cfg = load_config(w.config, list(w.overrides))  # every override names a real setting
+        assert bench_trl.per_step(cfg) == 64 and cfg.ppo.prox_logp == "loglinear" and 1 <= w.warmup < w.steps
+    cfg = load_config(reasoning.config, list(reasoning.overrides))
+    assert cfg.rollout.max_new_tokens == 1024 and cfg.sft.examples > 0 and cfg.cluster.nodes == 2
+
+
+def test_trl_bench_run_figures_and_the_line_on_what_bounds_a_ratio_below_2x():
+    run = bench_trl.Run(2.0, {"mean": 300.0}, 0.8, 0.2)
+    assert run.answer_tokens_per_s == 600.0
+    assert bench_trl.median_of(
+        [run, bench_trl.Run(4.0, {}, 0, 0), bench_trl.Run(3.0, {}, 0, 0)], "trajectories_per_s"
+    ) == ("3.00 (median of 3: 2.00, 4.00, 3.00)")
+    assert bench_trl.bound_line(2.0, "padded", 0.8, 0.99, 0.5) is None
+    line = bench_trl.bound_line(1.5, "padded", 0.8, 0.99, 0.5)
+    assert line.startswith("below 2x: TRL padded generates 80% of its step")
+    assert "at most 1.25x" in line and line.endswith("bounded by its generator")  # 1 / max(0.8, 0.2)
+    assert bench_trl.bound_line(1.5, "paged", 0.3, 0.4, 0.9).endswith("bounded by its trainer")
+
+
+def test_weights_verdict_reads_the_sign_of_the_gain_against_its_noise():
+    assert bench_trl.weights_verdict([7.4, 7.1, 16.9, 6.1, 12.2, 18.1, 5.2, 5.7]) == "follows"
+    assert bench_trl.weights_verdict([-31.1, -15.5, -24.6, -7.3, 1.0, -1.9, -21.5, -22.3]) == "stale"
+    assert bench_trl.weights_verdict([5.0, -4.0, 6.0, -5.0]) == "unclear"  # mean 0.5, standard error 2.9
+    with pytest.raises(ValueError, match="at least 2"):
+        bench_trl.weights_verdict([1.0])
+    assert set(bench_trl.VERDICTS) == {"follows", "stale", "unclear"}
+    assert set(bench_trl.TRL_SETTINGS) == {"padded", "paged", "vllm"}
+
+
+def test_trl_bench_summary_prints_both_systems_lengths_and_the_ratio_last(capsys):
+    from areal_hpc.config import load_config
+
+    w = bench_trl.WORKLOADS["reasoning"]
+    cfg = load_config(w.config, list(w.overrides))
+    trl = {
+        "padded": [bench_trl.Run(1.0, {"mean": 300.0}, 0.9, 0.1)],
+        "paged": [bench_trl.Run(1.5, {"mean": 200.0}, 0.8, 0.2)],
+    }
+    answers = {"padded": [100, 200, 600], "paged": [50, 100, 450]}
+    row = {f"rollout/answer_tokens_{k}": v for k, v in {"mean": 250, "median": 150, "p90": 600, "max": 1024}.items()}
+    bench_trl.summarize(cfg, len, trl, answers, [bench_trl.Run(2.4, {"mean": 250.0}, 0.99, 0.6)], [row])
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split()[0:2] for ln in lines[1:6]] == [
+        ["task", "(chain)"],
+        ["planner", "1.5B,"],
+        ["TRL", "padded"],
+        ["TRL", "paged"],
+        ["areal-hpc", "mean"],
+    ]
+    assert "answer tokens/s 600.00 (median of 1: 600.00)" in lines[8]  # areal-hpc: 2.4 x 250
+    assert lines[-3] == "areal-hpc/TRL paged answer tokens per second: 2.00x"  # 600 / (1.5 x 200)
+    assert lines[-2].startswith("below 2x: TRL paged generates 80% of its step")
+    assert lines[-1] == "areal-hpc/TRL paged (the best TRL setting here) trained trajectories per second: 1.60x"
 
 
 # --- timeline and plot_run -----------------------------------------------------------------------

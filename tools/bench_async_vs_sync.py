@@ -1,12 +1,29 @@
 """Asynchronous versus synchronous RL on this machine: the speedup of overlapping generation and training.
 
-Runs the tiny config in both modes in one invocation, identical but for `rollout.max_staleness` (0:
-synchronous, generation and training take turns; > 0: asynchronous, they overlap), each run with a fresh
-run directory under one root, the modes alternating for `--rounds` rounds (sync, async, sync, async, ...)
-so that a change in the machine's load over the invocation falls on both. `areal-hpc run` pins the
-generator rank and the trainer rank to their own cores (the CPU stand-in for separate GPUs;
-areal_hpc.layout.Layout.core_plan). Then prints, per mode, over the steady-state steps of all its rounds (the
-first `--warmup` steps of each run left out: engine warm-up, and the asynchronous pipeline filling):
+Runs one workload's config in its modes in one invocation, each run with a fresh run directory under one
+root (root/experiment.name/<mode><round>), the modes alternating for `--rounds` rounds so that a change
+in the machine's load over the invocation falls on all of them. `areal-hpc run` pins the generator rank
+and the trainer rank to their own cores (the CPU stand-in for separate GPUs;
+areal_hpc.layout.Layout.core_plan). Settings given on the command line apply to every mode.
+
+    python tools/bench_async_vs_sync.py                          # short: 2 rounds of 60 steps per mode
+    python tools/bench_async_vs_sync.py --rounds 1 --steps 100 ppo.prox_logp=loglinear
+    python tools/bench_async_vs_sync.py --workload reasoning     # 2 rounds x 3 modes, about 25-30 min
+
+Workloads (`--workload`):
+
+  short      configs/tiny-cpu.yaml (short arithmetic answers); modes sync (rollout.max_staleness 0:
+             generation and training take turns) and async (--staleness: they overlap), in that order
+             every round.
+  reasoning  configs/tiny-reasoning-cpu.yaml (the chain task: long-tailed answers of up to 1,024
+             tokens); modes sync, async (interruptible: a weight update interrupts the answers in
+             flight, loads, resumes them) and async-noint (same staleness, rollout.interruptible=false: a
+             generator lets its running answers finish before it loads), the order reversed every
+             second round (sync, async, async-noint; then async-noint, async, sync).
+
+Each run prints its wall time as it ends, each round its ratios. Then, per mode, over the steady-state
+steps of all its rounds (the first `--warmup` steps of each run left out: engine warm-up, and the
+asynchronous pipeline filling):
 
   effective throughput   generated tokens consumed by training per second, computed from metrics.jsonl:
                          sum(throughput/effective_tokens_per_s * timing/step_s) / sum(timing/step_s)
@@ -14,17 +31,27 @@ first `--warmup` steps of each run left out: engine warm-up, and the asynchronou
   G, T                   per-step generation time (generator busy) and training time (trainer busy):
                          G = (1 - gen_idle_frac) * step_s, T = (1 - train_idle_frac) * step_s
 
-and the ideal speedup the synchronous run's costs allow, (G + T) / max(G, T) (2.0 when generation and
-training cost the same; overlap cannot hide more than the cheaper of the two), each round's ratio, then
-last `async/sync effective throughput: X.XXx` over all rounds.
+short then prints the ideal speedup the synchronous run's costs allow, (G + T) / max(G, T) (2.0 when
+generation and training cost the same; overlap cannot hide more than the cheaper of the two). reasoning
+prints, in order:
 
-    python tools/bench_async_vs_sync.py                   # 2 rounds of 60 steps per mode
-    python tools/bench_async_vs_sync.py --rounds 1 --steps 100 ppo.prox_logp=loglinear
+  answer tokens      mean, median, p90, max of: the task (its worked answers, capped; char tokenizer),
+                     the planner's model of the AReaL paper's 1.5B run with its median scaled from 27,648
+                     to this cap (the same shape at this cap), and what each mode trained on
+  per mode           the figures above, the share of the trajectories generated that staleness dropped
+                     (dropped / (dropped + trained)), and for async-noint the mean timing/sync_drain_s
+                     (the wait for the running answers before a load)
+  bounds             balanced: (G + T) / max(G, T) with the sync run's G and T; and the sync step over
+                     max(async G, async T), which names the side bounding the asynchronous run
+  interruption       async / async-noint effective throughput as a signed percentage, and each round's
+  below 2x           only under 2x: the sync run's G and T as shares of its step, and how full its
+                     batches are (mean of answer_tokens_mean / answer_tokens_max: a synchronous step's
+                     answers start together and it decodes until the longest ends)
 
-Settings given on the command line apply to both modes. The ratio follows the balance of G and T
-(overlap hides only the cheaper of the two): with tiny-cpu's own settings they come out about equal on
-this machine. The measured ratio can come close to the ideal one, or pass it: the synchronous step also
-waits for the rewards and the weight sync (step_s > G + T), which the asynchronous run overlaps too.
+and last, for both, `async/sync effective throughput: X.XXx` over all rounds. The ratio follows the
+balance of G and T: with tiny-cpu's own settings they come out about equal on this machine. The measured
+ratio can come close to the balanced bound, or pass it: the synchronous step also waits for the rewards,
+the weight sync and (reasoning) its batch's longest answer, which the asynchronous run overlaps too.
 """
 
 from __future__ import annotations
@@ -37,12 +64,63 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from areal_hpc.bench import (
+    PAPER_CAP,
+    below_2x_line,
+    bounds_line,
+    dropped_share,
+    format_lengths,
+    ideal_ratio,
+    interruption_line,
+    occupancy,
+    planner_lengths,
+    run_lengths,
+    task_lengths,
+)
+from areal_hpc.config import load_config
 from areal_hpc.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "configs" / "tiny-cpu.yaml"
 ASYNC_STALENESS = 2
-BENCH_OVERRIDES = ["logging.tensorboard=false"]  # tiny-cpu as shipped, less the TensorBoard writes
+BENCH_OVERRIDES = ["logging.tensorboard=false"]  # the configs as shipped, less the TensorBoard writes
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A config and the modes run on it: (name, overrides given --staleness) in the order of round 1;
+    `rotate` reverses the order every second round."""
+
+    config: Path
+    modes: tuple[str, ...]
+    steps: int
+    warmup: int
+    rotate: bool
+
+
+WORKLOADS = {
+    "short": Workload(REPO / "configs" / "tiny-cpu.yaml", ("sync", "async"), steps=60, warmup=5, rotate=False),
+    "reasoning": Workload(
+        REPO / "configs" / "tiny-reasoning-cpu.yaml",
+        ("sync", "async", "async-noint"),
+        steps=100,  # steps of about 3.0 s sync, 1.9 s async, 2.0 s async-noint, ~40 s start-up a run:
+        warmup=10,  # 2 x (100 x 6.9 s + 3 x 40 s) = 27 min
+        rotate=True,
+    ),
+}
+
+
+def mode_overrides(mode: str, staleness: int) -> list[str]:
+    """sync: max_staleness 0; async: `staleness`, interruptible; async-noint: `staleness`, not interruptible."""
+    return {
+        "sync": ["rollout.max_staleness=0"],
+        "async": [f"rollout.max_staleness={staleness}"],
+        "async-noint": [f"rollout.max_staleness={staleness}", "rollout.interruptible=false"],
+    }[mode]
+
+
+def round_order(modes: tuple[str, ...], k: int, rotate: bool) -> tuple[str, ...]:
+    """The modes of round k (from 1): as given, or reversed in every even round when `rotate`."""
+    return modes[::-1] if rotate and k % 2 == 0 else modes
 
 
 @dataclass(frozen=True)
@@ -88,13 +166,9 @@ def summarize(rows: list[dict], warmup: int) -> Summary:
     )
 
 
-def ideal_ratio(gen_s: float, train_s: float) -> float:
-    """Best async/sync speedup from overlapping a step's generation G and training T: (G + T) / max(G, T)."""
-    return (gen_s + train_s) / max(gen_s, train_s)
-
-
-def speedup(sync: Summary, asyn: Summary) -> float:
-    return asyn.effective_tokens_per_s / sync.effective_tokens_per_s
+def speedup(base: Summary, other: Summary) -> float:
+    """Effective throughput of `other` over `base`."""
+    return other.effective_tokens_per_s / base.effective_tokens_per_s
 
 
 def describe(name: str, s: Summary) -> str:
@@ -108,58 +182,28 @@ def describe(name: str, s: Summary) -> str:
 # --- running -----------------------------------------------------------------------------------
 
 
-def run_mode(root: Path, trial: str, staleness: int, steps: int, overrides: list[str], log: Path) -> Path:
-    """One fresh `areal-hpc run` of the tiny config; returns its run directory (under root/tiny-cpu/trial)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "areal_hpc.cli",
-        "run",
-        str(CONFIG),
-        "--fresh",
+def run_mode(config: Path, root: Path, trial: str, overrides: list[str], steps: int, log: Path) -> Path:
+    """One fresh `areal-hpc run` of `config`; returns its run directory (root/experiment.name/trial)."""
+    run_overrides = [
         f"experiment.root={root}",
         f"experiment.trial={trial}",
-        f"rollout.max_staleness={staleness}",
         f"train.total_steps={steps}",
         f"train.save_every={steps}",
         *BENCH_OVERRIDES,
         *overrides,
     ]
+    cfg = load_config(config, run_overrides)
+    cmd = [sys.executable, "-m", "areal_hpc.cli", "run", str(config), "--fresh", *run_overrides]
     t0 = time.monotonic()
     with open(log, "w") as out:
         code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO).returncode
     if code != 0:
         sys.exit(f"{trial}: areal-hpc run failed (exit {code}); its output: {log}")
     print(f"{trial}: {steps} steps in {time.monotonic() - t0:.0f} s (start-up included); output {log}", flush=True)
-    return root / "tiny-cpu" / trial
+    return root / cfg.experiment.name / trial
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=60, help="training steps per run")
-    p.add_argument("--warmup", type=int, default=5, help="first steps of each run left out of the figures")
-    p.add_argument("--rounds", type=int, default=2, help="runs per mode, alternating sync and async")
-    p.add_argument("--staleness", type=int, default=ASYNC_STALENESS, help="max_staleness of the async runs")
-    p.add_argument("--root", default=str(REPO / "runs" / "bench"), help="run root of all runs")
-    p.add_argument("overrides", nargs="*", help="more config overrides for every run (section.field=value)")
-    args = p.parse_args(argv)
-    if args.rounds < 1 or args.steps <= args.warmup:
-        p.error(f"need --rounds >= 1 and --steps > --warmup (got {args.rounds}, {args.steps}, {args.warmup})")
-    root = Path(args.root).resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} cores)")
-    print(f"settings: {' '.join(BENCH_OVERRIDES + args.overrides)}", flush=True)
-    steady: dict[str, list[dict]] = {"sync": [], "async": []}
-    for k in range(1, args.rounds + 1):
-        this_round = {}
-        for name, staleness in (("sync", 0), ("async", args.staleness)):
-            trial = f"{name}{k}"
-            run_dir = run_mode(root, trial, staleness, args.steps, args.overrides, root / f"{trial}.out")
-            rows = [r for r in read_metrics(run_dir) if r["step"] > args.warmup]
-            this_round[name] = summarize(rows, 0)
-            steady[name] += rows
-        print(f"round {k}: async/sync {speedup(this_round['sync'], this_round['async']):.2f}x", flush=True)
-    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+def report_short(steady: dict[str, list[dict]]) -> None:
     sync, asyn = summarize(steady["sync"], 0), summarize(steady["async"], 0)
     print(describe("sync", sync))
     print(describe("async", asyn))
@@ -167,6 +211,88 @@ def main(argv: list[str] | None = None) -> int:
         f"ideal ratio on this machine (sync G, T): (G + T) / max(G, T) = {ideal_ratio(sync.gen_s, sync.train_s):.2f}x"
     )
     print(f"async/sync effective throughput: {speedup(sync, asyn):.2f}x")
+
+
+def report_reasoning(cfg, steady: dict[str, list[dict]], rounds: list[dict[str, Summary]]) -> None:
+    from areal_hpc.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    cap = cfg.rollout.max_new_tokens
+    per_step = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    s = {mode: summarize(rows, 0) for mode, rows in steady.items()}
+    print(
+        f"answer tokens (task: the chain task's worked answers; planner: its model of the paper's 1.5B run, "
+        f"the median scaled from {PAPER_CAP:,} to the cap of {cap}; each mode: what it trained on, steady steps):"
+    )
+    task = task_lengths(cfg, lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
+    print(format_lengths("task (what it asks)", task, cap))
+    print(format_lengths("planner (paper 1.5B)", planner_lengths(cap), cap))
+    for mode, rows in steady.items():
+        print(format_lengths(mode, run_lengths(rows), cap))
+    for mode, rows in steady.items():
+        extra = f"  dropped {dropped_share(rows, per_step):.1%} of the trajectories generated"
+        if mode == "async-noint":
+            drain = sum(r["timing/sync_drain_s"] for r in rows) / len(rows)
+            extra += f"  sync drain {drain:.2f} s a step"
+        print(describe(f"{mode:11s}", s[mode]) + extra)
+    sync, asyn, noint = s["sync"], s["async"], s["async-noint"]
+    print(bounds_line(sync.gen_s, sync.train_s, sync.step_s, asyn.gen_s, asyn.train_s))
+    print(interruption_line(speedup(noint, asyn), [speedup(r["async-noint"], r["async"]) for r in rounds]))
+    headline = speedup(sync, asyn)
+    if headline < 2:
+        print(below_2x_line(sync.gen_s, sync.train_s, sync.step_s, occupancy(steady["sync"])))
+    print(f"async/sync effective throughput: {headline:.2f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="short", help="config and modes (module doc)")
+    p.add_argument("--steps", type=int, help="training steps per run (default: the workload's)")
+    p.add_argument(
+        "--warmup", type=int, help="first steps of each run left out of the figures (default: the workload's)"
+    )
+    p.add_argument("--rounds", type=int, default=2, help="runs per mode, the modes alternating")
+    p.add_argument("--staleness", type=int, default=ASYNC_STALENESS, help="max_staleness of the async runs")
+    p.add_argument("--root", default=str(REPO / "runs" / "bench"), help="run root of all runs")
+    p.add_argument("overrides", nargs="*", help="more config overrides for every run (section.field=value)")
+    args = p.parse_args(argv)
+    w = WORKLOADS[args.workload]
+    steps = w.steps if args.steps is None else args.steps
+    warmup = w.warmup if args.warmup is None else args.warmup
+    if args.rounds < 1 or steps <= warmup:
+        p.error(f"need --rounds >= 1 and --steps > --warmup (got {args.rounds}, {steps}, {warmup})")
+    root = Path(args.root).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    cfg = load_config(w.config, BENCH_OVERRIDES + args.overrides)
+    if args.workload == "reasoning":
+        r = cfg.rollout
+        print(
+            f"workload reasoning: {w.config.relative_to(REPO)}, {cfg.data.synthetic_task} task, up to "
+            f"{r.max_new_tokens} new tokens, {r.prompts_per_step} x {r.group_size} a step, async staleness {args.staleness}"
+        )
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} cores)")
+    print(f"settings: {' '.join(BENCH_OVERRIDES + args.overrides)}", flush=True)
+    steady: dict[str, list[dict]] = {mode: [] for mode in w.modes}
+    rounds: list[dict[str, Summary]] = []
+    for k in range(1, args.rounds + 1):
+        this_round = {}
+        for mode in round_order(w.modes, k, w.rotate):
+            trial = f"{mode}{k}"
+            overrides = mode_overrides(mode, args.staleness) + args.overrides
+            run_dir = run_mode(w.config, root, trial, overrides, steps, root / f"{trial}.out")
+            rows = [r for r in read_metrics(run_dir) if r["step"] > warmup]
+            this_round[mode] = summarize(rows, 0)
+            steady[mode] += rows
+        rounds.append(this_round)
+        line = f"round {k}: async/sync {speedup(this_round['sync'], this_round['async']):.2f}x"
+        if "async-noint" in this_round:
+            line += f", async/async-noint {speedup(this_round['async-noint'], this_round['async']):.2f}x"
+        print(line, flush=True)
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.workload == "reasoning":
+        report_reasoning(cfg, steady, rounds)
+    else:
+        report_short(steady)
     return 0
 
 

@@ -51,6 +51,7 @@ KINDS: dict[str, tuple[str, ...]] = {
         "rollout.max_new_tokens",
         "rollout.temperature",
         "rollout.top_p",
+        "rollout.interruptible",
         "rollout.filter_uniform_groups",
         "rollout.max_turns",
         "rollout.max_episode_tokens",

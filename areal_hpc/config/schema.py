@@ -155,6 +155,15 @@ class RolloutConfig:
     """Sampling temperature."""
     top_p: float = 1.0
     """Nucleus sampling threshold (1.0: off)."""
+    interruptible: bool = True
+    """What a generator does with the turns it is sampling when a weight update is due. True: it interrupts
+    them, loads the new weights and resumes them, so a turn's tokens may carry several policy versions.
+    False (the non-interruptible baseline): it starts no new turn, lets the turns in its engine finish
+    (an episode's next turn waits), then loads and starts the waiting turns under the new weights, so every
+    token of a turn carries one version. The trainers wait in the weight broadcast meanwhile
+    (timing/sync_drain_s): `train.collective_timeout_s` and `train.rank_timeout_s` must exceed the longest
+    turn's decode time.
+    With max_staleness 0 (synchronous RL) no training episode is in flight at an update: it changes little there."""
     filter_uniform_groups: bool = False
     """Dynamic filtering (DAPO): a group whose trajectories all got the same reward (all right or all wrong:
     every advantage is 0) is left out before training and another prompt takes its place; counted in
@@ -323,7 +332,9 @@ class DataConfig:
     rollout.max_new_tokens). At most that much when set."""
     synthetic_task: str = "arithmetic"
     """The synthetic task when `train_path` is empty: arithmetic ('a+b=' and 'a-b=', which the tiny model
-    learns by itself) or multiplication ('a*b=', which it gets right mostly with the calculator tool)."""
+    learns by itself), multiplication ('a*b=', which it gets right mostly with the calculator tool) or
+    chain ('a%b=', answered by the countdown a - b, a - 2b, ... to a mod b, then that remainder boxed:
+    long-tailed answers like reasoning ones; the warm start writes the countdown)."""
     synthetic_size: int = 4096
     """Prompts in the synthetic task when `train_path` is empty, drawn with repeats from its training
     problems; a fifth of the problems (at most 500) is held out of them as its test split, which `eval`
@@ -331,7 +342,8 @@ class DataConfig:
     pretraining would; the multiplication one never sees the held-out problems."""
     synthetic_max_operand: int = 99
     """Largest operand of the synthetic task: arithmetic 0 <= a, b <= this; multiplication a and b of as
-    many digits as this (10..99 for 99)."""
+    many digits as this (10..99 for 99); chain a <= this, at least 9 (b is 2..9; the median count of
+    steps is a twentieth of this)."""
 
 
 @dataclass
@@ -358,6 +370,11 @@ class SFTConfig:
     """Passes over the warm-start examples."""
     batch_size: int = 64
     """Examples per warm-start optimizer step."""
+    batch_by_length: bool = False
+    """Batches of examples of similar lengths (sorted within runs of 8 batches, the batches shuffled):
+    a batch is padded to its longest example, so with long-tailed responses (the chain task) this computes
+    about a third of what random batches do. Off: random batches (on short answers of a few lengths, batches
+    of one length each teach the answer format unevenly: the embedded default's warm start then boxes none)."""
     lr: float = 3e-3
     """AdamW learning rate of the warm start."""
     unboxed: float = 0.0

@@ -16,7 +16,7 @@ syncs and checkpoints, writes the metrics. One thread, one event loop, no blocki
     TrainResult    -> version v+1: WeightSync(v+1) to trainers + generators, then every
                       eval.every_steps the eval prompts (EvalRequests: never buffered, not gated),
                       Save every save_every steps or save_interval_min minutes, the metrics row
-    SyncDone       -> generator g runs version v+1 (timing/weight_sync_s)
+    SyncDone       -> generator g runs version v+1 (timing/weight_sync_s, timing/sync_drain_s)
     Saved          -> all trainer ranks saved (timing/save_s): controller state, then the files'
                       sizes and checksums on the checkpoint thread (areal_hpc.checkpoint)
     Failure        -> end the run, naming the rank
@@ -292,6 +292,7 @@ class Controller:
             res.stats,
             rollouts=self.rollouts.take_metrics(),
             sync_s=self.trainers.last_sync_s,
+            drain_s=self.trainers.last_drain_s,
             save_s=self.ckpt.take_stall(),
             evals=self.evals.take_metrics(),
         )

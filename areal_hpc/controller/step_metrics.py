@@ -53,11 +53,20 @@ class StepMetrics:
         c["rollout/template_rewrites"] += int(traj.stats.get("template_rewrites", 0))
 
     def write(
-        self, version: int, info: BatchInfo, stats: dict, *, rollouts: dict, sync_s: float, save_s: float, evals: dict
+        self,
+        version: int,
+        info: BatchInfo,
+        stats: dict,
+        *,
+        rollouts: dict,
+        sync_s: float,
+        drain_s: float,
+        save_s: float,
+        evals: dict,
     ) -> None:
         """The row of the step that made `version`: `info` of its data, the trainer's `stats`, the
         rollouts' and the evaluation's figures and the episodes' counts since the last row, the latest
-        weight sync's and the trainers' time in saves."""
+        weight sync's load and drain, and the trainers' time in saves."""
         now = time.monotonic()
         step_s, self._step_start = now - self._step_start, now
         row = {
@@ -69,10 +78,12 @@ class StepMetrics:
             "rollout/tool_calls_mean": info.tool_calls_mean,
             "rollout/tool_s_mean": info.tool_s_mean,
             "rollout/episode_tokens_mean": info.episode_tokens_mean,
+            **{f"rollout/answer_tokens_{k}": v for k, v in info.answer_tokens.items()},
             **self.episode_counts,
             "throughput/effective_tokens_per_s": info.response_tokens / max(step_s, 1e-9),
             "timing/step_s": step_s,
             "timing/weight_sync_s": sync_s,
+            "timing/sync_drain_s": drain_s,
             "timing/gen_idle_frac": self.gen_idle.take_fraction(),
             "timing/train_idle_frac": self.train_idle.take_fraction(),
             "timing/save_s": save_s,

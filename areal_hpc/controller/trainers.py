@@ -7,7 +7,7 @@ replica, the weight sync after it, a save; and what it measures of them.
                     trainer rank 0 owes the TrainResult
  trained(result)    the step's BatchInfo back (its metrics); how long it took (for the stop decision)
  sync(v)            WeightSync(v) to every replica and every generator; each generator owes a SyncDone
- synced(g, done)    generator g runs version v (timing/weight_sync_s: the slowest of a sync)
+ synced(g, done)    generator g runs version v (timing/weight_sync_s, timing/sync_drain_s: the slowest of a sync)
  save(v, path)      Save(v) to every replica; every trainer rank owes a Saved
 ```
 
@@ -44,8 +44,9 @@ class Trainers:
         self.started = 0.0
         self.last_step_s = 0.0
         self.syncing: dict[int, set[int]] = {}  # version -> generators not done loading it
-        self.sync_s: dict[int, float] = {}  # version -> the slowest load reported so far
+        self.sync_s: dict[int, tuple[float, float]] = {}  # version -> the slowest load and drain reported so far
         self.last_sync_s = 0.0
+        self.last_drain_s = 0.0
 
     @property
     def busy(self) -> bool:
@@ -96,15 +97,17 @@ class Trainers:
 
     def synced(self, src: int, msg: SyncDone) -> None:
         """Generator `src` runs version `msg.version`; once every generator does, that sync's slowest load is
-        `last_sync_s` (timing/weight_sync_s)."""
+        `last_sync_s` (timing/weight_sync_s) and its slowest drain `last_drain_s` (timing/sync_drain_s: the
+        wait for the turns in flight to finish first, rollout.interruptible false)."""
         waiting = self.syncing[msg.version]
         waiting.discard(src)
         self.timeline.mark("sync_done", rank=src, version=msg.version, seconds=msg.seconds)
         self.liveness.done(src)
-        self.sync_s[msg.version] = max(self.sync_s.get(msg.version, 0.0), msg.seconds)
+        load_s, drain_s = self.sync_s.get(msg.version, (0.0, 0.0))
+        self.sync_s[msg.version] = (max(load_s, msg.seconds), max(drain_s, msg.drain_s))
         if not waiting:
             del self.syncing[msg.version]
-            self.last_sync_s = self.sync_s.pop(msg.version)
+            self.last_sync_s, self.last_drain_s = self.sync_s.pop(msg.version)
 
     def save(self, version: int, path) -> None:
         """Every trainer rank saves version `version` to `path` (each answers Saved)."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from areal_hpc.data import Example
+from areal_hpc.metrics import length_summary
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -81,18 +82,12 @@ class EvalRound:
         `per_prompt` has each prompt's correct count."""
         n = self.samples
         correct = [sum(r >= 1.0 for r in rs) for rs in self.rewards]
-        lengths = np.array(self.lengths, np.float64).ravel()
         return {
             "prompts": len(self.examples),
             "samples": n,
             "pass@k": {str(k): float(np.mean([pass_at_k(n, c, k) for c in correct])) for k in ks(n)},
             "reward_mean": float(np.mean([r for rs in self.rewards for r in rs])),
-            "episode_tokens": {
-                "mean": float(lengths.mean()),
-                "median": float(np.median(lengths)),
-                "p90": float(np.percentile(lengths, 90)),
-                "max": int(lengths.max()),
-            },
+            "episode_tokens": length_summary(self.lengths),
             "truncated_frac": self.truncated / (len(self.examples) * n),
             "reward_errors": self.errors,
             "workflow_errors": self.workflow_errors,

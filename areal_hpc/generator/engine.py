@@ -26,6 +26,10 @@ Interruption (`update_weights`), nothing lost or duplicated:
   4. resubmit each turn as its context + partial output with what is left of its own token budget;
      tokens sampled from then on carry the new version.
 
+Without interruption (`rollout.interruptible` false): `hold` first, so turns submitted from then on wait
+outside vLLM; the caller steps until no turn is `running`, then `update_weights` has nothing to interrupt,
+and it submits the waiting turns under the new weights. Every token of a turn then carries one version.
+
 Routing (a MoE model with `record_routing`, i.e. `ppo.routing_replay`): each finished turn also carries, for
 its context and output positions, the experts every MoE layer chose in its final attempt, read from vLLM's
 worker right after the step it finished in (areal_hpc.generator.routing).
@@ -278,6 +282,7 @@ class GenerationEngine:
         """Policy version of the loaded weights (0: the initial model)."""
         self._running: dict[str, EngineTurn] = {}  # turn key -> the turn
         self._vllm_ids: dict[str, str] = {}  # turn key -> vLLM's id of its current attempt (it suffixes ours)
+        self._held: dict[str, EngineTurn] | None = None  # while holding (`hold`): the turns submitted since
         self.record_routing = record_routing
         if record_routing:
             engine.collective_rpc("areal_record_routing")
@@ -365,6 +370,7 @@ class GenerationEngine:
     def close(self) -> None:
         """Shut the engine down (its worker processes too, when gen_tp > 1)."""
         self.interrupt()
+        self._held = None
         self.engine.engine_core.shutdown()
 
     @property
@@ -378,9 +384,19 @@ class GenerationEngine:
         turns in flight (the finished turn carries it)."""
         if max_tokens < 1:
             raise ValueError(f"turn {key!r}: max_tokens must be at least 1, got {max_tokens}")
-        if key in self._running:
+        if key in self._running or key in (self._held or {}):
             raise ValueError(f"turn {key!r} is already in flight")
-        self._submit(EngineTurn(key, [int(t) for t in token_ids], max_tokens))
+        turn = EngineTurn(key, [int(t) for t in token_ids], max_tokens)
+        if self._held is None:
+            self._submit(turn)
+        else:
+            self._held[key] = turn
+
+    def hold(self) -> None:
+        """Until the next `update_weights`, keep the turns submitted out of vLLM: they start under the new
+        weights. The turns running meanwhile finish under the old ones (step until `running` is 0)."""
+        if self._held is None:
+            self._held = {}
 
     def step(self) -> list[EngineTurn]:
         """One engine iteration; returns the turns that finished in it."""
@@ -407,20 +423,26 @@ class GenerationEngine:
 
     @property
     def in_flight(self) -> int:
-        """Turns queued or being sampled."""
+        """Turns submitted and not finished: running, or held for the next weights (`hold`)."""
+        return len(self._running) + len(self._held or {})
+
+    @property
+    def running(self) -> int:
+        """Turns in vLLM (queued or being sampled there): what `step` advances."""
         return len(self._running)
 
     def partial(self) -> list[EngineTurn]:
-        """A copy of each in-flight turn with everything it sampled so far."""
+        """A copy of each in-flight turn with everything it sampled so far (a held turn: nothing)."""
         out = []
-        for turn in self._running.values():
+        for turn in [*self._running.values(), *(self._held or {}).values()]:
             copy = dataclasses.replace(
                 turn,
                 output_ids=list(turn.output_ids),
                 behav_logprobs=list(turn.behav_logprobs),
                 versions=list(turn.versions),
             )
-            _extend(copy, *self._attempt_output(turn.request_id), self.version)
+            if turn.key in self._running:
+                _extend(copy, *self._attempt_output(turn.request_id), self.version)
             out.append(copy)
         return out
 
@@ -449,7 +471,8 @@ class GenerationEngine:
         return ids, list(state.logprobs_processor.logprobs.logprobs[: len(ids)])
 
     def update_weights(self, weights, version: int) -> float:
-        """Interrupt, load `weights`, reset the prefix cache, resume; returns the seconds it took.
+        """Interrupt, load `weights`, reset the prefix cache, resume, then start the turns held (`hold`);
+        returns the seconds it took.
 
         `weights` is the `weight_sync.WeightReceiver` that joined at start (`join_weight_sync`: the
         broadcast is received and loaded inside vLLM's workers) or an iterable of buckets, each a list
@@ -466,6 +489,9 @@ class GenerationEngine:
         self.version = version
         for turn in paused:
             turn.attempt += 1
+            self._submit(turn)
+        held, self._held = self._held or {}, None
+        for turn in held.values():
             self._submit(turn)
         return time.perf_counter() - t0
 

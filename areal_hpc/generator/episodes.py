@@ -7,7 +7,7 @@
                                                           -> its reply (Trajectory | EvalTrajectory), queued
  the client's sample(token_ids, max_tokens) -> engine.submit(turn key, ...); a future the engine's step resolves
  the client's tool(name, arguments)        -> ToolPool.submit(call key, ...); a future the pool's poll resolves
- advance()                                 -> step the engine if turns are in flight, poll the tool pool, let every
+ advance()                                 -> step the engine if turns are running, poll the tool pool, let every
                                               episode whose future resolved run to its next await; the replies
 ```
 
@@ -97,18 +97,18 @@ class EpisodeRunner:
         return len(self._tasks)
 
     async def advance(self) -> list[Trajectory | EvalTrajectory]:
-        """One round of the pump: one engine step if turns are in flight, the tool calls that finished, then
+        """One round of the pump: one engine step if turns are running in vLLM, the tool calls that finished, then
         every episode whose turn or call came back runs to its next await. Returns the episodes' replies
         that are ready (each as soon as its episode ended). Sleeps IDLE_S when nothing happened."""
         woken = 0
-        if self.engine.in_flight:
+        if self.engine.running:  # not the turns held for the next weights (`GenerationEngine.hold`)
             for turn in self.engine.step():
                 woken += _resolve(self._turns.pop(turn.key, None), turn)
         if self._calls:
             for key, text, ok, seconds in self._pool.poll(0.0):
                 woken += _resolve(self._calls.pop(key, None), (text, ok, seconds))
         await asyncio.sleep(0)  # the woken episodes run, each up to its next turn or call
-        if not woken and not self.engine.in_flight:
+        if not woken and not self.engine.running:
             await asyncio.sleep(IDLE_S)
         replies, self._replies = self._replies, []
         return replies

@@ -9,8 +9,11 @@
           EvalRequest(prompt_index, prompt_ids, row, n) -> the same, for an eval row
           WeightSync(version) -> interrupt the turns in flight, receive + load the broadcast, resume them
                                  -> SyncDone(version, s)
-          Stop                -> cancel the episodes, close the tool pool, flush, exit
-        advance the runner (areal_hpc.generator.episodes): step the engine if turns are in flight, poll the
+                                 rollout.interruptible false: hold new turns (engine.hold) and drain
+          Stop                -> (a drain: load now, SyncDone) cancel the episodes, close the tool pool, flush, exit
+        draining and no turn running in vLLM -> receive + load each version waiting, in order, start the held
+                                 turns -> SyncDone(version, s, drain_s) each
+        advance the runner (areal_hpc.generator.episodes): step the engine if turns are running, poll the
         tool pool, let every episode whose turn or tool call came back run to its next await (IDLE_S sleep
         when nothing happened) -> each finished episode's reply (Trajectory; EvalTrajectory to an EvalRequest)
 ```
@@ -20,12 +23,22 @@ flight: they resume under the new weights with what they sampled so far, and an 
 samples its next one under the new weights. A request that arrived in the same poll, before the
 WeightSync, has only had its episodes created (`runner.start` makes their tasks; they first run at the
 next `advance`), so even their first turn is sampled under the new weights.
+
+Without interruption (`rollout.interruptible` false) the WeightSync starts a drain instead: turns submitted
+from then on are held out of vLLM (an episode between two turns waits with its next one), the runner keeps
+advancing until the turns running in vLLM have finished under the old weights, then the rank receives the
+broadcast (the trainers wait in it meanwhile, within train.collective_timeout_s) and its held turns start
+under the new weights. A WeightSync that comes during a drain (a trainer's broadcast may return before its
+receivers read it, the bytes in the sockets' buffers) joins it: the versions waiting load in order once
+the drain ends. A Stop during a drain loads at once (interrupting: the episodes are cancelled anyway), so
+the trainers' broadcast completes rather than waiting for its timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import traceback
 
 log = logging.getLogger("areal_hpc.generator")
@@ -45,6 +58,20 @@ async def _serve(ctx, sync) -> None:
     from areal_hpc.workflow import load_workflow
 
     mailbox, runner = Mailbox(ctx.world), None
+    # (version, when its WeightSync came) of each sync waiting while the turns in vLLM finish (rollout.interruptible
+    # false); more than one when the trainers' broadcast of a version returns before this rank has read it
+    draining: list[tuple[int, float]] = []
+
+    def load(version: int, drain_s: float = 0.0) -> None:
+        seconds = engine.update_weights(sync, version)
+        mailbox.send(CONTROLLER_RANK, SyncDone(version, seconds, drain_s))
+
+    def load_drained() -> None:
+        """Every sync waiting, in order (each broadcast is on the wire in that order)."""
+        for version, since in draining:
+            load(version, time.perf_counter() - since)
+        draining.clear()
+
     try:
         workflow = load_workflow(ctx.cfg.rollout.workflow)()
         engine = GenerationEngine.from_config(ctx.cfg, ctx.model_path, ctx.device, seed_offset=ctx.rank)
@@ -58,10 +85,13 @@ async def _serve(ctx, sync) -> None:
                 msg = envelope.msg
                 if isinstance(msg, GenerateRequest | EvalRequest):
                     runner.start(msg)
+                elif isinstance(msg, WeightSync) and ctx.cfg.rollout.interruptible:
+                    load(msg.version)
                 elif isinstance(msg, WeightSync):
-                    seconds = engine.update_weights(sync, msg.version)
-                    mailbox.send(CONTROLLER_RANK, SyncDone(msg.version, seconds))
+                    engine.hold()
+                    draining.append((msg.version, time.perf_counter()))
                 elif isinstance(msg, Stop):
+                    load_drained()
                     runner.close()
                     engine.leave_weight_sync()
                     engine.close()
@@ -69,6 +99,8 @@ async def _serve(ctx, sync) -> None:
                     return
                 else:
                     raise RuntimeError(f"generator got an unexpected {type(msg).__name__} from the controller")
+            if draining and not engine.running:
+                load_drained()
             for reply in await runner.advance():
                 mailbox.send(CONTROLLER_RANK, reply)
     except Exception:

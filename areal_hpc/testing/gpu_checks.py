@@ -62,7 +62,7 @@ def short_run(work: Path, trial: str, overrides: list[str], steps: int | None = 
     """`areal-hpc run configs/gpu-smoke.yaml` under `work` to its end: `steps` steps (None: the YAML's 20)."""
     args = smoke_overrides([f"experiment.root={work}", f"experiment.trial={trial}", *overrides])
     run = RunProcess(SMOKE, *args, *([f"train.total_steps={steps}"] if steps else []))
-    run.finish(RUN_TIMEOUT_S)
+    run.wait(RUN_TIMEOUT_S)
     return run
 
 

@@ -54,23 +54,21 @@ class RunProcess:
         deadline = time.monotonic() + timeout
         while len(self.rows()) < n:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the run ended early ({self.proc.returncode}):\n{self.output}")
+                raise RuntimeError(f"the run ended early ({self.proc.returncode}); {self.last_words()}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no {n} steps within {timeout} s:\n{self.output}")
+                raise TimeoutError(f"no {n} steps within {timeout} s; {self.last_words()}")
             time.sleep(0.5)
 
     def wait(self, timeout: float) -> int:
-        code = self.proc.wait(timeout=timeout)
-        self._reader.join(timeout=10)
-        return code
-
-    def finish(self, timeout: float) -> int:
-        """`wait`; a run still there after `timeout` is ended (`end`) and TimeoutError raised."""
+        """The run's exit code once it ends. A run still there after `timeout` is ended (`end`) and
+        TimeoutError raised with what it wrote (`last_words`): where it hung, for the failing test to show."""
         try:
-            return self.wait(timeout)
+            code = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.end()
-            raise TimeoutError(f"the run did not end within {timeout:.0f} s:\n{_tail(self.output)}") from None
+            raise TimeoutError(f"the run did not end within {timeout:.0f} s; {self.last_words()}") from None
+        self._reader.join(timeout=10)
+        return code
 
     def end(self) -> None:
         """End the run at once, as a user would (Ctrl-C twice); killed when it is still there 2 minutes later."""
@@ -78,9 +76,23 @@ class RunProcess:
             self.proc.send_signal(signal.SIGINT)
             time.sleep(1)
         try:
-            self.wait(timeout=120)
+            self.proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait()
+        self._reader.join(timeout=10)
+
+    def last_words(self, lines: int = 40) -> str:
+        """The end of the launcher's output, of each rank's log (RUN_DIR/logs/<role>-<i>.log) and of W&B's
+        logs of its latest run (`logging.wandb`: RUN_DIR/wandb/latest-run/logs/, wandb.init's phases)."""
+        parts = [f"the launcher's output:\n{_tail(self.output, lines)}"]
+        logs = [
+            *sorted((self.run_dir / "logs").glob("*.log")),
+            *sorted(self.run_dir.glob("wandb/latest-run/logs/*.log")),
+        ]
+        for log in logs:
+            parts.append(f"{log}:\n{_tail(log.read_text(errors='replace'), lines)}")
+        return "\n".join(parts)
 
     def pid_of(self, log_name: str) -> int:
         text = (self.run_dir / "logs" / log_name).read_text()
@@ -161,12 +173,12 @@ def stop_and_resume(config, *overrides: str, after: int = 3, stop_after_rows: in
             first.end()
         raise
     first.proc.send_signal(signal.SIGINT)  # what Ctrl-C in the terminal does
-    first_code = first.finish(timeout)
+    first_code = first.wait(timeout)
     ckpt = latest_checkpoint(first.run_dir)
     stopped_rows, left_after_stop = first.rows(), left_running(first.run_dir)
     total = (checkpoint_version(ckpt) if ckpt else 0) + after
     second = RunProcess(config, *overrides, f"train.total_steps={total}")
-    second_code = second.finish(timeout + 60 * after)
+    second_code = second.wait(timeout + 60 * after)
     return StopResume(first.run_dir, first, first_code, ckpt, stopped_rows, left_after_stop, second, second_code, total)
 
 

@@ -66,11 +66,22 @@ elif role == Role.CONTROLLER:
     for g in (1, 2):
         mb.send(gen, GenerateRequest(g, np.array([5 + g, 6, 7], np.int32), ROW, 4))
     time.sleep(0.05)
-    mb.send(trainer, WeightSync(1))
-    mb.send(gen, WeightSync(1))
-    rest, _, syncs = expect(8, done=True)
+    for v in (1, 2):  # two syncs back to back, the second during the first's drain (rollout.interruptible false)
+        mb.send(trainer, WeightSync(v))
+        mb.send(gen, WeightSync(v))
+    mb.send(gen, GenerateRequest(3, np.array([8, 6, 7], np.int32), ROW, 4))  # after the syncs: on version 2
+    rest, _, syncs = expect(12, done=True)
+    while len(syncs) < 2:
+        syncs += expect(0, done=True)[2]
+    # A Stop right after a WeightSync, with answers in flight: the sync still completes (with
+    # rollout.interruptible false the drain ends at the Stop), so the trainer's broadcast returns.
+    mb.send(gen, GenerateRequest(4, np.array([9, 6, 7], np.int32), ROW, 4))
+    time.sleep(0.05)
+    mb.send(trainer, WeightSync(3))
+    mb.send(gen, WeightSync(3))
     for r in (gen, trainer):
         mb.send(r, Stop("done"))
+    syncs += expect(0, done=True)[2]
     mb.flush()
     with open(os.environ["OUT"], "wb") as f:
         pickle.dump({"first": first, "evals": evals, "rest": rest, "syncs": syncs}, f)
