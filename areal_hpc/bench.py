@@ -1,6 +1,7 @@
 """The figures the benchmark scripts print (tools/bench_async_vs_sync.py, tools/bench_vs_trl.py), pure
 functions of metrics rows and settings.
 
+Rows: the steps a figure is computed over (after a run's warm-up) and the trajectories each trained.
 Answer lengths: what a run's answers were, what the task asks for, and the planner's model of the AReaL
 paper's run at the same cap, one row each, so a reader sees the shape a throughput figure was measured on.
 Throughput: the async/sync bounds, the share of trajectories staleness dropped, how full a synchronous
@@ -15,6 +16,20 @@ from areal_hpc.metrics import length_summary
 
 PAPER_CAP = 27648
 """The AReaL paper's 1.5B run: its answers' limit (configs/qwen1.5b.yaml, rollout.max_new_tokens)."""
+
+
+def steady_rows(rows: list[dict], warmup: int) -> list[dict]:
+    """A run's metrics rows after its first `warmup` steps (engine warm-up, the asynchronous pipeline
+    filling): what the figures are computed over. ValueError when none is left."""
+    steady = [r for r in rows if r["step"] > warmup]
+    if not steady:
+        raise ValueError(f"no steps after the {warmup} warm-up steps ({len(rows)} rows)")
+    return steady
+
+
+def trajectories_per_step(cfg) -> int:
+    """Trajectories trained each step: `rollout.prompts_per_step` x `rollout.group_size`."""
+    return cfg.rollout.prompts_per_step * cfg.rollout.group_size
 
 
 def run_lengths(rows: list[dict]) -> dict:

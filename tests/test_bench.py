@@ -12,6 +12,7 @@ from areal_hpc.bench import (
     occupancy,
     planner_lengths,
     run_lengths,
+    steady_rows,
     task_lengths,
 )
 from areal_hpc.config import load_config
@@ -24,6 +25,13 @@ def test_planner_lengths_are_the_papers_at_its_cap_and_the_same_shape_at_a_small
     small = planner_lengths(1024)
     assert small["mean"] / 1024 == pytest.approx(paper["mean"] / 27648, rel=0.02) and small["max"] == 1024
     assert small["median"] < small["mean"] < small["p90"] < 1024
+
+
+def test_steady_rows_leave_out_the_warm_up_and_say_when_none_is_left():
+    rows = [{"step": s} for s in (1, 2, 3)]
+    assert steady_rows(rows, 1) == rows[1:] and steady_rows(rows, 0) == rows
+    with pytest.raises(ValueError, match="no steps after the 3 warm-up steps \\(3 rows\\)"):
+        steady_rows(rows, 3)
 
 
 def test_run_lengths_pool_the_steps_rows():

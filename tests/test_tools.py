@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from areal_hpc.bench import trajectories_per_step
 from areal_hpc.metrics import read_metrics
 from areal_hpc.timeline import Timeline, read_events
 
@@ -120,7 +121,7 @@ def test_trl_bench_workloads_share_the_systems_settings_and_keep_the_reasoning_c
     assert set(bench_trl.SYSTEMS) <= set(short.overrides) and set(reasoning.overrides) == set(bench_trl.SYSTEMS)
     for w in (short, reasoning):
         cfg = load_config(w.config, list(w.overrides))  # every override names a real setting
-        assert bench_trl.per_step(cfg) == 64 and cfg.ppo.prox_logp == "loglinear" and 1 <= w.warmup < w.steps
+        assert trajectories_per_step(cfg) == 64 and cfg.ppo.prox_logp == "loglinear" and 1 <= w.warmup < w.steps
     cfg = load_config(reasoning.config, list(reasoning.overrides))
     assert cfg.rollout.max_new_tokens == 1024 and cfg.sft.examples > 0 and cfg.cluster.nodes == 2
 

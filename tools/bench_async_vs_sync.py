@@ -75,7 +75,9 @@ from areal_hpc.bench import (
     occupancy,
     planner_lengths,
     run_lengths,
+    steady_rows,
     task_lengths,
+    trajectories_per_step,
 )
 from areal_hpc.config import load_config
 from areal_hpc.metrics import read_metrics
@@ -143,9 +145,7 @@ def summarize(rows: list[dict], warmup: int) -> Summary:
     Rates are aggregated as totals over totals (tokens = effective_tokens_per_s * step_s summed, over
     the summed step time), and fractions weighted by step time, so a short step counts for its length.
     """
-    steady = [r for r in rows if r["step"] > warmup]
-    if not steady:
-        raise ValueError(f"no steps after the {warmup} warm-up steps ({len(rows)} rows)")
+    steady = steady_rows(rows, warmup)
     total_s = sum(r["timing/step_s"] for r in steady)
     tokens = sum(r["throughput/effective_tokens_per_s"] * r["timing/step_s"] for r in steady)
 
@@ -218,7 +218,6 @@ def report_reasoning(cfg, steady: dict[str, list[dict]], rounds: list[dict[str, 
 
     tokenizer = build_tokenizer()
     cap = cfg.rollout.max_new_tokens
-    per_step = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     s = {mode: summarize(rows, 0) for mode, rows in steady.items()}
     print(
         f"answer tokens (task: the chain task's worked answers; planner: its model of the paper's 1.5B run, "
@@ -230,7 +229,7 @@ def report_reasoning(cfg, steady: dict[str, list[dict]], rounds: list[dict[str, 
     for mode, rows in steady.items():
         print(format_lengths(mode, run_lengths(rows), cap))
     for mode, rows in steady.items():
-        extra = f"  dropped {dropped_share(rows, per_step):.1%} of the trajectories generated"
+        extra = f"  dropped {dropped_share(rows, trajectories_per_step(cfg)):.1%} of the trajectories generated"
         if mode == "async-noint":
             drain = sum(r["timing/sync_drain_s"] for r in rows) / len(rows)
             extra += f"  sync drain {drain:.2f} s a step"
@@ -280,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             trial = f"{mode}{k}"
             overrides = mode_overrides(mode, args.staleness) + args.overrides
             run_dir = run_mode(w.config, root, trial, overrides, steps, root / f"{trial}.out")
-            rows = [r for r in read_metrics(run_dir) if r["step"] > warmup]
+            rows = steady_rows(read_metrics(run_dir), warmup)
             this_round[mode] = summarize(rows, 0)
             steady[mode] += rows
         rounds.append(this_round)

@@ -118,9 +118,9 @@ WORKLOADS = {
 def trajectories_per_s_from_metrics(rows: list[dict], warmup: int, trajectories_per_step: int) -> float:
     """Trained trajectories per second after the first `warmup` steps: trajectories / summed
     timing/step_s."""
-    steady = [r for r in rows if r["step"] > warmup]
-    if not steady:
-        raise ValueError(f"no steps after the {warmup} warm-up steps")
+    from areal_hpc.bench import steady_rows
+
+    steady = steady_rows(rows, warmup)
     return trajectories_per_step * len(steady) / sum(r["timing/step_s"] for r in steady)
 
 
@@ -137,11 +137,6 @@ def ratio(areal: float, trl: float) -> float:
 
 
 # --- areal-hpc ---------------------------------------------------------------------------------
-
-
-def per_step(cfg) -> int:
-    """Trajectories trained each step."""
-    return cfg.rollout.prompts_per_step * cfg.rollout.group_size
 
 
 @dataclass
@@ -163,7 +158,7 @@ class Run:
 
 def bench_areal(cfg, workload: Workload, trial: str, steps: int, warmup: int, extra: list[str]) -> tuple[Run, list]:
     """One `areal-hpc run` of the workload; also its steady metrics rows (for the pooled length row)."""
-    from areal_hpc.bench import run_lengths
+    from areal_hpc.bench import run_lengths, steady_rows, trajectories_per_step
     from areal_hpc.config import load_config
     from areal_hpc.metrics import read_metrics
 
@@ -186,8 +181,8 @@ def bench_areal(cfg, workload: Workload, trial: str, steps: int, warmup: int, ex
             f"train {r['timing/train_idle_frac']:.0%}, staleness {r['staleness/max']}, "
             f"answers mean {r['rollout/answer_tokens_mean']:.0f} max {r['rollout/answer_tokens_max']}"
         )
-    rate = trajectories_per_s_from_metrics(rows, warmup, per_step(cfg))
-    steady = [r for r in rows if r["step"] > warmup]
+    rate = trajectories_per_s_from_metrics(rows, warmup, trajectories_per_step(cfg))
+    steady = steady_rows(rows, warmup)
     busy = {k: 1 - statistics.fmean(r[f"timing/{k}_idle_frac"] for r in steady) for k in ("gen", "train")}
     return Run(rate, run_lengths(steady), busy["gen"], busy["train"]), steady
 
@@ -233,9 +228,11 @@ def grpo_args(cfg, setting: str, out_dir: Path, steps: int, **changes):
     """TRL's GRPOConfig for one setting (TRL_SETTINGS), the benchmark's batch unless `changes` say else."""
     from trl import GRPOConfig
 
+    from areal_hpc.bench import trajectories_per_step
+
     args = dict(
         output_dir=str(out_dir),
-        per_device_train_batch_size=per_step(cfg),  # one generation batch = one optimizer step
+        per_device_train_batch_size=trajectories_per_step(cfg),  # one generation batch = one optimizer step
         gradient_accumulation_steps=1,
         num_generations=cfg.rollout.group_size,
         max_completion_length=cfg.rollout.max_new_tokens,
@@ -350,6 +347,7 @@ def bench_trl(cfg, model_dir: Path, out_dir: Path, steps: int, warmup: int, sett
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOTrainer
 
+    from areal_hpc.bench import trajectories_per_step
     from areal_hpc.metrics import length_summary
     from areal_hpc.reward.math import math_reward
     from areal_hpc.synthetic import synthetic_rows
@@ -405,7 +403,7 @@ def bench_trl(cfg, model_dir: Path, out_dir: Path, steps: int, warmup: int, sett
     generating = sum(gen_s[warmup:]) / (ends[-1] - ends[warmup - 1])
     print(f"TRL {setting}: generation {generating:.0%} of the measured steps' time, training the rest")
     steady = [n for step in lengths[warmup:] for n in step]
-    rate = trajectories_per_s_from_step_ends(ends, warmup, per_step(cfg))
+    rate = trajectories_per_s_from_step_ends(ends, warmup, trajectories_per_step(cfg))
     return Run(rate, length_summary(steady), generating, 1 - generating), steady
 
 
