@@ -53,7 +53,8 @@ def test_torch_reads_the_settings_after_it_is_imported():
     settings are set still allocates with them (they are read at the allocator's first use)."""
     code = (
         "import os, torch\n"
-        "torch.cuda.is_available()\n"
+        "from areal_hpc.device import resolve_device\n"
+        "resolve_device('auto')\n"
         "from areal_hpc.trainer.cuda_allocator import expandable_segments\n"
         "expandable_segments()\n"
         "print(torch._C._accelerator_getAllocatorSettings())\n"
