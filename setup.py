@@ -11,8 +11,8 @@ setup(
     version="0.1.0",
     description="Fully asynchronous RL for large reasoning models on Slurm clusters",
     python_requires=">=3.11",
-    packages=find_packages(include=["areal_hpc", "areal_hpc.*", "launch", "launch.*"]),
-    package_data={"areal_hpc": ["py.typed"], "launch": ["../slurm_templates/*"]},
+    packages=find_packages(include=["areal_hpc", "areal_hpc.*"]),
+    package_data={"areal_hpc.launch": ["templates/*.sbatch"]},
     install_requires=[
         "torch>=2.13",
         "megatron-core==0.16.1",
@@ -26,7 +26,7 @@ setup(
         "tensorboard",
         "wandb==0.31.0",  # logging.wandb: areal_hpc.wandb_log reads its credentials, the tests its offline files
         "math-verify",
-        "datasets",  # data sets saved with save_to_disk, and parquet (pyarrow) for areal_hpc.data
+        "datasets",  # data sets saved with save_to_disk, and parquet (pyarrow) for areal_hpc.data.dataset
         "pyyaml",
         "psutil",  # areal_hpc.network: the node's interfaces (vLLM needs it too)
         "matplotlib",  # tools/plot_run.py

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 from areal_hpc.config import Config, ConfigError, describe_config, load_config
+from areal_hpc.launch.errors import LaunchError
 from areal_hpc.rundir import RunDirInUse
-from launch.errors import LaunchError
 
 OVERRIDES_HELP = (
     "Any config field can be overridden as section.field=value (for example rollout.max_staleness=4 "
@@ -52,7 +52,7 @@ def _config(args) -> Config:
 
 
 def cmd_run(args) -> int:
-    from launch.local import run_local
+    from areal_hpc.launch.local import run_local
 
     return run_local(_config(args), fresh=args.fresh, allow_change=args.allow_change)
 
@@ -87,17 +87,17 @@ def cmd_plan(args) -> int:
 
 
 def cmd_submit(args) -> int:
-    from launch import get_launcher
+    from areal_hpc.launch import get_launcher
 
     cfg = _config(args)
     return get_launcher("dry-run" if args.dry_run else "slurm").launch(cfg, allow_change=args.allow_change)
 
 
 def cmd_render(args) -> int:
+    from areal_hpc.launch.record import job_active
+    from areal_hpc.launch.slurm import SlurmLauncher, partitions, resolve_cpus
     from areal_hpc.planner import resolve_split
     from areal_hpc.rundir import Holder, lock_run_dir, prepare_run_dir, unlock_run_dir
-    from launch.record import job_active
-    from launch.slurm import SlurmLauncher, partitions, resolve_cpus
 
     cfg, _ = resolve_split(_config(args))  # the run directory's config.yaml records the split
     cfg = resolve_cpus(cfg, partitions())  # and the CPUs of a GPU node
@@ -114,7 +114,7 @@ def cmd_render(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    from launch.doctor import doctor
+    from areal_hpc.launch.doctor import doctor
 
     cfg = _config(args)
     print(f"areal-hpc doctor: {args.config} on {cfg.cluster.nodes} + {cfg.allocation.reward_nodes} nodes")
@@ -125,7 +125,7 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from launch.record import status
+    from areal_hpc.launch.record import status
 
     if not Path(args.run_dir).is_dir():
         raise ConfigError(f"no run directory at {args.run_dir}")
@@ -134,7 +134,7 @@ def cmd_status(args) -> int:
 
 
 def cmd_cancel(args) -> int:
-    from launch.slurm import cancel
+    from areal_hpc.launch.slurm import cancel
 
     if not Path(args.run_dir).is_dir():
         raise ConfigError(f"no run directory at {args.run_dir}")
@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
         "render",
         help="write the sbatch script, for running sbatch yourself",
         description="Write the heterogeneous sbatch script of a config, rendered from "
-        "slurm_templates/, for users who run sbatch themselves.",
+        "areal_hpc/launch/templates/, for users who run sbatch themselves.",
         epilog=OVERRIDES_HELP,
     )
     _add_config_args(p)

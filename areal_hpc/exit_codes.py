@@ -7,8 +7,8 @@ EXIT_DONE = 0
 EXIT_STOPPED = 75
 """Exit code after a stop request (SIGUSR2, SIGTERM, SIGINT, or the launcher's STOP file), once the
 checkpoint is saved or when there is no time for one: "resume me" (EX_TEMPFAIL). The sbatch script
-(launch/sbatch.py) requeues the job on it; `areal-hpc run` (launch/local.py) says how to resume."""
+(areal_hpc/launch/sbatch.py) requeues the job on it; `areal-hpc run` (areal_hpc/launch/local.py) says how to resume."""
 
 STOP_REASON_ENV = "AREAL_STOP_REASON_FILE"
-"""Where the Slurm batch script wants the controller's stop reason (slurm_templates/hetjob.sbatch): Slurm
+"""Where the Slurm batch script wants the controller's stop reason (areal_hpc/launch/templates/hetjob.sbatch): Slurm
 signals only the tasks at a preemption, so the script learns of it from the controller."""

@@ -4,7 +4,7 @@ run appends to (metrics.jsonl, timeline.jsonl, slurm/attempts.jsonl), read while
 A file a run appends to may hold a torn line: the one being written now (no newline yet), or the last
 one of a crash (a resumed run cuts that one off: `metrics.drop_rows_after`). Such a reader skips a
 line that is not JSON and stops before a last line without its newline; the byte offset after each
-line it returns is where a reader that follows the file (`launch.local`) goes on, or where a writer
+line it returns is where a reader that follows the file (`areal_hpc.launch.local`) goes on, or where a writer
 may cut it.
 """
 

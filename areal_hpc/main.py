@@ -18,7 +18,7 @@ are told to use it: their own errors would come first and say less), with one li
 interface and the node's interfaces. A rank that fails prints one line naming itself to the
 launcher's console, its traceback to its log, and ends the whole run with MPI Abort: nothing hangs,
 nothing stays running. A rank that dies outright is mpirun's (srun's) to notice; one that hangs is
-the controller's (areal_hpc.liveness).
+the controller's (areal_hpc.controller.liveness).
 
 GPUs: before torch or vLLM is imported, each rank narrows CUDA_VISIBLE_DEVICES to the GPUs the
 layout places it on (`Layout.placement`), as entries of the list it was started with: on Slurm the
@@ -114,14 +114,14 @@ def main(argv: list[str] | None = None) -> int:
         role_comm = layout.split(world)
         found = None
         if rank == 0:
-            from areal_hpc.sft import initial_model
+            from areal_hpc.data.initial_model import initial_model
 
             found = (str(initial_model(cfg)), latest_checkpoint(run_dir))
         model_path, resume_from = world.bcast(found, root=0)
-        from areal_hpc.runtime import RankContext
+        from areal_hpc.rank_context import RankContext
 
         ctx = RankContext(cfg, layout, world, role_comm, run_dir, Path(model_path), resume_from, device)
-        from areal_hpc.weight_sync import setup_weight_sync
+        from areal_hpc.weight_sync.broadcast import setup_weight_sync
 
         sync = setup_weight_sync(ctx)
         code = _serve(ctx, sync) or 0
@@ -237,7 +237,7 @@ def _pin(place: Cores | None) -> bool:
 
 
 def log_cpus(name: str, role: Role, group: int, pinned: bool) -> None:
-    """Log in one line the CPUs Slurm gave this task (its share of the node, launch.sbatch.cpus_per_task)
+    """Log in one line the CPUs Slurm gave this task (its share of the node, areal_hpc.launch.sbatch.cpus_per_task)
     and the ones it may run on (its affinity), and set OMP_NUM_THREADS before torch is imported.
 
     The CPUs Slurm gave: SLURM_CPUS_PER_TASK_HET_GROUP_<group> in a heterogeneous job (`group`: the
@@ -319,7 +319,7 @@ def _fail(world, name: str, error: BaseException, console, log_file: Path) -> No
     """Log, tell the console in one line, end every rank of the run."""
     traceback.print_exc()
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    from areal_hpc.liveness import RankFailure
+    from areal_hpc.controller.liveness import RankFailure
 
     if isinstance(error, RankFailure):  # the controller names the rank at fault
         message = f"areal-hpc: {error}"

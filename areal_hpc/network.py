@@ -2,7 +2,7 @@
 
 Two rendezvous use it: the trainers' torch.distributed world (`world_store`, trainer 0's address) and
 each weight-sync group (its source's address, and each member's own end of the group's connections,
-areal_hpc.weight_sync). The host name is no answer: `gethostbyname(getfqdn())` is 127.0.1.1 on
+areal_hpc.weight_sync.broadcast). The host name is no answer: `gethostbyname(getfqdn())` is 127.0.1.1 on
 Debian-style hosts and a management address elsewhere, and gloo's default device makes the same guess.
 
     cluster.network_interface set   -> that interface's IPv4 address on this node (an error naming it,

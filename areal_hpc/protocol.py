@@ -30,8 +30,8 @@ class GenerateRequest:
     """Run `n` episodes of the workflow (`rollout.workflow`) on one data row (a GRPO group)."""
 
     group_id: int
-    prompt_ids: np.ndarray  # [P] int32, the formatted prompt (areal_hpc.data.PromptFormat)
-    row: dict  # what the workflow gets besides `prompt_ids`: areal_hpc.data.Example.row (prompt, target, kind, others)
+    prompt_ids: np.ndarray  # [P] int32, the formatted prompt (areal_hpc.data.dataset.PromptFormat)
+    row: dict  # what the workflow gets besides `prompt_ids`: areal_hpc.data.dataset.Example.row (prompt, target, kind, others)
     n: int
 
 
@@ -105,7 +105,7 @@ class RewardRequest:
     request_id: int  # the controller's, unique among its requests in flight; the result carries it back
     kind: str  # "math" or "code"
     answer_ids: np.ndarray  # [A] int32, the final turn's sampled tokens (Trajectory.answer_ids)
-    target: str | list  # an areal_hpc.data.Example's target: the answer (math), the tests (code)
+    target: str | list  # an areal_hpc.data.dataset.Example's target: the answer (math), the tests (code)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO
+from tests.support.helpers import REPO
 
 FAST_LEAVES_OUT = ("mpi", "slurm", "vllm", "e2e", "slow")
 """The markers whose tests `--fast` leaves out."""
@@ -48,7 +48,7 @@ def mpirun_cmd(n: int) -> list[str]:
 
 @pytest.fixture
 def run_mpi():
-    """Run a Python file (one of tests/mpi/) under mpirun with `n` ranks; returns the CompletedProcess."""
+    """Run a Python file (one of tests/support/mpi/) under mpirun with `n` ranks; returns the CompletedProcess."""
 
     def run(path: Path, n: int, timeout: float = 120, env: dict | None = None, args: list[str] = ()):
         python_path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)

@@ -1,15 +1,15 @@
-"""A step's batch built from episodes (areal_hpc.batch): one training sequence per sequence of an episode,
+"""A step's batch built from episodes (areal_hpc.controller.batch): one training sequence per sequence of an episode,
 exactly its tokens and loss mask; the episode's advantage on the sampled tokens of every sequence of it; a
 group's sequences in one PPO minibatch; lost episodes left out; the step's episode figures."""
 
 import numpy as np
 import pytest
 
-from areal_hpc.batch import build_train_batches
-from areal_hpc.data import Example
+from areal_hpc.controller.batch import build_train_batches
+from areal_hpc.controller.rollouts import Group, single_turn
+from areal_hpc.data.dataset import Example
 from areal_hpc.protocol import Trajectory, routing_dtype, routing_unknown
-from areal_hpc.rollouts import Group, single_turn
-from tests.sim_world import lost
+from tests.support.sim_world import lost
 
 PROMPT = np.array([5, 6], np.int32)
 

@@ -1,8 +1,10 @@
-"""The figures of the benchmark scripts (areal_hpc.bench): answer-length rows, bounds, shares."""
+"""The figures of the benchmark scripts (tools.bench_figures): answer-length rows, bounds, shares."""
 
 import pytest
 
-from areal_hpc.bench import (
+from areal_hpc.config import load_config
+from areal_hpc.data.synthetic import worked_steps
+from tools.bench_figures import (
     below_2x_line,
     bounds_line,
     dropped_share,
@@ -15,8 +17,6 @@ from areal_hpc.bench import (
     steady_rows,
     task_lengths,
 )
-from areal_hpc.config import load_config
-from areal_hpc.synthetic import worked_steps
 
 
 def test_planner_lengths_are_the_papers_at_its_cap_and_the_same_shape_at_a_smaller_one():

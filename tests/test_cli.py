@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from areal_hpc.config import load_config
-from tests.helpers import REPO
+from tests.support.helpers import REPO
 
 COMMANDS = ["run", "submit", "render", "status", "cancel", "plan"]
 

@@ -23,7 +23,7 @@ from areal_hpc.config.kinds import config_fields, kinds_of
 from areal_hpc.layout import Layout
 from areal_hpc.planner import resolve_split
 from areal_hpc.workflow import Workflow, load_workflow
-from tests.helpers import REPO, TINY
+from tests.support.helpers import REPO, TINY
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 

@@ -1,4 +1,4 @@
-"""The controller's loop against a simulated world (no MPI, tests/sim_world.py): generators whose
+"""The controller's loop against a simulated world (no MPI, tests/support/sim_world.py): generators whose
 trajectories take random times and carry the version of the weights they were sampled with, reward
 workers, a trainer that checks what it is given. The real staleness gate, buffer, advantages, packer,
 metrics and checkpoint code run; only the other ranks are simulated.
@@ -20,16 +20,16 @@ from areal_hpc.checkpoint.controller import read_state
 from areal_hpc.checkpoint.files import latest_checkpoint, record_files
 from areal_hpc.config import load_config
 from areal_hpc.controller import Controller
-from areal_hpc.data import Example
+from areal_hpc.controller.liveness import RankFailure
+from areal_hpc.controller.rollouts import Group
+from areal_hpc.data.dataset import Example
+from areal_hpc.data.tiny import build_tokenizer
 from areal_hpc.exit_codes import EXIT_DONE, EXIT_STOPPED, STOP_REASON_ENV
 from areal_hpc.layout import Layout, Role
-from areal_hpc.liveness import RankFailure
 from areal_hpc.metrics import REQUIRED
 from areal_hpc.protocol import GenerateRequest
-from areal_hpc.rollouts import Group
-from areal_hpc.runtime import RankContext
-from areal_hpc.tiny import build_tokenizer
-from tests.sim_world import Prompts, World, make, metrics, run
+from areal_hpc.rank_context import RankContext
+from tests.support.sim_world import Prompts, World, make, metrics, run
 
 
 @pytest.mark.parametrize("eta", [0, 1, 3])
@@ -45,7 +45,7 @@ def test_staleness_bound_and_every_prompt_once(tmp_path, eta):
         assert 0 <= r["staleness/max"] <= eta
         assert 0 <= r["timing/gen_idle_frac"] <= 1 and 0 <= r["timing/train_idle_frac"] <= 1
     assert sum(r["reward/errors"] for r in rows) > 0
-    # the episodes' figures (tests/sim_world.py: a third each of one turn, two turns around a tool call of
+    # the episodes' figures (tests/support/sim_world.py: a third each of one turn, two turns around a tool call of
     # 0.5 s, two sequences)
     assert all(1 < r["rollout/turns_mean"] < 2 and 0 < r["rollout/tool_calls_mean"] < 1 for r in rows)
     assert all(r["rollout/tool_s_mean"] == 0.5 and r["rollout/episode_tokens_mean"] > 0 for r in rows)
@@ -307,7 +307,7 @@ def test_a_rank_that_stops_answering_ends_the_run_naming_it(tmp_path):
 
 
 def test_liveness_names_the_rank_silent_longest_and_ignores_idle_time():
-    from areal_hpc.liveness import Liveness
+    from areal_hpc.controller.liveness import Liveness
 
     lay = Layout.from_config(load_config("configs/tiny-cpu.yaml"))
     live = Liveness(lay, timeout_s=10, startup_s=30)

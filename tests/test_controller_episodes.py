@@ -1,5 +1,5 @@
 """The controller's loop with episodes whose workflow raised (lost) or scored them itself, against the
-simulated world of tests/sim_world.py: a group trains on the episodes that came back, a group with none is
+simulated world of tests/support/sim_world.py: a group trains on the episodes that came back, a group with none is
 left out and another prompt takes its place, more than half of a step's episodes lost ends the run with the
 first traceback, and a workflow's own reward wins over `reward.kind` (no reward request is sent for it), in
 training and in the evaluation between steps.
@@ -15,14 +15,14 @@ import pytest
 
 from areal_hpc.algo.staleness import StalenessGate
 from areal_hpc.controller import Controller
-from areal_hpc.data import Example
+from areal_hpc.controller.rollouts import EpisodesLost, Rollouts, single_turn
+from areal_hpc.data.dataset import Example
+from areal_hpc.data.tiny import build_tokenizer
 from areal_hpc.exit_codes import EXIT_DONE
 from areal_hpc.layout import Role
 from areal_hpc.protocol import Envelope, EvalTrajectory, RewardRequest, RewardResult, Trajectory
-from areal_hpc.rollouts import EpisodesLost, Rollouts, single_turn
-from areal_hpc.runtime import RankContext
-from areal_hpc.tiny import build_tokenizer
-from tests.sim_world import Prompts, World, lost, make, metrics, run
+from areal_hpc.rank_context import RankContext
+from tests.support.sim_world import Prompts, World, lost, make, metrics, run
 
 
 def test_a_group_trains_on_the_episodes_that_came_back(tmp_path):

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from areal_hpc.trainer.cuda_allocator import expandable_segments
-from tests.helpers import REPO
+from tests.support.helpers import REPO
 
 
 @pytest.mark.parametrize(

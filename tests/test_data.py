@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from areal_hpc.config import Config, ConfigError, load_config
-from areal_hpc.data import PromptStream, load_dataset, load_prompts
-from areal_hpc.synthetic import synthetic_rows
-from areal_hpc.tiny import build_tokenizer
+from areal_hpc.data.dataset import PromptStream, load_dataset, load_prompts
+from areal_hpc.data.synthetic import synthetic_rows
+from areal_hpc.data.tiny import build_tokenizer
 
 
 def write_jsonl(path, rows, raw_lines=()):
@@ -187,7 +187,7 @@ def test_resume_refuses_another_data_set(tmp_path):
 
 
 def test_from_config_builds_the_synthetic_task_with_a_held_out_split(tmp_path):
-    from areal_hpc.data import eval_path
+    from areal_hpc.data.dataset import eval_path
 
     cfg = Config()
     cfg.experiment.root = str(tmp_path)
@@ -202,7 +202,7 @@ def test_from_config_builds_the_synthetic_task_with_a_held_out_split(tmp_path):
     assert len(test) == len(set(test)) == 200 // 5, "a fifth of the 200 problems, each once"
     assert not train & set(test), "a held-out problem is in the training split"
     assert not {r["prompt"] for r in synthetic_rows(2000, 7, max_operand=9)} & set(test)
-    from areal_hpc.sft import sft_examples
+    from areal_hpc.data.initial_model import sft_examples
 
     cfg.sft.examples = 2000  # the warm start stands in for pretraining: it sees every problem
     prompts = {tok.decode(ids[: mask.index(1)]) for ids, mask in sft_examples(cfg, tok)}
@@ -286,7 +286,7 @@ def test_prompt_limit_leaves_a_whole_turn_within_max_episode_tokens(tmp_path, ca
 def test_warm_start_reads_through_the_loader(tmp_path, caplog):
     """The issue's cases: a malformed line and a row without its answer end in the loader's errors,
     not tracebacks; a 15,000-character prompt is skipped (and named), not trained on for minutes."""
-    from areal_hpc.sft import sft_examples
+    from areal_hpc.data.initial_model import sft_examples
 
     tok = build_tokenizer()
     good = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(6)]
@@ -309,8 +309,8 @@ def test_warm_start_reads_through_the_loader(tmp_path, caplog):
 def test_warm_start_leaves_the_unboxed_share_bare(tmp_path):
     """`sft.unboxed`: that share of the warm-start responses is the bare answer (the math reward scores it
     0), the rest boxed; the same examples every time; out of [0, 1) it is a config error."""
+    from areal_hpc.data.initial_model import sft_examples
     from areal_hpc.reward.math import math_reward
-    from areal_hpc.sft import sft_examples
 
     tok = build_tokenizer()
     rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(400)]
@@ -345,8 +345,8 @@ def test_run_reports_bad_data_in_one_line(tmp_path):
 def test_warm_start_calls_the_calculator_in_the_tool_share(tmp_path):
     """`sft.tool_share`: that share of the multiplication warm start calls the calculator, in the tiny
     tokenizer's tool syntax, with its answer as context (mask 0); no held-out problem is trained on."""
-    from areal_hpc.data import eval_path
-    from areal_hpc.sft import sft_examples
+    from areal_hpc.data.dataset import eval_path
+    from areal_hpc.data.initial_model import sft_examples
 
     tok = build_tokenizer()
     overrides = ["data.synthetic_task=multiplication", "sft.examples=400", "sft.tool_share=0.3"]

@@ -1,4 +1,4 @@
-"""`areal-hpc doctor` (launch/doctor.py): on the local Slurm cluster every check passes for tiny-cpu on 3
+"""`areal-hpc doctor` (areal_hpc/launch/doctor.py): on the local Slurm cluster every check passes for tiny-cpu on 3
 nodes, and each broken setup the tests make is named (a partition that does not exist, a run directory on
 a node-local disk, packages missing on the nodes). The checks of a probe's reports on a cuda config,
 which this machine cannot run, are tested on reports written out here; the probe's own code, the run's
@@ -15,9 +15,9 @@ import pytest
 
 from areal_hpc.cli import main as cli_main
 from areal_hpc.config import load_config
+from areal_hpc.launch.doctor import check_sandbox, check_weight_sync, doctor, evaluate, probe_sources
 from areal_hpc.layout import Layout
-from launch.doctor import check_sandbox, check_weight_sync, doctor, evaluate, probe_sources
-from tests.helpers import MPI_PROGRAMS, TINY
+from tests.support.helpers import MPI_PROGRAMS, TINY
 
 MOE_EP2 = ["model.architecture=qwen3_moe", "allocation.train_ep=2"]
 """A mixture-of-experts trainer at expert-parallel size 2 (its data-parallel size must be a multiple)."""

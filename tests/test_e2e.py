@@ -37,9 +37,9 @@ from pathlib import Path
 import pytest
 
 from areal_hpc.checkpoint.files import COMPLETE, checkpoint_dir
-from areal_hpc.testing.generator_log import engine_start, startup_verdict
-from areal_hpc.testing.runs import RunProcess, left_running, metrics_problems, stop_and_resume, stop_resume_problems
-from areal_hpc.testing.wandb_files import offline_runs
+from tests.support.generator_log import engine_start, startup_verdict
+from tests.support.runs import RunProcess, left_running, metrics_problems, stop_and_resume, stop_resume_problems
+from tests.support.wandb_files import offline_runs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.mpi, pytest.mark.vllm, pytest.mark.megatron, pytest.mark.slow]
 
@@ -141,7 +141,7 @@ def test_the_tiny_agent_learns_to_call_the_calculator(root):
 
 
 def test_runs_stops_on_ctrl_c_after_a_checkpoint_and_resumes(root):
-    """Judged as the GPU check judges its stop and resume (areal_hpc.testing.runs.stop_resume_problems),
+    """Judged as the GPU check judges its stop and resume (tests.support.runs.stop_resume_problems),
     then what only this machine's layout fixes: the log files."""
     resumed = stop_and_resume(TINY, *tiny(root, "resume"), after=3, timeout=300)
     assert not stop_resume_problems(resumed, MISMATCH_TOL), resumed.first.output + resumed.second.output

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from areal_hpc.config import ModelConfig, RolloutConfig
+from areal_hpc.data.tiny import build_tiny_model
 from areal_hpc.device import resolve_device
 from areal_hpc.protocol import EPISODE_STATS, EvalRequest, EvalTrajectory, GenerateRequest, Trajectory
-from areal_hpc.testing.generator_runs import load, perturb, reference_logprobs, run_episodes
-from areal_hpc.tiny import build_tiny_model
 from areal_hpc.workflow import Workflow
+from tests.support.generator_runs import load, perturb, reference_logprobs, run_episodes
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

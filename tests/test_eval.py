@@ -1,5 +1,5 @@
 """`areal-hpc eval`: the pass@k estimator against hand-computed cases, the report, what a target names,
-the evaluation between training steps (the simulated world of tests/sim_world.py), and one evaluation with a
+the evaluation between training steps (the simulated world of tests/support/sim_world.py), and one evaluation with a
 real vLLM engine and the reward workers' scorer pool on the tiny model."""
 
 import json
@@ -12,13 +12,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from areal_hpc.config import ConfigError, load_config
-from areal_hpc.data import Example
+from areal_hpc.data.dataset import Example
+from areal_hpc.data.tiny import build_tokenizer
 from areal_hpc.eval import EvalRound, ks, pass_at_k
 from areal_hpc.eval.command import resolve
 from areal_hpc.eval.training import TrainingEval
 from areal_hpc.protocol import EvalTrajectory
-from areal_hpc.tiny import build_tokenizer
-from tests.sim_world import Prompts, World, make, metrics, run
+from tests.support.sim_world import Prompts, World, make, metrics, run
 
 
 def test_pass_at_k_by_hand():
@@ -68,8 +68,8 @@ def test_round_report():
 
 def test_what_a_target_names(tmp_path):
     from areal_hpc.checkpoint.files import mark_complete
+    from areal_hpc.data.tiny import build_tiny_model
     from areal_hpc.rundir import prepare_run_dir
-    from areal_hpc.tiny import build_tiny_model
 
     model = build_tiny_model(load_config().model, tmp_path, seed=1)
     cfg, path, step = resolve(model, None, ["rollout.temperature=0.5"])
@@ -190,10 +190,10 @@ def test_evaluate_with_the_generator_engine_and_scorer_pool(tmp_path):
     """Real evaluations on one engine: the tiny model's warm start (a few hundred examples) on held-out
     problems with the default workflow, scored by the reward workers' pool; then a workflow of two turns
     that returns its own reward, and raises on some prompts."""
-    from areal_hpc.data import eval_path, load_prompts
+    from areal_hpc.data.dataset import eval_path, load_prompts
+    from areal_hpc.data.initial_model import initial_model
     from areal_hpc.eval.command import evaluate, table
     from areal_hpc.generator.engine import GenerationEngine
-    from areal_hpc.sft import initial_model
 
     overrides = [
         f"experiment.root={tmp_path}",
@@ -251,9 +251,9 @@ def eval_args(*argv):
 
 
 def test_eval_array_script(tmp_path):
+    from areal_hpc.launch.eval_array import eval_array_script
     from areal_hpc.planner import resolve_split
     from areal_hpc.rundir import prepare_run_dir
-    from launch.eval_array import eval_array_script
 
     cfg, _ = resolve_split(
         load_config(
@@ -320,7 +320,7 @@ def test_eval_array_runs_on_slurm(tmp_path, slurm_cluster):
 
 def test_bad_eval_data_is_one_line_before_any_engine(tmp_path, capsys):
     from areal_hpc.cli import main
-    from areal_hpc.tiny import build_tiny_model
+    from areal_hpc.data.tiny import build_tiny_model
 
     model = build_tiny_model(load_config().model, tmp_path, seed=1)
     bad = tmp_path / "bad.jsonl"
@@ -331,7 +331,7 @@ def test_bad_eval_data_is_one_line_before_any_engine(tmp_path, capsys):
     assert "data not found" in capsys.readouterr().err
     # the same file as eval.data of a run: the controller stops at start with the loader's message
     from areal_hpc.controller import Controller
-    from areal_hpc.runtime import RankContext
+    from areal_hpc.rank_context import RankContext
 
     cfg, layout, run_dir, tok_dir = make(tmp_path, "eval.every_steps=5", f"eval.data={bad}")
     with pytest.raises(ConfigError, match=f"{bad}:2: field 'answer'"):

@@ -19,13 +19,13 @@ import torch
 from areal_hpc.arch import model_arch
 from areal_hpc.checkpoint.files import checkpoint_dir, mark_complete
 from areal_hpc.config import ModelConfig, PPOConfig
-from areal_hpc.testing.compare import export_problems, logits_problems, max_diff, pick
-from areal_hpc.testing.inputs import QWEN3, probe_sequences
-from areal_hpc.testing.trainer_runs import hf_logits, train_and_save_rank
-from areal_hpc.tiny import build_tiny_model
+from areal_hpc.data.tiny import build_tiny_model
 from areal_hpc.trainer.convert import read_hf
 from areal_hpc.trainer.export import ExportError, export_checkpoint
 from areal_hpc.trainer.spawn import run_ranks
+from tests.support.compare import export_problems, logits_problems, max_diff, pick
+from tests.support.inputs import QWEN3, probe_sequences
+from tests.support.trainer_runs import hf_logits, train_and_save_rank
 from tests.test_moe_trainer import build_moe_model
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]

@@ -1,5 +1,5 @@
 """Dynamic filtering and overlong trajectories: `rollout.filter_uniform_groups` against the simulated world
-of tests/sim_world.py (the real gate, buffer, batches and metrics), the gate's invariant with filtered
+of tests/support/sim_world.py (the real gate, buffer, batches and metrics), the gate's invariant with filtered
 groups (a property test over the controller's loop), the gate's slot accounting for a filtered group,
 DAPO's soft length penalty, and masking truncated trajectories out of the loss."""
 
@@ -13,15 +13,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from areal_hpc.algo.staleness import StalenessGate
-from areal_hpc.batch import build_train_batches
 from areal_hpc.config import ConfigError, load_config
-from areal_hpc.data import Example
+from areal_hpc.controller.batch import build_train_batches
+from areal_hpc.controller.rollouts import FILTERED_WARN_STEPS, Group, single_turn
+from areal_hpc.data.dataset import Example
+from areal_hpc.data.tiny import build_tokenizer
 from areal_hpc.exit_codes import EXIT_DONE
 from areal_hpc.protocol import Envelope, RewardRequest, RewardResult
 from areal_hpc.reward import overlong_penalty
-from areal_hpc.rollouts import FILTERED_WARN_STEPS, Group, single_turn
-from areal_hpc.tiny import build_tokenizer
-from tests.sim_world import Prompts, World, make, metrics, run
+from tests.support.sim_world import Prompts, World, make, metrics, run
 
 
 class CoinWorld(World):
@@ -124,7 +124,7 @@ def test_the_gate_invariant_holds_with_filtered_groups(tmp_path_factory, B, eta,
     world = CoinWorld(layout, build_tokenizer(), seed=seed)
     world.p_right = p_right
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("areal_hpc.rollouts.StalenessGate", CheckedGate)
+        patch.setattr("areal_hpc.controller.rollouts.StalenessGate", CheckedGate)
         c, code = run(cfg, layout, run_dir, tok_dir, world, Prompts())
     assert isinstance(c.rollouts.gate, CheckedGate) and code == EXIT_DONE
     rows = metrics(run_dir)
@@ -157,7 +157,7 @@ def test_a_run_that_filters_everything_says_so(tmp_path, caplog):
             super().send(dest, msg)
 
     world = LateLearner(layout, build_tokenizer(), seed=2)
-    with caplog.at_level(logging.WARNING, logger="areal_hpc.rollouts"):
+    with caplog.at_level(logging.WARNING, logger="areal_hpc.controller.rollouts"):
         c, code = run(cfg, layout, run_dir, tok_dir, world, Numbered())
     assert code == EXIT_DONE
     warnings = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from areal_hpc.config import ModelConfig
+from areal_hpc.data.tiny import build_tiny_model
 from areal_hpc.device import resolve_device
-from areal_hpc.testing.generator_runs import (
+from tests.support.generator_runs import (
     drain,
     interrupt_twice,
     interruption_mismatch,
@@ -22,7 +23,6 @@ from areal_hpc.testing.generator_runs import (
     perturb,
     reference_logprobs,
 )
-from areal_hpc.tiny import build_tiny_model
 
 pytestmark = pytest.mark.vllm
 
@@ -140,7 +140,7 @@ def test_each_turn_keeps_its_own_budget_across_an_interruption(setup):
 
 def test_interrupt_switches_versions_and_weights(setup):
     """Two updates mid-generation (A -> B -> A): versions switch exactly at each interruption and
-    every segment's logprobs match the weights of its version (areal_hpc.testing.generator_runs: the
+    every segment's logprobs match the weights of its version (tests.support.generator_runs: the
     GPU check runs the same with many more turns in flight, in bf16)."""
     engine, model_a, model_b = setup
     run = interrupt_twice(engine, model_a, model_b, [[5 + g, 6, 7] for g in range(4)], 4, MAX_NEW, steps=(8, 5))
@@ -302,7 +302,7 @@ def test_qwen3_loads_the_trainers_weights(tmp_path):
     included, and samples from them."""
     from transformers import AutoModelForCausalLM
 
-    from areal_hpc.testing.inputs import QWEN3
+    from tests.support.inputs import QWEN3
 
     path = build_tiny_model(QWEN3, tmp_path, seed=2)
     engine = create_engine(path)

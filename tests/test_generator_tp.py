@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 from areal_hpc.config import ModelConfig
+from areal_hpc.data.tiny import build_tiny_model
 from areal_hpc.device import resolve_device
-from areal_hpc.sync_group import GroupSpec
-from areal_hpc.tiny import build_tiny_model
-from areal_hpc.weight_sync import WeightReceiver, WeightSender
+from areal_hpc.weight_sync.broadcast import WeightReceiver, WeightSender
+from areal_hpc.weight_sync.group import GroupSpec
 
 pytestmark = pytest.mark.vllm
 

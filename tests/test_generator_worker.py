@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from areal_hpc.config import ModelConfig
-from areal_hpc.tiny import build_tiny_model
-from tests.helpers import MPI_PROGRAMS
+from areal_hpc.data.tiny import build_tiny_model
+from tests.support.helpers import MPI_PROGRAMS
 
 MODEL = ModelConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
 TEMPERATURE = 0.8
@@ -25,7 +25,7 @@ MAX_NEW = 96
 
 
 PROMPT = 3
-"""Prompt tokens of every request of tests/mpi/generator_world.py: [5 + group, 6, 7]."""
+"""Prompt tokens of every request of tests/support/mpi/generator_world.py: [5 + group, 6, 7]."""
 
 
 def _answer(t):
@@ -137,7 +137,7 @@ def test_a_workflow_that_cannot_be_loaded_is_the_ranks_failure(tmp_path):
     from areal_hpc.errors import ConfigError
     from areal_hpc.generator.worker import serve
     from areal_hpc.layout import Layout, Role
-    from areal_hpc.runtime import CONTROLLER_RANK, RankContext
+    from areal_hpc.rank_context import CONTROLLER_RANK, RankContext
 
     cfg = load_config(
         None, ["cluster.nodes=2", "allocation.gen_nodes=1", "rollout.workflow=areal_hpc.workflow.builtin:Nope"]

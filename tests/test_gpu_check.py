@@ -17,12 +17,12 @@ import pytest
 from areal_hpc.config import load_config
 from areal_hpc.device import visible_gpus
 from areal_hpc.layout import Layout, Role
-from areal_hpc.testing import gpu_checks
-from areal_hpc.testing.generator_log import ENGINE_LINE, engine_start, startup_verdict
-from areal_hpc.testing.generator_runs import Interrupted, InterruptionMismatch, Mismatch, interruption_problems
-from areal_hpc.testing.runs import metrics_problems
 from areal_hpc.trainer.spawn import default_device
-from tests.helpers import REPO
+from tests.support import gpu_checks
+from tests.support.generator_log import ENGINE_LINE, engine_start, startup_verdict
+from tests.support.generator_runs import Interrupted, InterruptionMismatch, Mismatch, interruption_problems
+from tests.support.helpers import REPO
+from tests.support.runs import metrics_problems
 
 SMOKE = REPO / "configs" / "gpu-smoke.yaml"
 
@@ -71,8 +71,8 @@ def test_a_model_directory_replaces_the_smoke_configs_shape(tmp_path):
     (which, given as it is, contradicts DIR and is a config error)."""
     from areal_hpc.arch import model_arch
     from areal_hpc.config import ConfigError
-    from areal_hpc.testing.inputs import MODEL
-    from areal_hpc.tiny import hf_config
+    from areal_hpc.data.tiny import hf_config
+    from tests.support.inputs import MODEL
 
     model = model_arch(MODEL)  # the trainer checks' model: another shape than gpu-smoke.yaml's
     hf_config(MODEL).save_pretrained(tmp_path)

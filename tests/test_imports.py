@@ -1,9 +1,11 @@
-"""Imports run one way: no module of areal_hpc/ or launch/ imports one that imports it back, directly or
+"""Imports run one way: no module of areal_hpc/ imports one that imports it back, directly or
 through others. Every import counts: at module level, inside functions (one that only hides a circle is
 still a circle) and under `if TYPE_CHECKING:` (a type a module needs is a dependency all the same); and
 importing a package's module from outside the package runs the package's __init__ first, so that counts
 as an import of the package too. Shared error types and helpers live in leaf modules (areal_hpc/errors.py,
-launch/errors.py, areal_hpc/exit_codes.py) for that reason."""
+areal_hpc/launch/errors.py, areal_hpc/exit_codes.py) for that reason. One level up, the packages (the wings:
+controller/, trainer/, config/, ...) import one way too: no two of them import each other, through any of
+their modules."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("areal_hpc", "launch")
+PACKAGES = ("areal_hpc",)
 
 
 def module_files(root: Path, packages=PACKAGES) -> dict[str, Path]:
@@ -99,6 +101,48 @@ def test_project_imports_have_no_circle():
     assert {"areal_hpc.config.schema", "areal_hpc.config"} <= graph["areal_hpc.layout"]
     cycle = find_cycle(graph)
     assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def package_of(module: str, files: dict[str, Path]) -> str | None:
+    """The project's sub-package a module belongs to (areal_hpc.trainer for areal_hpc.trainer.engine; the
+    first level below areal_hpc), or None for a module at the top (areal_hpc.cli)."""
+    parts = module.split(".")
+    if len(parts) < 2:
+        return None
+    first = ".".join(parts[:2])
+    return first if files[first].name == "__init__.py" else None
+
+
+def package_pairs(graph: dict[str, set[str]], files: dict[str, Path]) -> list[tuple[str, str]]:
+    """Each pair of packages (a, b), a < b, where a module of a imports one of b and a module of b one of a."""
+    edges = {(package_of(m, files), package_of(d, files)) for m, deps in graph.items() for d in deps}
+    edges = {(a, b) for a, b in edges if a and b and a != b}
+    return sorted((a, b) for a, b in edges if a < b and (b, a) in edges)
+
+
+def test_no_two_packages_import_each_other():
+    files = module_files(REPO)
+    pairs = package_pairs(import_graph(files), files)
+    assert {package_of(m, files) for m in files} >= {"areal_hpc.trainer", "areal_hpc.config", "areal_hpc.launch"}
+    assert pairs == [], "packages that import each other: " + ", ".join(f"{a} <-> {b}" for a, b in pairs)
+
+
+def test_a_pair_of_packages_importing_each_other_is_found(tmp_path):
+    pkg = tmp_path / "areal_hpc"
+    for sub in ("p", "q"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "top.py").write_text("from areal_hpc.p import a\n")
+    (pkg / "p" / "a.py").write_text("from areal_hpc.q import b\n")
+    (pkg / "q" / "b.py").write_text("")
+    (pkg / "q" / "c.py").write_text("from areal_hpc import top\n")  # a top-level module is no package
+    files = module_files(tmp_path, ("areal_hpc",))
+    assert package_pairs(import_graph(files), files) == []
+    (pkg / "q" / "c.py").write_text("def f():\n    from areal_hpc.p import a\n")  # no module circle: c -> a -> b
+    graph = import_graph(files)
+    assert find_cycle(graph) is None
+    assert package_pairs(graph, files) == [("areal_hpc.p", "areal_hpc.q")]
 
 
 def test_a_function_level_or_type_checking_import_that_closes_a_circle_is_found(tmp_path):

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from areal_hpc.jsonl import JSONLError, read_jsonl
+from areal_hpc.launch.local import _Tail
 from areal_hpc.metrics import drop_rows_after
-from launch.local import _Tail
 
 
 def test_user_data_names_the_bad_line(tmp_path):

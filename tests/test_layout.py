@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from areal_hpc.config import ConfigError, load_config
 from areal_hpc.layout import Layout, Role, TrainerCoords, TrainerGrid
 from areal_hpc.planner import resolve_split
-from tests.helpers import TINY
+from tests.support.helpers import TINY
 
 
 @pytest.mark.slow

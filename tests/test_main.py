@@ -12,11 +12,11 @@ import pytest
 
 from areal_hpc import device
 from areal_hpc.config import load_config
+from areal_hpc.launch.local import _annotate, _dead_rank, mpirun_command
 from areal_hpc.layout import Layout, Role
 from areal_hpc.main import PIN_ENV, PLACEMENT_FLAG, SlurmTask, log_cpus, narrow_gpus, own_gpus
 from areal_hpc.rundir import log_path, prepare_run_dir
-from launch.local import _annotate, _dead_rank, mpirun_command
-from tests.helpers import REPO
+from tests.support.helpers import REPO
 
 
 def layout(*overrides):

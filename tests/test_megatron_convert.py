@@ -9,11 +9,11 @@ import functools
 import pytest
 
 from areal_hpc.config import ModelConfig, PPOConfig
-from areal_hpc.testing.compare import export_problems, logits_problems, pick
-from areal_hpc.testing.inputs import QWEN3, random_norms
-from areal_hpc.testing.trainer_runs import hf_logits, logits_and_export_rank
-from areal_hpc.tiny import build_tiny_model
+from areal_hpc.data.tiny import build_tiny_model
 from areal_hpc.trainer.spawn import run_ranks
+from tests.support.compare import export_problems, logits_problems, pick
+from tests.support.inputs import QWEN3, random_norms
+from tests.support.trainer_runs import hf_logits, logits_and_export_rank
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from areal_hpc.config import ModelConfig, PPOConfig
-from areal_hpc.testing.compare import export_problems, logits_problems, max_diff, pick, resume_problems
-from areal_hpc.testing.inputs import random_norms
-from areal_hpc.testing.trainer_runs import hf_logits, logits_and_export_rank
-from areal_hpc.tiny import build_tiny_model
+from areal_hpc.data.tiny import build_tiny_model
 from areal_hpc.trainer.convert import read_hf
 from areal_hpc.trainer.spawn import run_ranks
+from tests.support.compare import export_problems, logits_problems, max_diff, pick, resume_problems
+from tests.support.inputs import random_norms
+from tests.support.trainer_runs import hf_logits, logits_and_export_rank
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
@@ -84,9 +84,9 @@ def _ppo_rank(par, model_dir: str, steps: int, coefs: list) -> dict:
     own batches), their stats and the weights after them."""
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
-    from areal_hpc.testing.inputs import random_batch
     from areal_hpc.trainer.engine import Engine
     from areal_hpc.trainer.step import StepConfig, ppo_step
+    from tests.support.inputs import random_batch
 
     out = {}
     for coef in coefs:
@@ -139,7 +139,7 @@ def test_load_balancing_loss_reaches_the_router(trained):
 def test_checkpoint_at_ep2_resumes_and_loads_at_ep1(moe_models, tmp_path):
     """Megatron's chain of two optimizers saved and loaded: N steps, save, M steps at EP 2 equals the
     resumed run; the same checkpoint loads at EP 1 with the same logits and the same next step."""
-    from areal_hpc.testing.trainer_runs import load_rank, resume_rank, save_rank
+    from tests.support.trainer_runs import load_rank, resume_rank, save_rank
 
     model_dir, optim = str(moe_models["norm"]), PPOConfig(lr=1e-2, weight_decay=0.01)
     results = run_ranks(resume_rank, 2, 1, 1, model_dir, tmp_path / "resume", [0, 1], [2, 3], optim, ep=2)

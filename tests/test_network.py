@@ -12,7 +12,7 @@ from areal_hpc import network
 from areal_hpc.cli import main as cli_main
 from areal_hpc.config import ConfigError, load_config
 from areal_hpc.rundir import prepare_run_dir
-from tests.helpers import REPO, TINY
+from tests.support.helpers import REPO, TINY
 
 
 def _routable() -> dict[str, str]:

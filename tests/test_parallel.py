@@ -8,7 +8,7 @@ from areal_hpc.arch import model_arch
 from areal_hpc.config import ConfigError, load_config, validate
 from areal_hpc.layout import TrainerGrid
 from areal_hpc.planner import candidates, resolve_split, with_plan
-from tests.helpers import REPO, TINY
+from tests.support.helpers import REPO, TINY
 
 
 @pytest.mark.parametrize("name, nodes", [("qwen1.5b", 4), ("qwen32b", 6)])

@@ -15,7 +15,7 @@ from areal_hpc.config import ConfigError, load_config
 from areal_hpc.layout import Layout
 from areal_hpc.planner.cost import Hardware
 from areal_hpc.planner.predict import expert_alltoall_s, train_step_s, weight_sync_s
-from tests.helpers import REPO
+from tests.support.helpers import REPO
 
 CONFIGS = REPO / "configs"
 TOLERANCE = 0.15

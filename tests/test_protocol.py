@@ -3,7 +3,7 @@ first rank relays the controller's messages to the others in order."""
 
 import pytest
 
-from tests.helpers import MPI_PROGRAMS
+from tests.support.helpers import MPI_PROGRAMS
 
 pytestmark = pytest.mark.mpi
 

@@ -1,4 +1,4 @@
-"""The sbatch script of a run (launch/sbatch.py): snapshots of the shipped configs, and what each
+"""The sbatch script of a run (areal_hpc/launch/sbatch.py): snapshots of the shipped configs, and what each
 cluster setting does to the script. Pure functions; no Slurm needed.
 
 Snapshots: tests/snapshots/<config>.sbatch. When a change to the script is intended, re-record them with
@@ -18,12 +18,12 @@ import pytest
 from areal_hpc.cli import main as cli_main
 from areal_hpc.config import ConfigError, load_config
 from areal_hpc.exit_codes import EXIT_STOPPED
+from areal_hpc.launch import LaunchError, get_launcher
+from areal_hpc.launch.record import JobRecord, parse_squeue, status
+from areal_hpc.launch.sbatch import fill, render_sbatch
+from areal_hpc.launch.slurm import Partition, check_cluster, describe_request, parse_sinfo, resolve_cpus
 from areal_hpc.layout import Layout
 from areal_hpc.planner import resolve_split
-from launch import LaunchError, get_launcher
-from launch.record import JobRecord, parse_squeue, status
-from launch.sbatch import fill, render_sbatch
-from launch.slurm import Partition, check_cluster, describe_request, parse_sinfo, resolve_cpus
 
 REPO = Path(__file__).resolve().parent.parent
 SNAPSHOTS = Path(__file__).resolve().parent / "snapshots"
@@ -41,7 +41,7 @@ def render(overrides=(), config="tiny-cpu", **kw):
 
 def launched(path, overrides=()):
     """A config as a launcher renders it: its node split and CPUs resolved (planner.resolve_split,
-    launch.slurm.resolve_cpus against SINFO)."""
+    areal_hpc.launch.slurm.resolve_cpus against SINFO)."""
     return resolve_cpus(resolve_split(load_config(path, list(overrides)))[0], SINFO)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from areal_hpc.reward.pool import ScorerPool
-from tests.helpers import MPI_PROGRAMS
+from tests.support.helpers import MPI_PROGRAMS
 
 TESTS = [{"input": "2 3", "output": "5"}, {"input": "1 1", "output": "2"}]
 ADD = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from areal_hpc.config import ModelConfig
+from areal_hpc.data.tiny import build_tiny_model
 from areal_hpc.device import resolve_device
 from areal_hpc.protocol import routing_unknown
-from areal_hpc.testing.generator_runs import drain, load, perturb
-from areal_hpc.tiny import build_tiny_model
 from areal_hpc.workflow import Workflow
+from tests.support.generator_runs import drain, load, perturb
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -111,7 +111,7 @@ def test_an_episodes_trajectory_carries_the_routing_of_every_position(setup):
     from areal_hpc.config import RolloutConfig
     from areal_hpc.generator.episodes import EpisodeRunner
     from areal_hpc.protocol import GenerateRequest
-    from areal_hpc.testing.generator_runs import run_episodes
+    from tests.support.generator_runs import run_episodes
 
     engine, model = setup
     tokenizer = AutoTokenizer.from_pretrained(engine.engine.vllm_config.model_config.model)

@@ -14,8 +14,8 @@ import torch
 from areal_hpc.arch import model_arch
 from areal_hpc.config import ModelConfig
 from areal_hpc.protocol import routing_unknown
-from areal_hpc.testing.inputs import random_batch
 from areal_hpc.trainer.spawn import run_ranks
+from tests.support.inputs import random_batch
 
 EXPERTS, TOP_K = 8, 2
 UNKNOWN = routing_unknown(np.uint8)
@@ -314,7 +314,7 @@ def test_ppo_step_replays_the_generators_routing(tmp_path, tp, pp):
     parallelism (each TP rank its slice of the rows) or pipeline stages (each its layers): the trainer's
     own routers agree on every position (the layout is the router's), the step is the one without replay,
     and the load-balancing loss is reported."""
-    from areal_hpc.tiny import build_tiny_model
+    from areal_hpc.data.tiny import build_tiny_model
 
     model = ModelConfig(architecture="qwen3_moe")
     model_dir = build_tiny_model(model, tmp_path, seed=3)

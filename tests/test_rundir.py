@@ -176,7 +176,7 @@ def test_a_second_run_is_refused_naming_the_holder_and_a_dead_holders_lock_is_st
     run_dir = tmp_path / "tiny-cpu" / "trial0"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     first = subprocess.Popen(
-        [sys.executable, str(REPO / "tests" / "scripts" / "hold_run_dir.py"), str(run_dir)],
+        [sys.executable, str(REPO / "tests" / "support" / "hold_run_dir.py"), str(run_dir)],
         stdout=subprocess.PIPE,
         text=True,
         env=env,

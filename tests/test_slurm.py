@@ -2,7 +2,7 @@
 loopback, fake GPUs). tools/test.sh starts it and exports SLURM_CONF; run alone, these tests start it
 themselves and stop it afterwards.
 
-The ranks run small stand-in entry points (tests/mpi/) instead of `areal_hpc.main`, so what is tested
+The ranks run small stand-in entry points (tests/support/mpi/) instead of `areal_hpc.main`, so what is tested
 is the launcher: one heterogeneous job, one MPI world across the fake nodes, cancel, the whole step
 ending when one rank fails, and the checkpoint/requeue cycle. tests/test_slurm_e2e.py runs the real
 system.
@@ -19,9 +19,9 @@ import pytest
 from areal_hpc.cli import main as cli_main
 from areal_hpc.config import load_config
 from areal_hpc.exit_codes import EXIT_STOPPED
-from launch.record import ACTIVE, JobRecord
-from launch.slurm import HetSlurmJob, SlurmLauncher, partitions, resolve_cpus
-from tests.helpers import MPI_PROGRAMS, ONE_REQUEUE, TINY, RequeueStarter, components, wait_done, wait_for
+from areal_hpc.launch.record import ACTIVE, JobRecord
+from areal_hpc.launch.slurm import HetSlurmJob, SlurmLauncher, partitions, resolve_cpus
+from tests.support.helpers import MPI_PROGRAMS, ONE_REQUEUE, TINY, RequeueStarter, components, wait_done, wait_for
 
 pytestmark = pytest.mark.slurm
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from areal_hpc.exit_codes import EXIT_STOPPED
-from launch.record import JobRecord
-from tests.helpers import ONE_REQUEUE, REPO, RequeueStarter, wait_done, wait_for
+from areal_hpc.launch.record import JobRecord
+from tests.support.helpers import ONE_REQUEUE, REPO, RequeueStarter, wait_done, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e, pytest.mark.mpi, pytest.mark.vllm, pytest.mark.megatron]
 pytestmark.append(pytest.mark.slow)

@@ -18,13 +18,13 @@ import sys
 import pytest
 
 from areal_hpc.config import load_config
+from areal_hpc.launch.record import JobRecord
+from areal_hpc.launch.sbatch import cpus_per_task
+from areal_hpc.launch.slurm import SlurmLauncher, partitions, resolve_cpus
 from areal_hpc.layout import Layout
 from areal_hpc.main import PLACEMENT_FLAG
 from areal_hpc.rundir import log_path
-from launch.record import JobRecord
-from launch.sbatch import cpus_per_task
-from launch.slurm import SlurmLauncher, partitions, resolve_cpus
-from tests.helpers import TINY, wait_done, wait_for
+from tests.support.helpers import TINY, wait_done, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mpi]
 

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from areal_hpc.algo.staleness import StalenessGate, StalenessState, oldest_version
 from areal_hpc.config import RolloutConfig
-from areal_hpc.data import Example
-from areal_hpc.rollouts import Group
+from areal_hpc.controller.rollouts import Group
+from areal_hpc.data.dataset import Example
 
 
 class Version:

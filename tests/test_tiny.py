@@ -6,8 +6,8 @@ import pytest
 
 from areal_hpc.arch import hf_arch, model_arch
 from areal_hpc.config import ConfigError, ModelConfig
-from areal_hpc.synthetic import synthetic_rows
-from areal_hpc.tiny import build_synthetic_data, build_tiny_model, build_tokenizer
+from areal_hpc.data.synthetic import synthetic_rows
+from areal_hpc.data.tiny import build_synthetic_data, build_tiny_model, build_tokenizer
 
 
 def test_tokenizer_round_trips_text_with_boxed_answers():
@@ -70,7 +70,7 @@ def test_arithmetic_data_is_deterministic(tmp_path):
 
 
 def test_tool_tokens_come_after_every_old_id():
-    from areal_hpc.tiny import BOXED, CALC, CHARS, EOS, PAD, RESULT, TINY_VOCAB
+    from areal_hpc.data.tiny import BOXED, CALC, CHARS, EOS, PAD, RESULT, TINY_VOCAB
 
     tok = build_tokenizer()
     assert TINY_VOCAB[: 3 + len(CHARS)] == [PAD, EOS, BOXED, *CHARS], "an existing id moved"
@@ -105,7 +105,7 @@ def test_multiplication_task_holds_out_numbers_of_its_own():
     import pytest
 
     from areal_hpc.config import ConfigError
-    from areal_hpc.synthetic import synthetic_problems, synthetic_test_rows
+    from areal_hpc.data.synthetic import synthetic_problems, synthetic_test_rows
 
     train, test = synthetic_problems("multiplication", 99)
     assert len(train) + len(test) == 90 * 90 and len(test) == 500 and not set(train) & set(test)
@@ -125,7 +125,7 @@ def test_chain_task_is_deterministic_correct_and_long_tailed():
     EOS) follow the documented shape: median about 190, one in 10 past about 680, a few % past 1,024."""
     from statistics import median
 
-    from areal_hpc.synthetic import synthetic_problems, synthetic_test_rows, worked_steps
+    from areal_hpc.data.synthetic import synthetic_problems, synthetic_test_rows, worked_steps
 
     rows = synthetic_rows(4000, seed=1, task="chain", max_operand=999)
     assert rows == synthetic_rows(4000, seed=1, task="chain", max_operand=999)
@@ -153,8 +153,8 @@ def test_chain_warm_start_writes_the_steps_and_stops_at_the_answer_limit(tmp_pat
     """A chain warm-start example is the prompt, then the countdown and the boxed remainder; one longer
     than rollout.max_new_tokens is cut there (no EOS), as a rollout is."""
     from areal_hpc.config import load_config
-    from areal_hpc.sft import sft_examples
-    from areal_hpc.synthetic import worked_steps
+    from areal_hpc.data.initial_model import sft_examples
+    from areal_hpc.data.synthetic import worked_steps
 
     tok = build_tokenizer()
     cfg = load_config(
@@ -180,8 +180,8 @@ def test_warm_start_batches_hold_every_example_once_with_similar_lengths():
     shuffled examples cut in order (what the embedded default's warm start was tuned on)."""
     import random
 
-    from areal_hpc.sft import _batches
-    from areal_hpc.synthetic import worked_steps
+    from areal_hpc.data.initial_model import _batches
+    from areal_hpc.data.synthetic import worked_steps
 
     rows = synthetic_rows(1000, seed=3, task="chain", max_operand=999)
     lengths = [min(1030, 9 + len(worked_steps("chain", r["prompt"]))) for r in rows]

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from areal_hpc.tiny import build_tokenizer
+from areal_hpc.data.tiny import build_tokenizer
 from areal_hpc.workflow.tool_calls import parse_tool_calls
 
 

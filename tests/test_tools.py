@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from areal_hpc.bench import trajectories_per_step
+from areal_hpc.controller.timeline import Timeline, read_events
 from areal_hpc.metrics import read_metrics
-from areal_hpc.timeline import Timeline, read_events
+from tools.bench_figures import trajectories_per_step
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
@@ -304,7 +304,7 @@ def test_prepare_code_layouts_from_parquet_and_the_command_line(tmp_path, capsys
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "apps.parquet")
     assert prepare.main([str(tmp_path / "apps.parquet"), "--kind", "code", "-o", str(tmp_path / "c.jsonl")]) == 0
     assert "wrote 2 code rows" in capsys.readouterr().out
-    from areal_hpc.data import load_dataset
+    from areal_hpc.data.dataset import load_dataset
 
     got = [e.target for e in load_dataset(tmp_path / "c.jsonl", "code")]
     assert got == [[{"input": "1 2\n", "output": "3\n"}], [{"input": "a", "output": "a"}]]

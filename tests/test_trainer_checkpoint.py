@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areal_hpc.checkpoint import trainer as trainer_checkpoint
 from areal_hpc.config import PPOConfig
-from areal_hpc.testing.compare import max_diff, pick, resume_problems
-from areal_hpc.testing.inputs import MODEL
-from areal_hpc.testing.trainer_runs import load_rank, nonfinite_rank, resume_rank, save_rank
-from areal_hpc.tiny import build_tiny_model
+from areal_hpc.data.tiny import build_tiny_model
+from areal_hpc.trainer import checkpoint as trainer_checkpoint
 from areal_hpc.trainer.spawn import run_ranks
+from tests.support.compare import max_diff, pick, resume_problems
+from tests.support.inputs import MODEL
+from tests.support.trainer_runs import load_rank, nonfinite_rank, resume_rank, save_rank
 
 pytestmark = pytest.mark.megatron
 

@@ -11,10 +11,10 @@ import torch
 
 from areal_hpc.arch import model_arch
 from areal_hpc.config import PPOConfig
+from areal_hpc.data.tiny import build_tiny_model
 from areal_hpc.protocol import TrainBatch
-from areal_hpc.testing.inputs import MODEL, random_batch, shard
-from areal_hpc.tiny import build_tiny_model
 from areal_hpc.trainer.spawn import run_ranks
+from tests.support.inputs import MODEL, random_batch, shard
 
 VOCAB = model_arch(MODEL).vocab_size
 
@@ -229,9 +229,9 @@ def _entropy_rank(par, model_dir, temperature):
     """Each token's entropy from the chunked logprob function and from the full logits of the same
     forward pass; and ppo/entropy of a step over the same sequences (one minibatch: its forward passes
     run on these weights)."""
-    from areal_hpc.testing.trainer_runs import full_logits
     from areal_hpc.trainer.engine import Engine
     from areal_hpc.trainer.step import StepConfig, _logprobs, make_microbatch, ppo_step
+    from tests.support.trainer_runs import full_logits
 
     engine = Engine(model_dir, par, _optim())
     sp = engine.config.sequence_parallel
@@ -285,7 +285,7 @@ def _kl_rank(par, model_dir, ckpt_dir):
     """Steps with ppo.kl_coef > 0, save, resume: this rank's reference and policy weights on the way."""
     from pathlib import Path
 
-    from areal_hpc.checkpoint import trainer as trainer_checkpoint
+    from areal_hpc.trainer import checkpoint as trainer_checkpoint
     from areal_hpc.trainer.engine import Engine
     from areal_hpc.trainer.step import StepConfig, ppo_step
 

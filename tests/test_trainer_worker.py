@@ -10,13 +10,13 @@ import json
 import pytest
 import torch
 
-from tests.helpers import MPI_PROGRAMS
+from tests.support.helpers import MPI_PROGRAMS
 
 pytestmark = [pytest.mark.mpi, pytest.mark.megatron]
 
 
 def test_trainer_ranks_serve_a_controller(run_mpi, tmp_path):
-    from areal_hpc.checkpoint import trainer as trainer_checkpoint
+    from areal_hpc.trainer import checkpoint as trainer_checkpoint
     from areal_hpc.trainer.convert import read_hf
 
     proc = run_mpi(MPI_PROGRAMS / "trainer_world.py", n=6, timeout=300, args=[str(tmp_path)])

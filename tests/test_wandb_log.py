@@ -1,5 +1,5 @@
 """W&B beside TensorBoard (areal_hpc.wandb_log), against the real `wandb` client in offline mode, its files
-read back (areal_hpc.testing.wandb_files):
+read back (tests.support.wandb_files):
 
 - the metrics writer logs every row at its step, the resolved config and the run directory; a second
   writer on the same run directory (a resumed run) continues the same W&B run, and the steps it writes
@@ -23,8 +23,8 @@ import pytest
 from areal_hpc.cli import main as cli_main
 from areal_hpc.config import ConfigError, LoggingConfig, load_config
 from areal_hpc.metrics import MetricsWriter, drop_rows_after
-from areal_hpc.testing.wandb_files import offline_runs
 from areal_hpc.wandb_log import ID_FILE, check_wandb
+from tests.support.wandb_files import offline_runs
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.yaml"
 
@@ -121,7 +121,7 @@ def _base_url() -> str:
 
 
 def test_doctor_checks_wandb_on_this_host(wandb_env):
-    from launch.doctor import check_wandb_client
+    from areal_hpc.launch.doctor import check_wandb_client
 
     assert check_wandb_client(load_config(TINY)).status == "SKIP"
     failed = check_wandb_client(load_config(TINY, ["logging.wandb=true"]))

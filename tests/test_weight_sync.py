@@ -23,9 +23,9 @@ import torch.distributed as dist
 
 from areal_hpc.config import load_config
 from areal_hpc.layout import Layout, Role
-from areal_hpc.sync_group import STARTUP_CHECK, GroupSpec, SyncGroup, WeightSyncError
-from areal_hpc.weight_sync import WeightReceiver, WeightSender, _check_devices
-from tests.helpers import MPI_PROGRAMS
+from areal_hpc.weight_sync.broadcast import WeightReceiver, WeightSender, _check_devices
+from areal_hpc.weight_sync.group import STARTUP_CHECK, GroupSpec, SyncGroup, WeightSyncError
+from tests.support.helpers import MPI_PROGRAMS
 
 MEMBERS = (
     "trainer 0 (world rank 4) on host a",
@@ -357,7 +357,7 @@ def test_mpi_stages_bit_exact_in_the_agreed_order_then_timeout(run_mpi, tmp_path
     from transformers import Qwen2ForCausalLM
 
     from areal_hpc.config import ModelConfig
-    from areal_hpc.tiny import hf_config
+    from areal_hpc.data.tiny import hf_config
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(hf_config(ModelConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1)))
@@ -402,10 +402,10 @@ def test_a_sync_from_two_expert_sources_reaches_vllms_fused_experts(tmp_path, mo
     from transformers import Qwen3MoeForCausalLM
 
     from areal_hpc.config import ModelConfig
+    from areal_hpc.data.tiny import build_tiny_model, build_tokenizer
     from areal_hpc.device import resolve_device
     from areal_hpc.generator.engine import GenerationEngine
-    from areal_hpc.testing.generator_runs import drain, perturb
-    from areal_hpc.tiny import build_tiny_model, build_tokenizer
+    from tests.support.generator_runs import drain, perturb
 
     m = ModelConfig(
         architecture="qwen3_moe",

@@ -15,8 +15,8 @@ import pytest
 
 from areal_hpc.config import load_config
 from areal_hpc.config.schema import RolloutConfig
+from areal_hpc.data.tiny import build_tokenizer
 from areal_hpc.protocol import EPISODE_STATS
-from areal_hpc.tiny import build_tokenizer
 from areal_hpc.workflow import tools
 from areal_hpc.workflow.builtin import CalculatorAgent, SingleTurn
 from areal_hpc.workflow.client import EpisodeClient, Turn
@@ -347,8 +347,8 @@ def test_single_turn_is_the_prompt_and_its_answer():
 
 def test_the_calculator_agent_writes_the_warm_starts_tokens(tmp_path):
     """An episode of the tiny agent task that calls the calculator is, token for token and mask for
-    mask, the warm start's tool example for the same problem (areal_hpc.sft)."""
-    from areal_hpc.sft import sft_examples
+    mask, the warm start's tool example for the same problem (areal_hpc.data.initial_model)."""
+    from areal_hpc.data.initial_model import sft_examples
 
     tok = build_tokenizer()
     cfg = load_config(

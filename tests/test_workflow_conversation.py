@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from areal_hpc.tiny import build_tokenizer
+from areal_hpc.data.tiny import build_tokenizer
 from areal_hpc.workflow.conversation import Conversation, EpisodeTokens
 
 # Qwen2.5's published template in short: the tools header in the first system turn, calls as
@@ -55,7 +55,7 @@ THINK_DROPPING = """
 {%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}
 """
 
-# The tiny agent task's template (areal_hpc/tiny.py's TINY_CHAT_TEMPLATE on branch i28-tiny, copied until
+# The tiny agent task's template (areal_hpc/data/tiny.py's TINY_CHAT_TEMPLATE on branch i28-tiny, copied until
 # it is merged): no headers, a call is <calc>expr before the EOS, a tool result is <result>text\n.
 TINY = """
 {%- for m in messages -%}

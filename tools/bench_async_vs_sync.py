@@ -64,7 +64,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from areal_hpc.bench import (
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # tools.bench_figures
+
+from areal_hpc.config import load_config  # noqa: E402
+from areal_hpc.metrics import read_metrics  # noqa: E402
+from tools.bench_figures import (  # noqa: E402
     PAPER_CAP,
     below_2x_line,
     bounds_line,
@@ -79,10 +84,7 @@ from areal_hpc.bench import (
     task_lengths,
     trajectories_per_step,
 )
-from areal_hpc.config import load_config
-from areal_hpc.metrics import read_metrics
 
-REPO = Path(__file__).resolve().parents[1]
 ASYNC_STALENESS = 2
 BENCH_OVERRIDES = ["logging.tensorboard=false"]  # the configs as shipped, less the TensorBoard writes
 
@@ -214,7 +216,7 @@ def report_short(steady: dict[str, list[dict]]) -> None:
 
 
 def report_reasoning(cfg, steady: dict[str, list[dict]], rounds: list[dict[str, Summary]]) -> None:
-    from areal_hpc.tiny import build_tokenizer
+    from areal_hpc.data.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     cap = cfg.rollout.max_new_tokens

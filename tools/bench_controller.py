@@ -192,13 +192,13 @@ def prompt_index(prompt_ids: np.ndarray) -> int:
 
 
 class Prompts:
-    """The controller's prompt stream (`areal_hpc.data.PromptStream`'s interface), numbered prompts."""
+    """The controller's prompt stream (`areal_hpc.data.dataset.PromptStream`'s interface), numbered prompts."""
 
     def __init__(self, payloads: Payloads):
         self.payloads, self.position = payloads, 0
 
     def next(self):
-        from areal_hpc.data import Example
+        from areal_hpc.data.dataset import Example
 
         i, self.position = self.position, self.position + 1
         return Example(i, f"prompt {i}", "0", "math", prompt_ids=self.payloads.prompt_ids(i))
@@ -255,8 +255,8 @@ def sim_reward(world, side, generator: int) -> dict:
 def sim_generator(world, side, payloads: Payloads, window: int) -> dict:
     from mpi4py import MPI
 
+    from areal_hpc.controller.rollouts import single_turn
     from areal_hpc.protocol import GenerateRequest, Mailbox, Stop, SyncDone, WeightSync
-    from areal_hpc.rollouts import single_turn
 
     box, received = Mailbox(world), Counter()
     queue: deque = deque()  # (group_id, prompt index, prompt ids, trajectory index)
@@ -296,7 +296,7 @@ def sim_trainer(world, replica_comm, first_trainer: bool, eta: int, train_s: flo
     """A trainer rank as the real one (areal_hpc.trainer.worker.serve): the controller's messages through
     the replica relay; the replica's first rank counts what rank 0 sent it, the others what it relayed."""
     from areal_hpc.protocol import Mailbox, ReplicaRelay, Save, Saved, Stop, TrainBatch, TrainResult
-    from areal_hpc.runtime import CONTROLLER_RANK
+    from areal_hpc.rank_context import CONTROLLER_RANK
 
     box, received = Mailbox(world), Counter()
     inbox = ReplicaRelay(box, replica_comm, CONTROLLER_RANK, timeout_s=600.0)
@@ -408,7 +408,7 @@ def rank_main(args) -> None:
     from mpi4py import MPI
 
     from areal_hpc.layout import Layout, Role
-    from areal_hpc.runtime import RankContext
+    from areal_hpc.rank_context import RankContext
 
     s = json.loads(args.setting)
     world = MPI.COMM_WORLD
@@ -426,8 +426,8 @@ def rank_main(args) -> None:
     payloads = Payloads(s, seed=args.seed)
     generator = layout.ranks(Role.GENERATOR)[0]
     if role == Role.CONTROLLER:
+        from areal_hpc.data.tiny import build_tokenizer
         from areal_hpc.rundir import prepare_run_dir
-        from areal_hpc.tiny import build_tokenizer
 
         run_dir = prepare_run_dir(cfg, fresh=True)
         build_tokenizer().save_pretrained(root / "tokenizer")

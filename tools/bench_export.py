@@ -21,10 +21,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from areal_hpc.config import ModelConfig, PPOConfig
-from areal_hpc.testing.trainer_runs import train_and_save_rank
-from areal_hpc.tiny import build_tiny_model
-from areal_hpc.trainer.spawn import run_ranks
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
+
+from areal_hpc.config import ModelConfig, PPOConfig  # noqa: E402
+from areal_hpc.data.tiny import build_tiny_model  # noqa: E402
+from areal_hpc.trainer.spawn import run_ranks  # noqa: E402
+from tests.support.trainer_runs import train_and_save_rank  # noqa: E402
 
 
 def main() -> None:

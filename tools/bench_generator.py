@@ -40,9 +40,9 @@ def child(size: str, args) -> dict:
     from vllm import LLM, EngineArgs, SamplingParams
 
     from areal_hpc.config import ModelConfig
+    from areal_hpc.data.tiny import build_tiny_model
     from areal_hpc.device import resolve_device
     from areal_hpc.generator.engine import GenerationEngine
-    from areal_hpc.tiny import build_tiny_model
 
     m = ModelConfig(max_position_embeddings=1024, **SIZES[size])
     path = build_tiny_model(m, args.root, seed=1)
@@ -97,8 +97,8 @@ def child(size: str, args) -> dict:
     # Pause per weight update through a real (in-process) weight-sync group.
     import torch.distributed as dist
 
-    from areal_hpc.sync_group import GroupSpec
-    from areal_hpc.weight_sync import WeightReceiver, WeightSender
+    from areal_hpc.weight_sync.broadcast import WeightReceiver, WeightSender
+    from areal_hpc.weight_sync.group import GroupSpec
 
     master = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=120), wait_for_workers=False)
     spec = GroupSpec("bench", 0, "127.0.0.1", master.port, 2, "gloo", 120.0)

@@ -37,10 +37,10 @@ import torch.multiprocessing as mp
 
 from areal_hpc.arch import model_arch
 from areal_hpc.config import ModelConfig, PPOConfig
+from areal_hpc.data.tiny import build_tiny_model
 from areal_hpc.device import visible_gpus
 from areal_hpc.packing import pack_microbatches
 from areal_hpc.protocol import TrainBatch
-from areal_hpc.tiny import build_tiny_model
 from areal_hpc.trainer.spawn import default_device, run_ranks
 
 MODELS = {
@@ -331,9 +331,9 @@ def bench_packing(args) -> None:
 
 
 def _export_rank(par, model_dir, port, bucket_mb, repeats):
-    from areal_hpc.sync_group import GroupSpec
     from areal_hpc.trainer.engine import Engine
-    from areal_hpc.weight_sync import WeightSender
+    from areal_hpc.weight_sync.broadcast import WeightSender
+    from areal_hpc.weight_sync.group import GroupSpec
 
     engine = Engine(model_dir, par, PPOConfig())
     times, nbytes = [], 0
@@ -355,8 +355,8 @@ def _export_rank(par, model_dir, port, bucket_mb, repeats):
 
 
 def _receive(port, out):
-    from areal_hpc.sync_group import GroupSpec
-    from areal_hpc.weight_sync import WeightReceiver
+    from areal_hpc.weight_sync.broadcast import WeightReceiver
+    from areal_hpc.weight_sync.group import GroupSpec
 
     receiver = WeightReceiver([GroupSpec("bench-ws", 0, "127.0.0.1", port, 2, "gloo", 120.0)], (1,))
     receiver.join(0, 120.0)

@@ -28,7 +28,7 @@ The two alternate for `--rounds` rounds (each TRL setting, areal-hpc, each TRL s
 in the machine's load over the invocation falls on both. Each run's trained trajectories per second over the
 steps after `--warmup` (areal-hpc: from metrics.jsonl, trajectories / summed timing/step_s; TRL: from the
 step-end times of a trainer callback), each round's figures, then over the rounds: the answer-length rows
-(areal_hpc.bench: the task's, the planner's model of the paper's scaled to the cap, each system's answers;
+(tools.bench_figures: the task's, the planner's model of the paper's scaled to the cap, each system's answers;
 TRL's from the `completion_ids` its reward function receives, areal-hpc's from its metrics rows), each
 system's median trained trajectories/s and answer tokens/s (the effective throughput: answer lengths drift
 as each system trains), TRL's generation share of its step, areal-hpc's generator and trainer busy shares,
@@ -118,7 +118,7 @@ WORKLOADS = {
 def trajectories_per_s_from_metrics(rows: list[dict], warmup: int, trajectories_per_step: int) -> float:
     """Trained trajectories per second after the first `warmup` steps: trajectories / summed
     timing/step_s."""
-    from areal_hpc.bench import steady_rows
+    from tools.bench_figures import steady_rows
 
     steady = steady_rows(rows, warmup)
     return trajectories_per_step * len(steady) / sum(r["timing/step_s"] for r in steady)
@@ -158,9 +158,9 @@ class Run:
 
 def bench_areal(cfg, workload: Workload, trial: str, steps: int, warmup: int, extra: list[str]) -> tuple[Run, list]:
     """One `areal-hpc run` of the workload; also its steady metrics rows (for the pooled length row)."""
-    from areal_hpc.bench import run_lengths, steady_rows, trajectories_per_step
     from areal_hpc.config import load_config
     from areal_hpc.metrics import read_metrics
+    from tools.bench_figures import run_lengths, steady_rows, trajectories_per_step
 
     root = cfg.experiment.root
     cmd = [sys.executable, "-m", "areal_hpc.cli", "run", str(workload.config), "--fresh", f"experiment.root={root}"]
@@ -228,7 +228,7 @@ def grpo_args(cfg, setting: str, out_dir: Path, steps: int, **changes):
     """TRL's GRPOConfig for one setting (TRL_SETTINGS), the benchmark's batch unless `changes` say else."""
     from trl import GRPOConfig
 
-    from areal_hpc.bench import trajectories_per_step
+    from tools.bench_figures import trajectories_per_step
 
     args = dict(
         output_dir=str(out_dir),
@@ -270,7 +270,7 @@ def check_trl_setting(cfg, model_dir: Path, out_dir: Path, setting: str) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOTrainer
 
-    from areal_hpc.synthetic import synthetic_rows
+    from areal_hpc.data.synthetic import synthetic_rows
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.padding_side = "left"
@@ -347,10 +347,10 @@ def bench_trl(cfg, model_dir: Path, out_dir: Path, steps: int, warmup: int, sett
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOTrainer
 
-    from areal_hpc.bench import trajectories_per_step
+    from areal_hpc.data.synthetic import synthetic_rows
     from areal_hpc.metrics import length_summary
     from areal_hpc.reward.math import math_reward
-    from areal_hpc.synthetic import synthetic_rows
+    from tools.bench_figures import trajectories_per_step
 
     torch.set_num_threads(os.cpu_count() or 1)
     rows = synthetic_rows(
@@ -430,7 +430,7 @@ def median_of(runs: list[Run], key: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from areal_hpc.config import load_config
-    from areal_hpc.sft import initial_model
+    from areal_hpc.data.initial_model import initial_model
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -517,8 +517,8 @@ def main(argv: list[str] | None = None) -> int:
 def summarize(cfg, tokens_of, trl: dict, trl_answers: dict, areal: list[Run], areal_rows: list[dict]) -> None:
     """The figures over the rounds, the ratio to the best TRL setting last: `trl` and `trl_answers` by
     setting (its runs, its answers' lengths after the warm-up), `areal_rows` areal-hpc's steady metrics rows."""
-    from areal_hpc.bench import format_lengths, planner_lengths, run_lengths, task_lengths
     from areal_hpc.metrics import length_summary
+    from tools.bench_figures import format_lengths, planner_lengths, run_lengths, task_lengths
 
     cap = cfg.rollout.max_new_tokens
     print("answer tokens (the steps after each run's warm-up)")

@@ -7,12 +7,12 @@ to a bug report. Run it through `tools/gpu_check.sh` (which finds the Python and
     tools/gpu_check.sh --submit cluster.partition=gpu   # also the short run through Slurm, on 2 nodes
     tools/gpu_check.sh model.path=DIR   # the runs on a real model (its config.json gives the shape)
 
-Every check calls the functions of areal_hpc/testing/ that the CPU tests call. Trainer checks (on this
+Every check calls the functions of tests/support/ that the CPU tests call. Trainer checks (on this
 machine's device: AREAL_DEVICE=auto|cpu|cuda, auto by default):
   - logits against transformers on a small Qwen2 built here, and the export round trip, at TP 1;
   - one PPO step, save, resume, and the steps after it equal to an uninterrupted run, in fp32 and bf16;
   - with 2+ GPUs, the same at TP 2.
-The path a run takes (vLLM and GPUs: areal_hpc/testing/gpu_checks.py; a generator and a trainer never
+The path a run takes (vLLM and GPUs: tests/support/gpu_checks.py; a generator and a trainer never
 share a GPU over NCCL, so each check needs the GPUs of its layout, and says so when they are not here):
   - 20 steps of configs/gpu-smoke.yaml (a ~0.5B Qwen2 built here, bf16): every step trained with finite
     loss and gradient norm, weights synced to the vLLM engine over NCCL, generator and trainer agreeing
@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # tests.support: the checks' own code, shared with the CPU tests
 LOGITS_TOL = 1e-4
 """fp32 logits of the tiny model against transformers' (what the CPU tests assert)."""
 RESUME_TOL = {"float32": 1e-5, "bfloat16": 1e-3}
@@ -82,12 +83,12 @@ def _verdict(problems: list[str], ok: str) -> tuple[str, str]:
 
 def check_logits(work: Path, tp: int, device: str):
     from areal_hpc.config import PPOConfig
-    from areal_hpc.testing.compare import export_problems, logits_problems, max_diff, pick
-    from areal_hpc.testing.inputs import MODEL
-    from areal_hpc.testing.trainer_runs import hf_logits, logits_and_export_rank
-    from areal_hpc.tiny import build_tiny_model
+    from areal_hpc.data.tiny import build_tiny_model
     from areal_hpc.trainer.convert import read_hf
     from areal_hpc.trainer.spawn import run_ranks
+    from tests.support.compare import export_problems, logits_problems, max_diff, pick
+    from tests.support.inputs import MODEL
+    from tests.support.trainer_runs import hf_logits, logits_and_export_rank
 
     model_dir = str(build_tiny_model(MODEL, work / f"logits-tp{tp}", seed=3))
     results = run_ranks(logits_and_export_rank, tp, tp, 1, {"m": model_dir}, PPOConfig(), device=device)
@@ -100,11 +101,11 @@ def check_resume(work: Path, tp: int, dtype: str, device: str):
     import torch
 
     from areal_hpc.config import PPOConfig
-    from areal_hpc.testing.compare import max_diff, pick, resume_problems
-    from areal_hpc.testing.inputs import MODEL
-    from areal_hpc.testing.trainer_runs import resume_rank
-    from areal_hpc.tiny import build_tiny_model
+    from areal_hpc.data.tiny import build_tiny_model
     from areal_hpc.trainer.spawn import run_ranks
+    from tests.support.compare import max_diff, pick, resume_problems
+    from tests.support.inputs import MODEL
+    from tests.support.trainer_runs import resume_rank
 
     model_dir = str(build_tiny_model(MODEL, work / f"resume-tp{tp}-{dtype}", seed=5))
     optim = PPOConfig(lr=1e-2, weight_decay=0.01)
@@ -176,8 +177,8 @@ def trainer_checks(work: Path, device: str, gpus: int) -> list[Result]:
 
 def path_checks(work: Path, overrides: list[str], gpus: int, submit_root: Path | None, env: dict) -> list[Result]:
     """The checks of the path a run takes (the module docstring), each SKIP without the GPUs it needs."""
-    from areal_hpc.testing import gpu_checks as g
-    from areal_hpc.testing.generator_log import engine_start, startup_verdict
+    from tests.support import gpu_checks as g
+    from tests.support.generator_log import engine_start, startup_verdict
 
     results = []
 

@@ -2,7 +2,7 @@
 
 Top, over training steps (from metrics.jsonl): reward/mean; staleness/max and staleness/dropped;
 throughput/effective_tokens_per_s; timing/gen_idle_frac and timing/train_idle_frac.
-Bottom, over wall time (from timeline.jsonl, written by the controller; areal_hpc.timeline): one row
+Bottom, over wall time (from timeline.jsonl, written by the controller; areal_hpc.controller.timeline): one row
 per generator and one for the trainer, coloured by what it did: generate, train, weight sync, or idle
 (nothing to do). Only the last `--timeline-steps` training steps are shown, so each one is readable.
 """
@@ -19,8 +19,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from areal_hpc.controller.timeline import read_events  # noqa: E402
 from areal_hpc.metrics import read_metrics  # noqa: E402
-from areal_hpc.timeline import read_events  # noqa: E402
 
 COLORS = {"generate": "#4c9be8", "train": "#e8744c", "sync": "#7a3fb0", "idle": "#e6e6e6"}
 Interval = tuple[float, float]

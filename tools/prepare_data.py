@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Convert a math or code data set of a common layout into the project's rows (areal_hpc.data):
+"""Convert a math or code data set of a common layout into the project's rows (areal_hpc.data.dataset):
 
     math: {"prompt": ..., "answer": ...}          code: {"prompt": ..., "tests": [{"input", "output"}, ...]}
 
@@ -28,7 +28,7 @@ from collections import Counter
 from pathlib import Path
 
 from areal_hpc.config import ConfigError
-from areal_hpc.data import load_dataset, read_rows
+from areal_hpc.data.dataset import load_dataset, read_rows
 from areal_hpc.reward import REWARD_KINDS
 from areal_hpc.reward.math import last_boxed
 

@@ -90,7 +90,7 @@ class StalenessState:
 
 
 class Buffered(Protocol):
-    """What the consumption check reads of a buffered prompt group (`areal_hpc.rollouts.Group`)."""
+    """What the consumption check reads of a buffered prompt group (`areal_hpc.controller.rollouts.Group`)."""
 
     @property
     def oldest_version(self) -> int | None: ...  # of its generated tokens (`oldest_version`)

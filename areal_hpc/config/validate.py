@@ -11,12 +11,11 @@ from __future__ import annotations
 from areal_hpc import parallel
 from areal_hpc.algo.advantages import ADV_NORMS
 from areal_hpc.arch import DTYPE_BYTES, model_arch
+from areal_hpc.config.choices import LR_DECAYS, PROX_LOGPS, RECOMPUTES, SYNTHETIC_TASKS
 from areal_hpc.config.schema import SINGLE_TURN, Config
 from areal_hpc.device import CHOICES as DEVICES
 from areal_hpc.errors import ConfigError
 from areal_hpc.reward import REWARD_KINDS
-from areal_hpc.synthetic import SYNTHETIC_TASKS
-from areal_hpc.trainer.choices import LR_DECAYS, PROX_LOGPS, RECOMPUTES
 from areal_hpc.workflow.tool_calls import FORMATS as TOOL_FORMATS
 
 CHOICES = {

@@ -51,7 +51,7 @@ on this same path: B groups in flight, train, sync, B more.
 
 Who keeps what (the controller routes between them):
 
-    areal_hpc/rollouts.py         the prompt groups: running, buffered, and the staleness gate's counts
+    areal_hpc/controller/rollouts.py         the prompt groups: running, buffered, and the staleness gate's counts
     areal_hpc/eval/training.py    the evaluation between steps: its rounds and figures
     controller/dispatch.py        generation and rewards to the least-loaded ranks; whom a reward is for
     controller/trainers.py        steps to the replicas, weight syncs, saves; their timings
@@ -73,13 +73,15 @@ import numpy as np
 from areal_hpc.checkpoint.controller import Checkpoints, read_state, state_summary
 from areal_hpc.checkpoint.files import checkpoint_version
 from areal_hpc.controller.dispatch import Dispatch
+from areal_hpc.controller.liveness import Liveness, RankFailure
+from areal_hpc.controller.rollouts import Rollouts
 from areal_hpc.controller.step_metrics import StepMetrics
 from areal_hpc.controller.stop import StopRequest, install_stop_signals, received_stop_signal
+from areal_hpc.controller.timeline import Timeline
 from areal_hpc.controller.trainers import Trainers
 from areal_hpc.eval.training import TrainingEval
 from areal_hpc.exit_codes import EXIT_DONE, EXIT_STOPPED
 from areal_hpc.layout import Role
-from areal_hpc.liveness import Liveness, RankFailure
 from areal_hpc.protocol import (
     EvalTrajectory,
     Failure,
@@ -93,9 +95,7 @@ from areal_hpc.protocol import (
     Trajectory,
 )
 from areal_hpc.reward import overlong_penalty
-from areal_hpc.rollouts import Rollouts
 from areal_hpc.rundir import changes_at
-from areal_hpc.timeline import Timeline
 
 __all__ = ["Controller", "install_stop_signals", "serve"]  # main.py: install_stop_signals(), then serve(ctx)
 
@@ -209,7 +209,9 @@ class Controller:
             return False
         groups = self.rollouts.admit(self.prompts)
         for group in groups:
-            prompt_ids = np.asarray(group.example.prompt_ids, np.int32)  # formatted and tokenized by areal_hpc.data
+            prompt_ids = np.asarray(
+                group.example.prompt_ids, np.int32
+            )  # formatted and tokenized by areal_hpc.data.dataset
             self.dispatch.generate(GenerateRequest(group.group_id, prompt_ids, group.example.row, group.n))
         return bool(groups)
 
@@ -374,7 +376,7 @@ class Controller:
 
 
 def _prompt_stream(cfg, tokenizer):
-    from areal_hpc.data import PromptStream
+    from areal_hpc.data.dataset import PromptStream
 
     return PromptStream.from_config(cfg, tokenizer)
 

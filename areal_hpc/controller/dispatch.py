@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import time
 
+from areal_hpc.controller.liveness import Liveness
+from areal_hpc.controller.timeline import Timeline
 from areal_hpc.layout import Layout, Role
-from areal_hpc.liveness import Liveness
 from areal_hpc.metrics import IdleClock
 from areal_hpc.protocol import (
     EvalRequest,
@@ -30,7 +31,6 @@ from areal_hpc.protocol import (
     RewardResult,
     Trajectory,
 )
-from areal_hpc.timeline import Timeline
 
 
 class Dispatch:
@@ -85,7 +85,7 @@ class Dispatch:
 
 
 def _timeline_name(msg: GenerateRequest | EvalRequest | Trajectory | EvalTrajectory) -> dict:
-    """What a generation is called in the timeline (areal_hpc.timeline): its group, or its eval prompt."""
+    """What a generation is called in the timeline (areal_hpc.controller.timeline): its group, or its eval prompt."""
     if isinstance(msg, EvalRequest | EvalTrajectory):
         return {"eval": msg.prompt_index}
     return {"group": msg.group_id}

@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from areal_hpc.batch import BatchInfo
 from areal_hpc.checkpoint.files import checkpoint_version
 from areal_hpc.config import Config
+from areal_hpc.controller.batch import BatchInfo
 from areal_hpc.metrics import IdleClock, MetricsWriter, drop_rows_after
 from areal_hpc.protocol import Trajectory
 

@@ -2,7 +2,7 @@
 replica, the weight sync after it, a save; and what it measures of them.
 
 ```
- train(groups, v)   advantages, pack (areal_hpc.batch) -> one TrainBatch per replica, to its first rank,
+ train(groups, v)   advantages, pack (areal_hpc.controller.batch) -> one TrainBatch per replica, to its first rank,
                     which passes every message on to the replica's other TP x PP ranks (ReplicaRelay);
                     trainer rank 0 owes the TrainResult
  trained(result)    the step's BatchInfo back (its metrics); how long it took (for the stop decision)
@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import time
 
-from areal_hpc.batch import BatchInfo, build_train_batches
+from areal_hpc.controller.batch import BatchInfo, build_train_batches
+from areal_hpc.controller.liveness import SYNC, Liveness
+from areal_hpc.controller.timeline import Timeline
 from areal_hpc.layout import Layout, Role
-from areal_hpc.liveness import SYNC, Liveness
 from areal_hpc.metrics import IdleClock
 from areal_hpc.protocol import Mailbox, Save, SyncDone, TrainResult, WeightSync
-from areal_hpc.timeline import Timeline
 
 
 class Trainers:

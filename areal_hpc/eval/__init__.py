@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from areal_hpc.data import Example
+from areal_hpc.data.dataset import Example
 from areal_hpc.metrics import length_summary
 
 

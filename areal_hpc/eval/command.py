@@ -3,7 +3,7 @@
 ```
  MODEL_DIR | RUN_DIR --step N -> Hugging Face directory (step 0: the run's initial model; step N: its
                                   checkpoint, exported once to RUN_DIR/hf/step_N)
- --data FILE -> areal_hpc.data.load_prompts (the run's prompt format and length filter)
+ --data FILE -> areal_hpc.data.dataset.load_prompts (the run's prompt format and length filter)
  K episodes per prompt of the run's workflow (rollout.workflow, its tools and limits), run by the
    generator's EpisodeRunner on the generator's vLLM engine (allocation.gen_tp, rollout.temperature)
  each episode, as it finishes -> its reward as in training: the workflow's own when finite; 0 when lost
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from areal_hpc.config import Config, ConfigError, load_config
-from areal_hpc.data import eval_path, load_prompts
+from areal_hpc.data.dataset import eval_path, load_prompts
 from areal_hpc.eval import EvalRound
 from areal_hpc.protocol import EPISODE_STATS, EvalRequest, EvalTrajectory
 
@@ -81,7 +81,7 @@ def resolve(target: str | Path, step: int | None, overrides: list[str], config: 
             raise ConfigError(f"{path} has no complete checkpoint yet; --step 0 evaluates its initial model")
         step = checkpoint_version(latest)
     if step == 0:
-        from areal_hpc.sft import initial_model
+        from areal_hpc.data.initial_model import initial_model
 
         return cfg, initial_model(cfg), 0
     complete = complete_checkpoints(path)
@@ -95,7 +95,7 @@ def resolve(target: str | Path, step: int | None, overrides: list[str], config: 
 
 def export(run_dir: Path, step: int) -> Path:
     """The Hugging Face directory of a run's checkpoint, exported once (`areal-hpc export`'s function)."""
-    from areal_hpc.tiny import _build_atomically
+    from areal_hpc.data.tiny import _build_atomically
     from areal_hpc.trainer.export import ExportError, export_checkpoint
 
     try:
@@ -210,7 +210,7 @@ class _Scoring:
 def run(args) -> int:
     """`areal-hpc eval`: one model (or `--submit`: a Slurm array, one task per step)."""
     if args.submit:
-        from launch.eval_array import submit_eval_array
+        from areal_hpc.launch.eval_array import submit_eval_array
 
         return submit_eval_array(args)
     cfg, model_dir, step = resolve(args.target, args.step, list(args.overrides), args.config)

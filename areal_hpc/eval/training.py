@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 
 from areal_hpc.config import Config
-from areal_hpc.data import Example, eval_path, load_prompts
+from areal_hpc.data.dataset import Example, eval_path, load_prompts
 from areal_hpc.eval import EvalRound
 from areal_hpc.protocol import EvalRequest, EvalTrajectory
 

@@ -54,7 +54,7 @@ async def _serve(ctx, sync) -> None:
     from areal_hpc.generator.engine import GenerationEngine
     from areal_hpc.generator.episodes import EpisodeRunner
     from areal_hpc.protocol import EvalRequest, Failure, GenerateRequest, Mailbox, Stop, SyncDone, WeightSync
-    from areal_hpc.runtime import CONTROLLER_RANK
+    from areal_hpc.rank_context import CONTROLLER_RANK
     from areal_hpc.workflow import load_workflow
 
     mailbox, runner = Mailbox(ctx.world), None

@@ -21,7 +21,7 @@ def response_text(tokenizer, answer_ids) -> str:
 
 def score(kind: str, response: str, target, timeout_s: float | None) -> tuple[float, str]:
     """(reward, reason) of one request; `target` is the answer (math) or the tests, a list of
-    {"input", "output"} (code): an `areal_hpc.data.Example`'s target.
+    {"input", "output"} (code): an `areal_hpc.data.dataset.Example`'s target.
 
     reason: "ok" (the reward is the verdict), "timeout" (scored 0) or "error: ..." (scored 0)."""
     if kind == "math":

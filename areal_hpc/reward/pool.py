@@ -44,14 +44,12 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct(">I")
 _MPI_ENV_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "OPAL_", "HYDRA_", "I_MPI_", "MPICH_")
-_REPO = str(Path(__file__).resolve().parents[2])
 
 
 @dataclass
@@ -161,7 +159,6 @@ class TaskPool:
 
     def _start(self) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith(_MPI_ENV_PREFIXES)}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO, env.get("PYTHONPATH")) if p)
         proc = subprocess.Popen(
             [sys.executable, "-m", "areal_hpc.reward.pool"],
             stdin=subprocess.PIPE,

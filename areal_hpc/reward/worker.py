@@ -20,9 +20,9 @@ import logging
 import time
 
 from areal_hpc.protocol import Failure, Mailbox, RewardRequest, RewardResult, Stop
+from areal_hpc.rank_context import CONTROLLER_RANK
 from areal_hpc.reward import response_text
 from areal_hpc.reward.pool import ScorerPool, pool_size
-from areal_hpc.runtime import CONTROLLER_RANK
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,6 @@ worker       `serve(ctx, sync)`: the rank's message loop
 spawn        N local ranks in spawned processes (tests, benchmarks, export)
 
 Its checkpoints (Megatron dist_checkpointing of model + optimizer, any TP/PP/DP) are
-`areal_hpc.checkpoint.trainer`; the checks that the CPU tests assert and tools/gpu_check.py reports are in
-`areal_hpc.testing`.
+`areal_hpc.trainer.checkpoint`; the checks that the CPU tests assert and tools/gpu_check.py reports are in
+`tests.support`.
 """

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from areal_hpc.checkpoint import trainer as trainer_checkpoint
 from areal_hpc.checkpoint.files import checkpoint_damage, checkpoint_dir, checkpoint_version, complete_checkpoints
+from areal_hpc.trainer import checkpoint as trainer_checkpoint
 
 TIMEOUT_S = 4 * 3600
 """The longest an export may take (a 32B model: minutes, mostly reading and writing its 64 GB)."""

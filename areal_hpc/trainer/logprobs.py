@@ -58,7 +58,7 @@ def token_logprobs(
 def output_input(hidden: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
     """The hidden states as the output layer sees them on every TP rank: the whole sequence, and in the
     backward pass the TP ranks' gradients summed (what Megatron's ColumnParallelLinear does). The checks'
-    dense reference (`areal_hpc.testing.trainer_runs.full_logits`) starts from it too."""
+    dense reference (`tests.support.trainer_runs.full_logits`) starts from it too."""
     from megatron.core import tensor_parallel
 
     if sequence_parallel:

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 
 from areal_hpc.arch import QwenArch
-from areal_hpc.trainer.choices import RECOMPUTE
+from areal_hpc.config.choices import RECOMPUTE
 from areal_hpc.trainer.packed import SegmentAttention
 
 

@@ -53,9 +53,9 @@ import torch.distributed as dist
 from megatron.core.utils import unwrap_model
 
 from areal_hpc.algo.ppo import decoupled_ppo_loss, kl_penalty
+from areal_hpc.config.choices import PROX_LOGPS
 from areal_hpc.protocol import routing_unknown
 from areal_hpc.trainer import moe
-from areal_hpc.trainer.choices import PROX_LOGPS
 from areal_hpc.trainer.logprobs import token_logprobs
 from areal_hpc.trainer.packed import PackedRows, pack_rows
 

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from areal_hpc.checkpoint import trainer as trainer_checkpoint
 from areal_hpc.network import world_store
 from areal_hpc.protocol import Failure, Mailbox, ReplicaRelay, Save, Saved, Stop, TrainBatch, TrainResult, WeightSync
-from areal_hpc.runtime import CONTROLLER_RANK
+from areal_hpc.rank_context import CONTROLLER_RANK
+from areal_hpc.trainer import checkpoint as trainer_checkpoint
 from areal_hpc.trainer.engine import Engine, init_parallel, shutdown_parallel
 from areal_hpc.trainer.step import StepConfig, ppo_step
 
@@ -60,7 +60,7 @@ def build_engine(ctx) -> Engine:
 
 def send_weights(engine: Engine, sync, bucket_bytes: int) -> dict | None:
     """Iterate this rank's export (collective in TP); a weight-sync source streams what it yields (HF
-    names, TP-gathered) into its group, to the generators (areal_hpc.weight_sync: the order)."""
+    names, TP-gathered) into its group, to the generators (areal_hpc.weight_sync.broadcast: the order)."""
     stream = engine.export()
     if sync is not None and sync.is_source:
         return sync.send(stream, bucket_bytes)

@@ -33,7 +33,7 @@ class Workflow(abc.ABC):
         builds its tokens itself.
 
     `row` is the data row (a dict: its `prompt` as written, `prompt_ids` formatted and tokenized, `target`,
-    `kind`, and the data row's other fields as they are: areal_hpc.data.Example.row).
+    `kind`, and the data row's other fields as they are: areal_hpc.data.dataset.Example.row).
 
     Reward. A finite float returned is the episode's reward, and the reward workers are not asked. None
     leaves it to `reward.kind`, which scores the text of the final assistant turn (its sampled tokens,

@@ -39,7 +39,7 @@ async def _tool_loop(client, messages: list, tool_schemas: list[dict]) -> None:
 
 class CalculatorAgent(Workflow):
     """The tiny agent task: the problem (`a*b=`) as the user's message, the calculator as the one tool.
-    An episode that calls it is, in tokens (areal_hpc.tiny's template; sft.py's warm start is the same):
+    An episode that calls it is, in tokens (areal_hpc.data.tiny's template; data/initial_model.py's warm start is the same):
 
         37*48=  <calc>37*48<eos>  <result>1776\\n  \\boxed{1776}<eos>
         prompt  sampled            tool (context)  sampled

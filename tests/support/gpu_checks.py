@@ -1,0 +1,264 @@
+"""The GPU check's checks of the path a run takes (tools/gpu_check.py runs them after its trainer checks):
+short runs of configs/gpu-smoke.yaml through `areal-hpc run` (or `submit`), and the generator's
+interruption in a process of its own. Each returns (status, detail): PASS, FAIL or SKIP and why.
+
+Judged by the functions the CPU tests call (tests.support.runs, .generator_runs, .generator_log);
+what a check needs is counted from the layout its overrides give (`gpus_needed`), never assumed.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+from areal_hpc.arch import model_arch
+from areal_hpc.config import ModelConfig, load_config
+from areal_hpc.layout import Layout
+from tests.support.generator_log import engine_start
+from tests.support.runs import (
+    REPO,
+    RunProcess,
+    checked_steps,
+    metrics_problems,
+    stop_and_resume,
+    stop_resume_problems,
+)
+
+SMOKE = "configs/gpu-smoke.yaml"
+MISMATCH_TOL = {"float32": 1e-3, "bfloat16": 5e-2}
+"""Largest mean |behav_logp - trainer's logp| of a step (`ppo/logp_mismatch`), or of the tokens before
+or after a resubmission in the interruption check, by model.dtype."""
+RUN_TIMEOUT_S = 1800
+"""At most for one short run (the engine's start, CUDA graphs and the model build included)."""
+TP_AND_PP = ("cluster.nodes=2", "cluster.gpus_per_node=2", "allocation.gen_tp=2", "allocation.train_pp=2")
+"""One generator at gen_tp 2 on the first node, the trainer at PP 2 on the second: both paths, 4 GPUs."""
+PP_ONLY = ("cluster.nodes=3", "cluster.gpus_per_node=1", "allocation.gen_tp=1", "allocation.train_pp=2")
+"""The trainer at PP 2 on two nodes of one GPU, the generator on a third: 3 GPUs."""
+QWEN_VOCAB = ("model.vocab_size=151936", "model.max_position_embeddings=8192")
+"""Qwen2's real vocabulary, and room for 4096 new tokens after a prompt (the built model only)."""
+LONG = ("rollout.max_new_tokens=4096",)
+
+
+def smoke_overrides(overrides: list[str]) -> list[str]:
+    """`overrides` for configs/gpu-smoke.yaml; with `model.path=DIR` the YAML's shape fields (those of the
+    model it builds) are cleared, so the shape is DIR's config.json (a field the user sets is kept and checked)."""
+    from areal_hpc.arch import SHAPE_FIELDS
+
+    keys = {o.split("=", 1)[0] for o in overrides}
+    if "model.path" not in keys:
+        return list(overrides)
+    return [*(f"model.{f}=null" for f in SHAPE_FIELDS if f"model.{f}" not in keys), *overrides]
+
+
+def gpus_needed(overrides: list[str]) -> int:
+    """GPUs of a gpu-smoke run with `overrides` on one machine: every node of its layout is this one."""
+    layout = Layout.from_config(load_config(REPO / SMOKE, smoke_overrides(overrides)))
+    return layout.nodes * layout.gpus_per_node
+
+
+def short_run(work: Path, trial: str, overrides: list[str], steps: int | None = None) -> RunProcess:
+    """`areal-hpc run configs/gpu-smoke.yaml` under `work` to its end: `steps` steps (None: the YAML's 20)."""
+    args = smoke_overrides([f"experiment.root={work}", f"experiment.trial={trial}", *overrides])
+    run = RunProcess(SMOKE, *args, *([f"train.total_steps={steps}"] if steps else []))
+    run.wait(RUN_TIMEOUT_S)
+    return run
+
+
+def run_verdict(run: RunProcess, extra: str = "") -> tuple[str, str]:
+    """A finished run judged from its exit code and metrics (`metrics_problems`)."""
+    rows, tol = run.rows(), MISMATCH_TOL[run.cfg.model.dtype]
+    problems = metrics_problems(rows, run.cfg.train.total_steps, tol)
+    if run.proc.returncode != 0:
+        tail = "\n".join(run.output.strip().splitlines()[-15:])
+        problems.insert(0, f"areal-hpc run exited with {run.proc.returncode}; logs in {run.run_dir / 'logs'}:\n{tail}")
+    checked = checked_steps(rows)
+    detail = (
+        f"{len(rows)} steps, weight sync {max((r.get('timing/weight_sync_s', 0) for r in rows), default=0):.2f} s at "
+        f"most, logp mismatch {max((r['ppo/logp_mismatch'] for r in checked), default=0):.1e} over "
+        f"{sum(r['ppo/logp_mismatch_tokens'] for r in checked):.0f} tokens ({run.cfg.model.dtype}){extra}"
+    )
+    return ("FAIL", "; ".join(problems)) if problems else ("PASS", detail)
+
+
+def generator_settings(run: RunProcess) -> dict[str, str]:
+    """vLLM's resolved settings from the run's first generator log ({}: not logged)."""
+    log = run.run_dir / "logs" / "generator-0.log"
+    return engine_start(log.read_text()).settings if log.exists() else {}
+
+
+# --- the generator's interruption, in a process of its own --------------------------------------------
+
+INTERRUPTION_MODEL = ModelConfig(
+    dtype="bfloat16", hidden_size=256, intermediate_size=512, num_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=1024,
+)  # fmt: skip
+"""A small Qwen2 with heads of 64, the size every vLLM attention backend supports."""
+
+
+def interruption(
+    work: Path, device: str, dtype: str, groups: int, n: int, max_new: int, steps=(16, 16), std: float = 0.05
+) -> dict:
+    """`generator_runs.interrupt_twice` on an engine of the project's configuration
+    (`GenerationEngine.create`), `groups` x `n` turns in flight, weights in `dtype`; the
+    reference is transformers in fp32 on the same weights rounded to `dtype`, on `device`.
+
+    Weights B are A plus noise of `std`: 0.05 puts them about 1 nat apart per token (so a bad load
+    shows) while keeping their activations near A's, and so bf16's error on both alike (vLLM's CPU
+    kernels in bf16, 8 x 4 trajectories: mean mismatch 1.6e-3 before a resubmission, 2.6e-3 after;
+    with the CPU test's 0.5, B's logits are so large that bf16 errs 10 times more after)."""
+    import dataclasses
+
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    from areal_hpc.data.tiny import build_tiny_model
+    from areal_hpc.generator.engine import GenerationEngine
+    from tests.support.generator_runs import (
+        interrupt_twice,
+        interruption_mismatch,
+        interruption_problems,
+        perturb,
+        round_to,
+    )
+
+    temperature = 0.8  # != 1: processed (tempered) logprobs are told from vLLM's raw ones
+    path = build_tiny_model(dataclasses.replace(INTERRUPTION_MODEL, dtype=dtype), work, seed=1)
+    engine = GenerationEngine.create(
+        path, device=device, dtype=dtype, temperature=temperature,
+        max_model_len=INTERRUPTION_MODEL.max_position_embeddings, max_num_seqs=groups * n, seed=0,
+    )  # fmt: skip
+    try:
+        dt = getattr(torch, dtype)
+
+        def model(seed: int | None):
+            m = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            return round_to(perturb(m, seed, std) if seed is not None else m, dt).to(device)
+
+        model_a, model_b = model(None), model(5)
+        prompts = [[5 + g % 90, 6 + g % 7, 7] for g in range(groups)]
+        run = interrupt_twice(engine, model_a, model_b, prompts, n, max_new, steps)
+        mismatch = interruption_mismatch(run, model_a, model_b, temperature)
+    finally:
+        engine.close()
+    return {
+        "problems": interruption_problems(run, mismatch, MISMATCH_TOL[dtype]),
+        "mismatch": mismatch,
+        "load_s": run.load_s,
+        "through_both": len(run.turns),
+    }
+
+
+def check_interruption(
+    work: Path, device: str = "cuda", dtype: str = "bfloat16", groups: int = 64, n: int = 4, max_new: int = 128
+) -> tuple[str, str]:
+    """`interruption` in a spawned process: its engine and the memory it holds go with it."""
+    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+        got = pool.submit(interruption, work / "interruption", device, dtype, groups, n, max_new).result()
+    m = got["mismatch"]
+    loads = ", ".join(f"{s:.2f}" for s in got["load_s"])
+    detail = (
+        f"{groups * n} turns in flight, {got['through_both']} through both loads; mean |logprob - "
+        f"transformers'| {m.before.mean:.1e} before a resubmission ({m.before.tokens} tokens), {m.after.mean:.1e} "
+        f"after ({m.after.tokens}), {m.first_after.mean:.1e} at the first token after one; weights A and B "
+        f"{m.other.mean:.2f} apart; weight updates took {loads} s"
+    )
+    return ("FAIL", "; ".join(got["problems"]) + f" ({detail})") if got["problems"] else ("PASS", detail)
+
+
+# --- long trajectories at Qwen's vocabulary -------------------------------------------------------------
+
+
+def long_overrides(overrides: list[str]) -> list[str]:
+    """Qwen's vocabulary and 4096 new tokens; a model of `model.path=DIR` keeps its own vocabulary."""
+    keys = {o.split("=", 1)[0] for o in overrides}
+    return [*LONG, *(() if "model.path" in keys else QWEN_VOCAB), *overrides]
+
+
+def check_long(work: Path, overrides: list[str], steps: int = 3) -> tuple[str, str]:
+    """A few steps at Qwen's vocabulary, 4096 new tokens, the config's ppo.max_tokens_per_mb: the bf16
+    mismatch, and the peak memory of each trainer rank that reports it (`memory/peak_gib`: the trainer
+    rank 0's, the only one at gpu-smoke's TP 1 x PP 1 x DP 1)."""
+    run = short_run(work, "long", long_overrides(overrides), steps)
+    rows, cfg = run.rows(), run.cfg
+    trainers = Layout.from_config(cfg).trainers
+    peak = max((r["memory/peak_gib"] for r in rows if "memory/peak_gib" in r), default=None)
+    memory = (
+        f"trainer rank 0 of {trainers}: peak {peak:.1f} GiB allocated" if peak is not None else "no memory/peak_gib"
+    )
+    truncated = sum(r.get("rollout/truncated", 0) for r in rows)
+    status, detail = run_verdict(
+        run,
+        f"; vocabulary {model_arch(cfg.model).vocab_size}, max_new_tokens {cfg.rollout.max_new_tokens} ({truncated:.0f} "
+        f"trajectories reached it), ppo.max_tokens_per_mb {cfg.ppo.max_tokens_per_mb}; {memory}; generator: "
+        "vLLM's share of its GPU (gpu_memory_utilization), not measured",
+    )
+    return status, detail
+
+
+# --- stop, resume, continue -------------------------------------------------------------------------------
+
+
+def check_stop_resume(work: Path, overrides: list[str]) -> tuple[str, str]:
+    """Ctrl-C after 2 steps, then the same run 3 steps further (`runs.stop_and_resume`)."""
+    args = smoke_overrides([f"experiment.root={work}", "experiment.trial=resume", *overrides])
+    run = stop_and_resume(SMOKE, *args, after=3, timeout=RUN_TIMEOUT_S)
+    problems = stop_resume_problems(run, MISMATCH_TOL[run.second.cfg.model.dtype])
+    if problems:
+        return "FAIL", "; ".join(problems) + f" (logs in {run.run_dir / 'logs'})"
+    return "PASS", f"stopped at {run.checkpoint.name}, resumed to step {run.total}"
+
+
+# --- the same short run through Slurm --------------------------------------------------------------------
+
+SUBMIT_WAIT_S = 3600
+"""How long `--submit` waits for its job (the queue's wait included)."""
+
+
+def wait_job(state, timeout_s: float, poll_s: float = 15, clock=time.monotonic, sleep=time.sleep) -> str:
+    """The state `state()` (areal_hpc.launch.record.JobRecord.state) reports once the job has ended, or the last
+    one seen after `timeout_s`. UNKNOWN, which Slurm's and the record's silence gives, is waited out."""
+    from areal_hpc.launch.record import ACTIVE
+
+    deadline = clock() + timeout_s
+    while (s := state()) in ACTIVE or s == "UNKNOWN":
+        if clock() > deadline:
+            return s
+        sleep(poll_s)
+    return s
+
+
+def submit_verdict(state: str, rows: list[dict], steps: int, tol: float, run_dir: Path) -> tuple[str, str]:
+    """A submitted job judged as a local run: COMPLETED and its metrics (`metrics_problems`); a job the
+    queue never started is a SKIP (nothing was checked), one still running after the wait a FAIL."""
+    if state == "PENDING":
+        return "SKIP", f"the job was still PENDING after the wait; cancel it: areal-hpc cancel {run_dir}"
+    problems = ([] if state == "COMPLETED" else [f"job {state} (areal-hpc status {run_dir})"]) + metrics_problems(
+        rows, steps, tol
+    )
+    return ("FAIL", "; ".join(problems)) if problems else ("PASS", f"job COMPLETED, {len(rows)} steps")
+
+
+def check_submit(root: Path, overrides: list[str], steps: int = 5) -> tuple[str, str]:
+    """`areal-hpc submit configs/gpu-smoke.yaml --nodes 2` under `root` (a directory every node sees), waited
+    for with the job's record (areal_hpc.launch.record), judged from its metrics."""
+    import subprocess
+    import sys
+
+    from areal_hpc.launch.record import JobRecord
+    from areal_hpc.metrics import read_metrics
+
+    trial = time.strftime("submit-%Y%m%d-%H%M%S")
+    args = smoke_overrides([f"experiment.root={root}", f"experiment.trial={trial}", *overrides])
+    args.append(f"train.total_steps={steps}")
+    cmd = [sys.executable, "-m", "areal_hpc.cli", "submit", str(REPO / SMOKE), "--nodes", "2", *args]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    cfg = load_config(REPO / SMOKE, [*args, "cluster.nodes=2"])
+    run_dir = REPO / cfg.run_dir
+    record = JobRecord.load(run_dir)
+    if proc.returncode != 0 or record is None:
+        return "FAIL", f"areal-hpc submit exited with {proc.returncode}:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+    state = wait_job(record.state, SUBMIT_WAIT_S)
+    rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+    return submit_verdict(state, rows, steps, MISMATCH_TOL[cfg.model.dtype], run_dir)
