@@ -3,6 +3,7 @@
 #   tools/test.sh                 # everything (what CI runs)
 #   tools/test.sh --fast          # the unit tier: no MPI world, no vLLM engine, no Slurm, nothing slow
 #   tools/test.sh -m "not slurm"  # other arguments go to pytest
+# It prints its own time last, pass or fail (the budget: README, Tests).
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
@@ -10,6 +11,13 @@ if [ -z "${VIRTUAL_ENV:-}" ] && [ -x .venv/bin/python ]; then
   # shellcheck disable=SC1091
   source .venv/bin/activate
 fi
+started_slurm=0
+finish() {
+  local code=$?
+  [ "$started_slurm" = 1 ] && tools/local_slurm.sh stop >/dev/null
+  echo "[test] took $((SECONDS / 60)) min $((SECONDS % 60)) s (exit $code)"
+}
+trap finish EXIT
 fast=0
 for arg in "$@"; do
   [ "$arg" = --fast ] && fast=1
@@ -23,7 +31,7 @@ if [ "$fast" = 0 ]; then
   # stop it when the tests end, whatever their outcome.
   if ! tools/local_slurm.sh status >/dev/null 2>&1; then
     echo "[test] starting the local Slurm cluster (tools/local_slurm.sh)"
-    trap 'tools/local_slurm.sh stop >/dev/null' EXIT
+    started_slurm=1
     tools/local_slurm.sh start >/dev/null || echo "[test] the local Slurm cluster did not start: the slurm tests will fail" >&2
   fi
   eval "$(tools/local_slurm.sh env)"
