@@ -394,7 +394,7 @@ def test_a_sync_from_two_expert_sources_reaches_vllms_fused_experts(tmp_path, mo
     """A tiny MoE generator receives new weights over two groups, as from a stage's two expert ranks
     ((0, 0): the dense tensors and experts 0-1, (0, 1): experts 2-3, per-expert Hugging Face names):
     its greedy tokens then equal those of a fresh engine on the new weights, and after a sync back,
-    its own first ones (vLLM's CPU experts repack their weights on load: generator/engine.py). No
+    its own first ones (vLLM's CPU experts repack their weights on load: generator/weight_loader.py). No
     module goes through vLLM's layerwise reload."""
     import re
 

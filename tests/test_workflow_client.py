@@ -384,11 +384,12 @@ def test_the_calculator_agent_stops_at_max_turns():
 
 
 def readme_workflow(tmp_path: Path):
-    """The README's example workflow ("Writing a workflow"), saved and loaded as a user would: the class and its
-    system prompt."""
+    """docs/agents.md's example workflow ("Writing a workflow"), saved and loaded as a user would: the class and
+    its system prompt."""
     from areal_hpc.workflow import load_workflow
 
-    section = (Path(__file__).resolve().parents[1] / "README.md").read_text().split("## Writing a workflow", 1)[1]
+    guide = Path(__file__).resolve().parents[1] / "docs" / "agents.md"
+    section = guide.read_text().split("## Writing a workflow", 1)[1]
     path = tmp_path / "math_agent.py"
     path.write_text(section.split("```python\n", 1)[1].split("```", 1)[0])
     cls = load_workflow(f"{path}:MathAgent")
@@ -399,7 +400,7 @@ def readme_workflow(tmp_path: Path):
 @pytest.mark.vllm
 @pytest.mark.parametrize("agent", ["builtin", "readme"])
 def test_the_code_interpreter_agent_chats_in_qwens_format(agent, tmp_path):
-    """CodeInterpreterMath, and the README's example agent (the same loop), in Qwen's format."""
+    """CodeInterpreterMath, and docs/agents.md's example agent (the same loop), in Qwen's format."""
     from areal_hpc.workflow.builtin import CODE_INTERPRETER_PROMPT, CodeInterpreterMath
     from tests.test_workflow_conversation import QWEN25_STYLE
 

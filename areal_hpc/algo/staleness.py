@@ -1,4 +1,4 @@
-"""Staleness control: the admission gate and the consumption check (docs/design.md, The algorithm).
+"""Staleness control, the pure rule: the admission gate and the consumption check.
 
 B = `rollout.prompts_per_step` (prompt groups per training step), eta = `rollout.max_staleness`,
 v = the policy version (completed training steps, each of `ppo.minibatches` optimizer steps; the version
@@ -24,20 +24,9 @@ Lifecycle of a group and the rule for what counts as accepted:
     consume: trained on      consumed += 1                   still counted in accepted
     consume: dropped         accepted -= 1, dropped += 1     too stale: frees its slot
 
-A dropped group must leave `accepted`: otherwise each drop would permanently take one of the
-(eta + 1) * B slots above consumed = v * B, and after enough drops the gate would admit nothing
-while the trainer waits for a batch that never comes. With the rule, when nothing is running and
-fewer than B groups are buffered, the gate's room is (eta + 1) * B - buffered > 0: it never stalls.
-
-Why the bound holds. A group admitted at version v0 found accepted + running < (eta + v0 + 1) * B,
-so it is among the first (eta + v0 + 1) * B groups accepted; if groups finish in admission order it
-is consumed by step eta + v0 at the latest, and v - v0 <= eta. Groups finish out of order (a long
-trajectory, a slow reward), so the consumption check turns that into a guarantee by dropping the rare
-group that waited too long: max over consumed tokens of (v - token version) <= eta, always.
-
-Worked example: B = 4, eta = 1, v = 0: up to (1 + 0 + 1) * 4 = 8 groups are admitted. After step 1
-consumes 4 of them (v = 1), the room is (1 + 1 + 1) * 4 - 8 = 4 more. A group admitted at v = 0
-and still buffered at v = 2 is dropped (0 < 2 - 1); its slot goes to a new group.
+A dropped group must leave `accepted`, or each drop would hold a slot for ever and the gate would
+stall; why that rule and the two checks together keep the bound is the long form of docs/design.md (The
+algorithm); the worked example of a run is in the controller's docstring (areal_hpc.controller).
 
 A GRPO group is dropped or consumed whole: its trajectories are scored against each other, so its
 oldest version is the minimum over all of its trajectories (`oldest_version`).

@@ -18,11 +18,11 @@ stays on the engine of the rank that got its request, so its turns reuse that en
 Names: an episode is `group{g}.{i}` (`eval{p}.{i}` for an eval row), its turns `<episode>.t{k}` (the
 engine's keys), its tool calls `<episode>.c{k}` (the pool's keys).
 
-A workflow that raises loses its episode only: the reply carries the traceback (`error`, also logged) and
-no tokens; so does an episode that sampled nothing or returned neither a finite float nor None. Any
-exception counts, SystemExit and KeyboardInterrupt from user code included (its group waits for every
-reply); only a cancellation (`close`, at Stop) ends an episode without one. The tool pool starts at the first tool call, so a
-workflow without tools costs no processes.
+What an episode may do, and what a failure costs it, is the contract in `areal_hpc.workflow.Workflow`'s
+docstring. Here: a lost episode (its workflow raised, sampled nothing, or returned neither a finite float
+nor None) still replies, with the traceback (`error`, also logged) and no tokens, since its group waits
+for every reply; only a cancellation (`close`, at Stop) ends an episode without a reply. The tool pool starts at the first tool call, so a workflow without tools costs no
+processes.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Multi-turn rollout workflows: the one seam where a user writes rollout logic (`rollout.workflow`).
 
-A workflow is a subclass of `Workflow`, named in the config as `package.module:Name` or
-`path/to/file.py:Name` and loaded by `load_workflow`. Each generator rank builds it once, with no
-arguments, and calls `arun_episode` once per episode: a GRPO group of n is n calls on one data row.
-Everything else (versions, staleness, packing, advantages) stays the system's.
+A workflow is a subclass of `Workflow`, whose docstring is the contract, named in the config as
+`package.module:Name` or `path/to/file.py:Name` and loaded by `load_workflow` before a run starts, so a
+bad name fails at launch, not on the generators. A GRPO group of n is n episodes of one data row;
+everything else (versions, staleness, packing, advantages) stays the system's.
 """
 
 from __future__ import annotations
@@ -21,48 +21,77 @@ SETTING = "rollout.workflow"
 
 
 class Workflow(abc.ABC):
-    """One episode for one data row: ask the policy for a turn, look at what came back, run tools or an
+    """The workflow contract, stated here once (docs/agents.md is the guide to it, with an example).
+
+    One episode for one data row: ask the policy for a turn, look at what came back, run tools or an
     environment, append their output, ask again; return the episode's reward or leave it to the reward
-    workers.
+    workers. Each generator builds the workflow once, with no arguments, and shares it among all its
+    episodes: keep an episode's state in local variables.
 
-    `client` is the episode's own client, built by the system:
+    `client` is the episode's own client (areal_hpc.workflow.client), built by the system:
       - `await client.chat.completions.create(messages=..., tools=...)` answers like the `openai`
-        package's `AsyncOpenAI`: `resp.choices[0].message` has `content` and `tool_calls` parsed from
-        the model's output (`rollout.tool_format`), so agent code written for that client trains as is;
-      - `await client.generate(context_ids, max_tokens)` is the token-level call for a workflow that
-        builds its tokens itself.
+        package's `AsyncOpenAI`: an `openai` ChatCompletion whose `choices[0].message` has `content` and
+        `tool_calls` parsed from the model's output (`rollout.tool_format`), plus `token_ids`, so agent
+        code written for that client trains as is. `extra_body={"chat_template_kwargs": {...}}` reaches
+        the chat template, the same on every call of an episode. Sampling is the run's: a `temperature`
+        or `top_p` other than `rollout.temperature` and `rollout.top_p`, or `n` != 1, raises ValueError
+        (the trainer recomputes each sampled token's logprob at the run's settings); so do the arguments
+        the engine would not apply, rather than being ignored: `stop`, `logit_bias`, the penalties,
+        `stream=True` (a turn comes back whole) and a forced `tool_choice` ("auto" and "none" are
+        accepted).
+      - `await client.generate(context_ids, max_tokens=None)` is the token-level call for a workflow that
+        builds its tokens itself: one turn after `context_ids`, returned as `token_ids`,
+        `behav_logprobs`, `versions` and `finish_reason`; ids that extend the sequence so far continue it.
+      - `await client.run_tool(name, arguments)` runs a shipped tool (areal_hpc.workflow.tools; the
+        arguments a dict or a tool call's JSON string) and returns the text for the model; a failure
+        returns `error: ...`, counted in `rollout/tool_errors`, and never raises. A tool of your own is
+        a function the workflow calls itself.
 
-    `row` is the data row (a dict: its `prompt` as written, `prompt_ids` formatted and tokenized, `target`,
-    `kind`, and the data row's other fields as they are: areal_hpc.data.dataset.Example.row).
+    `row` is a dict: `prompt` (the data set's text, as it is), `prompt_ids` (the prompt formatted by
+    `data.chat_template`, `data.system_prompt` and `data.prompt_suffix`, tokenized), `target` (the answer,
+    or the tests), `kind`, and every other field of the data row as it is (areal_hpc.data.dataset
+    `Example.row`); a data row may not have fields of those names. The row goes with every request and
+    into checkpoints: give large files as paths. A chat workflow builds its messages from `prompt`.
 
     Reward. A finite float returned is the episode's reward, and the reward workers are not asked. None
     leaves it to `reward.kind`, which scores the text of the final assistant turn (its sampled tokens,
     never a tool's output). Anything else (inf, NaN, a string) loses the episode, as an exception does.
+    Either way `reward.overlong_penalty` (when set) is added, counted on the final turn's tokens.
 
-    Limits. At most `rollout.max_turns` calls to the policy per episode, and `rollout.max_episode_tokens`
-    tokens in all (prompt, sampled and tool tokens of all its sequences). A call past either limit, or
-    with no room left in the model's context, returns at once an empty turn with finish reason
-    "length" and no tool calls (it does not raise: user code could swallow an exception); the episode
-    then ends as truncated (`ppo.mask_truncated` applies).
+    Limits. At most `rollout.max_turns` calls to the policy per episode, `rollout.max_new_tokens` tokens
+    a turn, and `rollout.max_episode_tokens` tokens in all (prompt, sampled and tool tokens of all its
+    sequences; 0: the model's context). A call past a limit, or with no room left in the model's
+    context, returns at once an empty turn with finish reason "length" and no tool calls (it does not
+    raise: user code could swallow an exception); the episode then ends as truncated
+    (`ppo.mask_truncated` applies, `rollout/truncated` counts it).
 
-    Tokens. What is trained is exactly what the engine saw (areal_hpc.workflow.conversation): the
-    sampled tokens as sampled, each tool or user message as the chat template renders it after them.
-    Earlier turns are never re-rendered, so an earlier `<think>` block is trained even where a
-    template would strip it from the history.
+    Tokens. What is trained is exactly what the engine saw (areal_hpc.workflow.conversation): the prompt,
+    the sampled tokens as sampled, each tool or user message as the chat template renders it after them.
+    Earlier turns are never re-rendered, so an earlier `<think>` block is trained even where a template
+    would strip it from the history; where a template rewrites earlier turns, a new message's tokens
+    come from a render that does not depend on them (`rollout/template_rewrites`). The loss covers the
+    sampled tokens only. A turn ends at the tokenizer's EOS token: use an instruct model whose EOS is its
+    template's turn end (Qwen2.5-Instruct's `<|im_end|>`).
 
-    Sequences. A call whose `messages` do not extend the conversation so far (the agent edited or
-    summarised its history) starts a new sequence of the same episode. Every sequence is trained, and
-    every one gets the episode's reward.
+    Sequences. A call whose `messages` extend the conversation so far (the earlier messages unchanged,
+    the returned assistant message included) adds only the new messages' tokens; one whose messages do
+    not (the agent dropped, edited or summarised its history) starts a new sequence of the same episode.
+    Every sequence is trained, and every one gets the episode's reward.
 
-    Concurrency. Episodes run as asyncio tasks on the generator's event loop, next to the engine: an
-    episode that awaits (a turn, a tool) holds up nothing, but a blocking call in `arun_episode` stops
-    the engine and every other episode. Run blocking code with `await asyncio.to_thread(...)`.
-    One call to the policy at a time per episode: a second `generate` or chat call on the same client
-    while one is in flight raises RuntimeError (both would extend the same sequence); parallel samples
-    are separate episodes (`rollout.group_size`). Tool calls may run concurrently.
+    Concurrency. Episodes run as asyncio tasks on the generator's event loop, next to its engine, each on
+    that engine (its prefix cache is reused between turns): an episode that awaits (a turn, a tool) holds
+    up nothing, but a blocking call in `arun_episode` (`requests.get`, `subprocess.run`, a long
+    computation) stops the engine and every other episode. Run blocking code with
+    `await asyncio.to_thread(...)`, or an async library. One call to the policy at a time per episode: a
+    second `generate` or chat call on the same client while one is in flight raises RuntimeError (both
+    would extend the same sequence); parallel samples are separate episodes (`rollout.group_size`). Tool
+    calls may run concurrently.
 
-    Errors. An exception ends this episode only (SystemExit and KeyboardInterrupt too): it is counted in
-    `rollout/workflow_errors` and its traceback goes to the generator's log.
+    Errors. An exception ends this episode only (SystemExit and KeyboardInterrupt too): its traceback
+    goes to the generator's log, it is counted in `rollout/workflow_errors`, and its group's advantages
+    are computed over the other episodes (a group with none left is counted in `rollout/lost_groups` and
+    another prompt takes its place). When more than half of a step's episodes fail, the run stops with
+    the first traceback. A tool that fails is not an exception: the model reads `error: ...`.
     """
 
     @abc.abstractmethod

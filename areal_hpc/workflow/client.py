@@ -1,32 +1,17 @@
 """The client an episode's workflow talks to (`EpisodeClient`): it turns the workflow's calls into engine
 turns, keeps the episode's token record (areal_hpc.workflow.conversation), applies the episode's limits
-and counts what the episode did.
+and counts what the episode did. What a workflow may call and what each call does is the contract in
+`areal_hpc.workflow.Workflow`'s docstring; this module implements it:
 
-    client.chat.completions.create(messages=..., tools=...)   OpenAI-style: the messages' new tokens are
-        the chat template's delta, the sampled turn is kept as sampled, and the answer is the `openai`
-        package's ChatCompletion with tool calls parsed (`rollout.tool_format`), plus `token_ids`
+    client.chat.completions.create(messages=..., tools=...)   OpenAI-style, tool calls parsed, + token_ids
     client.generate(context_ids, max_tokens)                 token level: the workflow builds the tokens
     client.run_tool(name, arguments)                         a tool call through the system's tool pool
 
-Limits, per episode: `rollout.max_turns` calls to the policy, `rollout.max_episode_tokens` tokens in all
-its sequences (0: the model's context), `rollout.max_new_tokens` per turn, and the model's context
-(`max_model_len`) per sequence. A call past one returns at once an empty turn with finish reason
-"length" (no engine call), and the episode ends as "length"; it does not raise, so user code that
-catches exceptions cannot loop on it.
-
-One call to the policy at a time: a second `generate` or chat call while one is in flight on the same
-client raises RuntimeError. An episode's record is one chain of turns, each continuing what came before;
-samples in parallel are separate episodes (`rollout.group_size`). Tool calls may run concurrently.
-
-Sampling settings are the run's: a call that asks for another temperature or top_p, or n != 1, raises
-ValueError. The trainer recomputes every sampled token's logprob at `rollout.temperature`, so a turn
-sampled otherwise would train on the wrong behaviour policy. Arguments the engine does not apply raise
-ValueError too rather than being ignored: `stop`, `logit_bias`, the penalties, `stream=True` (a turn
-comes back whole) and a forced `tool_choice` ("required" or a named function: nothing constrains what
-is sampled); `tool_choice="none"` only turns the parsing of tool calls off.
-
-The OpenAI types are built by hand (not the `openai` client over HTTP): the episode runs next to the
-engine, in the same event loop, and a server round trip would re-tokenize what was sampled.
+A call past a limit returns an empty "length" turn instead of raising, so user code that catches
+exceptions cannot loop on it; sampling arguments other than the run's raise, since the trainer
+recomputes logprobs at the run's settings. The OpenAI types are built by hand (not the `openai` client
+over HTTP): the episode runs next to the engine, in the same event loop, and a server round trip would
+re-tokenize what was sampled.
 """
 
 from __future__ import annotations
