@@ -8,7 +8,6 @@ import pytest
 
 from areal_hpc.config import (
     IDENTITY,
-    KINDS,
     OPERATIONAL,
     TRAINING,
     Config,
@@ -19,7 +18,8 @@ from areal_hpc.config import (
     load_config,
     save_config,
 )
-from areal_hpc.config.kinds import config_fields, kinds_of
+from areal_hpc.config.kinds import config_fields
+from areal_hpc.config.schema import declared_kinds, identity, operational, section_class, training
 from areal_hpc.layout import Layout
 from areal_hpc.planner import resolve_split
 from areal_hpc.workflow import Workflow, load_workflow
@@ -155,14 +155,48 @@ def test_every_field_is_documented():
 
 
 def test_every_field_is_of_exactly_one_kind():
-    """A field added to a section whose fields differ in kind (or a new section) must be placed in
-    areal_hpc.config.kinds; a key there must name a section or a field."""
-    fields = config_fields()
-    misplaced = {f: kinds_of(f) for f in fields if len(kinds_of(f)) != 1}
-    assert not misplaced, f"fields in no kind or in several (areal_hpc.config.kinds.KINDS): {misplaced}"
-    sections = {f.split(".")[0] for f in fields}
-    stale = [key for keys in KINDS.values() for key in keys if key not in sections and key not in fields]
-    assert not stale, f"keys of KINDS that name no section or field: {stale}"
+    """Each field declares its kind (or its section does, for all its fields), exactly once: a field of a
+    section of mixed kinds that declares none, or a field that declares one in a section that does too,
+    fails the schema's import (`declared_kinds`)."""
+    import dataclasses
+
+    every = [f"{s.name}.{f.name}" for s in dataclasses.fields(Config) for f in dataclasses.fields(section_class(s))]
+    assert config_fields() == every and {kind_of(f) for f in every} == {OPERATIONAL, TRAINING, IDENTITY}
+
+    @dataclasses.dataclass
+    class Mixed:
+        lr: float = training(0.1)
+        seed: int = identity(1)
+
+    @dataclasses.dataclass
+    class Forgot(Mixed):
+        added: int = 0  # declares no kind, in a section of mixed kinds
+
+    @dataclasses.dataclass
+    class Uniform:
+        time: str = "04:00:00"
+
+    @dataclasses.dataclass
+    class Twice(Uniform):
+        timeout_s: float = training(1.0)  # declares one, in a section that declares one
+
+    def toy(ppo: type, cluster: type) -> type:  # a Config of two sections: ppo mixed, cluster operational
+        sections = [
+            ("ppo", ppo, dataclasses.field(default_factory=ppo)),
+            ("cluster", cluster, operational(factory=cluster)),
+        ]
+        return dataclasses.make_dataclass("Toy", sections)
+
+    with pytest.raises(TypeError, match=r"config field ppo\.added declares no kind on resume"):
+        declared_kinds(toy(Forgot, Uniform))
+    with pytest.raises(TypeError, match=r"cluster\.timeout_s declares a kind on resume, and so does its section"):
+        declared_kinds(toy(Mixed, Twice))
+    assert declared_kinds(toy(Mixed, Uniform)) == {
+        "ppo.lr": TRAINING,
+        "ppo.seed": IDENTITY,
+        "cluster.time": OPERATIONAL,
+    }
+
     assert (kind_of("cluster.time"), kind_of("ppo.lr"), kind_of("model.path")) == (OPERATIONAL, TRAINING, IDENTITY)
     assert kind_of("cluster.env.NCCL_DEBUG") == OPERATIONAL  # an entry of a mapping field: its field's kind
     assert "  lr = 2e-05  [training]" in describe_config() and "  time = '04:00:00'  [operational]" in describe_config()

@@ -1,11 +1,12 @@
 """The run configuration: OmegaConf over dataclasses, one small dataclass per section.
 
 ```
- schema.py    the sections and their fields, each documented once by the string under it
+ schema.py    the sections and their fields, each documented once by the string under it and declared
+              with its kind on resume: operational, training (--allow-change) or identity
  load.py      YAML file + `section.field=value` overrides -> a validated Config; writing one back
  validate.py  the rules across fields (the parallel sizes: areal_hpc.parallel; the model's shape:
               areal_hpc.arch), and the fields with a fixed set of values (CHOICES)
- kinds.py     each field's kind on resume: operational, training (--allow-change) or identity
+ kinds.py     each field's kind looked up, and what `--allow-change` allows
  help.py      the field docs read from the source: `areal-hpc --config-help`
 ```
 
@@ -15,7 +16,7 @@ is what the rest of the project imports the configuration from.
 """
 
 from areal_hpc.config.help import describe_config, field_docs
-from areal_hpc.config.kinds import IDENTITY, KINDS, OPERATIONAL, TRAINING, allowed_fields, kind_of
+from areal_hpc.config.kinds import IDENTITY, OPERATIONAL, TRAINING, allowed_fields, kind_of
 from areal_hpc.config.load import load_config, save_config
 from areal_hpc.config.schema import (
     SINGLE_TURN,
@@ -39,7 +40,6 @@ from areal_hpc.errors import ConfigError
 __all__ = [
     "CHOICES",
     "IDENTITY",
-    "KINDS",
     "OPERATIONAL",
     "SINGLE_TURN",
     "TRAINING",

@@ -35,7 +35,7 @@ def field_docs(cls) -> dict[str, str]:
 
 
 def describe_config() -> str:
-    """Every section and field with its default, its kind on resume (areal_hpc.config.kinds) and its
+    """Every section and field with its default, its kind on resume (declared in schema.py) and its
     documentation (`areal-hpc --config-help`)."""
     lines = ["Kind of each field on resume: operational changes freely; training with --allow-change; identity never."]
     defaults = Config()

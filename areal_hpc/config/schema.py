@@ -1,5 +1,24 @@
 """The run configuration's schema: one small dataclass per section, every field documented once by the
-string literal directly under it (what `--config-help` and the docs show).
+string literal directly under it (what `--config-help` and the docs show) and declared with its kind on
+resume, what a resumed run may change:
+
+```
+ operational  where and how the run executes: the cluster, the node counts and the TP/PP/DP split,
+              checkpoint cadence and retention, timeouts, logging, eval, the run's length.
+              A resume changes it freely and says so.
+ training     the experiment's hyperparameters: the loss, the optimizer, sampling, the batch.
+              A resume changes it only when asked (`--allow-change ppo.lr`, or a whole section:
+              `--allow-change ppo`); the change is recorded with the step it starts after.
+ identity     what makes it another experiment, whose checkpoint and data stream would mean nothing
+              for this one: the model (and its warm start), the data, the reward function, the seed,
+              the group size and the staleness bound. A resume never changes it.
+```
+
+A section whose fields are all of one kind declares it once, on its field of `Config`
+(`cluster: ClusterConfig = operational(factory=ClusterConfig)`): a field added there falls in its kind.
+In the other sections each field declares its own (`lr: float = training(2e-5)`), so that a field added
+there must be placed: a field of no kind, or of two, fails the import (`declared_kinds`). The resume
+rules that read the kinds are `areal_hpc.config.kinds`.
 
 The sections are the YAML file's top-level keys (`Config`'s fields). Loading and overriding is
 `areal_hpc.config.load`; the rules across fields are `areal_hpc.config.validate`.
@@ -8,10 +27,36 @@ The sections are the YAML file's top-level keys (`Config`'s fields). Loading and
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from areal_hpc.arch import ModelConfig  # the `model` section, defined beside the architecture it gives
+
+OPERATIONAL, TRAINING, IDENTITY = "operational", "training", "identity"
+"""The kinds on resume (above)."""
+
+
+def _of_kind(kind: str, default: Any, factory: Callable[[], Any] | Any) -> Any:
+    return field(default=default, default_factory=factory, metadata={"kind": kind})
+
+
+def operational(default: Any = MISSING, *, factory: Callable[[], Any] | Any = MISSING) -> Any:
+    """A field of kind operational, with its default (or `factory`, as `field`'s default_factory); on
+    `Config`, a section all of whose fields are."""
+    return _of_kind(OPERATIONAL, default, factory)
+
+
+def training(default: Any = MISSING, *, factory: Callable[[], Any] | Any = MISSING) -> Any:
+    """As `operational`, of kind training."""
+    return _of_kind(TRAINING, default, factory)
+
+
+def identity(default: Any = MISSING, *, factory: Callable[[], Any] | Any = MISSING) -> Any:
+    """As `operational`, of kind identity."""
+    return _of_kind(IDENTITY, default, factory)
+
 
 SINGLE_TURN = "areal_hpc.workflow.builtin:SingleTurn"
 """The default `rollout.workflow`: one turn per episode, no tools."""
@@ -19,15 +64,15 @@ SINGLE_TURN = "areal_hpc.workflow.builtin:SingleTurn"
 
 @dataclass
 class ExperimentConfig:
-    name: str = "tiny-cpu"
+    name: str = operational("tiny-cpu")
     """Experiment name: the run directory is `<root>/<name>/<trial>/`."""
-    trial: str = "trial0"
+    trial: str = operational("trial0")
     """Trial name within the experiment; running the same trial again resumes it."""
-    root: str = "runs"
+    root: str = operational("runs")
     """Run root: run directories and cached built assets (tiny model, synthetic data) live here."""
-    seed: int = 1
+    seed: int = identity(1)  # the tiny model, the synthetic data and the prompt order are drawn from it
     """Seed for model building, data generation, sampling and shuffling."""
-    resume: bool = True
+    resume: bool = operational(True)
     """Resume from the trial's last checkpoint if one exists; false starts the trial afresh."""
 
 
@@ -139,23 +184,23 @@ class AllocationConfig:
 
 @dataclass
 class RolloutConfig:
-    max_staleness: int = 2
+    max_staleness: int = identity(2)
     """Bound eta on policy staleness: no consumed token is more than eta versions older than the
     trainer's policy. 0 is synchronous RL."""
-    max_concurrent: int = 64
+    max_concurrent: int = operational(64)
     """Most prompt groups in flight on the generators at once."""
-    group_size: int = 8
+    group_size: int = identity(8)
     """Trajectories sampled per prompt (the GRPO group), at least 2: an advantage is a reward against its
     group's mean."""
-    prompts_per_step: int = 8
+    prompts_per_step: int = training(8)
     """Prompt groups consumed per training step (B)."""
-    max_new_tokens: int = 32
+    max_new_tokens: int = training(32)
     """Generation limit per turn (per call to the policy), in tokens: a single-turn episode's answer."""
-    temperature: float = 1.0
+    temperature: float = training(1.0)
     """Sampling temperature."""
-    top_p: float = 1.0
+    top_p: float = training(1.0)
     """Nucleus sampling threshold (1.0: off)."""
-    interruptible: bool = True
+    interruptible: bool = training(True)
     """What a generator does with the turns it is sampling when a weight update is due. True: it interrupts
     them, loads the new weights and resumes them, so a turn's tokens may carry several policy versions.
     False (the non-interruptible baseline): it starts no new turn, lets the turns in its engine finish
@@ -164,28 +209,28 @@ class RolloutConfig:
     (timing/sync_drain_s): `train.collective_timeout_s` and `train.rank_timeout_s` must exceed the longest
     turn's decode time.
     With max_staleness 0 (synchronous RL) no training episode is in flight at an update: it changes little there."""
-    filter_uniform_groups: bool = False
+    filter_uniform_groups: bool = training(False)
     """Dynamic filtering (DAPO): a group whose trajectories all got the same reward (all right or all wrong:
     every advantage is 0) is left out before training and another prompt takes its place; counted in
     `rollout/filtered`."""
-    workflow: str = SINGLE_TURN
+    workflow: str = identity(SINGLE_TURN)  # what an episode is
     """What one episode is (areal_hpc.workflow): a `Workflow` subclass, `package.module:Name` or
     `path/to/file.py:Name`. The default asks the policy once for an answer to the prompt."""
-    max_turns: int = 8
+    max_turns: int = training(8)
     """Most calls to the policy in one episode."""
-    max_episode_tokens: int = 0
+    max_episode_tokens: int = training(0)
     """Most tokens in one episode, all its sequences together: prompt, sampled and tool tokens (0: the model's
     context, `model.max_position_embeddings`). An episode that reaches it ends with finish reason 'length'.
     It bounds the prompts too: by default those longer than this less `max_new_tokens` are skipped at load
     (`data.max_prompt_tokens`)."""
-    tool_format: str = "hermes"
+    tool_format: str = identity("hermes")
     """How tool calls are written in the model's output: hermes (Qwen's `<tool_call>{json}</tool_call>`,
     parsed by vLLM's Hermes parser) or tiny (the tiny model's `<calc>expression`)."""
-    tool_timeout_s: float = 10.0
+    tool_timeout_s: float = operational(10.0)
     """Wall-clock limit of one tool call; past it the model gets an error message."""
-    tool_processes: int = 0
+    tool_processes: int = operational(0)
     """Processes on each generator's node that run tool calls (0: one per CPU the rank may run on)."""
-    tool_output_chars: int = 2000
+    tool_output_chars: int = training(2000)
     """A tool's output is cut to this many characters before it reaches the model."""
 
     @property
@@ -197,70 +242,70 @@ class RolloutConfig:
 
 @dataclass
 class PPOConfig:
-    eps_clip: float = 0.2
+    eps_clip: float = training(0.2)
     """PPO clip range eps: the ratio is clipped to [1 - eps, 1 + eps_high]."""
-    eps_clip_high: float | None = None
+    eps_clip_high: float | None = training(None)
     """Upper clip eps_high (null: equal to eps_clip)."""
-    behav_weight_cap: float | None = None
+    behav_weight_cap: float | None = training(None)
     """Tokens whose behaviour weight exp(prox_logp - behav_logp) exceeds this contribute zero
     (null: no cap)."""
-    adv_norm: str = "group"
+    adv_norm: str = training("group")
     """Advantage normalisation: group (GRPO), mean (centre only) or batch (normalise over the batch)."""
-    lr: float = 2e-5
+    lr: float = training(2e-5)
     """Adam learning rate (the peak of the schedule below)."""
-    lr_warmup_steps: int = 0
+    lr_warmup_steps: int = training(0)
     """Training steps of linear learning-rate warmup from 0 to `lr` (0: none)."""
-    lr_decay: str = "constant"
+    lr_decay: str = training("constant")
     """After the warmup: constant, linear or cosine decay from `lr` to `min_lr` at train.total_steps
     (Megatron's OptimizerParamScheduler; the rate is a function of the step, so a resumed run goes on
     where it stopped)."""
-    min_lr: float = 0.0
+    min_lr: float = training(0.0)
     """The learning rate linear and cosine decay reach at train.total_steps."""
-    weight_decay: float = 0.05
+    weight_decay: float = training(0.05)
     """Adam weight decay (none on biases and norms, Megatron's rule)."""
-    adam_beta1: float = 0.9
+    adam_beta1: float = training(0.9)
     """Adam beta1."""
-    adam_beta2: float = 0.95
+    adam_beta2: float = training(0.95)
     """Adam beta2."""
-    adam_eps: float = 1e-8
+    adam_eps: float = training(1e-8)
     """Adam epsilon."""
-    grad_clip: float = 1.0
+    grad_clip: float = training(1.0)
     """Clip the global gradient norm to this value (0: no clipping)."""
-    max_tokens_per_mb: int = 2048
+    max_tokens_per_mb: int = operational(2048)  # how a step is cut into micro-batches, not what it computes
     """Token budget of one packed micro-batch."""
-    minibatches: int = 4
+    minibatches: int = training(4)
     """PPO minibatches (optimizer steps) per training step; the policy version advances once per
     training step."""
-    mask_truncated: bool = False
+    mask_truncated: bool = training(False)
     """Leave episodes that ended at a limit (finish reason 'length': the last turn cut at
     `rollout.max_new_tokens`, or a call refused by `rollout.max_turns`, `rollout.max_episode_tokens` or the
     model's context) out of the loss (DAPO's overlong filtering): their tokens carry loss mask 0; they still
     count in their group's advantages."""
-    prox_logp: str = "recompute"
+    prox_logp: str = training("recompute")
     """Proximal logprobs of the decoupled loss: recompute (a forward pass with the weights at the start of
     the step; exact) or loglinear (no extra pass: interpolated between behaviour and current logprobs by
     policy version, exact for the first minibatch)."""
-    recompute: str = "none"
+    recompute: str = operational("none")
     """Activation recompute in the trainer (Megatron's): none (keep every layer's activations), selective
     (recompute the core attention in the backward pass) or full (keep each layer's input only and
     recompute the layer: the least memory, about a third more compute)."""
-    kl_coef: float = 0.0
+    kl_coef: float = training(0.0)
     """Weight of a KL penalty to the initial policy (0: off, as in the paper; nothing extra is built):
     the trainer keeps a frozen copy of the weights the run started from (after the warm start; the same
     after a resume), computes its token logprobs with the proximal ones, and adds kl_coef x the mean
     over trained tokens of exp(ref_logp - logp) - (ref_logp - logp) - 1 to the loss (GRPO's k3
     estimator); reported as ppo/kl. Costs a forward pass per step and the weights once more per trainer
     rank."""
-    routing_replay: bool = False
+    routing_replay: bool = training(False)
     """Mixture-of-experts models: the trainer's forward passes (proximal, reference and training) route
     each token to the experts the generator routed it to (recorded per position and layer by the
     generators, sent with the trajectory), so that both compute the same function; the router still trains
     on its own probabilities of those experts. Reported: ppo/routing_agreement, the share of positions
     whose top-k the trainer's router would also choose."""
-    load_balancing_coef: float | None = None
+    load_balancing_coef: float | None = training(None)
     """Mixture-of-experts models: weight of the router's load-balancing loss (Megatron's aux_loss; reported
     as ppo/load_balancing_loss); null: config.json's router_aux_loss_coef (Qwen3-MoE: 0.001); 0: off."""
-    sequence_parallel: bool = True
+    sequence_parallel: bool = operational(True)
     """Megatron's sequence parallelism when allocation.train_tp > 1: the norms, dropout and the residual
     stream are split over the tensor-parallel ranks along the sequence (packed rows are padded to a
     multiple of train_tp). No effect at train_tp 1."""
@@ -297,16 +342,16 @@ class TrainConfig:
 
 @dataclass
 class RewardConfig:
-    kind: str = "math"
+    kind: str = identity("math")
     """Reward function: math (boxed-answer equivalence) or code (tests in a sandbox)."""
-    timeout_s: float = 10.0
+    timeout_s: float = operational(10.0)
     """Time limit of one reward call; a call over it scores 0."""
-    processes: int = 0
+    processes: int = operational(0)
     """Scorer processes per reward worker rank (0: one per CPU core the rank may run on)."""
-    overlong_penalty: float = 0.0
+    overlong_penalty: float = training(0.0)
     """DAPO's soft length penalty: an episode whose final turn comes within `overlong_buffer` tokens of
     `rollout.max_new_tokens` loses up to this much reward, linearly, all of it at the limit (0: off)."""
-    overlong_buffer: int = 0
+    overlong_buffer: int = training(0)
     """The last this many tokens before `rollout.max_new_tokens` where `overlong_penalty` applies."""
 
 
@@ -411,18 +456,21 @@ class LoggingConfig:
 
 @dataclass
 class Config:
+    """The sections: one whose fields are all of one kind declares it here; the others (`field`) leave it
+    to each of their fields."""
+
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    allocation: AllocationConfig = field(default_factory=AllocationConfig)
+    model: ModelConfig = identity(factory=ModelConfig)
+    cluster: ClusterConfig = operational(factory=ClusterConfig)
+    allocation: AllocationConfig = operational(factory=AllocationConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    train: TrainConfig = operational(factory=TrainConfig)  # the length (a finished run is extended), saves, timeouts
     reward: RewardConfig = field(default_factory=RewardConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    sft: SFTConfig = field(default_factory=SFTConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    data: DataConfig = identity(factory=DataConfig)
+    eval: EvalConfig = operational(factory=EvalConfig)
+    sft: SFTConfig = identity(factory=SFTConfig)  # the warm start is the initial policy (and the KL reference)
+    logging: LoggingConfig = operational(factory=LoggingConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -434,3 +482,32 @@ def section_class(f: dataclasses.Field):
     """The dataclass of a `Config` (or section) field, or None for a leaf."""
     t = f.type if not isinstance(f.type, str) else globals().get(f.type)
     return t if dataclasses.is_dataclass(t) else None
+
+
+def declared_kinds(config: type) -> dict[str, str]:
+    """Every field of `config` (a `Config`: sections whose defaults are their classes) as `section.field`,
+    with the kind that it or its section declares. A field that declares no kind in a section that
+    declares none, or one in a section that declares one, is a TypeError: every field is of exactly one
+    kind."""
+    kinds = {}
+    for section in dataclasses.fields(config):
+        for f in dataclasses.fields(section.default_factory):
+            name = f"{section.name}.{f.name}"
+            declared = [meta["kind"] for meta in (section.metadata, f.metadata) if "kind" in meta]
+            if not declared:
+                raise TypeError(
+                    f"config field {name} declares no kind on resume: give it one, as operational(default), "
+                    "training(default) or identity(default) (areal_hpc.config.schema)"
+                )
+            if len(declared) > 1:
+                raise TypeError(
+                    f"config field {name} declares a kind on resume, and so does its section {section.name}: "
+                    "a field is of exactly one kind (areal_hpc.config.schema)"
+                )
+            (kinds[name],) = declared
+    return kinds
+
+
+FIELD_KINDS: dict[str, str] = declared_kinds(Config)
+"""Every field of `Config` (`section.field`) with its kind, read from the declarations above (a field of no
+kind or of two fails here, at import)."""
