@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from areal_hpc.protocol import TrainBatch
+from tools import bench_controller_sim as sim
 
 REPO = Path(__file__).resolve().parents[1]
 TOOL = REPO / "tools" / "bench_controller.py"
@@ -65,9 +66,9 @@ def test_check_trained_finds_a_wrong_batch(trained):
 def _batch(version: int, response_versions: list[int]) -> TrainBatch:
     """One sequence: prompt 0's ids (version -1, not trained), then a response whose tokens carry
     `response_versions`."""
-    n_prompt, n = bench.DIGITS, bench.DIGITS + len(response_versions)
+    n_prompt, n = sim.DIGITS, sim.DIGITS + len(response_versions)
     zeros = np.zeros(n, np.float32)
-    tokens = np.full(n, bench.FIRST_ID, np.int32)
+    tokens = np.full(n, sim.FIRST_ID, np.int32)
     cu_seqlens = np.asarray([0, n], np.int32)
     mask = np.asarray([0] * n_prompt + [1] * len(response_versions), np.uint8)
     versions = np.asarray([-1] * n_prompt + response_versions, np.int32)
@@ -76,9 +77,9 @@ def _batch(version: int, response_versions: list[int]) -> TrainBatch:
 
 def test_staleness_check_sees_a_token_too_old():
     errors = []
-    assert bench._check_batch(_batch(5, [3, 4]), eta=2, errors=errors) == [(5, 0, 2)]
+    assert sim._check_batch(_batch(5, [3, 4]), eta=2, errors=errors) == [(5, 0, 2)]
     assert errors == []  # the prompt's version -1 is not trained: not stale
-    bench._check_batch(_batch(5, [3, 4]), eta=1, errors=errors)
+    sim._check_batch(_batch(5, [3, 4]), eta=1, errors=errors)
     assert len(errors) == 1 and "version 3" in errors[0]
 
 

@@ -15,7 +15,9 @@ import pytest
 
 from areal_hpc.cli import main as cli_main
 from areal_hpc.config import load_config
-from areal_hpc.launch.doctor import check_sandbox, check_weight_sync, doctor, evaluate, probe_sources
+from areal_hpc.launch.doctor import doctor
+from areal_hpc.launch.doctor_job import probe_sources
+from areal_hpc.launch.doctor_reports import check_sandbox, check_weight_sync, evaluate
 from areal_hpc.layout import Layout
 from tests.support.helpers import MPI_PROGRAMS, TINY
 

@@ -12,6 +12,8 @@ import pytest
 
 from areal_hpc.controller.timeline import Timeline, read_events
 from areal_hpc.metrics import read_metrics
+from tools import bench_vs_trl_grpo as trl_grpo
+from tools import bench_vs_trl_summary as trl_summary
 from tools.bench_figures import trajectories_per_step
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
@@ -108,10 +110,10 @@ def test_trl_bench_rates():
     rows = [_row(1, 0, 10.0, 0, 0), _row(2, 0, 2.0, 0, 0), _row(3, 0, 2.0, 0, 0)]
     assert bench_trl.trajectories_per_s_from_metrics(rows, warmup=1, trajectories_per_step=64) == pytest.approx(128 / 4)
     # step ends at 10 (warm-up), 14, 18: two steps of 64 trajectories in 8 s
-    assert bench_trl.trajectories_per_s_from_step_ends([10.0, 14.0, 18.0], warmup=1, trajectories_per_step=64) == 16.0
+    assert trl_grpo.trajectories_per_s_from_step_ends([10.0, 14.0, 18.0], warmup=1, trajectories_per_step=64) == 16.0
     with pytest.raises(ValueError):
-        bench_trl.trajectories_per_s_from_step_ends([10.0], warmup=1, trajectories_per_step=64)
-    assert bench_trl.ratio(32.0, 16.0) == 2.0
+        trl_grpo.trajectories_per_s_from_step_ends([10.0], warmup=1, trajectories_per_step=64)
+    assert trl_summary.ratio(32.0, 16.0) == 2.0
 
 
 def test_trl_bench_workloads_share_the_systems_settings_and_keep_the_reasoning_config_as_shipped():
@@ -127,26 +129,26 @@ def test_trl_bench_workloads_share_the_systems_settings_and_keep_the_reasoning_c
 
 
 def test_trl_bench_run_figures_and_the_line_on_what_bounds_a_ratio_below_2x():
-    run = bench_trl.Run(2.0, {"mean": 300.0}, 0.8, 0.2)
+    run = trl_summary.Run(2.0, {"mean": 300.0}, 0.8, 0.2)
     assert run.answer_tokens_per_s == 600.0
-    assert bench_trl.median_of(
-        [run, bench_trl.Run(4.0, {}, 0, 0), bench_trl.Run(3.0, {}, 0, 0)], "trajectories_per_s"
+    assert trl_summary.median_of(
+        [run, trl_summary.Run(4.0, {}, 0, 0), trl_summary.Run(3.0, {}, 0, 0)], "trajectories_per_s"
     ) == ("3.00 (median of 3: 2.00, 4.00, 3.00)")
-    assert bench_trl.bound_line(2.0, "padded", 0.8, 0.99, 0.5) is None
-    line = bench_trl.bound_line(1.5, "padded", 0.8, 0.99, 0.5)
+    assert trl_summary.bound_line(2.0, "padded", 0.8, 0.99, 0.5) is None
+    line = trl_summary.bound_line(1.5, "padded", 0.8, 0.99, 0.5)
     assert line.startswith("below 2x: TRL padded generates 80% of its step")
     assert "at most 1.25x" in line and line.endswith("bounded by its generator")  # 1 / max(0.8, 0.2)
-    assert bench_trl.bound_line(1.5, "paged", 0.3, 0.4, 0.9).endswith("bounded by its trainer")
+    assert trl_summary.bound_line(1.5, "paged", 0.3, 0.4, 0.9).endswith("bounded by its trainer")
 
 
 def test_weights_verdict_reads_the_sign_of_the_gain_against_its_noise():
-    assert bench_trl.weights_verdict([7.4, 7.1, 16.9, 6.1, 12.2, 18.1, 5.2, 5.7]) == "follows"
-    assert bench_trl.weights_verdict([-31.1, -15.5, -24.6, -7.3, 1.0, -1.9, -21.5, -22.3]) == "stale"
-    assert bench_trl.weights_verdict([5.0, -4.0, 6.0, -5.0]) == "unclear"  # mean 0.5, standard error 2.9
+    assert trl_grpo.weights_verdict([7.4, 7.1, 16.9, 6.1, 12.2, 18.1, 5.2, 5.7]) == "follows"
+    assert trl_grpo.weights_verdict([-31.1, -15.5, -24.6, -7.3, 1.0, -1.9, -21.5, -22.3]) == "stale"
+    assert trl_grpo.weights_verdict([5.0, -4.0, 6.0, -5.0]) == "unclear"  # mean 0.5, standard error 2.9
     with pytest.raises(ValueError, match="at least 2"):
-        bench_trl.weights_verdict([1.0])
-    assert set(bench_trl.VERDICTS) == {"follows", "stale", "unclear"}
-    assert set(bench_trl.TRL_SETTINGS) == {"padded", "paged", "vllm"}
+        trl_grpo.weights_verdict([1.0])
+    assert set(trl_grpo.VERDICTS) == {"follows", "stale", "unclear"}
+    assert set(trl_grpo.TRL_SETTINGS) == {"padded", "paged", "vllm"}
 
 
 def test_trl_bench_summary_prints_both_systems_lengths_and_the_ratio_last(capsys):
@@ -155,12 +157,12 @@ def test_trl_bench_summary_prints_both_systems_lengths_and_the_ratio_last(capsys
     w = bench_trl.WORKLOADS["reasoning"]
     cfg = load_config(w.config, list(w.overrides))
     trl = {
-        "padded": [bench_trl.Run(1.0, {"mean": 300.0}, 0.9, 0.1)],
-        "paged": [bench_trl.Run(1.5, {"mean": 200.0}, 0.8, 0.2)],
+        "padded": [trl_summary.Run(1.0, {"mean": 300.0}, 0.9, 0.1)],
+        "paged": [trl_summary.Run(1.5, {"mean": 200.0}, 0.8, 0.2)],
     }
     answers = {"padded": [100, 200, 600], "paged": [50, 100, 450]}
     row = {f"rollout/answer_tokens_{k}": v for k, v in {"mean": 250, "median": 150, "p90": 600, "max": 1024}.items()}
-    bench_trl.summarize(cfg, len, trl, answers, [bench_trl.Run(2.4, {"mean": 250.0}, 0.99, 0.6)], [row])
+    trl_summary.summarize(cfg, len, trl, answers, [trl_summary.Run(2.4, {"mean": 250.0}, 0.99, 0.6)], [row])
     lines = capsys.readouterr().out.splitlines()
     assert [ln.split()[0:2] for ln in lines[1:6]] == [
         ["task", "(chain)"],
