@@ -4,7 +4,7 @@ and the job record.
 
 ```
  RUN_DIR/LOCK                       who uses the directory now: a local run (host, pid) or a Slurm job
- RUN_DIR/config.yaml                the resolved config; what a resume may change: areal_hpc.config.kinds
+ RUN_DIR/config.yaml                the resolved config; what a resume may change: areal_hpc.config.resume
  RUN_DIR/config_history.jsonl       each change a resume made, with the step it took effect after
  RUN_DIR/STOP                       the local launcher asks the controller to checkpoint and stop
  RUN_DIR/logs/<role>-<i>.log        one log per rank
@@ -73,7 +73,7 @@ class Change:
 def prepare_run_dir(cfg: Config, fresh: bool = False, allow_change: Sequence[str] = ()) -> Path:
     """Create (or reuse) the run directory and save the resolved config in it.
 
-    Resuming a trial with a config that differs from its saved one (areal_hpc.config.kinds): an
+    Resuming a trial with a config that differs from its saved one (areal_hpc.config.resume): an
     operational field changes; a training field only if `allow_change` names it or its section; an
     identity field never. A refusal names each refused field with both values and what to do; the
     changes made are logged and appended to RUN_DIR/config_history.jsonl with the step resumed from.

@@ -18,8 +18,9 @@ from areal_hpc.config import (
     load_config,
     save_config,
 )
-from areal_hpc.config.kinds import config_fields
-from areal_hpc.config.schema import declared_kinds, identity, operational, section_class, training
+from areal_hpc.config.kinds import declared_kinds, identity, operational, training
+from areal_hpc.config.resume import config_fields
+from areal_hpc.config.schema import section_class
 from areal_hpc.layout import Layout
 from areal_hpc.planner import resolve_split
 from areal_hpc.workflow import Workflow, load_workflow

@@ -6,7 +6,8 @@
  load.py      YAML file + `section.field=value` overrides -> a validated Config; writing one back
  validate.py  the rules across fields (the parallel sizes: areal_hpc.parallel; the model's shape:
               areal_hpc.arch), and the fields with a fixed set of values (CHOICES)
- kinds.py     each field's kind looked up, and what `--allow-change` allows
+ kinds.py     the three kinds on resume, and how a field declares its own
+ resume.py    each field's kind looked up, and what `--allow-change` allows
  help.py      the field docs read from the source: `areal-hpc --config-help`
 ```
 
@@ -16,8 +17,9 @@ is what the rest of the project imports the configuration from.
 """
 
 from areal_hpc.config.help import describe_config, field_docs
-from areal_hpc.config.kinds import IDENTITY, OPERATIONAL, TRAINING, allowed_fields, kind_of
+from areal_hpc.config.kinds import IDENTITY, OPERATIONAL, TRAINING
 from areal_hpc.config.load import load_config, save_config
+from areal_hpc.config.resume import allowed_fields, kind_of
 from areal_hpc.config.schema import (
     SINGLE_TURN,
     AllocationConfig,

@@ -11,7 +11,7 @@ import inspect
 import textwrap
 from functools import cache
 
-from areal_hpc.config.kinds import kind_of
+from areal_hpc.config.resume import kind_of
 from areal_hpc.config.schema import Config, section_class
 from areal_hpc.config.validate import CHOICES
 

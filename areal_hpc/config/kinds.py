@@ -1,40 +1,75 @@
-"""What a resumed run may change: each config field's kind, operational, training or identity, which
-the field (or its section) declares in `areal_hpc.config.schema`, where the kinds are explained.
+"""What a resumed run may change: every config field is of one of three kinds on resume, declared with
+the field in areal_hpc.config.schema:
+
+```
+ operational  where and how the run executes: the cluster, the node counts and the TP/PP/DP split,
+              checkpoint cadence and retention, timeouts, logging, eval, the run's length.
+              A resume changes it freely and says so.
+ training     the experiment's hyperparameters: the loss, the optimizer, sampling, the batch.
+              A resume changes it only when asked (`--allow-change ppo.lr`, or a whole section:
+              `--allow-change ppo`); the change is recorded with the step it starts after.
+ identity     what makes it another experiment, whose checkpoint and data stream would mean nothing
+              for this one: the model (and its warm start), the data, the reward function, the seed,
+              the group size and the staleness bound. A resume never changes it.
+```
+
+A section whose fields are all of one kind declares it once, on its field of `Config`
+(`cluster: ClusterConfig = operational(factory=ClusterConfig)`): a field added there falls in its kind.
+In the other sections each field declares its own (`lr: float = training(2e-5)`), so that a field added
+there must be placed: a field of no kind, or of two, fails the import (`declared_kinds`). The resume
+rules that read the kinds are `areal_hpc.config.resume`.
 """
 
 from __future__ import annotations
 
-from areal_hpc.config.schema import FIELD_KINDS, IDENTITY, OPERATIONAL, TRAINING
-from areal_hpc.errors import ConfigError
+import dataclasses
+from collections.abc import Callable
+from dataclasses import MISSING, field
+from typing import Any
 
-__all__ = ["IDENTITY", "OPERATIONAL", "TRAINING", "allowed_fields", "config_fields", "kind_of"]
-
-
-def config_fields() -> list[str]:
-    """Every field of `Config` as `section.field`."""
-    return list(FIELD_KINDS)
+OPERATIONAL, TRAINING, IDENTITY = "operational", "training", "identity"
+"""The kinds on resume (above)."""
 
 
-def kind_of(field: str) -> str:
-    """The kind of `field`: `section.field`, or an entry of a mapping field such as `cluster.env.NAME` (its
-    field's)."""
-    return FIELD_KINDS[".".join(field.split(".")[:2])]
+def _of_kind(kind: str, default: Any, factory: Callable[[], Any] | Any) -> Any:
+    return field(default=default, default_factory=factory, metadata={"kind": kind})
 
 
-def allowed_fields(allow_change: list[str]) -> dict[str, str]:
-    """The training fields that `--allow-change` names (a field, or a section: its training fields), each
-    with the argument that named it. A name that is no field or section, or names only identity fields,
-    is refused: an identity field never changes on resume."""
-    fields = config_fields()
-    allowed = {}
-    for name in allow_change:
-        covered = [f for f in fields if f == name or f.startswith(f"{name}.")]
-        if not covered:
-            raise ConfigError(f"--allow-change {name}: no such config field or section (see areal-hpc --config-help)")
-        if all(kind_of(f) == IDENTITY for f in covered):
-            raise ConfigError(
-                f"--allow-change {name}: {name} is identity, which a resumed run never changes; "
-                "pick another experiment.trial, or start afresh with --fresh"
-            )
-        allowed.update({f: name for f in covered if kind_of(f) == TRAINING})
-    return allowed
+def operational(default: Any = MISSING, *, factory: Callable[[], Any] | Any = MISSING) -> Any:
+    """A field of kind operational, with its default (or `factory`, as `field`'s default_factory); on
+    `Config`, a section all of whose fields are."""
+    return _of_kind(OPERATIONAL, default, factory)
+
+
+def training(default: Any = MISSING, *, factory: Callable[[], Any] | Any = MISSING) -> Any:
+    """As `operational`, of kind training."""
+    return _of_kind(TRAINING, default, factory)
+
+
+def identity(default: Any = MISSING, *, factory: Callable[[], Any] | Any = MISSING) -> Any:
+    """As `operational`, of kind identity."""
+    return _of_kind(IDENTITY, default, factory)
+
+
+def declared_kinds(config: type) -> dict[str, str]:
+    """Every field of `config` (a `Config`: sections whose defaults are their classes) as `section.field`,
+    with the kind that it or its section declares. A field that declares no kind in a section that
+    declares none, or one in a section that declares one, is a TypeError: every field is of exactly one
+    kind."""
+    kinds = {}
+    for section in dataclasses.fields(config):
+        for f in dataclasses.fields(section.default_factory):
+            name = f"{section.name}.{f.name}"
+            declared = [meta["kind"] for meta in (section.metadata, f.metadata) if "kind" in meta]
+            if not declared:
+                raise TypeError(
+                    f"config field {name} declares no kind on resume: give it one, as operational(default), "
+                    "training(default) or identity(default) (areal_hpc.config.kinds)"
+                )
+            if len(declared) > 1:
+                raise TypeError(
+                    f"config field {name} declares a kind on resume, and so does its section {section.name}: "
+                    "a field is of exactly one kind (areal_hpc.config.kinds)"
+                )
+            (kinds[name],) = declared
+    return kinds

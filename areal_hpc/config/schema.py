@@ -1,24 +1,6 @@
 """The run configuration's schema: one small dataclass per section, every field documented once by the
 string literal directly under it (what `--config-help` and the docs show) and declared with its kind on
-resume, what a resumed run may change:
-
-```
- operational  where and how the run executes: the cluster, the node counts and the TP/PP/DP split,
-              checkpoint cadence and retention, timeouts, logging, eval, the run's length.
-              A resume changes it freely and says so.
- training     the experiment's hyperparameters: the loss, the optimizer, sampling, the batch.
-              A resume changes it only when asked (`--allow-change ppo.lr`, or a whole section:
-              `--allow-change ppo`); the change is recorded with the step it starts after.
- identity     what makes it another experiment, whose checkpoint and data stream would mean nothing
-              for this one: the model (and its warm start), the data, the reward function, the seed,
-              the group size and the staleness bound. A resume never changes it.
-```
-
-A section whose fields are all of one kind declares it once, on its field of `Config`
-(`cluster: ClusterConfig = operational(factory=ClusterConfig)`): a field added there falls in its kind.
-In the other sections each field declares its own (`lr: float = training(2e-5)`), so that a field added
-there must be placed: a field of no kind, or of two, fails the import (`declared_kinds`). The resume
-rules that read the kinds are `areal_hpc.config.kinds`.
+resume (areal_hpc.config.kinds: what a resumed run may change).
 
 The sections are the YAML file's top-level keys (`Config`'s fields). Loading and overriding is
 `areal_hpc.config.load`; the rules across fields are `areal_hpc.config.validate`.
@@ -27,36 +9,11 @@ The sections are the YAML file's top-level keys (`Config`'s fields). Loading and
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from dataclasses import MISSING, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from areal_hpc.arch import ModelConfig  # the `model` section, defined beside the architecture it gives
-
-OPERATIONAL, TRAINING, IDENTITY = "operational", "training", "identity"
-"""The kinds on resume (above)."""
-
-
-def _of_kind(kind: str, default: Any, factory: Callable[[], Any] | Any) -> Any:
-    return field(default=default, default_factory=factory, metadata={"kind": kind})
-
-
-def operational(default: Any = MISSING, *, factory: Callable[[], Any] | Any = MISSING) -> Any:
-    """A field of kind operational, with its default (or `factory`, as `field`'s default_factory); on
-    `Config`, a section all of whose fields are."""
-    return _of_kind(OPERATIONAL, default, factory)
-
-
-def training(default: Any = MISSING, *, factory: Callable[[], Any] | Any = MISSING) -> Any:
-    """As `operational`, of kind training."""
-    return _of_kind(TRAINING, default, factory)
-
-
-def identity(default: Any = MISSING, *, factory: Callable[[], Any] | Any = MISSING) -> Any:
-    """As `operational`, of kind identity."""
-    return _of_kind(IDENTITY, default, factory)
-
+from areal_hpc.config.kinds import declared_kinds, identity, operational, training
 
 SINGLE_TURN = "areal_hpc.workflow.builtin:SingleTurn"
 """The default `rollout.workflow`: one turn per episode, no tools."""
@@ -482,30 +439,6 @@ def section_class(f: dataclasses.Field):
     """The dataclass of a `Config` (or section) field, or None for a leaf."""
     t = f.type if not isinstance(f.type, str) else globals().get(f.type)
     return t if dataclasses.is_dataclass(t) else None
-
-
-def declared_kinds(config: type) -> dict[str, str]:
-    """Every field of `config` (a `Config`: sections whose defaults are their classes) as `section.field`,
-    with the kind that it or its section declares. A field that declares no kind in a section that
-    declares none, or one in a section that declares one, is a TypeError: every field is of exactly one
-    kind."""
-    kinds = {}
-    for section in dataclasses.fields(config):
-        for f in dataclasses.fields(section.default_factory):
-            name = f"{section.name}.{f.name}"
-            declared = [meta["kind"] for meta in (section.metadata, f.metadata) if "kind" in meta]
-            if not declared:
-                raise TypeError(
-                    f"config field {name} declares no kind on resume: give it one, as operational(default), "
-                    "training(default) or identity(default) (areal_hpc.config.schema)"
-                )
-            if len(declared) > 1:
-                raise TypeError(
-                    f"config field {name} declares a kind on resume, and so does its section {section.name}: "
-                    "a field is of exactly one kind (areal_hpc.config.schema)"
-                )
-            (kinds[name],) = declared
-    return kinds
 
 
 FIELD_KINDS: dict[str, str] = declared_kinds(Config)
