@@ -4,6 +4,7 @@
  every rank:  config.yaml -> cluster.network_interface exists on this node? (before MPI starts)
               -> Layout -> role, log file logs/<role>-<i>.log, its GPUs, signals, cores
               first log line: role, host, GPUs; then its CPUs and OMP_NUM_THREADS (`log_cpus`);
+              the areal_hpc it runs (`installation`: a stale install on a node shows here);
               the device, resolved once (areal_hpc.device)
               (--placement: exit barrier here)
               role communicator (collective)
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     pinned = os.environ.get(PIN_ENV) == "1" and _pin(layout.core_plan(sorted(os.sched_getaffinity(0))).get(rank))
     group = [c.name for c in layout.components].index(layout.placement(rank).component)
     log_cpus(name, role, group, pinned)
+    logging.info("%s runs %s", name, installation())
 
     try:
         device = resolve_device(cfg.cluster.device, gpus=bool(layout.placement(rank).gpus))
@@ -272,6 +274,13 @@ def log_cpus(name: str, role: Role, group: int, pinned: bool) -> None:
         "%s CPUs: %s %s, may run on %d (%s), OMP_NUM_THREADS %s (%s)",
         name, variable, given or "unset", len(cores), _spans(cores), threads or "unset", why,
     )  # fmt: skip
+
+
+def installation() -> str:
+    """Where this process imported areal_hpc from, and its interpreter: 'areal_hpc from DIR, python PATH'."""
+    import areal_hpc
+
+    return f"areal_hpc from {Path(areal_hpc.__file__).parent}, python {sys.executable}"
 
 
 def _spans(cores: list[int]) -> str:

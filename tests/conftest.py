@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.helpers import REPO
+from tests.support.wheel import Installed, install_wheel
 
 FAST_LEAVES_OUT = ("mpi", "slurm", "vllm", "e2e", "slow")
 """The markers whose tests `--fast` leaves out."""
@@ -65,6 +66,13 @@ def run_mpi():
     if shutil.which("mpirun") is None:
         pytest.fail("mpirun is not installed (tools/setup.sh installs OpenMPI)")
     return run
+
+
+@pytest.fixture(scope="session")
+def installed_wheel(tmp_path_factory) -> Installed:
+    """A wheel built from the repository, installed with `pip install --target` (tests.support.wheel):
+    built once a session, for tests/test_wheel.py and the e2e run that runs from it."""
+    return install_wheel(tmp_path_factory.mktemp("wheel"))
 
 
 def _slurm_answers() -> bool:

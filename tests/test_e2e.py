@@ -1,7 +1,8 @@
 """The whole system on this machine, as a user runs it: `areal-hpc run` starts one mpirun with the
 controller, a reward worker, a vLLM generator and a Megatron trainer, on the tiny model.
 
-- the embedded default, all its 600 steps, learns: the mean reward of the last fifth of the steps is
+- the embedded default, all its 600 steps, run from the wheel installed not editable in a folder outside the
+  checkout (tests/test_wheel.py checks the wheel), learns: the mean reward of the last fifth of the steps is
   above the first fifth's, every step keeps the staleness bound, and generator and trainer agree on
   the logprobs of the tokens of the current version (what docs/benchmarks.md reports);
 - the tiny mixture of experts (`model.architecture=qwen3_moe`), synchronous, with routing replay, learns
@@ -38,7 +39,7 @@ import pytest
 
 from areal_hpc.checkpoint.files import COMPLETE, checkpoint_dir
 from tests.support.generator_log import engine_start, startup_verdict
-from tests.support.runs import RunProcess, left_running, metrics_problems, stop_and_resume, stop_resume_problems
+from tests.support.runs import REPO, RunProcess, left_running, metrics_problems, stop_and_resume, stop_resume_problems
 from tests.support.wandb_files import offline_runs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.mpi, pytest.mark.vllm, pytest.mark.megatron, pytest.mark.slow]
@@ -86,9 +87,25 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("e2e")  # the tiny model and its warm start are built once here
 
 
-def test_the_embedded_default_learns(root):
-    learns = run(root, "learns", small=False)  # configs/tiny-cpu.yaml as shipped: 600 steps, about 2.5 min
+def test_the_embedded_default_learns(root, installed_wheel, tmp_path):
+    """Run as a user runs it, from the wheel installed not editable (tests.support.wheel), in a folder outside
+    the checkout that holds a copy of the config: every rank imports areal_hpc from the install."""
+    user = tmp_path / "user"
+    user.mkdir()
+    shutil.copy(REPO / TINY, user)
+    assert installed_wheel.imports(user)[0] == installed_wheel.package
+    # configs/tiny-cpu.yaml as shipped: 600 steps, about 2.5 min
+    learns = RunProcess(
+        Path(TINY).name,
+        *tiny(root, "learns", small=False),
+        cwd=user,
+        cli=[str(installed_wheel.script)],
+        env=installed_wheel.env(),
+    )
     assert learns.wait(timeout=1800) == 0, learns.output
+    logs = sorted((learns.run_dir / "logs").glob("*.log"))
+    assert len(logs) == 4 and all(f"runs areal_hpc from {installed_wheel.package}," in p.read_text() for p in logs)
+    assert sorted(p.name for p in user.iterdir()) == ["tiny-cpu.yaml"]  # the run root is `root`
     rows = learns.rows()
     assert not metrics_problems(rows, 600, MISMATCH_TOL)
     assert all(0 <= r["staleness/max"] <= 2 for r in rows)  # rollout.max_staleness

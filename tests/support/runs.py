@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,13 +31,23 @@ REPO = Path(__file__).resolve().parents[2]
 
 class RunProcess:
     """`areal-hpc run CONFIG OVERRIDES...` in the background, from the repository's root, its output
-    (the launcher's console) collected."""
+    (the launcher's console) collected.
 
-    def __init__(self, config: str | Path, *overrides: str):
-        self.cfg = load_config(REPO / config, list(overrides))
-        self.run_dir = REPO / self.cfg.run_dir  # absolute when experiment.root is
-        cmd = [sys.executable, "-m", "areal_hpc.cli", "run", str(REPO / config), *overrides]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    From elsewhere: `cwd` (CONFIG and a relative run root are relative to it), `cli` (the command that is
+    `areal-hpc`: an installed console script) and `env` (its environment; default: this one)."""
+
+    def __init__(
+        self,
+        config: str | Path,
+        *overrides: str,
+        cwd: Path = REPO,
+        cli: Sequence[str] = (sys.executable, "-m", "areal_hpc.cli"),
+        env: dict[str, str] | None = None,
+    ):
+        self.cfg = load_config(cwd / config, list(overrides))
+        self.run_dir = cwd / self.cfg.run_dir  # absolute when experiment.root is
+        cmd = [*cli, "run", str(config), *overrides]
+        self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
         self._reader.start()
