@@ -164,7 +164,7 @@ def test_a_weight_update_inside_a_turn(setup):
         runner.start(request(0, prompt, n=4))
         for _ in range(6):  # the episodes' first turns a few tokens in
             replies += await runner.advance()
-        first = {t.key: len(t.output_ids) for t in engine.partial()}
+        first = {t.key: len(t.sampled.token_ids) for t in engine.partial()}
         load(engine, model_b, v0 + 1)
         await pump(runner, replies, lambda: not runner.episodes)
         return first, replies
@@ -237,12 +237,12 @@ def test_without_interruption_turn_1_ends_on_its_version_and_turn_2_waits_for_th
         runner.start(request(2, prompt, n=4))
         for _ in range(6):  # the episodes' first turns a few tokens in
             replies += await runner.advance()
-        at_hold = {t.key: len(t.output_ids) for t in engine.partial()}
+        at_hold = {t.key: len(t.sampled.token_ids) for t in engine.partial()}
         engine.hold()
         # every episode left has its next turn held, nothing runs in vLLM
         await pump(runner, replies, lambda: not engine.running and engine.in_flight == runner.episodes)
         held = [t.key for t in engine.partial()]
-        assert held and all(not t.output_ids for t in engine.partial())
+        assert held and all(not t.sampled.token_ids for t in engine.partial())
         load(engine, model_b, v0 + 1)
         await pump(runner, replies, lambda: not runner.episodes)
         return at_hold, held, replies

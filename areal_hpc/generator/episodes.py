@@ -103,7 +103,7 @@ class EpisodeRunner:
         woken = 0
         if self.engine.running:  # not the turns held for the next weights (`GenerationEngine.hold`)
             for turn in self.engine.step():
-                woken += _resolve(self._turns.pop(turn.key, None), turn)
+                woken += _resolve(self._turns.pop(turn.key, None), turn.sampled)  # the workflow's Turn, as is
         if self._calls:
             for key, text, ok, seconds in self._pool.poll(0.0):
                 woken += _resolve(self._calls.pop(key, None), (text, ok, seconds))
@@ -157,8 +157,7 @@ class EpisodeRunner:
             future = asyncio.get_running_loop().create_future()
             self.engine.submit(key, token_ids, max_tokens)
             self._turns[key] = future
-            turn = await future
-            return Turn(turn.output_ids, turn.behav_logprobs, turn.versions, turn.finish_reason, turn.routing)
+            return await future  # the engine turn's `sampled` record (advance)
 
         return sample
 
