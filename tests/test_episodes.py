@@ -19,7 +19,7 @@ import torch
 from areal_hpc.config import ModelConfig, RolloutConfig
 from areal_hpc.data.tiny import build_tiny_model
 from areal_hpc.device import resolve_device
-from areal_hpc.protocol import EPISODE_STATS, EvalRequest, EvalTrajectory, GenerateRequest, Trajectory
+from areal_hpc.protocol import EPISODE_STATS, EvalTrajectory, GenerateRequest, Trajectory
 from areal_hpc.workflow import Workflow
 from tests.support.generator_runs import load, perturb, reference_logprobs, run_episodes
 
@@ -374,7 +374,9 @@ def test_the_single_turn_default_is_the_single_turn_rollout(setup):
         runner,
         [
             request(40, prompts[0], n=4),
-            EvalRequest(3, np.asarray(prompts[1], np.int32), {"prompt": "", "target": "", "kind": "math"}, 2),
+            GenerateRequest(
+                3, np.asarray(prompts[1], np.int32), {"prompt": "", "target": "", "kind": "math"}, 2, eval=True
+            ),
         ],
     )
     trajs = [t for t in replies if isinstance(t, Trajectory)]
