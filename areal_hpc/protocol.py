@@ -27,12 +27,15 @@ _DATA_TAG = 1000  # buffers of the header sent on tag t travel on tag t + _DATA_
 
 @dataclass
 class GenerateRequest:
-    """Run `n` episodes of the workflow (`rollout.workflow`) on one data row (a GRPO group)."""
+    """Run `n` episodes of the workflow (`rollout.workflow`) on one data row (a GRPO group), or with `eval` on one
+    eval row (areal_hpc.eval.training, areal_hpc.eval.command): scored, never trained on, never counted by the
+    gate, its episodes answered as `EvalTrajectory`."""
 
-    group_id: int
+    group_id: int  # with `eval`: the row's place among the eval prompts (eval.data), `EvalTrajectory.prompt_index`
     prompt_ids: np.ndarray  # [P] int32, the formatted prompt (areal_hpc.data.dataset.PromptFormat)
     row: dict  # what the workflow gets besides `prompt_ids`: areal_hpc.data.dataset.Example.row (prompt, target, kind, others)
     n: int
+    eval: bool = False
 
 
 EPISODE_STATS = ("turns", "tool_calls", "tool_errors", "tool_s", "template_rewrites")
@@ -68,24 +71,12 @@ class Trajectory:
     none (the last token of each sequence, context after the last turn)."""
 
 
-# Controller -> generator -> controller, for the evaluation between training steps (areal_hpc.eval.training)
-
-
-@dataclass
-class EvalRequest:
-    """Run `n` episodes on one eval row: scored, never trained on, never counted by the gate."""
-
-    prompt_index: int  # its place among the eval prompts (eval.data)
-    prompt_ids: np.ndarray  # [P] int32
-    row: dict  # as GenerateRequest.row
-    n: int
-
-
 @dataclass
 class EvalTrajectory:
-    """One finished episode on an eval row, sent as soon as it finishes: what an evaluation reads of it."""
+    """One finished episode of an eval request (`GenerateRequest.eval`), sent as soon as it finishes: what an
+    evaluation reads of it (no per-token arrays)."""
 
-    prompt_index: int
+    prompt_index: int  # its request's group_id: the row's place among the eval prompts
     index: int  # its place among the row's n, 0 .. n-1
     answer_ids: np.ndarray  # [A] int32, the final turn's sampled tokens
     num_tokens: int  # the episode's trained tokens, all sequences, each up to its last sampled token
@@ -207,7 +198,6 @@ MESSAGES = {
     for cls in (
         GenerateRequest,
         Trajectory,
-        EvalRequest,
         EvalTrajectory,
         RewardRequest,
         RewardResult,

@@ -19,7 +19,7 @@ import torch
 from areal_hpc.config import ModelConfig, RolloutConfig
 from areal_hpc.data.tiny import build_tiny_model
 from areal_hpc.device import resolve_device
-from areal_hpc.protocol import EPISODE_STATS, EvalRequest, EvalTrajectory, GenerateRequest, Trajectory
+from areal_hpc.protocol import EPISODE_STATS, EvalTrajectory, GenerateRequest, Trajectory
 from areal_hpc.workflow import Workflow
 from tests.support.generator_runs import load, perturb, reference_logprobs, run_episodes
 
@@ -164,7 +164,7 @@ def test_a_weight_update_inside_a_turn(setup):
         runner.start(request(0, prompt, n=4))
         for _ in range(6):  # the episodes' first turns a few tokens in
             replies += await runner.advance()
-        first = {t.key: len(t.output_ids) for t in engine.partial()}
+        first = {t.key: len(t.sampled.token_ids) for t in engine.partial()}
         load(engine, model_b, v0 + 1)
         await pump(runner, replies, lambda: not runner.episodes)
         return first, replies
@@ -237,12 +237,12 @@ def test_without_interruption_turn_1_ends_on_its_version_and_turn_2_waits_for_th
         runner.start(request(2, prompt, n=4))
         for _ in range(6):  # the episodes' first turns a few tokens in
             replies += await runner.advance()
-        at_hold = {t.key: len(t.output_ids) for t in engine.partial()}
+        at_hold = {t.key: len(t.sampled.token_ids) for t in engine.partial()}
         engine.hold()
         # every episode left has its next turn held, nothing runs in vLLM
         await pump(runner, replies, lambda: not engine.running and engine.in_flight == runner.episodes)
         held = [t.key for t in engine.partial()]
-        assert held and all(not t.output_ids for t in engine.partial())
+        assert held and all(not t.sampled.token_ids for t in engine.partial())
         load(engine, model_b, v0 + 1)
         await pump(runner, replies, lambda: not runner.episodes)
         return at_hold, held, replies
@@ -374,7 +374,9 @@ def test_the_single_turn_default_is_the_single_turn_rollout(setup):
         runner,
         [
             request(40, prompts[0], n=4),
-            EvalRequest(3, np.asarray(prompts[1], np.int32), {"prompt": "", "target": "", "kind": "math"}, 2),
+            GenerateRequest(
+                3, np.asarray(prompts[1], np.int32), {"prompt": "", "target": "", "kind": "math"}, 2, eval=True
+            ),
         ],
     )
     trajs = [t for t in replies if isinstance(t, Trajectory)]

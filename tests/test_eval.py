@@ -101,7 +101,7 @@ def test_eval_between_training_steps(tmp_path):
     from collections import Counter
 
     from areal_hpc.exit_codes import EXIT_DONE
-    from areal_hpc.protocol import Envelope, EvalRequest, GenerateRequest, RewardRequest, RewardResult
+    from areal_hpc.protocol import Envelope, GenerateRequest, RewardRequest, RewardResult
 
     samples = 4
 
@@ -115,7 +115,8 @@ def test_eval_between_training_steps(tmp_path):
             self.scored, self.requests = Counter(), Counter()
 
         def send(self, dest, msg):
-            self.requests[type(msg).__name__] += isinstance(msg, EvalRequest | GenerateRequest)
+            if isinstance(msg, GenerateRequest):
+                self.requests["eval" if msg.eval else "group"] += 1
             if isinstance(msg, RewardRequest) and msg.target.startswith("eval "):
                 i = int(msg.target.split()[1])
                 s, self.scored[i] = self.scored[i] % samples, self.scored[i] + 1
@@ -143,8 +144,8 @@ def test_eval_between_training_steps(tmp_path):
     assert all(set(r) >= {"eval/pass@2", "eval/reward_mean", "eval/episode_tokens_mean"} for r in evals)
     assert not {r["prompt"] for r in rows} & set(world.trained_prompts), "an eval prompt was trained on"
     assert c.rollouts.gate.state.consumed == 12 * 4 and c.rollouts.gate.state.rejected == 0
-    assert world.requests["EvalRequest"] == 3 * len(rows) and sum(world.scored.values()) == 3 * len(rows) * samples
-    assert world.requests["GenerateRequest"] == c.prompts.position, "every generation request is a prompt group's"
+    assert world.requests["eval"] == 3 * len(rows) and sum(world.scored.values()) == 3 * len(rows) * samples
+    assert world.requests["group"] == c.prompts.position, "every generation request is a prompt group's"
 
 
 def test_training_eval_rounds_by_hand():
@@ -154,7 +155,10 @@ def test_training_eval_rounds_by_hand():
     ev = TrainingEval(examples, samples=2, every_steps=2)
     assert ev.start(1) == [], "not due"
     requests = ev.start(0)
-    assert [(r.prompt_index, list(r.prompt_ids), r.n) for r in requests] == [(0, [5, 6], 2), (1, [6, 6], 2)]
+    assert [(r.group_id, list(r.prompt_ids), r.n, r.eval) for r in requests] == [
+        (0, [5, 6], 2, True),
+        (1, [6, 6], 2, True),
+    ]
     assert requests[1].row == {"prompt": "p1", "target": "1", "kind": "math"}
     assert ev.start(2) == [], "the round of version 0 still runs: none of version 2"
     trajs = [EvalTrajectory(i, j, np.full(j + 1, 7, np.int32), j + 3, "stop") for i in range(2) for j in range(2)]

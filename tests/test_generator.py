@@ -77,11 +77,11 @@ def check_shape(turns, n_expected, max_tokens=MAX_NEW):
     assert len(turns) == n_expected
     assert len({t.key for t in turns}) == n_expected  # each turn exactly once
     for t in turns:
-        assert len(t.output_ids) == len(t.behav_logprobs) == len(t.versions) >= 1
-        if t.finish_reason == "stop":
-            assert t.output_ids[-1] == EOS and len(t.output_ids) <= max_tokens
+        assert len(t.sampled.token_ids) == len(t.sampled.behav_logprobs) == len(t.sampled.versions) >= 1
+        if t.sampled.finish_reason == "stop":
+            assert t.sampled.token_ids[-1] == EOS and len(t.sampled.token_ids) <= max_tokens
         else:
-            assert t.finish_reason == "length" and len(t.output_ids) == max_tokens
+            assert t.sampled.finish_reason == "length" and len(t.sampled.token_ids) == max_tokens
 
 
 def test_behav_logprobs_match_transformers(setup):
@@ -93,16 +93,16 @@ def test_behav_logprobs_match_transformers(setup):
     turns = drain(engine)
     check_shape(turns, 16)
     for t in turns:
-        assert set(t.versions) == {v}
-        ref = hf_logprobs(model_a, t.context_ids, t.output_ids)
-        np.testing.assert_allclose(t.behav_logprobs, ref, atol=TOL, rtol=0)
+        assert set(t.sampled.versions) == {v}
+        ref = hf_logprobs(model_a, t.context_ids, t.sampled.token_ids)
+        np.testing.assert_allclose(t.sampled.behav_logprobs, ref, atol=TOL, rtol=0)
     # Not vLLM's raw default: at temperature 0.8 raw logprobs would differ by far more than TOL.
     t = turns[0]
-    ids = torch.tensor([list(t.context_ids) + list(t.output_ids)])
+    ids = torch.tensor([list(t.context_ids) + list(t.sampled.token_ids)])
     with torch.no_grad():
         raw = torch.log_softmax(model_a(ids).logits[0], -1)[len(t.context_ids) - 1 : -1]
-    raw = raw.gather(-1, torch.as_tensor(t.output_ids, dtype=torch.long)[:, None])[:, 0].numpy()
-    assert np.abs(raw - t.behav_logprobs).max() > 10 * TOL
+    raw = raw.gather(-1, torch.as_tensor(t.sampled.token_ids, dtype=torch.long)[:, None])[:, 0].numpy()
+    assert np.abs(raw - t.sampled.behav_logprobs).max() > 10 * TOL
 
 
 def test_turns_return_as_they_finish(setup):
@@ -129,13 +129,13 @@ def test_each_turn_keeps_its_own_budget_across_an_interruption(setup):
     with pytest.raises(ValueError, match="already in flight"):
         engine.submit("g500.0", [9], 4)
     turns = drain(engine, steps=3)
-    assert [t.key for t in engine.partial() if len(t.output_ids) == 3]  # the update catches turns mid-way
+    assert [t.key for t in engine.partial() if len(t.sampled.token_ids) == 3]  # the update catches turns mid-way
     v = engine.version + 1
     load(engine, model_a, v)
     turns += drain(engine)
     check_shape([t for t in turns if group_of(t) == 500], 3, max_tokens=6)
     check_shape([t for t in turns if group_of(t) == 501], 3, max_tokens=MAX_NEW)
-    assert any(t.attempt == 1 and t.versions[-1] == v for t in turns)
+    assert any(t.attempt == 1 and t.sampled.versions[-1] == v for t in turns)
 
 
 def test_interrupt_switches_versions_and_weights(setup):
@@ -151,15 +151,18 @@ def test_interrupt_switches_versions_and_weights(setup):
     switched = 0
     for t in turns:
         k1, k2 = len(first[t.key]), len(second[t.key])
-        assert t.output_ids[:k2] == second[t.key]  # nothing lost or duplicated
-        assert t.output_ids[:k1] == first[t.key]
-        n = len(t.output_ids)
-        assert t.versions == [v0] * k1 + [v0 + 1] * (k2 - k1) + [v0 + 2] * (n - k2)  # switch exactly there
+        assert t.sampled.token_ids[:k2] == second[t.key]  # nothing lost or duplicated
+        assert t.sampled.token_ids[:k1] == first[t.key]
+        n = len(t.sampled.token_ids)
+        assert t.sampled.versions == [v0] * k1 + [v0 + 1] * (k2 - k1) + [v0 + 2] * (n - k2)  # switch exactly there
         prompt = t.context_ids
-        ref_a, ref_b = hf_logprobs(model_a, prompt, t.output_ids), hf_logprobs(model_b, prompt, t.output_ids)
-        np.testing.assert_allclose(t.behav_logprobs[:k1], ref_a[:k1], atol=TOL, rtol=0)
-        np.testing.assert_allclose(t.behav_logprobs[k1:k2], ref_b[k1:k2], atol=TOL, rtol=0)
-        np.testing.assert_allclose(t.behav_logprobs[k2:], ref_a[k2:], atol=TOL, rtol=0)
+        ref_a, ref_b = (
+            hf_logprobs(model_a, prompt, t.sampled.token_ids),
+            hf_logprobs(model_b, prompt, t.sampled.token_ids),
+        )
+        np.testing.assert_allclose(t.sampled.behav_logprobs[:k1], ref_a[:k1], atol=TOL, rtol=0)
+        np.testing.assert_allclose(t.sampled.behav_logprobs[k1:k2], ref_b[k1:k2], atol=TOL, rtol=0)
+        np.testing.assert_allclose(t.sampled.behav_logprobs[k2:], ref_a[k2:], atol=TOL, rtol=0)
         switched += k1 < k2 < n
     assert switched >= 1
     mismatch = interruption_mismatch(run, model_a, model_b, TEMPERATURE)
@@ -176,7 +179,7 @@ def test_without_interruption_turns_finish_on_one_version(setup):
     load(engine, model_a, v)
     add(engine, 600, [5, 6, 7, 8], n=8)
     finished = drain(engine, steps=4)
-    caught = [t for t in engine.partial() if t.output_ids]
+    caught = [t for t in engine.partial() if t.sampled.token_ids]
     assert caught  # the hold catches turns mid-way
     engine.hold()
     add(engine, 601, [5, 6, 7, 9], n=4)
@@ -185,7 +188,7 @@ def test_without_interruption_turns_finish_on_one_version(setup):
     assert engine.in_flight == engine.running + 4 == 8 - len(finished) + 4
     while engine.running:
         finished += engine.step()
-    assert engine.in_flight == 4 and [t.output_ids for t in engine.partial()] == [[]] * 4  # none started
+    assert engine.in_flight == 4 and [t.sampled.token_ids for t in engine.partial()] == [[]] * 4  # none started
     load(engine, model_b, v + 1)
     assert engine.running == 4
     later = drain(engine)
@@ -194,12 +197,14 @@ def test_without_interruption_turns_finish_on_one_version(setup):
     assert {group_of(t) for t in later} == {601}
     for turns, version, model in ((finished, v, model_a), (later, v + 1, model_b)):
         for t in turns:
-            assert t.attempt == 0 and t.versions == [version] * len(t.output_ids)
+            assert t.attempt == 0 and t.sampled.versions == [version] * len(t.sampled.token_ids)
             np.testing.assert_allclose(
-                t.behav_logprobs, hf_logprobs(model, t.context_ids, t.output_ids), atol=TOL, rtol=0
+                t.sampled.behav_logprobs, hf_logprobs(model, t.context_ids, t.sampled.token_ids), atol=TOL, rtol=0
             )
     by_key = {t.key: t for t in finished}
-    assert any(len(by_key[t.key].output_ids) > len(t.output_ids) for t in caught)  # they went on past the hold
+    assert any(
+        len(by_key[t.key].sampled.token_ids) > len(t.sampled.token_ids) for t in caught
+    )  # they went on past the hold
 
 
 def test_loaded_weights_change_outputs(setup):
@@ -215,13 +220,15 @@ def test_loaded_weights_change_outputs(setup):
         gaps = []
         for t in turns:
             np.testing.assert_allclose(
-                t.behav_logprobs, hf_logprobs(model, t.context_ids, t.output_ids), atol=TOL, rtol=0
+                t.sampled.behav_logprobs, hf_logprobs(model, t.context_ids, t.sampled.token_ids), atol=TOL, rtol=0
             )
-            gaps.append(np.abs(t.behav_logprobs - hf_logprobs(other, t.context_ids, t.output_ids)).mean())
+            gaps.append(
+                np.abs(t.sampled.behav_logprobs - hf_logprobs(other, t.context_ids, t.sampled.token_ids)).mean()
+            )
         assert np.mean(gaps) > 0.5  # the other weights would have given clearly different logprobs
     # The perturbed weights are peakier: what the engine samples changes with them.
-    mean_b = np.mean([np.mean(t.behav_logprobs) for t in under_b])
-    mean_a = np.mean([np.mean(t.behav_logprobs) for t in under_a])
+    mean_b = np.mean([np.mean(t.sampled.behav_logprobs) for t in under_b])
+    mean_a = np.mean([np.mean(t.sampled.behav_logprobs) for t in under_a])
     assert mean_b > mean_a + 0.5, (mean_a, mean_b)
 
 
@@ -248,9 +255,9 @@ def test_update_loads_in_place(setup, monkeypatch):
     torch.testing.assert_close(loaded, model_b.model.embed_tokens.weight, rtol=0, atol=0)
     add(engine, 300, [30, 31, 32], n=8)
     for t in drain(engine):
-        assert set(t.versions) == {v}
+        assert set(t.sampled.versions) == {v}
         np.testing.assert_allclose(
-            t.behav_logprobs, hf_logprobs(model_b, t.context_ids, t.output_ids), atol=TOL, rtol=0
+            t.sampled.behav_logprobs, hf_logprobs(model_b, t.context_ids, t.sampled.token_ids), atol=TOL, rtol=0
         )
 
 
@@ -317,7 +324,7 @@ def test_qwen3_loads_the_trainers_weights(tmp_path):
         check_shape(turns, 8)
         for t in turns:
             np.testing.assert_allclose(
-                t.behav_logprobs, hf_logprobs(model, t.context_ids, t.output_ids), atol=TOL, rtol=0
+                t.sampled.behav_logprobs, hf_logprobs(model, t.context_ids, t.sampled.token_ids), atol=TOL, rtol=0
             )
     finally:
         engine.close()

@@ -73,11 +73,11 @@ def test_tp2_workers_receive_and_load_their_shards(tmp_path):
             turns += engine.step()
         assert len(turns) == 4
         for t in turns:
-            assert set(t.versions) == {2}
-            ids = torch.tensor([prompt + list(t.output_ids)])
+            assert set(t.sampled.versions) == {2}
+            ids = torch.tensor([prompt + list(t.sampled.token_ids)])
             with torch.no_grad():
                 logp = torch.log_softmax(model(ids).logits[0] / TEMPERATURE, -1)[len(prompt) - 1 : -1]
-            ref = logp.gather(-1, torch.as_tensor(t.output_ids, dtype=torch.long)[:, None])[:, 0].numpy()
-            np.testing.assert_allclose(t.behav_logprobs, ref, atol=1e-3, rtol=0)
+            ref = logp.gather(-1, torch.as_tensor(t.sampled.token_ids, dtype=torch.long)[:, None])[:, 0].numpy()
+            np.testing.assert_allclose(t.sampled.behav_logprobs, ref, atol=1e-3, rtol=0)
     finally:
         engine.close()

@@ -87,7 +87,7 @@ def test_generator_rank_serves_and_syncs(run_mpi, tmp_path, interruptible):
     if interruptible:
         assert all(s.drain_s == 0 for s in out["syncs"])
     assert sorted((t.group_id, t.index) for t in out["first"]) == [(0, i) for i in range(4)]
-    assert sorted((t.prompt_index, t.index) for t in out["evals"]) == [(0, 0), (0, 1)], "an EvalRequest's replies"
+    assert sorted((t.prompt_index, t.index) for t in out["evals"]) == [(0, 0), (0, 1)], "an eval request's replies"
     assert sorted((t.group_id, t.index) for t in out["rest"]) == [(g, i) for g in (1, 2, 3) for i in range(4)]
     for t in out["first"]:
         _, logprobs, versions = _answer(t)

@@ -163,9 +163,10 @@ def test_the_generator_log_gives_the_engine_settings_and_its_start_time():
 
 def interrupted(versions: list[int], first: int, second: int) -> Interrupted:
     from areal_hpc.generator.engine import EngineTurn
+    from areal_hpc.workflow.client import Turn
 
     ids = list(range(len(versions)))
-    t = EngineTurn("p1.0", [3], len(ids), ids, [0.0] * len(ids), list(versions), finish_reason="length")
+    t = EngineTurn("p1.0", [3], len(ids), Turn(ids, [0.0] * len(ids), list(versions), "length"))
     return Interrupted(5, {"p1.0": ids[:first]}, {"p1.0": ids[:second]}, [], [t], (0.1, 0.1, 0.1))
 
 

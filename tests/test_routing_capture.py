@@ -51,8 +51,8 @@ def hf_routing(model, ids) -> np.ndarray:
 
 def check_routing(turn, model) -> None:
     """The turn's routing equals transformers' at every computed position; the last one is unknown."""
-    ids = turn.context_ids + turn.output_ids
-    routing = turn.routing
+    ids = turn.context_ids + turn.sampled.token_ids
+    routing = turn.sampled.routing
     assert routing.shape == (len(ids), LAYERS, TOP_K) and routing.dtype == np.uint8
     assert (routing[-1] == routing_unknown(np.uint8)).all()
     np.testing.assert_array_equal(np.sort(routing[:-1], axis=-1), hf_routing(model, ids)[:-1])
@@ -67,7 +67,7 @@ def test_routing_of_every_position_equals_transformers(setup):
     for turn in turns:
         check_routing(turn, model)
     # The routing varies over positions and layers (else the comparison would prove little).
-    assert len({tuple(r.ravel()) for t in turns for r in t.routing[:-1]}) > 3
+    assert len({tuple(r.ravel()) for t in turns for r in t.sampled.routing[:-1]}) > 3
 
 
 def test_a_prefix_cache_hit_finds_the_routing_of_the_pass_that_computed_it(setup, monkeypatch):
@@ -90,7 +90,7 @@ def test_a_prefix_cache_hit_finds_the_routing_of_the_pass_that_computed_it(setup
     engine.submit("second", prompt, 8)
     [second] = drain(engine)
     assert cached[-1] >= block  # the second turn's prompt came from the prefix cache
-    np.testing.assert_array_equal(second.routing[: len(prompt) - 1], first.routing[: len(prompt) - 1])
+    np.testing.assert_array_equal(second.sampled.routing[: len(prompt) - 1], first.sampled.routing[: len(prompt) - 1])
     check_routing(first, model)
     check_routing(second, model)
 
@@ -149,8 +149,8 @@ def test_after_a_weight_update_a_resubmitted_turn_carries_the_new_routing(setup)
     changed = 0
     for turn in turns:
         check_routing(turn, new)
-        ids = turn.context_ids + turn.output_ids
-        changed += (np.sort(turn.routing[:-1], -1) != hf_routing(model, ids)[:-1]).any(axis=(1, 2)).sum()
+        ids = turn.context_ids + turn.sampled.token_ids
+        changed += (np.sort(turn.sampled.routing[:-1], -1) != hf_routing(model, ids)[:-1]).any(axis=(1, 2)).sum()
     assert changed > 0
     for turn in early:
         check_routing(turn, model)

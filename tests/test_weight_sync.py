@@ -429,7 +429,7 @@ def test_a_sync_from_two_expert_sources_reaches_vllms_fused_experts(tmp_path, mo
     def greedy(engine) -> list[list[int]]:
         for i, prompt in enumerate(([5, 6, 7, 8], [9, 3, 30, 41, 2])):
             engine.submit(f"p{i}", prompt, 16)
-        return [t.output_ids for t in sorted(drain(engine), key=lambda t: t.key)]
+        return [t.sampled.token_ids for t in sorted(drain(engine), key=lambda t: t.key)]
 
     fresh = create(path_b)
     expected_b = greedy(fresh)

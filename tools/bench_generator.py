@@ -83,7 +83,7 @@ def child(size: str, args) -> dict:
                     gen.submit(f"{g}.{i}", p, args.max_new)
             tokens = 0
             while gen.in_flight:
-                tokens += sum(len(turn.output_ids) for turn in gen.step())
+                tokens += sum(len(turn.sampled.token_ids) for turn in gen.step())
             return tokens / (time.perf_counter() - t)
 
         plain(None), wrapped()  # warm-up
@@ -120,7 +120,7 @@ def child(size: str, args) -> dict:
         t0 = time.perf_counter()
         th.start()
         updates.append(gen.update_weights(receiver, version))
-        while not any(turn.versions and turn.versions[-1] == version for turn in gen.partial()):
+        while not any(turn.sampled.versions and turn.sampled.versions[-1] == version for turn in gen.partial()):
             gen.step()
         pauses.append(time.perf_counter() - t0)
         th.join()

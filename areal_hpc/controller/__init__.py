@@ -14,7 +14,7 @@ syncs and checkpoints, writes the metrics. One thread, one event loop, no blocki
                       rollout.filter_uniform_groups, all its rewards equal, leaves it out
                       (gate.finish(accepted=False): its slot admits another prompt)
     TrainResult    -> version v+1: WeightSync(v+1) to trainers + generators, then every
-                      eval.every_steps the eval prompts (EvalRequests: never buffered, not gated),
+                      eval.every_steps the eval prompts (GenerateRequest.eval: never buffered, not gated),
                       Save every save_every steps or save_interval_min minutes, the metrics row
     SyncDone       -> generator g runs version v+1 (timing/weight_sync_s, timing/sync_drain_s)
     Saved          -> all trainer ranks saved (timing/save_s): controller state, then the files'

@@ -2,8 +2,9 @@
 answer is for.
 
 ```
- generate(request)   GenerateRequest or EvalRequest -> the generator with the fewest requests in flight
-                     (ties: the lowest rank); it owes a generation (liveness) and is busy (its idle clock)
+ generate(request)   GenerateRequest (a prompt group's, or an eval prompt's) -> the generator with the fewest
+                     requests in flight (ties: the lowest rank); it owes a generation (liveness) and is busy
+                     (its idle clock)
  generated(src, t)   t was the last trajectory of its request: src owes one generation less
  score(t, target)    RewardRequest(a fresh request id, t's final answer's token ids, target) -> the
                      reward worker with the fewest requests open; the id -> t, the episode the result is for
@@ -22,15 +23,7 @@ from areal_hpc.controller.liveness import Liveness
 from areal_hpc.controller.timeline import Timeline
 from areal_hpc.layout import Layout, Role
 from areal_hpc.metrics import IdleClock
-from areal_hpc.protocol import (
-    EvalRequest,
-    EvalTrajectory,
-    GenerateRequest,
-    Mailbox,
-    RewardRequest,
-    RewardResult,
-    Trajectory,
-)
+from areal_hpc.protocol import EvalTrajectory, GenerateRequest, Mailbox, RewardRequest, RewardResult, Trajectory
 
 
 class Dispatch:
@@ -49,7 +42,7 @@ class Dispatch:
         self.pending: dict[int, tuple[Trajectory | EvalTrajectory, int]] = {}  # request id -> (scored, rank)
         self.next_reward_id = 0
 
-    def generate(self, request: GenerateRequest | EvalRequest) -> None:
+    def generate(self, request: GenerateRequest) -> None:
         """n trajectories to one prompt, from the least-loaded generator."""
         gen = min(self.generator_ranks, key=lambda g: (self.gen_load[g], g))
         self.box.send(gen, request)
@@ -84,8 +77,8 @@ class Dispatch:
         return traj
 
 
-def _timeline_name(msg: GenerateRequest | EvalRequest | Trajectory | EvalTrajectory) -> dict:
+def _timeline_name(msg: GenerateRequest | Trajectory | EvalTrajectory) -> dict:
     """What a generation is called in the timeline (areal_hpc.controller.timeline): its group, or its eval prompt."""
-    if isinstance(msg, EvalRequest | EvalTrajectory):
+    if isinstance(msg, EvalTrajectory):
         return {"eval": msg.prompt_index}
-    return {"group": msg.group_id}
+    return {"eval" if isinstance(msg, GenerateRequest) and msg.eval else "group": msg.group_id}

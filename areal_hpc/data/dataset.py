@@ -69,7 +69,7 @@ class Example:
 
     @property
     def row(self) -> dict:
-        """What a rollout workflow gets of the row besides `prompt_ids` (GenerateRequest.row, EvalRequest.row):
+        """What a rollout workflow gets of the row besides `prompt_ids` (GenerateRequest.row):
         the row's other fields (`extra`) and its `prompt` (as the data set has it), `target` and `kind`."""
         return {**self.extra, "prompt": self.prompt, "target": self.target, "kind": self.kind}
 

@@ -14,7 +14,7 @@
 
 So pass@k is measured the way the model is trained: the same episodes, not a single answer. The bookkeeping
 (`EvalRound`) is the package's, shared with the evaluation between training steps (areal_hpc.eval.training);
-the requests to the runner are the generator's EvalRequests.
+the requests to the runner are the generator's eval requests (GenerateRequest.eval).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 from areal_hpc.config import Config, ConfigError, load_config
 from areal_hpc.data.dataset import eval_path, load_prompts
 from areal_hpc.eval import EvalRound
-from areal_hpc.protocol import EPISODE_STATS, EvalRequest, EvalTrajectory
+from areal_hpc.protocol import EPISODE_STATS, EvalTrajectory, GenerateRequest
 
 
 def table(report: dict) -> str:
@@ -128,7 +128,7 @@ def evaluate(cfg: Config, model_dir: Path, data: str | Path, samples: int, engin
         engine = GenerationEngine.from_config(cfg, model_dir, resolve_device(cfg.cluster.device))
     runner = EpisodeRunner.from_config(cfg, engine, model_dir, workflow=workflow)
     pool = ScorerPool(pool_size(cfg.reward.processes), timeout_s=cfg.reward.timeout_s)
-    requests = [EvalRequest(i, e.prompt_ids, e.row, samples) for i, e in enumerate(examples)]
+    requests = [GenerateRequest(i, e.prompt_ids, e.row, samples, eval=True) for i, e in enumerate(examples)]
     started = time.monotonic()
 
     async def episodes() -> None:

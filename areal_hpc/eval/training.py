@@ -3,7 +3,7 @@ their scored trajectories add up to, for the controller's metrics.
 
 ```
  the controller, after the WeightSync of version v (and at the start):
-   start(v)     -> an EvalRequest per eval prompt when a round is due (none while the last still runs)
+   start(v)     -> an eval GenerateRequest per eval prompt when a round is due (none while the last still runs)
  EvalTrajectory -> arrived (True: its prompt's last: the generator is done with that request);
                    its reward: the workflow's own when finite (scored at once), 0 when lost (the
                    workflow raised: a workflow error, not a reward error), else a reward worker's, against target(traj)
@@ -20,19 +20,20 @@ import logging
 from areal_hpc.config import Config
 from areal_hpc.data.dataset import Example, eval_path, load_prompts
 from areal_hpc.eval import EvalRound
-from areal_hpc.protocol import EvalRequest, EvalTrajectory
+from areal_hpc.protocol import EvalTrajectory, GenerateRequest
 
 log = logging.getLogger(__name__)
 
 
 class TrainingEval:
     """Evaluation between training steps (`eval.every_steps`), on the run's own generators and reward
-    workers: before the first step and after every `every_steps` steps, one EvalRequest per eval prompt
+    workers: before the first step and after every `every_steps` steps, one eval request per eval prompt
     (K trajectories each) for the generators, which the controller sends right after the WeightSync of
     that version (they handle it first).
 
-    They are not training data: they are messages of their own (EvalRequest, EvalTrajectory), so their
-    trajectories and rewards come back here, never to the buffer; the staleness gate never counts them.
+    They are not training data: their requests say so (`GenerateRequest.eval`) and their episodes come back
+    as messages of their own (EvalTrajectory), so their trajectories and rewards come back here, never to
+    the buffer; the staleness gate never counts them.
     A round still running when the next one is due is left to finish (the next one is skipped). Its
     figures (`eval/pass@1`, `eval/pass@k`, `eval/reward_mean`, `eval/episode_tokens_mean`, and
     `eval/version`, the version it started on: trajectories in flight across a weight update finish on the
@@ -52,7 +53,7 @@ class TrainingEval:
         examples = load_prompts(cfg, tokenizer, eval_path(cfg), "eval.data") if e.every_steps else []
         return cls(examples, e.samples, e.every_steps)
 
-    def start(self, version: int) -> list[EvalRequest]:
+    def start(self, version: int) -> list[GenerateRequest]:
         """The requests of a round of `version` when one is due; none when it is not, or while the last
         round is still running."""
         if not self.every_steps or version % self.every_steps:
@@ -61,7 +62,7 @@ class TrainingEval:
             log.warning("evaluation of version %d still running: none of version %d", self.version, version)
             return []
         self.round, self.version = EvalRound(self.examples, self.samples), version
-        return [EvalRequest(i, e.prompt_ids, e.row, self.samples) for i, e in enumerate(self.examples)]
+        return [GenerateRequest(i, e.prompt_ids, e.row, self.samples, eval=True) for i, e in enumerate(self.examples)]
 
     def arrived(self, traj: EvalTrajectory) -> bool:
         """Record an episode (its tokens, all sequences); True when it was the last of its prompt (its request

@@ -43,10 +43,9 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from areal_hpc.arch import model_arch
 from areal_hpc.generator.choices import ENGINE_ARGS, choose_environment, resolved
+from areal_hpc.workflow.client import Turn
 
 # vLLM's environment (worker start method, model runner, in-process engine core), set on import: before
 # any engine is built (vLLM is only imported inside functions here).
@@ -63,14 +62,14 @@ class EngineTurn:
     key: str  # the submitter's name for it, unique among the turns in flight
     context_ids: list[int]  # the tokens the engine sees before the turn
     max_tokens: int  # the most tokens the turn may sample, over all its attempts
-    output_ids: list[int] = field(default_factory=list)  # sampled so far; the stop token included when it stopped
-    behav_logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)  # the policy version that sampled each token
+    sampled: Turn = field(default_factory=lambda: Turn([], [], [], ""))
+    """What it sampled so far, as the workflow gets it once the turn finished (the workflow's `Turn`, handed
+    over as is): `token_ids` (the stop token included when it stopped), `behav_logprobs`, `versions` (the
+    policy version that sampled each token), `finish_reason` once finished ("stop": a stop token; "length":
+    its budget or the model's context) and, when the engine records routing, `routing`:
+    [len(context_ids) + len(token_ids), L, K], the experts of each position's KV in the final attempt
+    (areal_hpc.generator.routing), the last position unknown."""
     attempt: int = 0  # resubmissions so far (one per weight update it lived through)
-    finish_reason: str = ""  # once finished: "stop" (a stop token) or "length" (its budget or the model's context)
-    routing: np.ndarray | None = None
-    """Once finished, when the engine records routing: [len(context_ids) + len(output_ids), L, K], the experts
-    of each position's KV in the final attempt (areal_hpc.generator.routing), the last position unknown."""
 
     @property
     def request_id(self) -> str:
@@ -83,7 +82,7 @@ class GenerationEngine:
 
     `engine` is a vLLM v1 `LLMEngine` built with `engine_args(...)` (or `GenerationEngine.create`). With
     `record_routing` (an engine built with `engine_args(..., record_routing=True)`) every finished turn
-    carries its routing (`EngineTurn.routing`).
+    carries its routing (`Turn.routing` of `EngineTurn.sampled`).
     """
 
     def __init__(self, engine, temperature: float = 1.0, top_p: float = 1.0, record_routing: bool = False):
@@ -222,14 +221,14 @@ class GenerationEngine:
             # FINAL_ONLY: the whole attempt at once; flat logprobs with logprobs=0 hold exactly the
             # sampled token's logprob at each position. An attempt never spans a weight update.
             _extend(turn, completion.token_ids, completion.logprobs.logprobs, self.version)
-            turn.finish_reason = "stop" if completion.finish_reason == "stop" else "length"
+            turn.sampled.finish_reason = "stop" if completion.finish_reason == "stop" else "length"
             finished.append((turn, vllm_id))
         if self.record_routing and finished:
             # Now: the worker forgets a finished request, and its blocks may be reused, from the next step on.
-            requests = [(vllm_id, len(t.context_ids) + len(t.output_ids)) for t, vllm_id in finished]
+            requests = [(vllm_id, len(t.context_ids) + len(t.sampled.token_ids)) for t, vllm_id in finished]
             routings = self.engine.collective_rpc("areal_take_routing", args=(requests,))[0]
             for (turn, _), routing in zip(finished, routings):
-                turn.routing = routing
+                turn.sampled.routing = routing
         return [turn for turn, _ in finished]
 
     @property
@@ -246,11 +245,15 @@ class GenerationEngine:
         """A copy of each in-flight turn with everything it sampled so far (a held turn: nothing)."""
         out = []
         for turn in [*self._running.values(), *(self._held or {}).values()]:
+            sampled = turn.sampled
             copy = dataclasses.replace(
                 turn,
-                output_ids=list(turn.output_ids),
-                behav_logprobs=list(turn.behav_logprobs),
-                versions=list(turn.versions),
+                sampled=dataclasses.replace(
+                    sampled,
+                    token_ids=list(sampled.token_ids),
+                    behav_logprobs=list(sampled.behav_logprobs),
+                    versions=list(sampled.versions),
+                ),
             )
             if turn.key in self._running:
                 _extend(copy, *self._attempt_output(turn.request_id), self.version)
@@ -318,21 +321,22 @@ class GenerationEngine:
             n=1,
             temperature=self.temperature,
             top_p=self.top_p,
-            max_tokens=turn.max_tokens - len(turn.output_ids),  # the turn's own budget, what is left of it
+            max_tokens=turn.max_tokens - len(turn.sampled.token_ids),  # the turn's own budget, what is left of it
             logprobs=0,  # the sampled token's logprob only
             flat_logprobs=True,
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,  # partial output is read on interruption
         )
-        prompt = {"prompt_token_ids": turn.context_ids + turn.output_ids}
+        prompt = {"prompt_token_ids": turn.context_ids + turn.sampled.token_ids}
         self._vllm_ids[turn.key] = self.engine.add_request(turn.request_id, prompt, params)
         self._running[turn.key] = turn
 
 
 def _extend(turn: EngineTurn, token_ids, logprobs, version: int) -> None:
-    turn.output_ids += token_ids
-    turn.behav_logprobs += logprobs
-    turn.versions += [version] * len(token_ids)
+    sampled = turn.sampled
+    sampled.token_ids += token_ids
+    sampled.behav_logprobs += logprobs
+    sampled.versions += [version] * len(token_ids)
 
 
 def _cpu_setup(model_path, tp: int, max_num_seqs: int, max_model_len: int | None) -> int:

@@ -36,7 +36,7 @@ import traceback
 
 import numpy as np
 
-from areal_hpc.protocol import EPISODE_STATS, EvalRequest, EvalTrajectory, GenerateRequest, Trajectory
+from areal_hpc.protocol import EPISODE_STATS, EvalTrajectory, GenerateRequest, Trajectory
 
 log = logging.getLogger("areal_hpc.generator")
 
@@ -79,9 +79,9 @@ class EpisodeRunner:
         return cls(engine, workflow, tokenizer, cfg.rollout, tool_pool)
 
     # --- inside the generator's event loop ---
-    def start(self, request: GenerateRequest | EvalRequest) -> None:
+    def start(self, request: GenerateRequest) -> None:
         """Start the request's `n` episodes (tasks of the running event loop)."""
-        name = f"eval{request.prompt_index}" if isinstance(request, EvalRequest) else f"group{request.group_id}"
+        name = f"{'eval' if request.eval else 'group'}{request.group_id}"
         prompt_ids = [int(t) for t in request.prompt_ids]
         loop = asyncio.get_running_loop()
         for i in range(request.n):
@@ -103,7 +103,7 @@ class EpisodeRunner:
         woken = 0
         if self.engine.running:  # not the turns held for the next weights (`GenerationEngine.hold`)
             for turn in self.engine.step():
-                woken += _resolve(self._turns.pop(turn.key, None), turn)
+                woken += _resolve(self._turns.pop(turn.key, None), turn.sampled)  # the workflow's Turn, as is
         if self._calls:
             for key, text, ok, seconds in self._pool.poll(0.0):
                 woken += _resolve(self._calls.pop(key, None), (text, ok, seconds))
@@ -126,7 +126,7 @@ class EpisodeRunner:
         self._calls.clear()
 
     # --- one episode ---
-    async def _episode(self, request, index: int, name: str, row: dict) -> None:
+    async def _episode(self, request: GenerateRequest, index: int, name: str, row: dict) -> None:
         from areal_hpc.workflow.client import EpisodeClient
 
         client = EpisodeClient(
@@ -157,8 +157,7 @@ class EpisodeRunner:
             future = asyncio.get_running_loop().create_future()
             self.engine.submit(key, token_ids, max_tokens)
             self._turns[key] = future
-            turn = await future
-            return Turn(turn.output_ids, turn.behav_logprobs, turn.versions, turn.finish_reason, turn.routing)
+            return await future  # the engine turn's `sampled` record (advance)
 
         return sample
 
@@ -212,9 +211,9 @@ def _lost() -> dict:
 
 
 def _reply(request, index: int, fields: dict, reward: float, error: str) -> Trajectory | EvalTrajectory:
-    if isinstance(request, EvalRequest):
+    if request.eval:
         return EvalTrajectory(
-            request.prompt_index,
+            request.group_id,
             index,
             fields["answer_ids"],
             int(len(fields["tokens"])),

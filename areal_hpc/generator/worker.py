@@ -5,8 +5,7 @@
         every stage's weight-sync group joined inside its workers (start-up check), the episode runner
  loop (asyncio, one thread):
         poll the controller (never blocks)
-          GenerateRequest(group_id, prompt_ids, row, n) -> start n episodes of the workflow on the row
-          EvalRequest(prompt_index, prompt_ids, row, n) -> the same, for an eval row
+          GenerateRequest(group_id, prompt_ids, row, n, eval) -> start n episodes of the workflow on the (eval) row
           WeightSync(version) -> interrupt the turns in flight, receive + load the broadcast, resume them
                                  -> SyncDone(version, s)
                                  rollout.interruptible false: hold new turns (engine.hold) and drain
@@ -15,7 +14,7 @@
                                  turns -> SyncDone(version, s, drain_s) each
         advance the runner (areal_hpc.generator.episodes): step the engine if turns are running, poll the
         tool pool, let every episode whose turn or tool call came back run to its next await (IDLE_S sleep
-        when nothing happened) -> each finished episode's reply (Trajectory; EvalTrajectory to an EvalRequest)
+        when nothing happened) -> each finished episode's reply (Trajectory; EvalTrajectory to an eval request)
 ```
 
 Messages are handled in arrival order, between rounds of the runner. A WeightSync interrupts the turns in
@@ -53,7 +52,7 @@ def serve(ctx, sync) -> None:
 async def _serve(ctx, sync) -> None:
     from areal_hpc.generator.engine import GenerationEngine
     from areal_hpc.generator.episodes import EpisodeRunner
-    from areal_hpc.protocol import EvalRequest, Failure, GenerateRequest, Mailbox, Stop, SyncDone, WeightSync
+    from areal_hpc.protocol import Failure, GenerateRequest, Mailbox, Stop, SyncDone, WeightSync
     from areal_hpc.rank_context import CONTROLLER_RANK
     from areal_hpc.workflow import load_workflow
 
@@ -83,7 +82,7 @@ async def _serve(ctx, sync) -> None:
         while True:
             for envelope in mailbox.poll(source=CONTROLLER_RANK):
                 msg = envelope.msg
-                if isinstance(msg, GenerateRequest | EvalRequest):
+                if isinstance(msg, GenerateRequest):
                     runner.start(msg)
                 elif isinstance(msg, WeightSync) and ctx.cfg.rollout.interruptible:
                     load(msg.version)

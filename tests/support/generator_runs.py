@@ -119,10 +119,10 @@ def interrupt_twice(
         for i in range(n):
             engine.submit(f"p{p}.{i}", prompt, max_tokens)
     early = drain(engine, steps=steps[0])
-    first = {t.key: t.output_ids for t in engine.partial()}
+    first = {t.key: t.sampled.token_ids for t in engine.partial()}
     load_b = load(engine, model_b, v0 + 1)
     early += drain(engine, steps=steps[1])
-    second = {t.key: t.output_ids for t in engine.partial()}
+    second = {t.key: t.sampled.token_ids for t in engine.partial()}
     load_a_again = load(engine, model_a, v0 + 2)
     turns = drain(engine)
     return Interrupted(v0, first, second, early, turns, (load_a, load_b, load_a_again))
@@ -159,15 +159,15 @@ def interruption_mismatch(run: Interrupted, model_a, model_b, temperature: float
     weights of its version."""
     before, after, first_after, other = [], [], [], []
     for t in run.turns:
-        a, b = (reference_logprobs(m, t.context_ids, t.output_ids, temperature) for m in (model_a, model_b))
-        under_b = np.asarray(t.versions) == run.v0 + 1
+        a, b = (reference_logprobs(m, t.context_ids, t.sampled.token_ids, temperature) for m in (model_a, model_b))
+        under_b = np.asarray(t.sampled.versions) == run.v0 + 1
         want, unwanted = np.where(under_b, b, a), np.where(under_b, a, b)
         k1, k2 = len(run.first[t.key]), len(run.second[t.key])
-        diff = np.abs(np.asarray(t.behav_logprobs) - want)
+        diff = np.abs(np.asarray(t.sampled.behav_logprobs) - want)
         before.append(diff[:k1])
         after.append(diff[k1:])
         first_after.append(diff[[k for k in (k1, k2) if k < len(diff)]])
-        other.append(np.abs(np.asarray(t.behav_logprobs) - unwanted))
+        other.append(np.abs(np.asarray(t.sampled.behav_logprobs) - unwanted))
     return InterruptionMismatch(*map(Mismatch.of, (before, after, first_after, other)))
 
 
@@ -179,13 +179,13 @@ def interruption_problems(run: Interrupted, mismatch: InterruptionMismatch, tol:
     out = []
     for t in run.turns:
         k1, k2 = len(run.first[t.key]), len(run.second[t.key])
-        if list(t.output_ids[:k2]) != run.second[t.key] or list(t.output_ids[:k1]) != run.first[t.key]:
+        if list(t.sampled.token_ids[:k2]) != run.second[t.key] or list(t.sampled.token_ids[:k1]) != run.first[t.key]:
             out.append(f"turn {t.key}: tokens lost or duplicated at a resubmission")
             continue
-        want = [run.v0] * k1 + [run.v0 + 1] * (k2 - k1) + [run.v0 + 2] * (len(t.output_ids) - k2)
-        if list(t.versions) != want:
-            out.append(f"turn {t.key}: versions {list(t.versions)} do not switch at tokens {k1} and {k2}")
-    if not any(len(run.first[t.key]) < len(t.output_ids) for t in run.turns):
+        want = [run.v0] * k1 + [run.v0 + 1] * (k2 - k1) + [run.v0 + 2] * (len(t.sampled.token_ids) - k2)
+        if list(t.sampled.versions) != want:
+            out.append(f"turn {t.key}: versions {list(t.sampled.versions)} do not switch at tokens {k1} and {k2}")
+    if not any(len(run.first[t.key]) < len(t.sampled.token_ids) for t in run.turns):
         out.append("no turn sampled tokens after a resubmission: nothing was checked")
     for name, m in (
         ("tokens before a resubmission", mismatch.before),

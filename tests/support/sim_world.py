@@ -22,7 +22,6 @@ from areal_hpc.data.tiny import BOXED, build_tokenizer
 from areal_hpc.layout import Layout, Role
 from areal_hpc.protocol import (
     Envelope,
-    EvalRequest,
     EvalTrajectory,
     GenerateRequest,
     RewardRequest,
@@ -96,7 +95,7 @@ class World:
         if dest in self.layout.ranks(Role.TRAINER):
             replica = self.layout.replica_ranks(self.layout.replica_of(dest))
             assert dest == replica[0], f"{msg} sent to trainer {dest}, not its replica's first rank"
-        if isinstance(msg, GenerateRequest | EvalRequest):
+        if isinstance(msg, GenerateRequest):
             for i in range(msg.n):
                 self.generating.append([dest, msg, i, self.rng.randint(1, self.max_ticks), [], []])
         elif isinstance(msg, WeightSync):
@@ -179,10 +178,10 @@ class World:
             answer = str(int(req.prompt_ids.size) % 10)  # right for some prompts, wrong for others
             out = np.array(self.tok(f"{BOXED}{answer}}}")["input_ids"] + ids, np.int32)[: max(len(ids), 3)]
             vers = np.array((versions + [versions[-1]] * len(out))[: len(out)], np.int32)
-            if isinstance(req, EvalRequest):
-                episode = self.episode(req.prompt_ids, (req.prompt_index + index) % 3, ids, versions, out, vers)
+            if req.eval:
+                episode = self.episode(req.prompt_ids, (req.group_id + index) % 3, ids, versions, out, vers)
                 num_tokens = len(episode["tokens"])
-                self.out.append(Envelope(gen, EvalTrajectory(req.prompt_index, index, out, num_tokens, "stop")))
+                self.out.append(Envelope(gen, EvalTrajectory(req.group_id, index, out, num_tokens, "stop")))
                 continue
             if self.lose(req.group_id, index):
                 trajectory = lost(req.group_id, index, f"Traceback ...\nZeroDivisionError: group {req.group_id}")

@@ -121,7 +121,7 @@ def generate(sync, initial: str, trained: str, issued: list) -> dict:
     def greedy(engine) -> list[list[int]]:
         for i, prompt in enumerate(PROMPTS):
             engine.submit(f"p{i}", prompt, 16)
-        return [t.output_ids for t in sorted(drain(engine), key=lambda t: t.key)]
+        return [t.sampled.token_ids for t in sorted(drain(engine), key=lambda t: t.key)]
 
     engine = create(initial)
     for line in engine.join_weight_sync(sync, 300):

@@ -18,7 +18,6 @@ from mpi4py import MPI
 from areal_hpc.config import load_config
 from areal_hpc.layout import Layout, Role
 from areal_hpc.protocol import (
-    EvalRequest,
     EvalTrajectory,
     Failure,
     GenerateRequest,
@@ -61,7 +60,9 @@ elif role == Role.TRAINER:
         sync.send(sorted(state.items()), bucket_bytes=32_000)
 elif role == Role.CONTROLLER:
     mb.send(gen, GenerateRequest(0, np.array([5, 6, 7], np.int32), ROW, 4))  # group g's prompt: [5 + g, 6, 7]
-    mb.send(gen, EvalRequest(0, np.array([5, 6, 7], np.int32), ROW, 2))  # eval prompt 0: the same prompt, 2 more
+    mb.send(
+        gen, GenerateRequest(0, np.array([5, 6, 7], np.int32), ROW, 2, eval=True)
+    )  # eval prompt 0: the same prompt, 2 more
     first, evals, _ = expect(4, n_eval=2)  # the engine is up and serving
     for g in (1, 2):
         mb.send(gen, GenerateRequest(g, np.array([5 + g, 6, 7], np.int32), ROW, 4))
