@@ -1,7 +1,7 @@
 """Episodes next to the engine: every request's episodes run as asyncio tasks on the generator's thread.
 
 ```
- start(GenerateRequest | EvalRequest)  -> n tasks, each:  client = EpisodeClient(tokenizer, rollout, max_model_len,
+ start(GenerateRequest)               -> n tasks, each:  client = EpisodeClient(tokenizer, rollout, max_model_len,
                                                                                 sample, tool)
                                                           reward = await workflow.arun_episode(client, row)
                                                           -> its reply (Trajectory | EvalTrajectory), queued
