@@ -3,7 +3,7 @@
 ```
  every rank   DIR/token readable? (the login node wrote it)   -> DIR/rank<r>.json   (before anything can hang)
               IFACE (cluster.network_interface) on its node?
- first rank   python doctor_probe.py --versions (a child):    -> its node's torch, vllm, megatron.core, mpi4py
+ first rank   python doctor_probe.py --versions (a child):    -> its node's areal_hpc, torch, vllm, megatron.core, mpi4py
    of a node  a program in the code sandbox (bubblewrap)       -> "ok", or what went wrong
  every rank   MPI: allreduce over the world                    -> DIR/rank<r>.json again, with the result
  GPU ranks    GPUs they see; all-reduce of their component's ranks over torch.distributed with the
@@ -33,8 +33,9 @@ import sys
 import traceback
 from pathlib import Path
 
-PACKAGES = ("torch", "vllm", "megatron.core", "mpi4py")
-"""What the ranks import; each must import on the nodes, at the login node's version."""
+PACKAGES = ("areal_hpc", "torch", "vllm", "megatron.core", "mpi4py")
+"""What the ranks import; each must import on the nodes, at the login node's version (areal_hpc itself: the
+nodes' environment must have it installed, as the login node's has)."""
 JOIN_S = 120.0
 """How long the weight-sync check's join waits (the ranks start together; the probe job has 5 minutes)."""
 
