@@ -293,16 +293,19 @@ def _transformers_routing(model_dir, batch) -> np.ndarray:
 
 
 def _step_rank(par, model_dir, batch) -> dict | None:
-    """One PPO step from the same weights with and without the batch's routing replayed."""
+    """One PPO step from the same weights with and without the batch's routing replayed, with the prox
+    pass (replayed too) although the batch is one minibatch."""
     from areal_hpc.config import PPOConfig
     from areal_hpc.trainer.engine import Engine
-    from areal_hpc.trainer.step import StepConfig, ppo_step
+    from areal_hpc.trainer.step import StepConfig, prox_pass, step_microbatches, train_minibatches
 
     out = {}
     for replay in (True, False):
         engine = Engine(model_dir, par, PPOConfig(routing_replay=replay, lr=1e-3))
         step_batch = batch if replay else dataclasses.replace(batch, routing=None)
-        out[replay] = ppo_step(engine, step_batch, StepConfig(prox_pass_always=True))
+        minibatches = step_microbatches(engine, step_batch)
+        prox_pass(engine, minibatches, StepConfig().temperature)
+        out[replay] = train_minibatches(engine, int(step_batch.version), minibatches, StepConfig())
     return out if par.rank == 0 else None
 
 
