@@ -19,7 +19,8 @@ from areal_hpc.data.tiny import build_tiny_model
 from areal_hpc.metrics import read_metrics
 from areal_hpc.trainer.spawn import run_ranks
 from tests.support.compare import assert_same_step
-from tests.support.inputs import MODEL, random_batch
+from tests.support.inputs import random_batch
+from tests.support.shapes import QWEN2
 from tools.bench_figures import trajectories_per_step
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
@@ -332,7 +333,7 @@ def _bench_steps_rank(par, model_dir):
     from areal_hpc.trainer.step import StepConfig, ppo_step
     from tools import bench_trainer
 
-    batch = random_batch(model_arch(MODEL).vocab_size)
+    batch = random_batch(model_arch(QWEN2).vocab_size)
     one_minibatch = dataclasses.replace(batch, microbatches=[[[0, 1], [2], [3], [4, 5]]])
     steps = {
         "packed": (ppo_step, batch),
@@ -355,7 +356,7 @@ def test_bench_trainer_steps_train_the_step_ppo_step_trains(tmp_path):
     """bench_trainer times ppo_step beside its own variants of it: one padded row per sequence (what packing
     saves) and, with one minibatch, the prox pass that ppo_step skips (taking the prox logprobs from the
     training pass: the same values). Each variant trains the same step: the timings compare the same work."""
-    model_dir = build_tiny_model(MODEL, tmp_path, seed=5)
+    model_dir = build_tiny_model(QWEN2, tmp_path, seed=5)
     got = run_ranks(_bench_steps_rank, 1, 1, 1, str(model_dir))[0]
     assert_same_step(got["padded"], got["packed"])
     assert_same_step(got["recompute-1-pass"], got["recompute-1"])

@@ -15,9 +15,10 @@ from areal_hpc.data.tiny import build_tiny_model
 from areal_hpc.protocol import TrainBatch
 from areal_hpc.trainer.spawn import run_ranks
 from tests.support.compare import assert_same_step
-from tests.support.inputs import MODEL, random_batch, shard
+from tests.support.inputs import random_batch, shard
+from tests.support.shapes import QWEN2
 
-VOCAB = model_arch(MODEL).vocab_size
+VOCAB = model_arch(QWEN2).vocab_size
 
 pytestmark = pytest.mark.megatron
 
@@ -62,7 +63,7 @@ def _logprobs(par, model_dir, batch):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return str(build_tiny_model(MODEL, tmp_path_factory.mktemp("model"), seed=5))
+    return str(build_tiny_model(QWEN2, tmp_path_factory.mktemp("model"), seed=5))
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +85,7 @@ def reference(model_dir):
 
 @pytest.fixture(scope="module")
 def untied_model_dir(tmp_path_factory):
-    untied = dataclasses.replace(MODEL, tie_word_embeddings=False)
+    untied = dataclasses.replace(QWEN2, tie_word_embeddings=False)
     return str(build_tiny_model(untied, tmp_path_factory.mktemp("untied"), seed=6))
 
 
