@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 import torch
 
-from areal_hpc.config import ModelConfig, RolloutConfig
+from areal_hpc.config import RolloutConfig
 from areal_hpc.data.tiny import build_tiny_model
 from areal_hpc.device import resolve_device
 from areal_hpc.protocol import EPISODE_STATS, EvalTrajectory, GenerateRequest, Trajectory
 from areal_hpc.workflow import Workflow
 from tests.support.generator_runs import load, perturb, reference_logprobs, run_episodes
+from tests.support.shapes import GENERATOR
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -31,7 +32,6 @@ TOL = 1e-3
 EOS = 1
 TOOL_IDS = [40, 41, 42]
 """The tool message's tokens the scripted workflow appends before its second turn."""
-MODEL = ModelConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def setup(tmp_path_factory):
 
     from areal_hpc.generator.engine import GenerationEngine
 
-    path = build_tiny_model(MODEL, tmp_path_factory.mktemp("episodes"), seed=1)
+    path = build_tiny_model(GENERATOR, tmp_path_factory.mktemp("episodes"), seed=1)
     engine = GenerationEngine.create(
         path, device=resolve_device(), temperature=TEMPERATURE, max_model_len=256, max_num_seqs=32, seed=0
     )

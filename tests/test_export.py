@@ -18,13 +18,14 @@ import torch
 
 from areal_hpc.arch import model_arch
 from areal_hpc.checkpoint.files import checkpoint_dir, mark_complete
-from areal_hpc.config import ModelConfig, PPOConfig
+from areal_hpc.config import PPOConfig
 from areal_hpc.data.tiny import build_tiny_model
 from areal_hpc.trainer.convert import read_hf
 from areal_hpc.trainer.export import ExportError, export_checkpoint
 from areal_hpc.trainer.spawn import run_ranks
 from tests.support.compare import export_problems, logits_problems, max_diff, pick
-from tests.support.inputs import QWEN3, probe_sequences
+from tests.support.inputs import probe_sequences
+from tests.support.shapes import QWEN2_UNTIED, QWEN3
 from tests.support.trainer_runs import hf_logits, train_and_save_rank
 from tests.test_moe_trainer import build_moe_model
 
@@ -32,14 +33,7 @@ pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
 MODELS = {
     # untied embeddings (an lm_head of its own), QKV bias, head size 64 / 2
-    "qwen2": ModelConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    ),
+    "qwen2": QWEN2_UNTIED,
     "qwen3": QWEN3,  # tied embeddings, q/k norms, no QKV bias, heads of size 32 (not 64 / 4)
 }
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from areal_hpc.config import ModelConfig
 from areal_hpc.data.tiny import build_tiny_model
 from areal_hpc.device import resolve_device
 from tests.support.generator_runs import (
@@ -23,6 +22,7 @@ from tests.support.generator_runs import (
     perturb,
     reference_logprobs,
 )
+from tests.support.shapes import GENERATOR, QWEN3
 
 pytestmark = pytest.mark.vllm
 
@@ -30,14 +30,13 @@ TEMPERATURE = 0.8  # != 1: the test tells processed (tempered) logprobs from vLL
 MAX_NEW = 24
 TOL = 1e-3
 EOS = 1
-MODEL = ModelConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from transformers import Qwen2ForCausalLM
 
-    path = build_tiny_model(MODEL, tmp_path_factory.mktemp("gen"), seed=1)
+    path = build_tiny_model(GENERATOR, tmp_path_factory.mktemp("gen"), seed=1)
     engine = create_engine(path)
     model_a = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model_b = perturb(Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), seed=5)
@@ -308,8 +307,6 @@ def test_qwen3_loads_the_trainers_weights(tmp_path):
     under the names the trainer sends (Hugging Face's, no lm_head.weight when tied), the norms
     included, and samples from them."""
     from transformers import AutoModelForCausalLM
-
-    from tests.support.inputs import QWEN3
 
     path = build_tiny_model(QWEN3, tmp_path, seed=2)
     engine = create_engine(path)

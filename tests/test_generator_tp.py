@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from areal_hpc.config import ModelConfig
 from areal_hpc.data.tiny import build_tiny_model
 from areal_hpc.device import resolve_device
 from areal_hpc.weight_sync.broadcast import WeightReceiver, WeightSender
 from areal_hpc.weight_sync.group import GroupSpec
+from tests.support.shapes import GENERATOR_TP
 
 pytestmark = pytest.mark.vllm
 
@@ -31,7 +31,7 @@ def test_tp2_workers_receive_and_load_their_shards(tmp_path):
     from areal_hpc.generator.engine import GenerationEngine
 
     # 4 query / 2 key-value heads of size 32: both split over 2 workers
-    path = build_tiny_model(ModelConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2), tmp_path, 1)
+    path = build_tiny_model(GENERATOR_TP, tmp_path, 1)
     model = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():

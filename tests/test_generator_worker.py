@@ -15,11 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from areal_hpc.config import ModelConfig
 from areal_hpc.data.tiny import build_tiny_model
 from tests.support.helpers import MPI_PROGRAMS
+from tests.support.shapes import GENERATOR
 
-MODEL = ModelConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
 TEMPERATURE = 0.8
 MAX_NEW = 96
 
@@ -50,7 +49,7 @@ def _logprobs(model, t) -> np.ndarray:
 def test_generator_rank_serves_and_syncs(run_mpi, tmp_path, interruptible):
     from transformers import Qwen2ForCausalLM
 
-    path = build_tiny_model(MODEL, tmp_path / "root", seed=1)
+    path = build_tiny_model(GENERATOR, tmp_path / "root", seed=1)
     model_a = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model_b = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(7)
@@ -69,7 +68,7 @@ def test_generator_rank_serves_and_syncs(run_mpi, tmp_path, interruptible):
         "rollout.prompts_per_step=4",
         "ppo.minibatches=1",
         f"rollout.interruptible={str(interruptible).lower()}",
-        *(f"model.{k}={v}" for k, v in vars(MODEL).items() if k != "path" and v is not None),
+        *(f"model.{k}={v}" for k, v in vars(GENERATOR).items() if k != "path" and v is not None),
     ]
     env = {
         "OVERRIDES": " ".join(overrides),

@@ -72,17 +72,17 @@ def test_a_model_directory_replaces_the_smoke_configs_shape(tmp_path):
     from areal_hpc.arch import model_arch
     from areal_hpc.config import ConfigError
     from areal_hpc.data.tiny import hf_config
-    from tests.support.inputs import MODEL
+    from tests.support.shapes import QWEN2
 
-    model = model_arch(MODEL)  # the trainer checks' model: another shape than gpu-smoke.yaml's
-    hf_config(MODEL).save_pretrained(tmp_path)
+    model = model_arch(QWEN2)  # the trainer checks' model: another shape than gpu-smoke.yaml's
+    hf_config(QWEN2).save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match="hidden_size"):
         load_config(SMOKE, [f"model.path={tmp_path}"])
     arch = model_arch(load_config(SMOKE, gpu_checks.smoke_overrides([f"model.path={tmp_path}"])).model)
     assert arch == model
     assert gpu_checks.smoke_overrides(["rollout.group_size=4"]) == ["rollout.group_size=4"]
     # the long check keeps DIR's vocabulary rather than contradict it
-    longer = dataclasses.replace(MODEL, max_position_embeddings=8192)
+    longer = dataclasses.replace(QWEN2, max_position_embeddings=8192)
     hf_config(longer).save_pretrained(tmp_path / "longer")
     overrides = gpu_checks.long_overrides([f"model.path={tmp_path / 'longer'}"])
     long = load_config(SMOKE, gpu_checks.smoke_overrides(overrides))

@@ -8,35 +8,23 @@ import functools
 
 import pytest
 
-from areal_hpc.config import ModelConfig, PPOConfig
+from areal_hpc.config import PPOConfig
 from areal_hpc.data.tiny import build_tiny_model
 from areal_hpc.trainer.spawn import run_ranks
 from tests.support.compare import export_problems, logits_problems, pick
-from tests.support.inputs import QWEN3, random_norms
+from tests.support.inputs import random_norms
+from tests.support.shapes import QWEN2, QWEN2_DEEP_UNTIED, QWEN2_MHA, QWEN3
 from tests.support.trainer_runs import hf_logits, logits_and_export_rank
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
 CONFIGS = {
     # tied embeddings, grouped-query attention (4 query heads share 2 key/value heads)
-    "gqa-tied": ModelConfig(
-        hidden_size=64, intermediate_size=128, num_layers=2, num_attention_heads=4, num_key_value_heads=2
-    ),
+    "gqa-tied": QWEN2,
     # untied embeddings, 4 layers, 1 key/value head per 4 query heads... x2 groups, another RoPE base
-    "gqa-untied": ModelConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-        rope_theta=1e6,
-        rms_norm_eps=1e-5,
-    ),
+    "gqa-untied": QWEN2_DEEP_UNTIED,
     # plain multi-head attention
-    "mha": ModelConfig(
-        hidden_size=96, intermediate_size=192, num_layers=2, num_attention_heads=4, num_key_value_heads=4
-    ),
+    "mha": QWEN2_MHA,
     # Qwen3 (q/k norms, no QKV bias, heads of size 32, not 64 / 4), untied
     "qwen3": dataclasses.replace(QWEN3, tie_word_embeddings=False),
 }

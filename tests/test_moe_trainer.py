@@ -5,18 +5,20 @@ EP 1 (its export: tests/test_export.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from pathlib import Path
 
 import pytest
 
-from areal_hpc.config import ModelConfig, PPOConfig
+from areal_hpc.config import PPOConfig
 from areal_hpc.data.tiny import build_tiny_model
 from areal_hpc.trainer.convert import read_hf
 from areal_hpc.trainer.spawn import run_ranks
 from tests.support.compare import export_problems, logits_problems, max_diff, pick, resume_problems
 from tests.support.inputs import random_norms
+from tests.support.shapes import TRAINER_MOE
 from tests.support.trainer_runs import hf_logits, logits_and_export_rank
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
@@ -26,13 +28,7 @@ def build_moe_model(root: Path, norm_topk_prob: bool, seed: int) -> Path:
     """The tiny Qwen3-MoE (4 experts, top 2; per-expert tensor names), untied, with random norms and a
     router far from uniform: norms are all ones at init (a swapped norm would go unseen), and near-equal
     router scores would make the top-k hang on float rounding."""
-    m = ModelConfig(  # heads of 32 (vLLM's CPU attention needs that), 4 query heads per 2 key/value heads
-        architecture="qwen3_moe",
-        norm_topk_prob=norm_topk_prob,
-        num_attention_heads=4,
-        head_dim=32,
-        tie_word_embeddings=False,
-    )
+    m = dataclasses.replace(TRAINER_MOE, norm_topk_prob=norm_topk_prob)
     model_dir = build_tiny_model(m, root, seed=seed)
     random_norms(model_dir, seed, router_std=0.5)
     return model_dir

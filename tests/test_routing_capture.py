@@ -11,18 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from areal_hpc.config import ModelConfig
 from areal_hpc.data.tiny import build_tiny_model
 from areal_hpc.device import resolve_device
 from areal_hpc.protocol import routing_unknown
 from areal_hpc.workflow import Workflow
 from tests.support.generator_runs import drain, load, perturb
+from tests.support.shapes import GENERATOR_MOE
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-MOE = ModelConfig(
-    architecture="qwen3_moe", hidden_size=64, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256
-)
 LAYERS, TOP_K = 2, 2
 
 
@@ -32,7 +29,7 @@ def setup(tmp_path_factory):
 
     from areal_hpc.generator.engine import GenerationEngine
 
-    path = build_tiny_model(MOE, tmp_path_factory.mktemp("moe"), seed=1)
+    path = build_tiny_model(GENERATOR_MOE, tmp_path_factory.mktemp("moe"), seed=1)
     engine = GenerationEngine.create(
         path, device=resolve_device(), temperature=1.0, max_model_len=256, max_num_seqs=16, record_routing=True
     )

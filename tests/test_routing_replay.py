@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from areal_hpc.arch import model_arch
-from areal_hpc.config import ModelConfig
 from areal_hpc.protocol import routing_unknown
 from areal_hpc.trainer.spawn import run_ranks
 from tests.support.inputs import random_batch
+from tests.support.shapes import ROUTER_MOE, TINY_MOE
 
-EXPERTS, TOP_K = 8, 2
+EXPERTS, TOP_K = ROUTER_MOE.num_experts, ROUTER_MOE.num_experts_per_tok
 UNKNOWN = routing_unknown(np.uint8)
 NOISE = 0.2
 """Noise on the trainer's router weights, times their standard deviation: its own top-k then differs from
@@ -60,24 +60,11 @@ def test_microbatch_routing_in_router_order(padded):
 # --- on a real Megatron MoE model (one rank) ---
 
 
-MOE = ModelConfig(
-    architecture="qwen3_moe",
-    hidden_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    num_experts=EXPERTS,
-    num_experts_per_tok=TOP_K,
-    moe_intermediate_size=32,
-)
-"""A tiny Qwen3-MoE: 8 experts, top-2, Qwen's renormalised top-k probabilities."""
-
-
 def _moe_model(par, recompute="none", like=None):
-    """The trainer's stage of MOE (`trainer.model`: routers are ReplayRouters), the weights of `like`."""
+    """The trainer's stage of ROUTER_MOE (`trainer.model`: routers are ReplayRouters), the weights of `like`."""
     from areal_hpc.trainer.model import build_stage, transformer_config
 
-    arch = model_arch(MOE)
+    arch = model_arch(ROUTER_MOE)
     model = build_stage(
         arch, transformer_config(arch, 1, 1, par.device, recompute=recompute, load_balancing_coef=0.01), par.device
     )
@@ -158,7 +145,7 @@ def _replay_rank(par, noise: float) -> dict:
 
     torch.manual_seed(0)
     generator = _moe_model(par)
-    batch = random_batch(model_arch(MOE).vocab_size, n_seqs=6, seed=1, microbatches=[[[0, 1, 2, 3, 4, 5]]])
+    batch = random_batch(model_arch(ROUTER_MOE).vocab_size, n_seqs=6, seed=1, microbatches=[[[0, 1, 2, 3, 4, 5]]])
     batch.routing = _record(generator, batch)
     ids = list(range(6))
     packed = make_microbatch(batch, ids, device=par.device)
@@ -233,7 +220,7 @@ def _recompute_rank(par) -> dict:
 
     torch.manual_seed(0)
     generator = _moe_model(par)
-    batch = random_batch(model_arch(MOE).vocab_size, n_seqs=4, seed=3, microbatches=[[[0, 1], [2, 3]]])
+    batch = random_batch(model_arch(ROUTER_MOE).vocab_size, n_seqs=4, seed=3, microbatches=[[[0, 1], [2, 3]]])
     batch.routing = _record(generator, batch)
     mbs = [make_microbatch(batch, ids, device=par.device, layers=[0, 1]) for ids in batch.microbatches[0]]
     out = {}
@@ -293,16 +280,19 @@ def _transformers_routing(model_dir, batch) -> np.ndarray:
 
 
 def _step_rank(par, model_dir, batch) -> dict | None:
-    """One PPO step from the same weights with and without the batch's routing replayed."""
+    """One PPO step from the same weights with and without the batch's routing replayed, with the prox
+    pass (replayed too) although the batch is one minibatch."""
     from areal_hpc.config import PPOConfig
     from areal_hpc.trainer.engine import Engine
-    from areal_hpc.trainer.step import StepConfig, ppo_step
+    from areal_hpc.trainer.step import StepConfig, prox_pass, step_microbatches, train_minibatches
 
     out = {}
     for replay in (True, False):
         engine = Engine(model_dir, par, PPOConfig(routing_replay=replay, lr=1e-3))
         step_batch = batch if replay else dataclasses.replace(batch, routing=None)
-        out[replay] = ppo_step(engine, step_batch, StepConfig(prox_pass_always=True))
+        minibatches = step_microbatches(engine, step_batch)
+        prox_pass(engine, minibatches, StepConfig().temperature)
+        out[replay] = train_minibatches(engine, int(step_batch.version), minibatches, StepConfig())
     return out if par.rank == 0 else None
 
 
@@ -316,7 +306,7 @@ def test_ppo_step_replays_the_generators_routing(tmp_path, tp, pp):
     and the load-balancing loss is reported."""
     from areal_hpc.data.tiny import build_tiny_model
 
-    model = ModelConfig(architecture="qwen3_moe")
+    model = TINY_MOE
     model_dir = build_tiny_model(model, tmp_path, seed=3)
     batch = random_batch(model_arch(model).vocab_size, n_seqs=4, microbatches=[[[0, 1], [2, 3]]])
     batch.routing = _transformers_routing(model_dir, batch)

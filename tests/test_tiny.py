@@ -8,6 +8,7 @@ from areal_hpc.arch import hf_arch, model_arch
 from areal_hpc.config import ConfigError, ModelConfig
 from areal_hpc.data.synthetic import synthetic_rows
 from areal_hpc.data.tiny import build_synthetic_data, build_tiny_model, build_tokenizer
+from tests.support.shapes import TINY_MOE
 
 
 def test_tokenizer_round_trips_text_with_boxed_answers():
@@ -39,7 +40,7 @@ def test_tiny_moe_is_a_qwen3_moe_checkpoint_whose_counts_the_architecture_knows(
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    m = ModelConfig(architecture="qwen3_moe")
+    m = TINY_MOE
     arch = model_arch(m)
     path = build_tiny_model(m, tmp_path, seed=3)
     assert hf_arch(path) == arch  # config.json reads back as the architecture it was built from

@@ -1,8 +1,10 @@
-"""The benchmark scripts' pure parts (reading metrics, steady-state figures, ratios) and plot_run on a
-synthetic run directory. The benchmarks themselves are not run here: they print figures, they assert none."""
+"""The benchmark scripts' pure parts (reading metrics, steady-state figures, ratios), plot_run on a
+synthetic run directory, and bench_trainer's own PPO steps against the library's on a tiny model. The
+benchmarks themselves are not run here: they print figures, they assert none."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -10,8 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from areal_hpc.arch import model_arch
+from areal_hpc.config import PPOConfig
 from areal_hpc.controller.timeline import Timeline, read_events
+from areal_hpc.data.tiny import build_tiny_model
 from areal_hpc.metrics import read_metrics
+from areal_hpc.trainer.spawn import run_ranks
+from tests.support.compare import assert_same_step
+from tests.support.inputs import random_batch
+from tests.support.shapes import QWEN2
 from tools import bench_vs_trl_grpo as trl_grpo
 from tools import bench_vs_trl_summary as trl_summary
 from tools.bench_figures import trajectories_per_step
@@ -314,3 +323,42 @@ def test_prepare_code_layouts_from_parquet_and_the_command_line(tmp_path, capsys
     assert prepare.convert_row(contests, "code") == {"prompt": "sum", "tests": [{"input": "1\n2", "output": "3"}]}
     assert prepare.main([str(tmp_path / "missing.jsonl"), "--kind", "code", "-o", str(tmp_path / "d.jsonl")]) == 2
     assert "data not found" in capsys.readouterr().err
+
+
+# --- bench_trainer: its own steps train what ppo_step trains -----------------------------------------
+
+
+def _bench_steps_rank(par, model_dir):
+    """From the same weights each: ppo_step and bench_trainer's padded step on two minibatches, ppo_step
+    and its step with the prox pass on one; each one's stats and exported weights."""
+    from areal_hpc.trainer.engine import Engine
+    from areal_hpc.trainer.step import StepConfig, ppo_step
+    from tools import bench_trainer
+
+    batch = random_batch(model_arch(QWEN2).vocab_size)
+    one_minibatch = dataclasses.replace(batch, microbatches=[[[0, 1], [2], [3], [4, 5]]])
+    steps = {
+        "packed": (ppo_step, batch),
+        "padded": (bench_trainer.padded_step, batch),
+        "recompute-1": (ppo_step, one_minibatch),
+        "recompute-1-pass": (bench_trainer.prox_pass_step, one_minibatch),
+    }
+    out = {}
+    for name, (step, step_batch) in steps.items():
+        # Adam with eps = 1 makes the update ~ lr * gradient, so the weights after a step show any gradient error.
+        engine = Engine(model_dir, par, PPOConfig(lr=1.0, weight_decay=0.0, adam_eps=1.0, grad_clip=1.0))
+        stats = step(engine, step_batch, StepConfig())
+        out[name] = {"stats": stats, "weights": {k: v.cpu() for k, v in engine.export_full().items()}}
+    return out
+
+
+@pytest.mark.megatron
+@pytest.mark.slow
+def test_bench_trainer_steps_train_the_step_ppo_step_trains(tmp_path):
+    """bench_trainer times ppo_step beside its own variants of it: one padded row per sequence (what packing
+    saves) and, with one minibatch, the prox pass that ppo_step skips (taking the prox logprobs from the
+    training pass: the same values). Each variant trains the same step: the timings compare the same work."""
+    model_dir = build_tiny_model(QWEN2, tmp_path, seed=5)
+    got = run_ranks(_bench_steps_rank, 1, 1, 1, str(model_dir))[0]
+    assert_same_step(got["padded"], got["packed"])
+    assert_same_step(got["recompute-1-pass"], got["recompute-1"])

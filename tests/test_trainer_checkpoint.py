@@ -15,7 +15,7 @@ from areal_hpc.data.tiny import build_tiny_model
 from areal_hpc.trainer import checkpoint as trainer_checkpoint
 from areal_hpc.trainer.spawn import run_ranks
 from tests.support.compare import max_diff, pick, resume_problems
-from tests.support.inputs import MODEL
+from tests.support.shapes import QWEN2
 from tests.support.trainer_runs import load_rank, nonfinite_rank, resume_rank, save_rank
 
 pytestmark = pytest.mark.megatron
@@ -25,7 +25,7 @@ OPTIM = PPOConfig(lr=1e-2, weight_decay=0.01)
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return str(build_tiny_model(MODEL, tmp_path_factory.mktemp("model"), seed=5))
+    return str(build_tiny_model(QWEN2, tmp_path_factory.mktemp("model"), seed=5))
 
 
 @pytest.mark.slow

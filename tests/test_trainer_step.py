@@ -1,5 +1,5 @@
 """The PPO step on real Megatron ranks: TP=2, PP=2 and DP=2 give the loss and updated weights of
-TP=1, PP=1; gradient accumulation, padding and overlapping the gradient reduce with the backward pass
+TP=1, PP=1; gradient accumulation and overlapping the gradient reduce with the backward pass
 do not change the result; packed sequences get the logprobs they get alone."""
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ from areal_hpc.config import PPOConfig
 from areal_hpc.data.tiny import build_tiny_model
 from areal_hpc.protocol import TrainBatch
 from areal_hpc.trainer.spawn import run_ranks
-from tests.support.inputs import MODEL, random_batch, shard
+from tests.support.compare import assert_same_step
+from tests.support.inputs import random_batch, shard
+from tests.support.shapes import QWEN2
 
-VOCAB = model_arch(MODEL).vocab_size
+VOCAB = model_arch(QWEN2).vocab_size
 
 pytestmark = pytest.mark.megatron
 
@@ -61,7 +63,7 @@ def _logprobs(par, model_dir, batch):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return str(build_tiny_model(MODEL, tmp_path_factory.mktemp("model"), seed=5))
+    return str(build_tiny_model(QWEN2, tmp_path_factory.mktemp("model"), seed=5))
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +73,8 @@ def reference(model_dir):
     one_minibatch = TrainBatch(**{**batch.__dict__, "microbatches": [[[0, 1], [2], [3], [4, 5]]]})
     variants = {
         "packed": ([batch], {}),
-        "padded": ([batch], {"padded": True}),
         "regrouped": ([regrouped], {}),
         "recompute-1": ([one_minibatch], {}),
-        "recompute-1-pass": ([one_minibatch], {"prox_pass_always": True}),
         "loglinear-1": ([one_minibatch], {"prox_logp": "loglinear"}),
         "loglinear": ([batch], {"prox_logp": "loglinear"}),
         "recompute-selective": ([batch], {}, {"recompute": "selective"}),
@@ -85,16 +85,8 @@ def reference(model_dir):
 
 @pytest.fixture(scope="module")
 def untied_model_dir(tmp_path_factory):
-    untied = dataclasses.replace(MODEL, tie_word_embeddings=False)
+    untied = dataclasses.replace(QWEN2, tie_word_embeddings=False)
     return str(build_tiny_model(untied, tmp_path_factory.mktemp("untied"), seed=6))
-
-
-def _assert_same(got, want):
-    for key in ("ppo/loss", "ppo/clip_frac", "ppo/grad_norm", "ppo/behav_weight_mean", "ppo/logp_mismatch"):
-        assert got["stats"][key] == pytest.approx(want["stats"][key], rel=1e-4, abs=1e-6), key
-    assert sorted(got["weights"]) == sorted(want["weights"])
-    for name, w in want["weights"].items():
-        torch.testing.assert_close(got["weights"][name], w, rtol=0, atol=2e-6, msg=name)
 
 
 @pytest.mark.slow
@@ -110,27 +102,22 @@ def test_step_changes_weights_and_reports_stats(reference, model_dir):
     assert s["ppo/logp_mismatch"] > 0.1 and s["ppo/behav_weight_mean"] > 1
 
 
-def test_padding_and_regrouping_give_the_same_step(reference):
-    _assert_same(reference["padded"], reference["packed"])
-    _assert_same(reference["regrouped"], reference["packed"])
-
-
-def test_one_minibatch_takes_prox_from_its_own_forward_pass(reference):
-    """With one minibatch the recompute pass is skipped: the step is the one with the pass."""
-    _assert_same(reference["recompute-1"], reference["recompute-1-pass"])
+def test_regrouping_gives_the_same_step(reference):
+    """(Padded rows and the prox pass with one minibatch: tools/bench_trainer.py's steps, in test_tools.)"""
+    assert_same_step(reference["regrouped"], reference["packed"])
 
 
 def test_loglinear_prox_is_exact_on_the_first_minibatch_only(reference):
     """With one minibatch the interpolated prox is the recomputed one; with two it is an approximation."""
-    _assert_same(reference["loglinear-1"], reference["recompute-1"])
+    assert_same_step(reference["loglinear-1"], reference["recompute-1"])
     approx, exact = reference["loglinear"]["stats"], reference["packed"]["stats"]
     assert approx["ppo/loss"] != pytest.approx(exact["ppo/loss"], rel=1e-6)
 
 
 def test_activation_recompute_gives_the_same_step(reference):
     """Megatron's selective and full recompute change what is kept for the backward pass, not the result."""
-    _assert_same(reference["recompute-selective"], reference["packed"])
-    _assert_same(reference["recompute-full"], reference["packed"])
+    assert_same_step(reference["recompute-selective"], reference["packed"])
+    assert_same_step(reference["recompute-full"], reference["packed"])
 
 
 @pytest.mark.slow
@@ -145,7 +132,7 @@ def test_tensor_and_pipeline_parallel_step_equals_single_rank(reference, model_d
     }
     got = run_ranks(_train, tp * pp, tp, pp, model_dir, variants)[0]
     for name in variants:
-        _assert_same(got[name], reference["packed"])
+        assert_same_step(got[name], reference["packed"])
 
 
 @pytest.mark.slow
@@ -154,7 +141,7 @@ def test_data_parallel_step_equals_single_rank(reference, model_dir):
     batch = random_batch(VOCAB)
     shards = [shard(batch, [0, 1, 3], [[[0, 1]], [[3]]]), shard(batch, [2, 4, 5], [[[2]], [[4, 5]]])]
     got = run_ranks(_train, 2, 1, 1, model_dir, {"packed": (shards, {})})[0]
-    _assert_same(got["packed"], reference["packed"])
+    assert_same_step(got["packed"], reference["packed"])
 
 
 def _overlap_rank(par, model_dirs):
@@ -186,7 +173,7 @@ def test_overlapped_gradient_reduce_gives_the_same_steps(model_dir, untied_model
     got = run_ranks(_overlap_rank, 2 * tp * pp, tp, pp, {"tied": model_dir, "untied": untied_model_dir})[0]
     for name in ("tied", "untied"):
         assert not got[name, False, "hooked"] and got[name, True, "hooked"], name
-        _assert_same(got[name, True], got[name, False])
+        assert_same_step(got[name, True], got[name, False])
 
 
 def test_packed_sequence_gets_its_logprobs_alone(reference):

@@ -356,11 +356,11 @@ def test_mpi_stages_bit_exact_in_the_agreed_order_then_timeout(run_mpi, tmp_path
 
     from transformers import Qwen2ForCausalLM
 
-    from areal_hpc.config import ModelConfig
     from areal_hpc.data.tiny import hf_config
+    from tests.support.shapes import GENERATOR
 
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(hf_config(ModelConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1)))
+    model = Qwen2ForCausalLM(hf_config(GENERATOR))  # the world's model.* shape (positions change no weight)
     torch.save(model.state_dict(), tmp_path / "state.pt")
     # world: controller, reward, 2 generators, 2 x ep trainers (PP 2 x DP ep: a source per stage and expert rank)
     proc = run_mpi(
@@ -401,20 +401,13 @@ def test_a_sync_from_two_expert_sources_reaches_vllms_fused_experts(tmp_path, mo
     from safetensors.torch import load_file
     from transformers import Qwen3MoeForCausalLM
 
-    from areal_hpc.config import ModelConfig
     from areal_hpc.data.tiny import build_tiny_model, build_tokenizer
     from areal_hpc.device import resolve_device
     from areal_hpc.generator.engine import GenerationEngine
     from tests.support.generator_runs import drain, perturb
+    from tests.support.shapes import GENERATOR_MOE
 
-    m = ModelConfig(
-        architecture="qwen3_moe",
-        hidden_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=256,
-    )
-    path_a = build_tiny_model(m, tmp_path, seed=1)
+    path_a = build_tiny_model(GENERATOR_MOE, tmp_path, seed=1)
     path_b = tmp_path / "b"
     perturb(Qwen3MoeForCausalLM.from_pretrained(path_a, dtype=torch.float32), seed=5).save_pretrained(path_b)
     build_tokenizer().save_pretrained(path_b)

@@ -27,9 +27,12 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
-SIZES = {  # name -> ModelConfig fields (head size 32 or 64: vLLM's CPU attention needs >= 32)
-    "S": dict(hidden_size=64, intermediate_size=256, num_layers=2, num_attention_heads=2, num_key_value_heads=1),
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
+
+SIZES = {  # name -> fields over tests.support.shapes.GENERATOR (heads of 32 or 64: vLLM's CPU attention needs >= 32)
+    "S": {},  # the generator tests' tiny model itself (with 1,024 positions, as every size)
     "M": dict(hidden_size=256, intermediate_size=1024, num_layers=4, num_attention_heads=8, num_key_value_heads=2),
     "L": dict(hidden_size=1024, intermediate_size=4096, num_layers=8, num_attention_heads=16, num_key_value_heads=4),
 }
@@ -39,12 +42,12 @@ def child(size: str, args) -> dict:
     import torch
     from vllm import LLM, EngineArgs, SamplingParams
 
-    from areal_hpc.config import ModelConfig
     from areal_hpc.data.tiny import build_tiny_model
     from areal_hpc.device import resolve_device
     from areal_hpc.generator.engine import GenerationEngine
+    from tests.support.shapes import GENERATOR
 
-    m = ModelConfig(max_position_embeddings=1024, **SIZES[size])
+    m = dataclasses.replace(GENERATOR, max_position_embeddings=1024, **SIZES[size])
     path = build_tiny_model(m, args.root, seed=1)
     n_params = sum(p.numel() for p in _state(path).values())
     eargs = GenerationEngine.engine_args(

@@ -145,6 +145,29 @@ def make_batch(vocab: int, seqs: int, seq_len: int, mb_tokens: int, seed: int = 
 # --- areal-hpc --------------------------------------------------------------------------------------
 
 
+def prox_pass_step(engine, batch, cfg):
+    """`ppo_step` with the prox recompute pass even with one minibatch, where `ppo_step` takes the prox
+    logprobs from the training pass itself (the same values): what skipping the pass saves."""
+    from areal_hpc.trainer.step import prox_pass, step_microbatches, train_minibatches
+
+    minibatches = step_microbatches(engine, batch)
+    prox_pass(engine, minibatches, cfg.temperature)
+    return train_minibatches(engine, int(batch.version), minibatches, cfg)
+
+
+def padded_step(engine, batch, cfg):
+    """`ppo_step` on one padded row per sequence instead of a micro-batch's sequences packed into one
+    row (a dense model on one rank, as bench_packing runs it): what packing saves."""
+    from areal_hpc.trainer.step import make_microbatch, needs_prox_pass, prox_pass, train_minibatches
+
+    minibatches = [
+        [make_microbatch(batch, ids, padded=True, device=engine.device) for ids in mb] for mb in batch.microbatches
+    ]
+    if needs_prox_pass(cfg, minibatches):
+        prox_pass(engine, minibatches, cfg.temperature)
+    return train_minibatches(engine, int(batch.version), minibatches, cfg)
+
+
 def _areal_rank(par, model_dir, batch, dtype, recompute, prox_pass, steps, threads):
     from areal_hpc.trainer.engine import Engine
     from areal_hpc.trainer.step import StepConfig, ppo_step
@@ -154,7 +177,8 @@ def _areal_rank(par, model_dir, batch, dtype, recompute, prox_pass, steps, threa
     device = par.device.type
     engine = Engine(model_dir, par, PPOConfig(lr=1e-6, recompute=recompute), getattr(torch, dtype))
     engine.init_optimizer_state()  # Adam's moments now, so that the baseline holds them
-    return _measure(lambda: ppo_step(engine, batch, StepConfig(prox_pass_always=prox_pass)), steps, device)
+    step = prox_pass_step if prox_pass else ppo_step
+    return _measure(lambda: step(engine, batch, StepConfig()), steps, device)
 
 
 # --- transformers + PyTorch -------------------------------------------------------------------------
@@ -294,11 +318,11 @@ def _packing_rank(par, model_dir, batch, padded, repeats, threads):
 
     torch.set_num_threads(threads)
     engine = Engine(model_dir, par, PPOConfig(lr=1e-5))
-    cfg = StepConfig(padded=padded)
-    ppo_step(engine, batch, cfg)  # warm-up
+    cfg, step = StepConfig(), padded_step if padded else ppo_step
+    step(engine, batch, cfg)  # warm-up
     t0 = time.perf_counter()
     for _ in range(repeats):
-        ppo_step(engine, batch, cfg)
+        step(engine, batch, cfg)
     return (time.perf_counter() - t0) / repeats
 
 

@@ -87,10 +87,10 @@ def check_logits(work: Path, tp: int, device: str):
     from areal_hpc.trainer.convert import read_hf
     from areal_hpc.trainer.spawn import run_ranks
     from tests.support.compare import export_problems, logits_problems, max_diff, pick
-    from tests.support.inputs import MODEL
+    from tests.support.shapes import QWEN2
     from tests.support.trainer_runs import hf_logits, logits_and_export_rank
 
-    model_dir = str(build_tiny_model(MODEL, work / f"logits-tp{tp}", seed=3))
+    model_dir = str(build_tiny_model(QWEN2, work / f"logits-tp{tp}", seed=3))
     results = run_ranks(logits_and_export_rank, tp, tp, 1, {"m": model_dir}, PPOConfig(), device=device)
     got, want = pick(results, "m/logits"), hf_logits(model_dir, device)
     problems = logits_problems(got, want, LOGITS_TOL) + export_problems(pick(results, "m/weights"), read_hf(model_dir))
@@ -104,10 +104,10 @@ def check_resume(work: Path, tp: int, dtype: str, device: str):
     from areal_hpc.data.tiny import build_tiny_model
     from areal_hpc.trainer.spawn import run_ranks
     from tests.support.compare import max_diff, pick, resume_problems
-    from tests.support.inputs import MODEL
+    from tests.support.shapes import QWEN2
     from tests.support.trainer_runs import resume_rank
 
-    model_dir = str(build_tiny_model(MODEL, work / f"resume-tp{tp}-{dtype}", seed=5))
+    model_dir = str(build_tiny_model(QWEN2, work / f"resume-tp{tp}-{dtype}", seed=5))
     optim = PPOConfig(lr=1e-2, weight_decay=0.01)
     args = (model_dir, work / f"ckpt-tp{tp}-{dtype}" / "step_2", [0, 1], [2, 3], optim, getattr(torch, dtype))
     results = run_ranks(resume_rank, tp, tp, 1, *args, device=device)

@@ -71,12 +71,6 @@ class StepConfig:
     behav_weight_cap: float | None = None
     prox_logp: str = "recompute"
     """recompute (a forward pass with the step's starting weights; exact) or loglinear (no extra pass)."""
-    padded: bool = False
-    """One row per sequence, padded, instead of packing a micro-batch's sequences into one row (for
-    comparison; packing is never slower)."""
-    prox_pass_always: bool = False
-    """Run the recompute pass even with one minibatch, where the forward pass gives the same values
-    (for comparison: tools/bench_trainer.py measures what skipping it saves)."""
     kl_coef: float = 0.0
     """Weight of the KL penalty to the engine's reference policy (`ppo.kl_coef`; 0: off)."""
 
@@ -284,24 +278,53 @@ def ppo_step(engine, batch, cfg: StepConfig) -> dict[str, float]:
     optimizer step every rank learns the minibatch's loss (one all-reduce of the token stats, on the
     engine's device) and the gradient norm: a non-finite one stops the run, weights untouched.
     """
-    version = int(batch.version)
-    lr = engine.set_step(version)
+    minibatches = step_microbatches(engine, batch)
+    if needs_prox_pass(cfg, minibatches):
+        prox_pass(engine, minibatches, cfg.temperature)
+    return train_minibatches(engine, int(batch.version), minibatches, cfg)
+
+
+def step_microbatches(engine, batch) -> list[list[MicroBatch]]:
+    """The batch's PPO minibatches of micro-batches, packed, as this rank runs them: rows padded to a
+    multiple of the TP size under sequence parallelism, with the routing of this stage's MoE layers."""
     sp, tp_rank = engine.config.sequence_parallel, engine.par.coords.tp
     multiple = engine.par.grid.tp if sp else 1
     layers = [r.layer_number - 1 for r in moe.routers(engine.model)]  # this stage's MoE layers
-    minibatches = [
-        [make_microbatch(batch, ids, cfg.padded, engine.device, multiple, layers, tp_rank if sp else 0) for ids in mb]
+    sp_rank = tp_rank if sp else 0
+    return [
+        [
+            make_microbatch(batch, ids, device=engine.device, multiple=multiple, layers=layers, sp_rank=sp_rank)
+            for ids in mb
+        ]
         for mb in batch.microbatches
     ]
+
+
+def needs_prox_pass(cfg: StepConfig, minibatches: list[list[MicroBatch]]) -> bool:
+    """Whether the step recomputes the prox logprobs in a pass of their own: exact prox with more than
+    one minibatch (with one, the minibatch's forward pass runs on the step's starting weights)."""
+    return cfg.prox_logp == "recompute" and len(minibatches) > 1
+
+
+def prox_pass(engine, minibatches: list[list[MicroBatch]], temperature: float) -> None:
+    """The recompute pass: every micro-batch's prox logprobs under the weights at the start of the step
+    (on the last stage; forward only)."""
     flat = [mb for k in minibatches for mb in k]
-    if cfg.prox_logp == "recompute" and (len(minibatches) > 1 or cfg.prox_pass_always):
-        prox = compute_logprobs(engine, flat, cfg.temperature)
-        if prox is not None:
-            for mb, lp in zip(flat, prox):
-                mb.prox_logprobs = lp
+    prox = compute_logprobs(engine, flat, temperature)
+    if prox is not None:
+        for mb, lp in zip(flat, prox):
+            mb.prox_logprobs = lp
+
+
+def train_minibatches(engine, version: int, minibatches: list[list[MicroBatch]], cfg: StepConfig) -> dict[str, float]:
+    """The step after any prox pass: the reference pass (ppo.kl_coef > 0), then one optimizer step per
+    minibatch; the step's stats (`ppo_step`'s)."""
+    lr = engine.set_step(version)
+    tp_rank, sp = engine.par.coords.tp, engine.config.sequence_parallel
     if cfg.kl_coef > 0:
         if engine.reference is None:
             raise ValueError("ppo.kl_coef > 0 needs an Engine built with it (it keeps the reference policy)")
+        flat = [mb for k in minibatches for mb in k]
         ref = compute_logprobs(engine, flat, cfg.temperature, model=engine.reference)
         if ref is not None:
             for mb, lp in zip(flat, ref):

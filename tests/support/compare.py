@@ -1,5 +1,5 @@
 """The trainer checks' judgements: a result from the ranks that hold it (`pick`), the largest difference
-between two results (`max_diff`), and what is wrong as sentences (`*_problems`: empty when nothing is),
+between two results (`max_diff`), whether two PPO steps trained the same (`assert_same_step`), and what is wrong as sentences (`*_problems`: empty when nothing is),
 which the tests assert empty and the GPU check prints.
 """
 
@@ -34,6 +34,18 @@ def max_diff(a, b) -> float:
 
 
 # --- judgements: what is wrong, as sentences (empty: nothing) -------------------------------------
+
+
+def assert_same_step(got: dict, want: dict) -> None:
+    """Two PPO steps from the same weights, each {"stats": ppo_step's, "weights": the exported ones},
+    trained the same: the same loss and figures, the same weights after."""
+    import pytest
+
+    for key in ("ppo/loss", "ppo/clip_frac", "ppo/grad_norm", "ppo/behav_weight_mean", "ppo/logp_mismatch"):
+        assert got["stats"][key] == pytest.approx(want["stats"][key], rel=1e-4, abs=1e-6), key
+    assert sorted(got["weights"]) == sorted(want["weights"])
+    for name, w in want["weights"].items():
+        torch.testing.assert_close(got["weights"][name], w, rtol=0, atol=2e-6, msg=name)
 
 
 def logits_problems(got: list[torch.Tensor], want: list[torch.Tensor], tol: float) -> list[str]:

@@ -14,7 +14,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 from areal_hpc.arch import model_arch
-from areal_hpc.config import ModelConfig, load_config
+from areal_hpc.config import load_config
 from areal_hpc.layout import Layout
 from tests.support.generator_log import engine_start
 from tests.support.runs import (
@@ -25,6 +25,7 @@ from tests.support.runs import (
     stop_and_resume,
     stop_resume_problems,
 )
+from tests.support.shapes import INTERRUPTION
 
 SMOKE = "configs/gpu-smoke.yaml"
 MISMATCH_TOL = {"float32": 1e-3, "bfloat16": 5e-2}
@@ -90,12 +91,6 @@ def generator_settings(run: RunProcess) -> dict[str, str]:
 
 # --- the generator's interruption, in a process of its own --------------------------------------------
 
-INTERRUPTION_MODEL = ModelConfig(
-    dtype="bfloat16", hidden_size=256, intermediate_size=512, num_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=1024,
-)  # fmt: skip
-"""A small Qwen2 with heads of 64, the size every vLLM attention backend supports."""
-
 
 def interruption(
     work: Path, device: str, dtype: str, groups: int, n: int, max_new: int, steps=(16, 16), std: float = 0.05
@@ -124,10 +119,10 @@ def interruption(
     )
 
     temperature = 0.8  # != 1: processed (tempered) logprobs are told from vLLM's raw ones
-    path = build_tiny_model(dataclasses.replace(INTERRUPTION_MODEL, dtype=dtype), work, seed=1)
+    path = build_tiny_model(dataclasses.replace(INTERRUPTION, dtype=dtype), work, seed=1)
     engine = GenerationEngine.create(
         path, device=device, dtype=dtype, temperature=temperature,
-        max_model_len=INTERRUPTION_MODEL.max_position_embeddings, max_num_seqs=groups * n, seed=0,
+        max_model_len=INTERRUPTION.max_position_embeddings, max_num_seqs=groups * n, seed=0,
     )  # fmt: skip
     try:
         dt = getattr(torch, dtype)

@@ -1,4 +1,4 @@
-"""The trainer checks' inputs: two tiny models (a Qwen2 and a Qwen3), random TrainBatches with the
+"""The trainer checks' inputs (their models: tests/support/shapes.py): random TrainBatches with the
 fields a PPO step reads, one data-parallel rank's shard of a batch, the probe sequences whose logits
 the checks compare, and `random_norms`, which makes a built model's norms (and router) tell their
 tensors apart.
@@ -11,21 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from areal_hpc.config import ModelConfig
 from areal_hpc.protocol import TrainBatch
 
-MODEL = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_attention_heads=4, num_key_value_heads=2)
-"""The checks' model: tied embeddings, grouped-query attention (4 query heads share 2 key/value heads)."""
-QWEN3 = ModelConfig(
-    architecture="qwen3",
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-)
-"""A tiny Qwen3: q/k norms, no QKV bias, heads of size 32 (not 64 / 4), grouped-query, tied embeddings."""
 VERSION = 3
 MICROBATCHES = [[[0, 1], [2]], [[3], [4, 5]]]
 """Two PPO minibatches of two micro-batches each, over six sequences."""
