@@ -247,8 +247,8 @@ def test_callers_environment_is_not_visible(monkeypatch):
         "    except OSError:\n"
         "        pass\n"
     )
-    run = run_program(program, limits=FAST)
-    assert run.exit_code == 0 and "PATH" in run.stdout
+    run = run_program(program)  # the default limits: FAST's 2 s of wall time is short for a busy machine
+    assert run.exit_code == 0 and "PATH" in run.stdout, run
     assert secret not in run.stdout and "AREAL_TEST_SECRET" not in run.stdout
     leak = fenced("import os\nprint(os.environ.get('AREAL_TEST_SECRET', 'none'))")
     assert code_reward(leak, [{"input": "", "output": secret}], limits=FAST) == 0.0
