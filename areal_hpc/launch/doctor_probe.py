@@ -41,13 +41,18 @@ JOIN_S = 120.0
 
 
 def versions() -> dict[str, str]:
-    """{package: version} or {package: "missing: <the import error>"}."""
+    """{package: version} or {package: "missing: <the import error>"}: a module's `__version__`, else its
+    distribution's (areal_hpc has none of its own: areal-hpc's)."""
     import importlib
+    import importlib.metadata
 
     found = {}
     for name in PACKAGES:
         try:
-            found[name] = str(getattr(importlib.import_module(name), "__version__", "?"))
+            module = importlib.import_module(name)
+            found[name] = str(
+                getattr(module, "__version__", None) or importlib.metadata.version(name.replace("_", "-"))
+            )
         except Exception as e:  # noqa: BLE001 - every way an import fails is the answer
             found[name] = f"missing: {type(e).__name__}: {e}"
     return found
