@@ -55,6 +55,7 @@ from typing import NamedTuple
 from areal_hpc.checkpoint.files import latest_checkpoint
 from areal_hpc.config import ConfigError, load_config
 from areal_hpc.device import resolve_device, visible_gpus
+from areal_hpc.errors import RankFailure
 from areal_hpc.layout import Cores, Layout, Role
 from areal_hpc.network import check_interface
 from areal_hpc.rundir import log_path
@@ -328,8 +329,6 @@ def _fail(world, name: str, error: BaseException, console, log_file: Path) -> No
     """Log, tell the console in one line, end every rank of the run."""
     traceback.print_exc()
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    from areal_hpc.controller.liveness import RankFailure
-
     if isinstance(error, RankFailure):  # the controller names the rank at fault
         message = f"areal-hpc: {error}"
     else:

@@ -20,10 +20,10 @@ from areal_hpc.checkpoint.controller import read_state
 from areal_hpc.checkpoint.files import latest_checkpoint, record_files
 from areal_hpc.config import load_config
 from areal_hpc.controller import Controller
-from areal_hpc.controller.liveness import RankFailure
 from areal_hpc.controller.rollouts import Group
 from areal_hpc.data.dataset import Example
 from areal_hpc.data.tiny import build_tokenizer
+from areal_hpc.errors import RankFailure
 from areal_hpc.exit_codes import EXIT_DONE, EXIT_STOPPED, STOP_REASON_ENV
 from areal_hpc.layout import Layout, Role
 from areal_hpc.metrics import REQUIRED
@@ -251,6 +251,19 @@ def test_a_checkpoint_that_holds_the_prompt_in_every_group_and_trajectory_restor
     state = group.to_state()
     assert "prompt_ids" not in state and not any("prompt_ids" in t for t in state["trajectories"])
     assert [list(t.tokens) for t in Group.from_state(state).trajectories] == [[7, 8, 7, 8], [7, 8, 8, 9]]
+
+
+def test_a_checkpoint_from_before_the_data_package_restores(tmp_path):
+    """Controller checkpoints written while the prompts' module was areal_hpc.data (now areal_hpc.data.dataset)
+    name Example there: read_state finds it where it moved (checkpoint.controller.MOVED)."""
+    example = Example(0, "p", "1", "math", prompt_ids=np.array([7, 8], np.int32))
+    data = pickle.dumps({"requeued": [example]}, protocol=2)  # protocol 2 names a class as text: module, name
+    moved = b"careal_hpc.data.dataset\nExample\n"
+    assert moved in data
+    (tmp_path / "controller.pkl").write_bytes(data.replace(moved, b"careal_hpc.data\nExample\n"))
+    with pytest.raises(AttributeError):  # what a plain unpickler makes of it
+        pickle.loads((tmp_path / "controller.pkl").read_bytes())
+    assert read_state(tmp_path)["requeued"] == [example]
 
 
 @pytest.mark.parametrize("grace_s", [60, 0])

@@ -133,6 +133,7 @@ def sim_generator(world, side, payloads: Payloads, window: int) -> dict:
             received[type(msg).__name__, "n"] += 1
             received[type(msg).__name__, "bytes"] += wire_bytes(msg)
             if isinstance(msg, GenerateRequest):
+                assert not msg.eval, "the benchmark runs with eval.every_steps=0: no evaluation is simulated"
                 p = prompt_index(msg.prompt_ids)
                 queue.extend((msg.group_id, p, msg.prompt_ids, i) for i in range(msg.n))
             elif isinstance(msg, WeightSync):

@@ -116,9 +116,19 @@ def state_summary(state: dict) -> dict:
     return summary
 
 
+MOVED = {("areal_hpc.data", "Example"): ("areal_hpc.data.dataset", "Example")}
+"""Classes a checkpoint's pickle may name where they were before a move (module, name) -> where they are:
+a run checkpointed before the move resumes after it."""
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        return super().find_class(*MOVED.get((module, name), (module, name)))
+
+
 def read_state(path: Path) -> dict:
     with open(Path(path) / "controller.pkl", "rb") as f:
-        return pickle.load(f)
+        return _Unpickler(f).load()
 
 
 def read_summary(path: Path) -> dict:

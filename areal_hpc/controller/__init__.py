@@ -86,12 +86,13 @@ import numpy as np
 from areal_hpc.checkpoint.controller import Checkpoints, read_state, state_summary
 from areal_hpc.checkpoint.files import checkpoint_version
 from areal_hpc.controller.dispatch import Dispatch
-from areal_hpc.controller.liveness import Liveness, RankFailure
+from areal_hpc.controller.liveness import Liveness
 from areal_hpc.controller.rollouts import Rollouts
 from areal_hpc.controller.step_metrics import StepMetrics
 from areal_hpc.controller.stop import StopRequest, install_stop_signals, received_stop_signal
 from areal_hpc.controller.timeline import Timeline
 from areal_hpc.controller.trainers import Trainers
+from areal_hpc.errors import RankFailure
 from areal_hpc.eval.training import TrainingEval
 from areal_hpc.exit_codes import EXIT_DONE, EXIT_STOPPED
 from areal_hpc.layout import Role

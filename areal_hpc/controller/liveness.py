@@ -22,12 +22,10 @@ comes after a silent trainer (it waits for the trainer's broadcast).
 
 from __future__ import annotations
 
+from areal_hpc.errors import RankFailure
+
 SYNC = "the weight sync"
 """How the controller names an owed SyncDone (`expect(rank, now, f"{SYNC} of version {v}")`)."""
-
-
-class RankFailure(RuntimeError):
-    """A rank failed or hung; the message names it. main.py ends the whole run (MPI Abort)."""
 
 
 class Liveness:
