@@ -100,10 +100,8 @@ def test_each_broken_setup_is_named(slurm_cluster, tmp_path, capsys):
     assert status["run directory"].status == "PASS"
     assert status["python"].status == "FAIL"
     assert "torch missing: ModuleNotFoundError: No module named 'torch'" in status["python"].detail
-    assert "areal_hpc missing: ModuleNotFoundError: No module named 'areal_hpc'" in status["python"].detail
     assert "on node1, node2, node3, node4" in status["python"].detail
-    # the probe's own checks need the package: the nodes' environment lacks it, and the check says so
-    assert status["mpi"].status == "FAIL" and "No module named 'areal_hpc'" in status["mpi"].detail
+    assert status["mpi"].status == "FAIL" and "No module named 'mpi4py'" in status["mpi"].detail
 
 
 def test_gpu_checks_from_reports_on_a_cuda_config(tmp_path):

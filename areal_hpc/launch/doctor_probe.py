@@ -3,7 +3,7 @@
 ```
  every rank   DIR/token readable? (the login node wrote it)   -> DIR/rank<r>.json   (before anything can hang)
               IFACE (cluster.network_interface) on its node?
- first rank   python doctor_probe.py --versions (a child):    -> its node's areal_hpc, torch, vllm, megatron.core, mpi4py
+ first rank   python doctor_probe.py --versions (a child):    -> its node's torch, vllm, megatron.core, mpi4py
    of a node  a program in the code sandbox (bubblewrap)       -> "ok", or what went wrong
  every rank   MPI: allreduce over the world                    -> DIR/rank<r>.json again, with the result
  GPU ranks    GPUs they see; all-reduce of their component's ranks over torch.distributed with the
@@ -33,26 +33,22 @@ import sys
 import traceback
 from pathlib import Path
 
-PACKAGES = ("areal_hpc", "torch", "vllm", "megatron.core", "mpi4py")
-"""What the ranks import; each must import on the nodes, at the login node's version (areal_hpc itself: the
-nodes' environment must have it installed, as the login node's has)."""
+PACKAGES = ("torch", "vllm", "megatron.core", "mpi4py")
+"""What the ranks import; each must import on the nodes, at the login node's version. (areal_hpc itself is
+imported as the ranks import it, from the job's working directory or the install: a node without it is named
+by the checks that import it.)"""
 JOIN_S = 120.0
 """How long the weight-sync check's join waits (the ranks start together; the probe job has 5 minutes)."""
 
 
 def versions() -> dict[str, str]:
-    """{package: version} or {package: "missing: <the import error>"}: a module's `__version__`, else its
-    distribution's (areal_hpc has none of its own: areal-hpc's)."""
+    """{package: version} or {package: "missing: <the import error>"}."""
     import importlib
-    import importlib.metadata
 
     found = {}
     for name in PACKAGES:
         try:
-            module = importlib.import_module(name)
-            found[name] = str(
-                getattr(module, "__version__", None) or importlib.metadata.version(name.replace("_", "-"))
-            )
+            found[name] = str(getattr(importlib.import_module(name), "__version__", "?"))
         except Exception as e:  # noqa: BLE001 - every way an import fails is the answer
             found[name] = f"missing: {type(e).__name__}: {e}"
     return found
@@ -249,6 +245,10 @@ def weight_sync_check(
 
 
 if __name__ == "__main__":
+    # Run by its path, Python put this file's folder first on the path; the ranks of a run start as
+    # `python -m areal_hpc.main`, which puts the working directory there instead: so does the probe, so
+    # that it imports areal_hpc as they do (an install, or a checkout the job runs in).
+    sys.path[0] = os.getcwd()
     if sys.argv[1:] == ["--versions"]:
         print(json.dumps(versions()))
     else:
