@@ -14,10 +14,10 @@ controller, a reward worker, a vLLM generator and a Megatron trainer, on the tin
 - a few steps run, write the run directory (metrics with the docs/design.md names every step, a log per
   rank, TensorBoard events, checkpoints); Ctrl-C stops after a checkpoint, and the same command
   resumes: the step count continues and no prompt is trained on twice;
-- a run at 2 trainer ranks, TP 2, resumes at 4, DP 4 (and 1 generator instead of 2): the controller's
-  counts carried over, and the step it trains again gives the loss it gave at TP 2;
-- a generator at gen_tp 2 runs under mpirun: its engine spawns its two tensor-parallel workers, and its log
-  names the engine's resolved settings (worker start method, model runner, ...);
+- a run at 2 trainer ranks, TP 2, with a generator at gen_tp 2 (under mpirun its engine spawns its two
+  tensor-parallel workers, and its log names the engine's resolved settings: worker start method, model
+  runner, ...), resumes at 4, DP 4 and a generator at TP 1: the controller's counts carried over, and the
+  step it trains again gives the loss it gave at TP 2;
 - kill -9 of a rank ends the whole run in bounded time, the error names the rank by its role, and
   nothing is left running;
 - a rank that stops answering (SIGSTOP) is named by the controller, which ends the run;
@@ -184,7 +184,8 @@ def test_runs_stops_on_ctrl_c_after_a_checkpoint_and_resumes(root):
 
 
 def test_a_tp_2_run_resumes_at_dp_4_and_trains_its_next_step_alike(root):
-    """2 generators and 2 trainer ranks at TP 2 (2 nodes of 2 slots) run 3 steps, saving at each; the run
+    """A generator at gen_tp 2 and 2 trainer ranks at TP 2 (2 nodes of 2 slots) run 3 steps, saving at each; the
+    generator's engine runs its tensor-parallel workers as spawned processes. The run
     resumes from checkpoint k, the later ones lost (the run died writing them), on 5 nodes of 1 slot: 1
     generator, 4 trainer ranks at DP 4. Step k + 1 again trains the groups buffered in checkpoint k, the
     oldest B (the controller's log names its prompts), from the same weights and optimizer state: its
@@ -204,18 +205,29 @@ def test_a_tp_2_run_resumes_at_dp_4_and_trains_its_next_step_alike(root):
         *same,
         "cluster.nodes=2",
         "cluster.gpus_per_node=2",
+        "allocation.gen_tp=2",
         "allocation.train_tp=2",
         "train.total_steps=3",
     )
     assert tp2.wait(timeout=600) == 0, tp2.output
     run_dir = tp2.run_dir
+    # The generator's vLLM engine at TP 2 inside the MPI world: its workers are spawned processes that receive
+    # their shards of every weight update, and its log names the engine's resolved settings.
+    assert not metrics_problems(tp2.rows(), 3, MISMATCH_TOL)
+    log = (run_dir / "logs" / "generator-0.log").read_text()
+    assert "generator 0 (world rank 2) vLLM engine: " in log, log
+    settings = engine_start(log).settings  # as the GPU check reads them
+    assert settings["worker_start_method"] == "spawn" and settings["tensor_parallel_size"] == "2"
+    assert settings["model_runner"] == "V1" and settings["async_scheduling"] == "off"
+    assert settings["engine_core"] == "in-process"
+    assert not left_running(run_dir)
     saved = {k: json.loads((checkpoint_dir(run_dir, k) / "controller.json").read_text()) for k in (1, 2)}
     whole = [k for k in (2, 1) if saved[k]["buffered_groups"] >= 4]  # rollout.prompts_per_step (SMALL)
     assert whole, f"no checkpoint holds its next step's batch whole: {saved}"
     k = whole[0]
     at_tp2, carried = tp2.rows()[k], saved[k]
     written = carried.pop("layout")
-    assert written == "2 nodes: 2 generator(s) at TP 1, 2 trainer rank(s) at TP 2 x PP 1 x DP 1"
+    assert written == "2 nodes: 1 generator(s) at TP 2, 2 trainer rank(s) at TP 2 x PP 1 x DP 1"
     for later in range(k + 1, 4):
         shutil.rmtree(checkpoint_dir(run_dir, later))
 
@@ -225,6 +237,7 @@ def test_a_tp_2_run_resumes_at_dp_4_and_trains_its_next_step_alike(root):
         *same,
         "cluster.nodes=5",
         "cluster.gpus_per_node=1",
+        "allocation.gen_tp=1",
         "allocation.train_tp=1",
         f"train.total_steps={k + 2}",
     )
@@ -243,22 +256,6 @@ def test_a_tp_2_run_resumes_at_dp_4_and_trains_its_next_step_alike(root):
     assert len(batch) == 2 and batch[0] == batch[1], batch  # the same batch at TP 2 and at DP 4
     for key in ("ppo/entropy", "ppo/behav_weight_mean", "ppo/loss", "ppo/grad_norm"):
         assert abs(rows[k][key] - at_tp2[key]) <= RESHARD_TOL * abs(at_tp2[key]), (key, rows[k][key], at_tp2[key])
-
-
-def test_a_gen_tp_2_generator_runs_under_mpi(root):
-    """The generator's vLLM engine at TP 2 inside the MPI world (2 process slots a node: the trainers run
-    TP 2 too): its workers are spawned processes that receive their shards of every weight update."""
-    tp2 = ("cluster.gpus_per_node=2", "allocation.gen_tp=2", "allocation.train_tp=2")
-    tp2_run = run(root, "gen-tp2", *tp2, "train.total_steps=3")
-    assert tp2_run.wait(timeout=600) == 0, tp2_run.output
-    assert not metrics_problems(tp2_run.rows(), 3, MISMATCH_TOL)
-    log = (tp2_run.run_dir / "logs" / "generator-0.log").read_text()
-    assert "generator 0 (world rank 2) vLLM engine: " in log, log
-    settings = engine_start(log).settings  # as the GPU check reads them
-    assert settings["worker_start_method"] == "spawn" and settings["tensor_parallel_size"] == "2"
-    assert settings["model_runner"] == "V1" and settings["async_scheduling"] == "off"
-    assert settings["engine_core"] == "in-process"
-    assert not left_running(tp2_run.run_dir)
 
 
 @pytest.mark.parametrize("victim", ["controller-0", "reward-0", "generator-0", "trainer-0"])

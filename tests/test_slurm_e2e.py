@@ -1,8 +1,9 @@
 """The whole system as one heterogeneous Slurm job: `areal-hpc submit configs/tiny-cpu.yaml --nodes 3` on
 the local test cluster (controller + reward worker on node1, the generator on node2, two trainers on
-node3-4): a run to the end, then `areal-hpc status` reads its metrics; and a run stopped by the
-time-limit signal, requeued, resumed from the controller's checkpoint, repeating no step; a run resubmitted
-with another `--nodes`, resumed at another layout."""
+node3-4): a run to the end, then `areal-hpc status` reads its metrics, and the same run resubmitted with
+another `--nodes`, resumed at another layout; a run stopped by the time-limit signal, requeued, resumed
+from the controller's checkpoint, repeating no step; a run preempted by Slurm, the same. Each job costs
+about a minute and a half here, so one run is checked for what several would show."""
 
 import json
 import os
@@ -66,25 +67,6 @@ def requeued_run_ends(run_dir: Path, job_id: str) -> tuple[str, list[dict]]:
     return state, events
 
 
-def test_submit_tiny_cpu_runs_to_the_end(slurm_cluster, root):
-    run_dir = submit(root, "to-the-end")
-    record = JobRecord.load(run_dir)
-    try:
-        state = wait_done(run_dir, 480)
-    finally:
-        subprocess.run(["scancel", record.job_id], capture_output=True)
-    logs = run_dir / "logs" / f"slurm-{record.job_id}" / "attempt-0"
-    tails = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(logs.glob("*.log")))
-    assert state == "COMPLETED", tails
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert all("reward/mean" in r and "ppo/loss" in r for r in rows)
-    status = subprocess.run(
-        [sys.executable, "-m", "areal_hpc.cli", "status", str(run_dir)], capture_output=True, text=True, env=ENV
-    )
-    assert "COMPLETED" in status.stdout and "last step: 3" in status.stdout, status.stdout
-
-
 def test_time_limit_signal_checkpoints_requeues_and_resumes(slurm_cluster, root):
     run_dir = submit(root, "requeue", "train.total_steps=6")
     job_id = JobRecord.load(run_dir).job_id
@@ -141,16 +123,27 @@ def test_preempted_run_requeues_resumes_and_finishes(slurm_cluster, root, tmp_pa
     assert max(r["staleness/max"] for r in rows) <= 1  # rollout.max_staleness of SMALL
 
 
-def test_a_run_resubmitted_with_fewer_nodes_resumes_there(slurm_cluster, root):
-    """--nodes 3 (1 generator, 2 trainer ranks at DP 2) to its end at step 2, then the same run submitted with
-    --nodes 2 for 2 more steps: 1 trainer rank, the checkpoint's state resharded, the controller's carried
-    over, every step once."""
+def test_submit_runs_to_the_end_and_resubmitted_with_fewer_nodes_resumes_there(slurm_cluster, root):
+    """`submit --nodes 3` (1 generator, 2 trainer ranks at DP 2) runs to its end at step 2, every step in its
+    metrics, and `areal-hpc status` reads them; then the same run submitted with --nodes 2 for 2 more steps:
+    1 trainer rank, the checkpoint's state resharded, the controller's carried over, every step once."""
     for nodes, steps in ((3, 2), (2, 4)):
         run_dir = submit(root, "fewer-nodes", f"train.total_steps={steps}", nodes=nodes)
+        record = JobRecord.load(run_dir)
         try:
-            assert wait_done(run_dir, 480) == "COMPLETED"
+            state = wait_done(run_dir, 480)
         finally:
-            subprocess.run(["scancel", JobRecord.load(run_dir).job_id], capture_output=True)
+            subprocess.run(["scancel", record.job_id], capture_output=True)
+        logs = run_dir / "logs" / f"slurm-{record.job_id}" / "attempt-0"
+        tails = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(logs.glob("*.log")))
+        assert state == "COMPLETED", tails
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == list(range(1, steps + 1))
+        assert all("reward/mean" in r and "ppo/loss" in r for r in rows)
+        status = subprocess.run(
+            [sys.executable, "-m", "areal_hpc.cli", "status", str(run_dir)], capture_output=True, text=True, env=ENV
+        )
+        assert "COMPLETED" in status.stdout and f"last step: {steps}" in status.stdout, status.stdout
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4], "every step once across the two jobs"
     log = (run_dir / "logs" / "controller-0.log").read_text()
