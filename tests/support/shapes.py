@@ -16,15 +16,7 @@ QWEN2 = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_att
 """The trainer checks' model: grouped-query attention (4 query heads share 2 key/value heads, both split
 over TP 2), tied embeddings."""
 
-QWEN3 = ModelConfig(
-    architecture="qwen3",
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-)
+QWEN3 = dataclasses.replace(QWEN2, architecture="qwen3", head_dim=32)
 """A tiny Qwen3: q/k norms, no QKV bias, heads of size 32 (not 64 / 4), grouped-query, tied embeddings."""
 
 QWEN2_UNTIED = dataclasses.replace(QWEN2, num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False)
