@@ -17,12 +17,12 @@ controller, a reward worker, a vLLM generator and a Megatron trainer, on the tin
 - a run at 2 trainer ranks, TP 2, with a generator at gen_tp 2 (under mpirun its engine spawns its two
   tensor-parallel workers, and its log names the engine's resolved settings: worker start method, model
   runner, ...), resumes at 4, DP 4 and a generator at TP 1: the controller's counts carried over, and the
-  step it trains again gives the loss it gave at TP 2;
+  step it trains again gives the loss it gave at TP 2; with `WANDB_MODE=offline ... logging.wandb=true`
+  both write one offline W&B run with every step's metrics, the resumed run continuing it, the step
+  trained again included;
 - kill -9 of a rank ends the whole run in bounded time, the error names the rank by its role, and
   nothing is left running;
-- a rank that stops answering (SIGSTOP) is named by the controller, which ends the run;
-- `WANDB_MODE=offline ... logging.wandb=true` writes an offline W&B run with every step's metrics, and the
-  run resumed from an earlier checkpoint continues it, the step trained again included.
+- a rank that stops answering (SIGSTOP) is named by the controller, which ends the run.
 """
 
 import json
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_hpc.checkpoint.files import COMPLETE, checkpoint_dir
+from areal_hpc.checkpoint.files import checkpoint_dir
 from tests.support.generator_log import engine_start, startup_verdict
 from tests.support.runs import REPO, RunProcess, left_running, metrics_problems, stop_and_resume, stop_resume_problems
 from tests.support.wandb_files import offline_runs
@@ -74,6 +74,16 @@ def run(root: Path, trial: str, *overrides: str, small: bool = True) -> RunProce
 
 def tiny(root: Path, trial: str, small: bool = True) -> list[str]:
     return [f"experiment.root={root}", f"experiment.trial={trial}", *(SMALL if small else ())]
+
+
+def offline_wandb(monkeypatch, tmp_path: Path) -> None:
+    """W&B offline, its files in `tmp_path`, nothing of this machine's W&B set-up."""
+    for name in [k for k in os.environ if k.startswith("WANDB_")]:
+        monkeypatch.delenv(name)
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / name.lower()))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
 
 
 def fifths(rows: list[dict], key: str) -> tuple[float, float]:
@@ -183,7 +193,7 @@ def test_runs_stops_on_ctrl_c_after_a_checkpoint_and_resumes(root):
     assert startup_verdict(start, resumed.second.cfg.train.startup_timeout_s)[0] != "FAIL"
 
 
-def test_a_tp_2_run_resumes_at_dp_4_and_trains_its_next_step_alike(root):
+def test_a_tp_2_run_resumes_at_dp_4_and_trains_its_next_step_alike(root, tmp_path, monkeypatch):
     """A generator at gen_tp 2 and 2 trainer ranks at TP 2 (2 nodes of 2 slots) run 3 steps, saving at each; the
     generator's engine runs its tensor-parallel workers as spawned processes. The run
     resumes from checkpoint k, the later ones lost (the run died writing them), on 5 nodes of 1 slot: 1
@@ -197,8 +207,10 @@ def test_a_tp_2_run_resumes_at_dp_4_and_trains_its_next_step_alike(root):
     norm of the second minibatch from Adam's moments and step too, when the batch has an advantage (a
     batch whose every group got equal rewards has loss and gradient 0: groups of 16 make that rare). A
     reshard that lost or misplaced a tensor shows here (trainer-level equality:
-    tests/test_trainer_checkpoint.py)."""
-    same = ("rollout.group_size=16", "train.save_every=1")
+    tests/test_trainer_checkpoint.py). Both runs log to W&B offline: the resumed run continues the first's
+    W&B run, step k + 1 included, which W&B then holds as the DP 4 run logged it."""
+    offline_wandb(monkeypatch, tmp_path)
+    same = ("rollout.group_size=16", "train.save_every=1", "logging.wandb=true")
     tp2 = run(
         root,
         "tp2-dp4",
@@ -257,6 +269,15 @@ def test_a_tp_2_run_resumes_at_dp_4_and_trains_its_next_step_alike(root):
     for key in ("ppo/entropy", "ppo/behav_weight_mean", "ppo/loss", "ppo/grad_norm"):
         assert abs(rows[k][key] - at_tp2[key]) <= RESHARD_TOL * abs(at_tp2[key]), (key, rows[k][key], at_tp2[key])
 
+    w1, w2 = offline_runs(run_dir)
+    assert w1.run_id == w2.run_id and (w1.resumed, w2.resumed) == (False, True)
+    assert [r["step"] for r in w1.history] == [1, 2, 3] and [r["step"] for r in w2.history] == [k + 1, k + 2]
+    assert w2.config["run_dir"] == str(run_dir) and w2.config["train"]["total_steps"] == k + 2
+    # Every metric of every metrics.jsonl row, at its step: what W&B holds last for each step.
+    last = {r["step"]: r for r in w1.history + w2.history}
+    for row in rows:
+        assert {key: last[row["step"]][key] for key in row} == row
+
 
 @pytest.mark.parametrize("victim", ["controller-0", "reward-0", "generator-0", "trainer-0"])
 def test_kill_9_of_a_rank_ends_the_run_naming_it(root, victim):
@@ -285,31 +306,3 @@ def test_a_rank_that_stops_answering_is_named_and_the_run_ends(root):
             pass
     assert "reward 0 (world rank 1) has not answered" in hung.output, hung.output
     assert not left_running(hung.run_dir)
-
-
-def test_wandb_offline_logs_every_step_and_a_resumed_run_continues_it(root, tmp_path, monkeypatch):
-    for name in [k for k in os.environ if k.startswith("WANDB_")]:  # nothing of this machine's W&B set-up
-        monkeypatch.delenv(name)
-    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
-        monkeypatch.setenv(name, str(tmp_path / name.lower()))
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    logged = ("logging.wandb=true", "train.save_every=2")
-    first = run(root, "wandb", *logged, "train.total_steps=3")
-    assert first.wait(timeout=300) == 0, first.output
-    # Checkpoint 3 lost (as in a crash before it completed): the resumed run starts from 2, trains 3 again.
-    (first.run_dir / "checkpoints" / "step_3" / COMPLETE).unlink()
-    second = run(root, "wandb", *logged, "train.total_steps=4")
-    assert second.wait(timeout=300) == 0, second.output
-    assert "checkpoints/step_2" in second.output
-
-    w1, w2 = offline_runs(first.run_dir)
-    assert w1.run_id == w2.run_id and (w1.resumed, w2.resumed) == (False, True)
-    assert [r["step"] for r in w1.history] == [1, 2, 3] and [r["step"] for r in w2.history] == [3, 4]
-    assert w2.config["run_dir"] == str(first.run_dir) and w2.config["train"]["total_steps"] == 4
-    rows = second.rows()
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    # Every metric of every metrics.jsonl row, at its step: what W&B holds last for each step.
-    last = {r["step"]: r for r in w1.history + w2.history}
-    for row in rows:
-        assert {k: last[row["step"]][k] for k in row} == row

@@ -277,6 +277,7 @@ def test_settings_are_the_chosen_ones_as_vllm_resolved_them(setup):
         "async_scheduling": "off",
         "cudagraph_mode": "NONE",
         "compilation_mode": "DYNAMO_TRACE_ONCE",
+        "aot_compile": "off",
         "enforce_eager": "off",
         "tensor_parallel_size": "1",
         "dtype": "float32",

@@ -21,6 +21,7 @@ ENVIRONMENT = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
     "VLLM_USE_V2_MODEL_RUNNER": "0",
+    "VLLM_USE_AOT_COMPILE": "0",
 }
 """vLLM's environment, set by `choose_environment` whatever the user exported:
 
@@ -38,6 +39,13 @@ ENVIRONMENT = {
   joins the MPI world.
 - VLLM_USE_V2_MODEL_RUNNER=0: the V1 model runner. vLLM 0.32 picks its V2 runner wherever Triton works
   (`VllmConfig.use_v2_model_runner`), so on CUDA; the CPU build has no Triton backend and runs V1.
+- VLLM_USE_AOT_COMPILE=0: vLLM's compile cache (Inductor's compiled graphs, found by their content) rather
+  than its ahead-of-time artifact, which vLLM 0.32 turns on with torch 2.10 and later, keyed by a hash of
+  the whole configuration, the model's path included. On the CPU loading that artifact fails every time
+  ("'function' object has no attribute 'finalize_loading'", measured) and vLLM compiles again. Off, an
+  engine whose graphs were compiled before (an earlier run, the run before a requeue, the same model at
+  another path) starts from the cache: its compilation takes 5 s here instead of 12-19 s. On CUDA the
+  artifact would also spare Dynamo's tracing; off, both platforms start alike.
 """
 
 ENGINE_ARGS = {
@@ -85,6 +93,8 @@ def _worker_settings(worker, engine_pid: int) -> dict[str, str]:
     """Run inside a vLLM worker (`collective_rpc`): its resolved configuration, and how it was started."""
     import multiprocessing
 
+    from vllm import envs
+
     c = worker.vllm_config
     cache, model = c.cache_config, c.model_config
     start = getattr(multiprocessing.current_process(), "_start_method", None)
@@ -99,6 +109,7 @@ def _worker_settings(worker, engine_pid: int) -> dict[str, str]:
         "async_scheduling": _on(c.scheduler_config.async_scheduling),
         "cudagraph_mode": c.compilation_config.cudagraph_mode.name,
         "compilation_mode": c.compilation_config.mode.name,
+        "aot_compile": _on(envs.VLLM_USE_AOT_COMPILE),
         "enforce_eager": _on(model.enforce_eager),
         "tensor_parallel_size": str(c.parallel_config.tensor_parallel_size),
         "dtype": str(model.dtype).removeprefix("torch."),
