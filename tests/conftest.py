@@ -69,6 +69,14 @@ def run_mpi():
 
 
 @pytest.fixture(scope="session")
+def runs_root(tmp_path_factory) -> Path:
+    """The `experiment.root` of the session's whole runs (tests/test_e2e.py, tests/test_slurm_e2e.py), each
+    its own trial: the tiny models, their warm starts and the synthetic data are built once, in its
+    `.assets`, by whichever run needs them first."""
+    return tmp_path_factory.mktemp("runs")
+
+
+@pytest.fixture(scope="session")
 def installed_wheel(tmp_path_factory) -> Installed:
     """A wheel built from the repository, installed with `pip install --target` (tests.support.wheel):
     built once a session, for tests/test_wheel.py and the e2e run that runs from it."""

@@ -92,9 +92,9 @@ def fifths(rows: list[dict], key: str) -> tuple[float, float]:
     return tuple(sum(r[key] for r in part) / fifth for part in (rows[:fifth], rows[-fifth:]))
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    return tmp_path_factory.mktemp("e2e")  # the tiny model and its warm start are built once here
+@pytest.fixture
+def root(runs_root):
+    return runs_root  # tests/conftest.py: the tiny model and its warm starts are built once a session
 
 
 def test_the_embedded_default_learns(root, installed_wheel, tmp_path):

@@ -37,9 +37,9 @@ SMALL = [
 ENV = {**os.environ, "OMPI_MCA_btl": "self,tcp"}
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    return tmp_path_factory.mktemp("slurm-e2e")  # the tiny model and its warm start are built once here
+@pytest.fixture
+def root(runs_root):
+    return runs_root  # tests/conftest.py: the tiny model and its warm starts are built once a session
 
 
 def submit(root: Path, trial: str, *overrides: str, nodes: int = 3) -> Path:
