@@ -32,7 +32,7 @@ setup(
         "matplotlib",  # tools/plot_run.py
     ],
     extras_require={
-        "test": ["pytest", "hypothesis", "ruff"],
+        "test": ["pytest", "pytest-xdist", "hypothesis", "ruff"],
         "bench": ["trl"],
     },
     entry_points={"console_scripts": ["areal-hpc = areal_hpc.cli:main"]},

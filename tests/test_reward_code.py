@@ -31,7 +31,10 @@ def fenced(code: str) -> str:
 
 
 def sandbox_processes() -> list[int]:
-    """Pids of processes running as a sandbox uid (root runs programs as SANDBOX_UID_BASE + n)."""
+    """Pids of processes running as this process's sandbox uid: root runs the programs it starts as
+    SANDBOX_UID_BASE + its pid % 100000, so those of another process (a run beside the tests) are not
+    counted."""
+    ours = SANDBOX_UID_BASE + os.getpid() % 100_000
     pids = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
@@ -39,7 +42,7 @@ def sandbox_processes() -> list[int]:
                 uid = int((d / "status").read_text().split("Uid:")[1].split()[0])
             except (OSError, IndexError):
                 continue
-            if SANDBOX_UID_BASE <= uid < SANDBOX_UID_BASE + 100_000:
+            if uid == ours:
                 pids.append(int(d.name))
     return pids
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test suite: the lint gate (ruff lint + format), then pytest over every marker.
 #   tools/test.sh                 # everything (what CI runs)
-#   tools/test.sh --fast          # the unit tier: no MPI world, no vLLM engine, no Slurm, nothing slow
+#   tools/test.sh --fast          # the unit tier (no MPI world, no vLLM engine, no Slurm, nothing slow),
+#                                 # spread over two workers (pytest-xdist)
 #   tools/test.sh -m "not slurm"  # other arguments go to pytest
 # It prints its own time last, pass or fail (the budget: README, Tests).
 set -euo pipefail
@@ -36,5 +37,10 @@ if [ "$fast" = 0 ]; then
   fi
   eval "$(tools/local_slurm.sh env)"
 fi
-echo "[test] pytest"
-python -m pytest "$@"
+if [ "$fast" = 1 ]; then
+  echo "[test] pytest, two workers (pytest-xdist)"
+  python -m pytest -n 2 "$@"
+else
+  echo "[test] pytest"
+  python -m pytest "$@"
+fi
