@@ -2,8 +2,8 @@
 the local test cluster (controller + reward worker on node1, the generator on node2, two trainers on
 node3-4): a run to the end, then `areal-hpc status` reads its metrics, and the same run resubmitted with
 another `--nodes`, resumed at another layout; a run stopped by the time-limit signal, requeued, resumed
-from the controller's checkpoint, repeating no step; a run preempted by Slurm, the same. Each job costs
-about a minute and a half here, so one run is checked for what several would show."""
+from the controller's checkpoint, then preempted by Slurm in its second attempt, requeued and resumed again,
+repeating no step. Each job costs about a minute here, so one run is checked for what several would show."""
 
 import json
 import os
@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -51,76 +52,89 @@ def submit(root: Path, trial: str, *overrides: str, nodes: int = 3) -> Path:
     return root / "tiny-cpu" / trial
 
 
-def requeued_run_ends(run_dir: Path, job_id: str) -> tuple[str, list[dict]]:
-    """Start the requeued job as soon as that is safe and wait for the run to end: its state, and the job's
-    events (one requeue)."""
+STOPPED_TWICE_STEPS = 120
+"""A step of SMALL takes 0.1 to 0.2 s here: a stop must come while steps remain, the preemption seconds after
+the two steps of the second attempt it waits for."""
+TWO_REQUEUES = [*ONE_REQUEUE, (1, "requeue"), (2, "start"), (2, "end")]
+"""(attempt, event) of the job stopped by the time-limit signal and then preempted."""
+
+
+@pytest.fixture(scope="module")
+def stopped_twice(slurm_cluster, runs_root, tmp_path_factory) -> SimpleNamespace:
+    """One job of the preemptible partition `low` (tools/local_slurm.sh: preempted by `high` with a GraceTime of
+    30 s), stopped twice and requeued each time: after two steps by the signal Slurm sends
+    cluster.requeue_signal_s before the time limit (SIGUSR2 to the batch script: the controller checkpoints
+    and exits, the script requeues), then two steps into its second attempt by Slurm's own preemption for a
+    `high` job that needs every node (SIGTERM to every rank: the controller checkpoints within
+    cluster.grace_s and exits, the job requeues itself). Each requeued attempt starts as soon as that is safe
+    (RequeueStarter). STOPPED_TWICE_STEPS steps, so that each stop comes while steps remain."""
+    run_dir = submit(
+        runs_root,
+        "stopped-twice",
+        f"train.total_steps={STOPPED_TWICE_STEPS}",
+        "cluster.partition=low",
+        "cluster.grace_s=30",
+    )
+    job_id = JobRecord.load(run_dir).job_id
+    metrics = run_dir / "metrics.jsonl"
+    high_out = tmp_path_factory.mktemp("high") / "high.out"
     start_requeued = RequeueStarter(job_id)
+
+    def steps() -> int:
+        return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+    def steps_in_attempt_1() -> bool:
+        start_requeued()
+        return len(JobRecord.load(run_dir).attempts()) >= 4 and steps() >= stopped_at + 2
 
     def finished():
         start_requeued()
         state = JobRecord.load(run_dir).state()
         return state not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED") and state
 
-    state = wait_for(finished, 420, "the requeued run to end", interval=1)
-    events = JobRecord.load(run_dir).attempts()
-    assert [(e["attempt"], e["event"]) for e in events] == ONE_REQUEUE
-    return state, events
-
-
-def test_time_limit_signal_checkpoints_requeues_and_resumes(slurm_cluster, root):
-    run_dir = submit(root, "requeue", "train.total_steps=6")
-    job_id = JobRecord.load(run_dir).job_id
-    metrics = run_dir / "metrics.jsonl"
     try:
-        wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 300, "two steps")
+        wait_for(lambda: steps() >= 2, 300, "two steps")
         # what Slurm sends cluster.requeue_signal_s before the time limit
         subprocess.run(["scancel", "--signal=USR2", "--batch", job_id], check=True)
-        state, events = requeued_run_ends(run_dir, job_id)
-    finally:
-        subprocess.run(["scancel", job_id], capture_output=True)
-    # the controller checkpointed and exited EXIT_STOPPED; srun's code is 143 when --kill-on-bad-exit had to end the
-    # others, 137 when srun outlived its step and the script ended it (seen on the fake cluster)
-    end = events[1]
-    assert end["stop_signal"] == "USR2" and end["controller_stop"] == "SIGUSR2" and end["preempted"] is False
-    assert end["exit_code"] in (EXIT_STOPPED, 143) or (end["exit_code"] == 137 and end["srun_ended_by_script"])
-    assert "checkpoint of version" in (run_dir / "logs" / "controller-0.log").read_text()
-    assert state == "COMPLETED"
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6], "every step once across the requeue"
-    log = (run_dir / "logs" / "controller-0.log").read_text()
-    assert "resumed from" in log
-    steps = [(int(s), json.loads(p)) for s, p in re.findall(r"step (\d+) trains prompts (\[.*\])", log)]
-    prompts = [i for _, indices in steps for i in indices]
-    assert len(prompts) == len(set(prompts)), "no prompt trained twice across the requeue"
-
-
-def test_preempted_run_requeues_resumes_and_finishes(slurm_cluster, root, tmp_path):
-    """Slurm's own preemption (tools/local_slurm.sh: partition `low` is preempted by `high` with a GraceTime of
-    30 s): the run's ranks get SIGTERM, the controller checkpoints within cluster.grace_s and exits, the job
-    requeues itself, the `high` job runs on its nodes, the run resumes and finishes, every step once."""
-    run_dir = submit(root, "preempted", "train.total_steps=6", "cluster.partition=low", "cluster.grace_s=30")
-    job_id = JobRecord.load(run_dir).job_id
-    metrics = run_dir / "metrics.jsonl"
-    high_out = tmp_path / "high.out"
-    try:
-        wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 300, "two steps")
+        wait_for(lambda: len(JobRecord.load(run_dir).attempts()) >= 2, 120, "the first attempt to end")
+        stopped_at = steps()
+        wait_for(steps_in_attempt_1, 300, "two steps of the requeued attempt")
         # a job of the higher partition that needs every node: Slurm preempts the run for it
         cmd = ["sbatch", "--partition=high", "--nodes=4", "--exclusive", f"--output={high_out}"]
         subprocess.run([*cmd, "--wrap", "echo high ran on $SLURM_JOB_NODELIST; sleep 3"], check=True, env=ENV)
         wait_for(lambda: high_out.exists() and "high ran" in high_out.read_text(), 120, "the high job to run")
-        state, events = requeued_run_ends(run_dir, job_id)
+        state = wait_for(finished, 420, "the requeued run to end", interval=1)
     finally:
         subprocess.run(["scancel", job_id], capture_output=True)
-    end = events[1]
-    assert end["preempted"] is True and end["controller_stop"] == "SIGTERM" and events[2]["reason"] == "preempted"
-    assert end["exit_code"] in (EXIT_STOPPED, 143) or (end["exit_code"] == 137 and end["srun_ended_by_script"])
-    log = (run_dir / "logs" / "controller-0.log").read_text()
-    assert "stop requested (SIGTERM): checkpointing at the end of the running step" in log
-    assert "resumed from" in log
-    assert state == "COMPLETED"
+    events = JobRecord.load(run_dir).attempts()
+    assert [(e["attempt"], e["event"]) for e in events] == TWO_REQUEUES, events
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6], "every step exactly once across the preemption"
-    assert max(r["staleness/max"] for r in rows) <= 1  # rollout.max_staleness of SMALL
+    log = (run_dir / "logs" / "controller-0.log").read_text()
+    return SimpleNamespace(run_dir=run_dir, state=state, events=events, rows=rows, log=log)
+
+
+def test_time_limit_signal_checkpoints_requeues_and_resumes(stopped_twice):
+    end = stopped_twice.events[1]  # the first attempt's
+    assert end["stop_signal"] == "USR2" and end["controller_stop"] == "SIGUSR2" and end["preempted"] is False
+    # the controller checkpointed and exited EXIT_STOPPED; srun's code is 143 when --kill-on-bad-exit had to end the
+    # others, 137 when srun outlived its step and the script ended it (seen on the fake cluster)
+    assert end["exit_code"] in (EXIT_STOPPED, 143) or (end["exit_code"] == 137 and end["srun_ended_by_script"])
+    log = stopped_twice.log
+    assert "stop requested (SIGUSR2)" in log and "checkpoint of version" in log and "resumed from" in log
+    assert stopped_twice.state == "COMPLETED"
+    assert [r["step"] for r in stopped_twice.rows] == list(range(1, STOPPED_TWICE_STEPS + 1)), "every step once"
+    steps = [(int(s), json.loads(p)) for s, p in re.findall(r"step (\d+) trains prompts (\[.*\])", log)]
+    prompts = [i for _, indices in steps for i in indices]
+    assert len(prompts) == len(set(prompts)), "no prompt trained twice across the requeues"
+
+
+def test_preempted_run_requeues_resumes_and_finishes(stopped_twice):
+    end, requeue = stopped_twice.events[4], stopped_twice.events[5]  # the second attempt's
+    assert end["preempted"] is True and end["controller_stop"] == "SIGTERM" and requeue["reason"] == "preempted"
+    assert end["exit_code"] in (EXIT_STOPPED, 143) or (end["exit_code"] == 137 and end["srun_ended_by_script"])
+    assert "stop requested (SIGTERM): checkpointing at the end of the running step" in stopped_twice.log
+    assert stopped_twice.log.count("resumed from") == 2
+    assert max(r["staleness/max"] for r in stopped_twice.rows) <= 1  # rollout.max_staleness of SMALL
 
 
 def test_submit_runs_to_the_end_and_resubmitted_with_fewer_nodes_resumes_there(slurm_cluster, root):
