@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from areal_hpc.reward.code import (
-    SANDBOX_UID_BASE,
     STDERR_BYTES,
     SandboxLimits,
     code_reward,
@@ -20,6 +19,7 @@ from areal_hpc.reward.code import (
     extract_program,
     output_matches,
     run_program,
+    sandbox_uid,
 )
 
 FAST = SandboxLimits(cpu_s=1, wall_s=2.0, memory_mb=256, processes=8, output_bytes=64 << 10)
@@ -31,10 +31,9 @@ def fenced(code: str) -> str:
 
 
 def sandbox_processes() -> list[int]:
-    """Pids of processes running as this process's sandbox uid: root runs the programs it starts as
-    SANDBOX_UID_BASE + its pid % 100000, so those of another process (a run beside the tests) are not
-    counted."""
-    ours = SANDBOX_UID_BASE + os.getpid() % 100_000
+    """Pids of processes running as this process's sandbox uid (`sandbox_uid`): those of another process (a
+    run beside the tests) are not counted."""
+    ours = sandbox_uid()
     pids = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit():

@@ -3,7 +3,8 @@ the local test cluster (controller + reward worker on node1, the generator on no
 node3-4): a run to the end, then `areal-hpc status` reads its metrics, and the same run resubmitted with
 another `--nodes`, resumed at another layout; a run stopped by the time-limit signal, requeued, resumed
 from the controller's checkpoint, then preempted by Slurm in its second attempt, requeued and resumed again,
-repeating no step. Each job costs about a minute here, so one run is checked for what several would show."""
+repeating no step. Each job costs a minute and a half here (the one stopped twice over two), so one run is
+checked for what several would show."""
 
 import json
 import os
@@ -108,9 +109,13 @@ def stopped_twice(slurm_cluster, runs_root, tmp_path_factory) -> SimpleNamespace
         subprocess.run(["scancel", job_id], capture_output=True)
     events = JobRecord.load(run_dir).attempts()
     assert [(e["attempt"], e["event"]) for e in events] == TWO_REQUEUES, events
+    assert state == "COMPLETED"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    log = (run_dir / "logs" / "controller-0.log").read_text()
-    return SimpleNamespace(run_dir=run_dir, state=state, events=events, rows=rows, log=log)
+    assert [r["step"] for r in rows] == list(range(1, STOPPED_TWICE_STEPS + 1)), "every step once"
+    log = (run_dir / "logs" / "controller-0.log").read_text()  # every attempt's, appended
+    attempts = log.split("resumed from")  # the log of each attempt, from the resume of the one before
+    assert len(attempts) == 3, log
+    return SimpleNamespace(run_dir=run_dir, events=events, rows=rows, log=log, attempts=attempts)
 
 
 def test_time_limit_signal_checkpoints_requeues_and_resumes(stopped_twice):
@@ -119,11 +124,9 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(stopped_twice):
     # the controller checkpointed and exited EXIT_STOPPED; srun's code is 143 when --kill-on-bad-exit had to end the
     # others, 137 when srun outlived its step and the script ended it (seen on the fake cluster)
     assert end["exit_code"] in (EXIT_STOPPED, 143) or (end["exit_code"] == 137 and end["srun_ended_by_script"])
-    log = stopped_twice.log
-    assert "stop requested (SIGUSR2)" in log and "checkpoint of version" in log and "resumed from" in log
-    assert stopped_twice.state == "COMPLETED"
-    assert [r["step"] for r in stopped_twice.rows] == list(range(1, STOPPED_TWICE_STEPS + 1)), "every step once"
-    steps = [(int(s), json.loads(p)) for s, p in re.findall(r"step (\d+) trains prompts (\[.*\])", log)]
+    first = stopped_twice.attempts[0]
+    assert "stop requested (SIGUSR2)" in first and "checkpoint of version" in first
+    steps = [(int(s), json.loads(p)) for s, p in re.findall(r"step (\d+) trains prompts (\[.*\])", stopped_twice.log)]
     prompts = [i for _, indices in steps for i in indices]
     assert len(prompts) == len(set(prompts)), "no prompt trained twice across the requeues"
 
@@ -132,8 +135,9 @@ def test_preempted_run_requeues_resumes_and_finishes(stopped_twice):
     end, requeue = stopped_twice.events[4], stopped_twice.events[5]  # the second attempt's
     assert end["preempted"] is True and end["controller_stop"] == "SIGTERM" and requeue["reason"] == "preempted"
     assert end["exit_code"] in (EXIT_STOPPED, 143) or (end["exit_code"] == 137 and end["srun_ended_by_script"])
-    assert "stop requested (SIGTERM): checkpointing at the end of the running step" in stopped_twice.log
-    assert stopped_twice.log.count("resumed from") == 2
+    second = stopped_twice.attempts[1]
+    assert "stop requested (SIGTERM): checkpointing at the end of the running step" in second
+    assert "checkpoint of version" in second
     assert max(r["staleness/max"] for r in stopped_twice.rows) <= 1  # rollout.max_staleness of SMALL
 
 

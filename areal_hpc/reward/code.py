@@ -160,9 +160,14 @@ def _bwrap_args(limits: SandboxLimits, src_fd: int, as_root: bool) -> list[str]:
         ("OPENBLAS_NUM_THREADS", "1"),
     ):
         args += ["--setenv", key, value]
-    uid = SANDBOX_UID_BASE + os.getpid() % 100_000
+    uid = sandbox_uid()
     numbers = [limits.cpu_s, limits.memory_mb << 20, limits.processes, limits.tmp_mb << 20, limits.open_files, uid]
     return [*args, exe, "-I", "-c", LAUNCHER, *map(str, numbers)]
+
+
+def sandbox_uid() -> int:
+    """The uid this process's programs run as, when it runs as root (`SANDBOX_UID_BASE`)."""
+    return SANDBOX_UID_BASE + os.getpid() % 100_000
 
 
 def _memfd(name: str, data: bytes) -> int:
