@@ -92,12 +92,7 @@ def fifths(rows: list[dict], key: str) -> tuple[float, float]:
     return tuple(sum(r[key] for r in part) / fifth for part in (rows[:fifth], rows[-fifth:]))
 
 
-@pytest.fixture
-def root(runs_root):
-    return runs_root  # tests/conftest.py: the tiny model and its warm starts are built once a session
-
-
-def test_the_embedded_default_learns(root, installed_wheel, tmp_path):
+def test_the_embedded_default_learns(runs_root, installed_wheel, tmp_path):
     """Run as a user runs it, from the wheel installed not editable (tests.support.wheel), in a folder outside
     the checkout that holds a copy of the config: every rank imports areal_hpc from the install."""
     user = tmp_path / "user"
@@ -107,7 +102,7 @@ def test_the_embedded_default_learns(root, installed_wheel, tmp_path):
     # configs/tiny-cpu.yaml as shipped: 600 steps, about 2.5 min
     learns = RunProcess(
         Path(TINY).name,
-        *tiny(root, "learns", small=False),
+        *tiny(runs_root, "learns", small=False),
         cwd=user,
         cli=[str(installed_wheel.script)],
         env=installed_wheel.env(),
@@ -115,7 +110,7 @@ def test_the_embedded_default_learns(root, installed_wheel, tmp_path):
     assert learns.wait(timeout=1800) == 0, learns.output
     logs = sorted((learns.run_dir / "logs").glob("*.log"))
     assert len(logs) == 4 and all(f"runs areal_hpc from {installed_wheel.package}," in p.read_text() for p in logs)
-    assert sorted(p.name for p in user.iterdir()) == ["tiny-cpu.yaml"]  # the run root is `root`
+    assert sorted(p.name for p in user.iterdir()) == ["tiny-cpu.yaml"]  # the run root is `runs_root`
     rows = learns.rows()
     assert not metrics_problems(rows, 600, MISMATCH_TOL)
     assert all(0 <= r["staleness/max"] <= 2 for r in rows)  # rollout.max_staleness
@@ -125,14 +120,14 @@ def test_the_embedded_default_learns(root, installed_wheel, tmp_path):
     assert last > first + 0.1, f"reward/mean of the first fifth {first:.3f}, of the last {last:.3f}"
 
 
-def test_the_tiny_moe_learns_and_replays_the_generators_routing(root):
+def test_the_tiny_moe_learns_and_replays_the_generators_routing(runs_root):
     """The embedded default's settings on the tiny mixture of experts (4 experts, top-2), synchronous, with
     routing replay, 100 steps (about a minute): the shipped 600-step MoE run (docs/benchmarks.md) gains most
     of its reward in its first 100 steps (0.29 -> 0.56 by step 40), which a run this long shows at a sixth
     of the time. Synchronous, every token is of the current version: with the generator's experts replayed,
     the trainer's logprobs equal the generator's on every step (measured: below 1e-6)."""
     moe_replay = ("model.architecture=qwen3_moe", "rollout.max_staleness=0", "ppo.routing_replay=true")
-    moe = run(root, "moe", *moe_replay, "train.total_steps=100", small=False)
+    moe = run(runs_root, "moe", *moe_replay, "train.total_steps=100", small=False)
     assert moe.wait(timeout=600) == 0, moe.output
     rows = moe.rows()
     assert not metrics_problems(rows, 100, MISMATCH_TOL)
@@ -142,13 +137,13 @@ def test_the_tiny_moe_learns_and_replays_the_generators_routing(root):
     assert last >= first + 0.15, f"reward/mean of the first fifth {first:.3f}, of the last {last:.3f}"
 
 
-def test_the_tiny_agent_learns_to_call_the_calculator(root):
+def test_the_tiny_agent_learns_to_call_the_calculator(runs_root):
     """configs/tiny-agent-cpu.yaml as shipped (150 steps): multiplying two 2-digit numbers, which the tiny model
     gets right alone 3 to 5 times in 100, through episodes of the CalculatorAgent workflow. RL raises the reward
     and the share of episodes that call the tool, and the held-out problems (never in the warm start) gain with
     them, measured by `areal-hpc eval`, which runs the same workflow. Measured (docs/benchmarks.md): reward
     0.47 -> 0.97 by fifths, tool calls per episode 0.47 -> 1.0, held-out pass@1 0.27 -> 0.97."""
-    agent = RunProcess(AGENT, f"experiment.root={root}", "experiment.trial=agent")
+    agent = RunProcess(AGENT, f"experiment.root={runs_root}", "experiment.trial=agent")
     assert agent.wait(timeout=1800) == 0, agent.output
     rows = agent.rows()
     assert not metrics_problems(rows, 150, MISMATCH_TOL)
@@ -167,10 +162,10 @@ def test_the_tiny_agent_learns_to_call_the_calculator(root):
     assert pass_at_1[150] >= pass_at_1[0] + 0.2, f"held-out pass@1 {pass_at_1}"
 
 
-def test_runs_stops_on_ctrl_c_after_a_checkpoint_and_resumes(root):
+def test_runs_stops_on_ctrl_c_after_a_checkpoint_and_resumes(runs_root):
     """Judged as the GPU check judges its stop and resume (tests.support.runs.stop_resume_problems),
     then what only this machine's layout fixes: the log files."""
-    resumed = stop_and_resume(TINY, *tiny(root, "resume"), after=3, timeout=300)
+    resumed = stop_and_resume(TINY, *tiny(runs_root, "resume"), after=3, timeout=300)
     assert not stop_resume_problems(resumed, MISMATCH_TOL), resumed.first.output + resumed.second.output
     run_dir = resumed.run_dir
     # the weight-sync group was joined and checked at start, by both ends, before the generator's first prompt
@@ -193,7 +188,7 @@ def test_runs_stops_on_ctrl_c_after_a_checkpoint_and_resumes(root):
     assert startup_verdict(start, resumed.second.cfg.train.startup_timeout_s)[0] != "FAIL"
 
 
-def test_a_tp_2_run_resumes_at_dp_4_and_trains_its_next_step_alike(root, tmp_path, monkeypatch):
+def test_a_tp_2_run_resumes_at_dp_4_and_trains_its_next_step_alike(runs_root, tmp_path, monkeypatch):
     """A generator at gen_tp 2 and 2 trainer ranks at TP 2 (2 nodes of 2 slots) run 3 steps, saving at each; the
     generator's engine runs its tensor-parallel workers as spawned processes. The run
     resumes from checkpoint k, the later ones lost (the run died writing them), on 5 nodes of 1 slot: 1
@@ -212,7 +207,7 @@ def test_a_tp_2_run_resumes_at_dp_4_and_trains_its_next_step_alike(root, tmp_pat
     offline_wandb(monkeypatch, tmp_path)
     same = ("rollout.group_size=16", "train.save_every=1", "logging.wandb=true")
     tp2 = run(
-        root,
+        runs_root,
         "tp2-dp4",
         *same,
         "cluster.nodes=2",
@@ -244,7 +239,7 @@ def test_a_tp_2_run_resumes_at_dp_4_and_trains_its_next_step_alike(root, tmp_pat
         (checkpoint_dir(run_dir, later) / COMPLETE).unlink()  # the run died writing them: saved again at DP 4
 
     dp4 = run(
-        root,
+        runs_root,
         "tp2-dp4",
         *same,
         "cluster.nodes=5",
@@ -280,8 +275,8 @@ def test_a_tp_2_run_resumes_at_dp_4_and_trains_its_next_step_alike(root, tmp_pat
 
 
 @pytest.mark.parametrize("victim", ["controller-0", "reward-0", "generator-0", "trainer-0"])
-def test_kill_9_of_a_rank_ends_the_run_naming_it(root, victim):
-    killed = run(root, f"kill-{victim}", "train.total_steps=100")
+def test_kill_9_of_a_rank_ends_the_run_naming_it(runs_root, victim):
+    killed = run(runs_root, f"kill-{victim}", "train.total_steps=100")
     killed.wait_rows(1)
     os.kill(killed.pid_of(f"{victim}.log"), signal.SIGKILL)
     t0 = time.monotonic()
@@ -292,8 +287,8 @@ def test_kill_9_of_a_rank_ends_the_run_naming_it(root, victim):
     assert not left_running(killed.run_dir)
 
 
-def test_a_rank_that_stops_answering_is_named_and_the_run_ends(root):
-    hung = run(root, "hang", "train.total_steps=100", "train.rank_timeout_s=8")
+def test_a_rank_that_stops_answering_is_named_and_the_run_ends(runs_root):
+    hung = run(runs_root, "hang", "train.total_steps=100", "train.rank_timeout_s=8")
     hung.wait_rows(1)
     pid = hung.pid_of("reward-0.log")  # nobody waits for it in a collective: the culprit is clear-cut
     os.kill(pid, signal.SIGSTOP)

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from areal_hpc.exit_codes import EXIT_STOPPED
-from areal_hpc.launch.record import JobRecord
+from areal_hpc.launch.record import ACTIVE, JobRecord
 from tests.support.helpers import ONE_REQUEUE, REPO, RequeueStarter, wait_done, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e, pytest.mark.mpi, pytest.mark.vllm, pytest.mark.megatron]
@@ -37,11 +37,6 @@ SMALL = [
 
 # OMPI_MCA_btl: only because the fake nodes share one host (sbatch passes the environment on)
 ENV = {**os.environ, "OMPI_MCA_btl": "self,tcp"}
-
-
-@pytest.fixture
-def root(runs_root):
-    return runs_root  # tests/conftest.py: the tiny model and its warm starts are built once a session
 
 
 def submit(root: Path, trial: str, *overrides: str, nodes: int = 3) -> Path:
@@ -91,7 +86,7 @@ def stopped_twice(slurm_cluster, runs_root, tmp_path_factory) -> SimpleNamespace
     def finished():
         start_requeued()
         state = JobRecord.load(run_dir).state()
-        return state not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED") and state
+        return state not in ACTIVE and state
 
     try:
         wait_for(lambda: steps() >= 2, 300, "two steps")
@@ -141,12 +136,12 @@ def test_preempted_run_requeues_resumes_and_finishes(stopped_twice):
     assert max(r["staleness/max"] for r in stopped_twice.rows) <= 1  # rollout.max_staleness of SMALL
 
 
-def test_submit_runs_to_the_end_and_resubmitted_with_fewer_nodes_resumes_there(slurm_cluster, root):
+def test_submit_runs_to_the_end_and_resubmitted_with_fewer_nodes_resumes_there(slurm_cluster, runs_root):
     """`submit --nodes 3` (1 generator, 2 trainer ranks at DP 2) runs to its end at step 2, every step in its
     metrics, and `areal-hpc status` reads them; then the same run submitted with --nodes 2 for 2 more steps:
     1 trainer rank, the checkpoint's state resharded, the controller's carried over, every step once."""
     for nodes, steps in ((3, 2), (2, 4)):
-        run_dir = submit(root, "fewer-nodes", f"train.total_steps={steps}", nodes=nodes)
+        run_dir = submit(runs_root, "fewer-nodes", f"train.total_steps={steps}", nodes=nodes)
         record = JobRecord.load(run_dir)
         try:
             state = wait_done(run_dir, 480)

@@ -37,10 +37,7 @@ if [ "$fast" = 0 ]; then
   fi
   eval "$(tools/local_slurm.sh env)"
 fi
-if [ "$fast" = 1 ]; then
-  echo "[test] pytest, two workers (pytest-xdist)"
-  python -m pytest -n 2 "$@"
-else
-  echo "[test] pytest"
-  python -m pytest "$@"
-fi
+workers=()
+[ "$fast" = 1 ] && workers=(-n 2) # the unit tier over two workers (pytest-xdist)
+echo "[test] pytest ${workers[*]}"
+python -m pytest "${workers[@]}" "$@"

@@ -7,9 +7,9 @@ scheduling (a second batch queued while one runs) and forked tensor-parallel wor
 no asynchronous scheduling and spawned workers here. The interruption (abort with a batch in flight, load,
 reset the prefix cache, resubmit) is tested on the CPU; a GPU must run it the same way, and an engine that
 starts again must find its compiled graphs the same way on both. `ENVIRONMENT` is read by vLLM from the
-environment, `ENGINE_ARGS` are `EngineArgs` fields. CUDA graphs are the one choice
-that differs by device, because the CPU has none: they stay on, for speed, and the interruption with them
-is checked by tools/gpu_check.sh on a GPU.
+environment, `ENGINE_ARGS` are `EngineArgs` fields. CUDA graphs are the one choice that differs by device,
+because the CPU has none: they stay on, for speed, and the interruption with them is checked by
+tools/gpu_check.sh on a GPU.
 """
 
 from __future__ import annotations
