@@ -16,6 +16,7 @@ import pytest
 
 from areal_hpc.config import load_config
 from areal_hpc.device import visible_gpus
+from areal_hpc.launch.record import SqueueError
 from areal_hpc.layout import Layout, Role
 from areal_hpc.trainer.spawn import default_device
 from tests.support import gpu_checks
@@ -184,8 +185,14 @@ def test_interruption_problems_name_a_misplaced_switch_and_a_bad_token_after_a_r
 
 
 def test_a_submitted_job_is_waited_for_and_judged_as_a_run(tmp_path):
-    states = iter(["PENDING", "UNKNOWN", "RUNNING", "COMPLETED"])
-    assert gpu_checks.wait_job(lambda: next(states), 60, sleep=lambda s: None) == "COMPLETED"
+    states = iter(["PENDING", "UNKNOWN", SqueueError("a busy controller"), "RUNNING", "COMPLETED"])
+
+    def state():
+        if isinstance(s := next(states), Exception):
+            raise s
+        return s
+
+    assert gpu_checks.wait_job(state, 60, sleep=lambda s: None) == "COMPLETED"
     clock = iter(range(0, 1000, 100))
     assert gpu_checks.wait_job(lambda: "PENDING", 250, clock=lambda: next(clock), sleep=lambda s: None) == "PENDING"
 

@@ -9,6 +9,7 @@ system.
 """
 
 import json
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -19,9 +20,18 @@ import pytest
 from areal_hpc.cli import main as cli_main
 from areal_hpc.config import load_config
 from areal_hpc.exit_codes import EXIT_STOPPED
-from areal_hpc.launch.record import ACTIVE, JobRecord
+from areal_hpc.launch.record import JobRecord, job_active
 from areal_hpc.launch.slurm import HetSlurmJob, SlurmLauncher, partitions, resolve_cpus
-from tests.support.helpers import MPI_PROGRAMS, ONE_REQUEUE, TINY, RequeueStarter, components, wait_done, wait_for
+from tests.support.helpers import (
+    MPI_PROGRAMS,
+    ONE_REQUEUE,
+    TINY,
+    RequeueStarter,
+    components,
+    ended,
+    wait_done,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slurm
 
@@ -97,6 +107,23 @@ def test_reward_workers_spread_over_reward_nodes_with_their_cpus(submit, tmp_pat
     # a generator or trainer node's one task: the node's 8 CPUs (cluster.cpus_per_node 0, read from sinfo)
     assert "CPUs=8 Tasks=1" in seen["steps"][1] and "CPUs=8 Tasks=1" in seen["steps"][2]
     assert "MinMemoryNode=500M" in seen["job"]
+
+
+def test_a_controller_that_does_not_answer_is_not_an_ended_job(slurm_cluster, tmp_path, monkeypatch, capsys):
+    """squeue failing (here the real client, pointed at a port no slurmctld listens on) leaves the job's state
+    unknown: `status` and `cancel` say so, a lock is not taken over, the record is not read as the job's end."""
+    conf = re.sub(r"SlurmctldPort=\d+", "SlurmctldPort=1", Path(slurm_cluster).read_text())
+    (tmp_path / "slurm.conf").write_text(conf + "MessageTimeout=1\n")
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "slurm.conf"))
+    run_dir = tmp_path / "run"
+    (run_dir / "slurm").mkdir(parents=True)
+    JobRecord("41", "2026-01-01T00:00:00Z", "s.sh", str(run_dir), ["controller"]).save(run_dir)
+    (run_dir / "slurm" / "attempts.jsonl").write_text('{"job_id": "41", "attempt": 0, "event": "start"}\n')
+    assert cli_main(["status", str(run_dir)]) == 1
+    assert "squeue could not answer about job 41 (" in capsys.readouterr().err
+    assert cli_main(["cancel", str(run_dir)]) == 1
+    assert "Unable to contact slurm controller" in capsys.readouterr().err
+    assert job_active("41") is None and ended(run_dir) is None
 
 
 def test_one_failing_rank_ends_the_job(submit):
@@ -212,8 +239,7 @@ def test_time_limit_signal_checkpoints_and_requeues(submit):
 
     def finished():
         start_requeued()
-        state = JobRecord.load(run_dir).state()
-        return state not in ACTIVE and state
+        return ended(run_dir)
 
     assert wait_for(finished, 240, "the job to end", interval=1) == "COMPLETED"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

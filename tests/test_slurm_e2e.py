@@ -17,8 +17,8 @@ from types import SimpleNamespace
 import pytest
 
 from areal_hpc.exit_codes import EXIT_STOPPED
-from areal_hpc.launch.record import ACTIVE, JobRecord
-from tests.support.helpers import ONE_REQUEUE, REPO, RequeueStarter, wait_done, wait_for
+from areal_hpc.launch.record import JobRecord
+from tests.support.helpers import ONE_REQUEUE, REPO, RequeueStarter, ended, wait_done, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e, pytest.mark.mpi, pytest.mark.vllm, pytest.mark.megatron]
 pytestmark.append(pytest.mark.slow)
@@ -85,8 +85,7 @@ def stopped_twice(slurm_cluster, runs_root, tmp_path_factory) -> SimpleNamespace
 
     def finished():
         start_requeued()
-        state = JobRecord.load(run_dir).state()
-        return state not in ACTIVE and state
+        return ended(run_dir)
 
     try:
         wait_for(lambda: steps() >= 2, 300, "two steps")

@@ -18,7 +18,7 @@ from pathlib import Path
 from areal_hpc.config import Config
 from areal_hpc.launch import LaunchError
 from areal_hpc.launch.doctor_reports import Check, evaluate
-from areal_hpc.launch.record import ACTIVE, query_states
+from areal_hpc.launch.record import ACTIVE, SqueueError, query_states
 from areal_hpc.launch.sbatch import render_sbatch
 from areal_hpc.launch.slurm import HetSlurmExecutor, describe_request
 from areal_hpc.layout import Layout
@@ -80,9 +80,16 @@ def probe(cfg: Config, python: str, wait_s: float, say) -> list[Check]:
 
 def _wait(job_id: str, wait_s: float, say) -> str:
     """Poll until the job has ended ("ENDED") or is still pending after wait_s ("PENDING")."""
-    t0, last_say = time.monotonic(), 0.0
+    t0, last_say, answered = time.monotonic(), 0.0, time.monotonic()
     while True:
-        info = query_states(job_id)
+        try:
+            info = query_states(job_id)
+        except SqueueError:  # a busy controller: ask again, for a while
+            if time.monotonic() - answered > 300:
+                raise
+            time.sleep(2)
+            continue
+        answered = time.monotonic()
         state = info[job_id]["State"] if info else "ENDED"
         if state not in ACTIVE:
             return "ENDED"

@@ -11,7 +11,8 @@
 ```
 
 Slurm forgets a finished job after MinJobAge (300 s by default), so the state falls back on the record:
-the last attempt's exit code, or the cancel time.
+the last attempt's exit code, or the cancel time. A squeue that cannot answer (a busy or restarting
+controller) is SqueueError, never read as the job's end.
 """
 
 from __future__ import annotations
@@ -54,26 +55,41 @@ def squeue_command(job_ids: list[str]) -> list[str]:
     return ["squeue", "--noheader", "--states=all", "--format=%i|%T|%N|%r", "--jobs", ",".join(job_ids)]
 
 
-def job_active(job_id: str) -> bool | None:
-    """Whether Slurm still has the job pending or running: False once it has ended or been forgotten,
-    None when squeue cannot answer (no Slurm here)."""
-    try:
-        out = subprocess.run(squeue_command([job_id]), capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if out.returncode != 0:
-        return False if "Invalid job id" in out.stderr else None
-    info = parse_squeue(out.stdout)
-    return job_id in info and info[job_id]["State"] in ACTIVE
+class SqueueError(LaunchError):
+    """squeue is there but could not answer (the controller busy or restarting): the job's state is unknown,
+    which is not the same as ended."""
 
 
 def query_states(job_id: str) -> dict[str, dict[str, str]] | None:
-    """Slurm's view of the job and its components, or None when Slurm does not know it (any more)."""
+    """Slurm's view of the job and its components, or None when Slurm does not know it (any more) or is not
+    installed here (the record then tells); raises SqueueError when squeue could not answer."""
+    try:
+        return _squeue(job_id)
+    except OSError:
+        return None
+
+
+def job_active(job_id: str) -> bool | None:
+    """Whether Slurm still has the job pending or running: False once it has ended or been forgotten,
+    None when squeue cannot answer (no Slurm here, or its controller did not answer)."""
+    try:
+        info = _squeue(job_id)
+    except (OSError, SqueueError):
+        return None
+    return info is not None and info[job_id]["State"] in ACTIVE
+
+
+def _squeue(job_id: str) -> dict[str, dict[str, str]] | None:
     try:
         out = subprocess.run(squeue_command([job_id]), capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    info = parse_squeue(out.stdout) if out.returncode == 0 else {}
+    except subprocess.TimeoutExpired:
+        raise SqueueError(f"squeue did not answer within 60 s about job {job_id}; try again") from None
+    if out.returncode != 0:
+        if "Invalid job id" in out.stderr:
+            return None
+        message = out.stderr.strip() or f"exit code {out.returncode}"
+        raise SqueueError(f"squeue could not answer about job {job_id} ({message}); try again")
+    info = parse_squeue(out.stdout)
     return info if job_id in info else None
 
 

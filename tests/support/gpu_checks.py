@@ -213,11 +213,18 @@ SUBMIT_WAIT_S = 3600
 
 def wait_job(state, timeout_s: float, poll_s: float = 15, clock=time.monotonic, sleep=time.sleep) -> str:
     """The state `state()` (areal_hpc.launch.record.JobRecord.state) reports once the job has ended, or the last
-    one seen after `timeout_s`. UNKNOWN, which Slurm's and the record's silence gives, is waited out."""
-    from areal_hpc.launch.record import ACTIVE
+    one seen after `timeout_s`. UNKNOWN, which Slurm's and the record's silence gives, and a squeue that could not
+    answer are waited out."""
+    from areal_hpc.launch.record import ACTIVE, SqueueError
+
+    def current() -> str:
+        try:
+            return state()
+        except SqueueError:
+            return "UNKNOWN"
 
     deadline = clock() + timeout_s
-    while (s := state()) in ACTIVE or s == "UNKNOWN":
+    while (s := current()) in ACTIVE or s == "UNKNOWN":
         if clock() > deadline:
             return s
         sleep(poll_s)

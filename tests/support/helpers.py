@@ -7,7 +7,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from areal_hpc.launch.record import ACTIVE, JobRecord, query_states
+from areal_hpc.launch.record import ACTIVE, JobRecord, SqueueError, query_states
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny-cpu.yaml"
@@ -25,7 +25,20 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.5):
 
 
 def components(job_id: str) -> dict[str, dict[str, str]]:
-    return {k: v for k, v in (query_states(job_id) or {}).items() if "+" in k}
+    """The job's components as Slurm lists them; none while squeue cannot answer (a busy controller)."""
+    try:
+        return {k: v for k, v in (query_states(job_id) or {}).items() if "+" in k}
+    except SqueueError:
+        return {}
+
+
+def ended(run_dir: Path) -> str | None:
+    """The job's final state once it has ended; None while it is active or squeue cannot answer."""
+    try:
+        state = JobRecord.load(run_dir).state()
+    except SqueueError:
+        return None
+    return state if state not in ACTIVE else None
 
 
 def nodes_idle() -> bool:
@@ -71,7 +84,7 @@ def wait_done(run_dir: Path, timeout: float) -> str:
     """The job's final state; on a timeout, the error shows its attempts and the batch script's output."""
     record = JobRecord.load(run_dir)
     try:
-        return wait_for(lambda: (s := record.state()) not in ACTIVE and s, timeout, f"job {record.job_id} to end")
+        return wait_for(lambda: ended(run_dir), timeout, f"job {record.job_id} to end")
     except AssertionError as e:
         shown = [run_dir / "slurm" / "attempts.jsonl", *sorted((run_dir / "slurm").glob("*_log.*"))]
         tails = [f"--- {p.name}\n" + "\n".join(p.read_text().splitlines()[-15:]) for p in shown if p.exists()]
