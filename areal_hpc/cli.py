@@ -27,8 +27,8 @@ def _add_nodes(p: argparse.ArgumentParser, required: bool) -> None:
         "--nodes",
         type=int,
         required=required,
-        help="accelerator nodes for generation + training (overrides cluster.nodes); the controller "
-        "and reward workers take one more CPU node",
+        help="GPU nodes for generation + training (overrides cluster.nodes); the controller and reward workers "
+        "run on the first one's CPUs, or on allocation.reward_nodes CPU nodes more (auto: one from 5 GPU nodes on)",
     )
 
 
@@ -115,9 +115,14 @@ def cmd_render(args) -> int:
 
 def cmd_doctor(args) -> int:
     from areal_hpc.launch.doctor import doctor
+    from areal_hpc.layout import resolve_reward_nodes
 
     cfg = _config(args)
-    print(f"areal-hpc doctor: {args.config} on {cfg.cluster.nodes} + {cfg.allocation.reward_nodes} nodes")
+    cpu_nodes = resolve_reward_nodes(cfg.allocation.reward_nodes, cfg.cluster.nodes)
+    print(
+        f"areal-hpc doctor: {args.config} on {cfg.cluster.nodes} GPU node(s)"
+        + (f" + {cpu_nodes} CPU" if cpu_nodes else "")
+    )
     checks = doctor(cfg, wait_s=args.wait)
     failed = [c.name for c in checks if c.status == "FAIL"]
     print(f"FAILED: {', '.join(failed)}" if failed else "every check passed (SKIP: does not apply here)")
@@ -187,9 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "submit",
-        help="submit one heterogeneous Slurm job through submitit",
-        description="Submit the run as one heterogeneous Slurm job (controller + reward, "
-        "generators, trainers) whose single srun step forms one MPI world.",
+        help="submit one Slurm job through submitit",
+        description="Submit the run as one Slurm job (heterogeneous when its nodes differ: the controller's CPU "
+        "nodes, GPU nodes running different task counts) whose single srun step forms one MPI world.",
         epilog=OVERRIDES_HELP,
     )
     _add_config_args(p)
@@ -201,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "render",
         help="write the sbatch script, for running sbatch yourself",
-        description="Write the heterogeneous sbatch script of a config, rendered from "
+        description="Write the sbatch script of a config, rendered from "
         "areal_hpc/launch/templates/, for users who run sbatch themselves.",
         epilog=OVERRIDES_HELP,
     )
@@ -216,11 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="check a cluster before a long job: Slurm, pmix, partitions, shared run directory, Python on the "
         "nodes, MPI across the components, GPUs, all-reduce",
         description="Check that the cluster can run this config's job, each check PASS or FAIL with the fix (SKIP "
-        "where it does not apply): Slurm's version and heterogeneous jobs; pmix in srun --mpi=list; the partitions "
+        "where it does not apply): Slurm's version and, for a job of several components, heterogeneous jobs; pmix "
+        "in srun --mpi=list; the partitions "
         "exist and hold the nodes and GPUs asked; the preemption grace time; then a short probe job with the run's "
         "own components: the run directory is shared by every node, torch/vllm/megatron.core/mpi4py import on the "
         "nodes at this host's versions, one MPI world across the components, GPUs per node, and an all-reduce "
-        "across the nodes of each GPU component (NCCL on cuda, gloo on cpu). Exit code 1 on any FAIL.",
+        "across every generator and trainer rank (NCCL on cuda, gloo on cpu). Exit code 1 on any FAIL.",
         epilog=OVERRIDES_HELP,
     )
     _add_config_args(p)
@@ -270,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--search",
         action="store_true",
-        help="choose allocation.gen_nodes, gen_tp, train_tp, train_pp and train_ep (MoE) for the highest predicted asynchronous "
+        help="choose allocation.gen_gpus, gen_tp, train_tp, train_pp and train_ep (MoE) for the highest predicted asynchronous "
         "throughput that fits GPU memory, instead of taking them from the config; any of them given as a "
         "key=value override on the command line (e.g. allocation.train_pp=1) stays fixed",
     )

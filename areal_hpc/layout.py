@@ -5,13 +5,16 @@
  role:        controller   reward workers  generators (1 vLLM engine each)   trainers (TP x PP x DP)
 ```
 
-Nodes: `cluster.nodes` accelerator nodes are split between generation and training, `allocation.gen_nodes`
-of them generating (a number: a launcher resolves `allocation.gen_share` into it once, with the planner,
-and the run's config.yaml records it); the controller and the reward workers share
-`allocation.reward_nodes` more nodes, CPU nodes. On Slurm these are the three components of the
-heterogeneous job; locally every "node" is a set of cores of this machine. The layout reads these numbers
-and nothing else: it neither chooses the split nor checks the parallel sizes (areal_hpc.parallel does,
-when the config is loaded).
+GPUs: the `cluster.nodes x cluster.gpus_per_node` GPUs are split between generation and training,
+`allocation.gen_gpus` of them generating (a number: a launcher resolves `allocation.gen_share` into it
+once, with the planner, and the run's config.yaml records it). The GPUs are counted node after node;
+the generators take the first gen_gpus (engine i GPUs [i * gen_tp, (i + 1) * gen_tp)), the trainers the
+rest, one each, so a node may hold both. The controller and the reward workers run on
+`allocation.reward_nodes` CPU nodes of their own, or with reward_nodes 0 (`auto` on up to FEW_GPU_NODES
+nodes) on the first GPU node's CPUs. On Slurm these nodes make the components of the job (below); locally
+every "node" is a set of cores of this machine.
+The layout reads these numbers and nothing else: it neither chooses the split nor checks the parallel
+sizes (areal_hpc.parallel does, when the config is loaded).
 
 Each rank asks `Layout.role_of(rank)`; `Layout.split(comm)` gives the role communicators. Nothing
 else computes ranks: a trainer's (tp, pp, dp) coordinates (`TrainerGrid`, `Layout.trainer_coords`), the
@@ -25,25 +28,30 @@ Trainer ranks follow Megatron's default order, tp fastest, then dp, then pp:
 so a tensor-parallel group is TP consecutive ranks and a pipeline stage TP * DP consecutive ones.
 trainer/engine.py checks this formula (`TrainerGrid.coords`) against Megatron's parallel_state.
 
-Placement (`Layout.placement(rank)`): a component's ranks fill its nodes in world-rank order,
-`ntasks_per_node` each, which is what srun's default block distribution does (measured on the local
-Slurm cluster: in the one `srun --het-group=0,1,2` step SLURM_NODEID counts the nodes of all
-components in order and SLURM_LOCALID counts a node's tasks; tests/test_slurm_placement.py). Slurm
-shows every task of a node all of the node's `--gpus-per-node` GPUs; within that list generator
-engine i of a node holds GPUs [i * gen_tp, (i + 1) * gen_tp) and trainer rank i of a node holds GPU
-i, so no GPU of a node is shared and every one is used. Trainer ranks of a node are consecutive, so
-Megatron's tensor-parallel groups (consecutive ranks) stay within a node. A `cpu` run places no GPU:
-its `gpus_per_node` are process slots.
+Placement (`Layout.placement(rank)`): every rank's node follows from its GPUs (controller and reward
+workers: the first node of their component, spread in blocks over its nodes), and a node's tasks are
+numbered in world-rank order. The Slurm job's components are the controller's CPU nodes and runs of GPU
+nodes that hold as many tasks each (a node that holds the controller, or both generators and trainers,
+often differs from its neighbours), so that srun's default block distribution places every component's
+ranks, `ntasks_per_node` a node, and each task gets an even share of its node's CPUs (measured on the
+local Slurm cluster: in the one `srun --het-group=0,1,...` step SLURM_NODEID counts the nodes of all
+components in order and SLURM_LOCALID counts a node's tasks; tests/test_slurm_placement.py). Slurm shows
+every task of a node all of the node's `--gpus-per-node` GPUs; within that list a rank takes the node-local
+indices of its own GPUs, so no GPU of a node is shared and every one is used. Trainer ranks of a node are
+consecutive and start where a tensor-parallel group may (`parallel.tp_alignment`), so Megatron's
+tensor-parallel groups stay within a node. A `cpu` run places no GPU: its `gpus_per_node` are process slots.
 """
 
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, NamedTuple
 
 from areal_hpc.errors import ConfigError
-from areal_hpc.parallel import replicas_problem
+from areal_hpc.parallel import TrainerCoords, TrainerGrid
 
 if TYPE_CHECKING:
     from areal_hpc.config.schema import Config
@@ -56,16 +64,29 @@ class Role(enum.IntEnum):
     TRAINER = 3
 
 
+FEW_GPU_NODES = 4
+"""`allocation.reward_nodes: auto`: on up to this many GPU nodes the controller and the reward workers share the
+first GPU node's CPUs (no CPU node: a one-node job is one node); on more, they get a CPU node of their own."""
+
+
+def resolve_reward_nodes(reward_nodes: int | str, nodes: int) -> int:
+    """The CPU nodes of the controller component: `allocation.reward_nodes`, `auto` by FEW_GPU_NODES."""
+    if reward_nodes == "auto":
+        return 0 if nodes <= FEW_GPU_NODES else 1
+    return int(reward_nodes)
+
+
 @dataclass(frozen=True)
 class Component:
-    """One component of the heterogeneous job: a set of identical nodes running one kind of rank."""
+    """One component of the Slurm job: nodes that run the same number of tasks each (the controller's CPU
+    nodes may hold one fewer on the last ones), world ranks first_rank onwards, consecutive."""
 
     name: str
     roles: tuple[Role, ...]
     nodes: int
     ntasks: int
     gpus_per_node: int
-    gpus_per_task: int
+    """GPUs asked of Slurm per node (0 for CPU nodes and in a cpu run)."""
     first_rank: int
 
     @property
@@ -74,7 +95,13 @@ class Component:
 
     @property
     def ntasks_per_node(self) -> int:
-        return self.ntasks // self.nodes
+        """Tasks on each node (at most, for the controller's CPU nodes)."""
+        return -(-self.ntasks // self.nodes)
+
+    @property
+    def cpu_nodes(self) -> bool:
+        """Whether these are the controller's CPU nodes (allocation.reward_nodes), not GPU nodes."""
+        return self.name == "controller"
 
 
 @dataclass(frozen=True)
@@ -95,73 +122,6 @@ class RankPlacement:
     controller, the reward workers and every rank of a cpu run."""
 
 
-class TrainerCoords(NamedTuple):
-    """A trainer rank's place in the TP x PP x DP grid."""
-
-    tp: int
-    pp: int
-    dp: int
-
-
-@dataclass(frozen=True)
-class TrainerGrid:
-    """The trainer ranks' TP x PP x DP grid, in trainer-local ranks (the trainers' own communicator and
-    torch.distributed world): rank = tp + TP * (dp + DP * pp), Megatron's default order. A mixture of
-    experts adds expert parallelism over the TP x DP ranks of a stage (Megatron's expert grid with expert
-    tensor parallelism 1): expert rank = (tp + TP * dp) % EP."""
-
-    tp: int
-    pp: int
-    dp: int
-    ep: int = 1
-
-    @classmethod
-    def of(cls, world: int, tp: int, pp: int, ep: int = 1) -> TrainerGrid:
-        """The grid of `world` trainer ranks with parallel sizes tp, pp and ep (dp follows)."""
-        problem = replicas_problem(world, tp, pp)
-        if not problem and ep != 1 and (ep < 1 or world // (tp * pp) % ep):
-            problem = f"allocation.train_ep ({ep}) must divide the trainer's data-parallel size ({world // (tp * pp)})"
-        if problem:
-            raise ValueError(problem)
-        return cls(tp, pp, world // (tp * pp), ep)
-
-    @property
-    def size(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    def coords(self, rank: int) -> TrainerCoords:
-        """(tp, pp, dp) of trainer-local rank `rank`."""
-        if not 0 <= rank < self.size:
-            raise ValueError(f"trainer rank {rank} outside 0..{self.size - 1}")
-        rest, tp = divmod(rank, self.tp)
-        pp, dp = divmod(rest, self.dp)
-        return TrainerCoords(tp, pp, dp)
-
-    def rank(self, tp: int, pp: int, dp: int) -> int:
-        """The trainer-local rank at (tp, pp, dp): the inverse of `coords`."""
-        if not (0 <= tp < self.tp and 0 <= pp < self.pp and 0 <= dp < self.dp):
-            raise ValueError(f"(tp, pp, dp) = {(tp, pp, dp)} outside the grid {self.tp} x {self.pp} x {self.dp}")
-        return tp + self.tp * (dp + self.dp * pp)
-
-    def stage_source(self, stage: int) -> int:
-        """The trainer-local rank that sends pipeline stage `stage`'s weights: its (tp 0, dp 0) rank."""
-        if not 0 <= stage < self.pp:
-            raise ValueError(f"pipeline stage {stage} outside 0..{self.pp - 1}")
-        return self.rank(0, stage, 0)
-
-    def expert_rank(self, rank: int) -> int:
-        """The expert-parallel rank of trainer-local rank `rank`: which E / EP experts of each layer it holds."""
-        tp, _, dp = self.coords(rank)
-        return (tp + self.tp * dp) % self.ep
-
-    def expert_source(self, stage: int, expert_rank: int) -> int:
-        """The trainer-local rank that sends the experts of expert rank `expert_rank` in stage `stage`: the
-        stage's first rank holding them (expert rank 0: the stage source)."""
-        if not 0 <= expert_rank < self.ep:
-            raise ValueError(f"expert rank {expert_rank} outside 0..{self.ep - 1}")
-        return self.rank(expert_rank % self.tp, stage, expert_rank // self.tp)
-
-
 class Cores(NamedTuple):
     """Where a rank runs on one machine (`Layout.core_plan`)."""
 
@@ -175,39 +135,37 @@ class Layout:
     nodes: int
     gpus_per_node: int
     reward_workers: int
-    gen_nodes: int
+    gen_gpus: int
     gen_tp: int
     train_tp: int
     train_pp: int
     uses_gpus: bool
     """Whether generator and trainer ranks hold GPUs: cluster.device is auto or cuda (in a cpu run
     `gpus_per_node` counts process slots and nothing asks Slurm for GPUs)."""
-    reward_nodes: int = 1
-    """CPU nodes of the controller component (the controller and the reward workers)."""
+    reward_nodes: int = 0
+    """CPU nodes of the controller component (the controller and the reward workers); 0: they run on the
+    first GPU node (`resolve_reward_nodes`)."""
     train_ep: int = 1
     """Expert-parallel size of the trainer (allocation.train_ep): each trainer holds 1/train_ep of every
     MoE layer's experts, so each stage has train_ep weight-sync sources (`sync_sources`)."""
 
     # --- derived sizes ---
     @property
-    def train_nodes(self) -> int:
-        return self.nodes - self.gen_nodes
-
-    @property
-    def engines_per_node(self) -> int:
-        return self.gpus_per_node // self.gen_tp
+    def gpus(self) -> int:
+        """Every GPU of the job (process slots in a cpu run)."""
+        return self.nodes * self.gpus_per_node
 
     # Counts, as allocation.reward_workers is one: `generators`, `trainers`, `reward_workers`. Their world
     # ranks are `ranks(role)`; a list of ranks is named *_ranks (Controller.generator_ranks, ...).
     @property
     def generators(self) -> int:
         """vLLM engines (generator ranks), each on gen_tp GPUs."""
-        return self.gen_nodes * self.engines_per_node
+        return self.gen_gpus // self.gen_tp
 
     @property
     def trainers(self) -> int:
         """Trainer ranks, one per GPU."""
-        return self.train_nodes * self.gpus_per_node
+        return self.gpus - self.gen_gpus
 
     @property
     def train_dp(self) -> int:
@@ -294,9 +252,9 @@ class Layout:
 
     def summary(self) -> str:
         """The split in one line: what a checkpoint records of the layout it was written at, and how a resumed
-        run names both ('2 nodes: 2 generator(s) at TP 1, 2 trainer rank(s) at TP 2 x PP 1 x DP 1')."""
+        run names both ('1 node(s) x 4 GPUs: 2 generator(s) at TP 1, 2 trainer rank(s) at TP 2 x PP 1 x DP 1')."""
         return (
-            f"{self.nodes} nodes: {self.generators} generator(s) at TP {self.gen_tp}, "
+            f"{self.nodes} node(s) x {self.gpus_per_node} GPUs: {self.generators} generator(s) at TP {self.gen_tp}, "
             f"{self.trainers} trainer rank(s) at TP {self.train_tp} x PP {self.train_pp} x DP {self.train_dp}"
         )
 
@@ -305,57 +263,103 @@ class Layout:
         role = self.role_of(rank)
         return f"{role.name.lower()} {rank - self.ranks(role).start} (world rank {rank})"
 
+    def first_gpu(self, rank: int) -> int:
+        """The job-wide index of a generator's or trainer's first GPU: GPUs counted node after node, the
+        generators' first."""
+        role = self.role_of(rank)
+        if role == Role.GENERATOR:
+            return (rank - self.ranks(role).start) * self.gen_tp
+        if role == Role.TRAINER:
+            return self.gen_gpus + rank - self.ranks(role).start
+        raise ValueError(f"{self.describe_rank(rank)} holds no GPU")
+
     @property
     def components(self) -> tuple[Component, ...]:
-        """The heterogeneous job's components, in world-rank order."""
+        """The Slurm job's components, in world-rank order: the controller's CPU nodes (none with reward_nodes 0),
+        then the GPU nodes in runs of nodes that run as many tasks each (`_gpu_components`)."""
+        comps, first = [], 0
+        if self.reward_nodes:
+            comps.append(
+                Component(
+                    "controller", (Role.CONTROLLER, Role.REWARD), self.reward_nodes, 1 + self.reward_workers, 0, 0
+                )
+            )
+            first = 1 + self.reward_workers
         g = self.gpus_per_node if self.uses_gpus else 0
-        return (
-            Component(
-                "controller", (Role.CONTROLLER, Role.REWARD), self.reward_nodes, 1 + self.reward_workers, 0, 0, 0
-            ),
-            Component(
-                "generator",
-                (Role.GENERATOR,),
-                self.gen_nodes,
-                self.generators,
-                g,
-                self.gen_tp if g else 0,
-                self.ranks(Role.GENERATOR).start,
-            ),
-            Component(
-                "trainer",
-                (Role.TRAINER,),
-                self.train_nodes,
-                self.trainers,
-                g,
-                1 if g else 0,
-                self.ranks(Role.TRAINER).start,
-            ),
-        )
+        for name, start, nodes in self._gpu_components:
+            ranks = [r for r in range(first, self.world_size) if start <= self._gpu_node[r] < start + nodes]
+            roles = tuple(sorted({self.role_of(r) for r in ranks}))
+            comps.append(Component(name, roles, nodes, len(ranks), g, first))
+            first += len(ranks)
+        return tuple(comps)
+
+    @property
+    def busiest_gpu_node(self) -> int:
+        """The most tasks a GPU node runs: each needs a CPU of the node (`cluster.cpus_per_node`)."""
+        return max(comp.ntasks_per_node for comp in self.components if not comp.cpu_nodes)
+
+    @cached_property
+    def _gpu_node(self) -> list[int | None]:
+        """Each world rank's GPU node (None on the controller's CPU nodes)."""
+        on_cpu_nodes = Role.CONTROLLER, Role.REWARD
+        return [
+            (None if self.reward_nodes else 0)
+            if self.role_of(r) in on_cpu_nodes
+            else self.first_gpu(r) // self.gpus_per_node
+            for r in range(self.world_size)
+        ]
+
+    @cached_property
+    def _gpu_components(self) -> list[tuple[str, int, int]]:
+        """(name, first GPU node, nodes) of each GPU component: consecutive GPU nodes running as many tasks
+        each, so that every task of a component gets the same share of its node (`cpus_per_task`). Named by
+        the role they run, 'generator' or 'trainer', or 'shared' when they run several; a name that recurs
+        numbered ('shared-2')."""
+        tasks = Counter(n for n in self._gpu_node if n is not None)
+        runs: list[list[int]] = []
+        for node in range(self.nodes):
+            if runs and tasks[runs[-1][0]] == tasks[node]:
+                runs[-1].append(node)
+            else:
+                runs.append([node])
+        out, seen = [], Counter()
+        for run in runs:
+            roles = {self.role_of(r) for r, n in enumerate(self._gpu_node) if n in run}
+            name = roles.pop().name.lower() if len(roles) == 1 else "shared"
+            seen[name] += 1
+            out.append((name if seen[name] == 1 else f"{name}-{seen[name]}", run[0], len(run)))
+        return out
 
     def placement(self, rank: int) -> RankPlacement:
         """Component, node, task slot and node-local GPUs of a world rank (see the module docstring)."""
-        role = self.role_of(rank)  # raises for a rank outside the world
-        nodes_before = 0
-        for comp in self.components:
-            if rank in comp.ranks:
-                break
-            nodes_before += comp.nodes
-        node, slot = divmod(rank - comp.first_rank, comp.ntasks_per_node)
-        first = slot * comp.gpus_per_task
-        gpus = tuple(range(first, first + comp.gpus_per_task))
-        return RankPlacement(rank, role, comp.name, node, nodes_before + node, slot, gpus)
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the world of {self.world_size} ranks")
+        return self._placements[rank]
+
+    @cached_property
+    def _placements(self) -> tuple[RankPlacement, ...]:
+        out, slots = [], Counter()
+        per_cpu_node = -(-(1 + self.reward_workers) // max(self.reward_nodes, 1))  # block distribution
+        for rank in range(self.world_size):
+            role, gnode = self.role_of(rank), self._gpu_node[rank]
+            if gnode is None:
+                component, node, job_node = "controller", rank // per_cpu_node, rank // per_cpu_node
+            else:
+                name, start = next((n, s) for n, s, k in self._gpu_components if s <= gnode < s + k)
+                component, node, job_node = name, gnode - start, self.reward_nodes + gnode
+            gpus = ()
+            if role in (Role.GENERATOR, Role.TRAINER) and self.uses_gpus:
+                local = self.first_gpu(rank) % self.gpus_per_node
+                gpus = tuple(range(local, local + (self.gen_tp if role == Role.GENERATOR else 1)))
+            out.append(RankPlacement(rank, role, component, node, job_node, slots[job_node], gpus))
+            slots[job_node] += 1
+        return tuple(out)
 
     def machine_gpus(self, rank: int) -> tuple[int, ...]:
-        """A rank's GPUs when every node of the job is this one machine (`areal-hpc run`): the
-        accelerator nodes' GPUs laid end to end, generator nodes first (indices into the machine's)."""
+        """A rank's GPUs when every node of the job is this one machine (`areal-hpc run`): the job-wide
+        indices of its GPUs (indices into the machine's)."""
         p = self.placement(rank)
-        before = 0  # accelerator nodes of the components before this rank's
-        for comp in self.components:
-            if comp.name == p.component:
-                break
-            before += comp.nodes if comp.gpus_per_node else 0
-        return tuple((before + p.node) * self.gpus_per_node + i for i in p.gpus)
+        return tuple((p.job_node - self.reward_nodes) * self.gpus_per_node + i for i in p.gpus)
 
     def core_plan(self, cores: list[int]) -> dict[int, Cores]:
         """World rank -> where a generator or trainer rank runs when every rank shares this machine's
@@ -393,27 +397,29 @@ class Layout:
     # --- construction ---
     @classmethod
     def from_config(cls, cfg: Config) -> Layout:
-        """The rank map of a config whose split is resolved (`allocation.gen_nodes` a number)."""
+        """The rank map of a config whose split is resolved (`allocation.gen_gpus` a number)."""
         c, a = cfg.cluster, cfg.allocation
-        if a.gen_nodes is None:
+        if a.gen_gpus is None:
             raise ConfigError(
-                "allocation.gen_nodes is not set: the node split (allocation.gen_share) is resolved when a run is "
+                "allocation.gen_gpus is not set: the GPU split (allocation.gen_share) is resolved when a run is "
                 "launched and recorded in the run's config.yaml (areal_hpc.planner.resolve_split)"
             )
         return cls(
-            c.nodes, c.gpus_per_node, a.reward_workers, a.gen_nodes, a.gen_tp, a.train_tp, a.train_pp,
-            uses_gpus=c.device != "cpu", reward_nodes=a.reward_nodes, train_ep=a.train_ep,
+            c.nodes, c.gpus_per_node, a.reward_workers, a.gen_gpus, a.gen_tp, a.train_tp, a.train_pp,
+            uses_gpus=c.device != "cpu", reward_nodes=resolve_reward_nodes(a.reward_nodes, c.nodes),
+            train_ep=a.train_ep,
         )  # fmt: skip
 
     def table(self, why: str = "") -> str:
         """The split as a table that adds up, and `why` it is this split (from the planner's
         `resolve_split`)."""
-        g = self.gpus_per_node
+        gen, train = self.ranks(Role.GENERATOR), self.ranks(Role.TRAINER)
+        cpu_nodes = f"{self.reward_nodes} (CPU)" if self.reward_nodes else "on node 0"
         rows = [
-            ("component", "nodes", "GPUs", "ranks", "world ranks", "what"),
+            ("role", "nodes", "GPUs", "ranks", "world ranks", "what"),
             (
                 "controller",
-                f"{self.reward_nodes} (CPU)",
+                cpu_nodes,
                 "0",
                 str(1 + self.reward_workers),
                 f"0-{self.reward_workers}",
@@ -421,26 +427,40 @@ class Layout:
             ),
             (
                 "generator",
-                str(self.gen_nodes),
-                str(self.gen_nodes * g),
+                self._node_span(gen),
+                str(self.gen_gpus),
                 str(self.generators),
-                _span(self.ranks(Role.GENERATOR)),
+                _span(gen),
                 f"{self.generators} vLLM engine(s), TP {self.gen_tp}",
             ),
             (
                 "trainer",
-                str(self.train_nodes),
+                self._node_span(train),
                 str(self.trainers),
                 str(self.trainers),
-                _span(self.ranks(Role.TRAINER)),
+                _span(train),
                 f"Megatron TP {self.train_tp} x PP {self.train_pp} x DP {self.train_dp}"
                 + (f", EP {self.train_ep}" if self.train_ep > 1 else ""),
             ),
-            ("total", f"{self.nodes} + {self.reward_nodes} CPU", str(self.nodes * g), str(self.world_size), "", ""),
+            (
+                "total",
+                f"{self.nodes}" + (f" + {self.reward_nodes} CPU" if self.reward_nodes else ""),
+                str(self.gpus),
+                str(self.world_size),
+                "",
+                "",
+            ),
         ]
-        gen_share = self.gen_nodes * g / (self.nodes * g)
-        split = f"generation gets {self.gen_nodes}/{self.nodes} nodes ({gen_share:.0%} of the GPUs)"
+        split = (
+            f"generation gets {self.gen_gpus} of {self.gpus} GPUs ({self.gen_gpus / self.gpus:.0%}) on "
+            f"{self.nodes} node(s) of {self.gpus_per_node}"
+        )
         return _columns(rows) + "\n" + split + (f": {why}" if why else "")
+
+    def _node_span(self, ranks: range) -> str:
+        """'0-8': the GPU nodes a role's ranks run on."""
+        nodes = sorted({self.placement(r).job_node - self.reward_nodes for r in ranks})
+        return f"{nodes[0]}-{nodes[-1]}" if len(nodes) > 1 else str(nodes[0])
 
 
 def _columns(rows: list[tuple[str, ...]]) -> str:

@@ -184,12 +184,13 @@ def narrow_gpus(layout: Layout, rank: int) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)  # empty: a rank without GPUs sees none
     place = layout.placement(rank)
     logging.info(
-        "%s on host %s%s: %s node %d, GPUs %s of %s (pid %d)",
+        "%s on host %s%s: node %d (%s), task %d, GPUs %s of %s (pid %d)",
         layout.describe_rank(rank),
         socket.gethostname(),
         f", Slurm node {task.node_name}" if task else "",
+        place.job_node,
         place.component,
-        place.node,
+        place.slot,
         ",".join(gpus) or "none",
         ",".join(given) or "none",
         os.getpid(),

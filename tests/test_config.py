@@ -61,8 +61,14 @@ def test_override_changes_a_field():
             "allocation.train_tp (4) must divide model.num_key_value_heads (2)",
         ),
         (["allocation.train_pp=3"], "allocation.train_pp (3) must divide model.num_layers (2)"),
-        (["allocation.gen_nodes=2"], "allocation.gen_nodes (2) must be between 1 and cluster.nodes - 1 (1)"),
-        (["cluster.nodes=1"], "cluster.nodes (1) must be at least 2"),
+        (["allocation.gen_gpus=2"], "allocation.gen_gpus (2) must leave each role a GPU: between 1 and"),
+        (["cluster.nodes=1"], "(1 x 1) is 1 GPU: this system needs one GPU to generate and one to train"),
+        (["allocation.gen_nodes=2"], "allocation.gen_nodes (2) and allocation.gen_gpus (1) disagree"),
+        (
+            ["cluster.nodes=1", "cluster.gpus_per_node=4", "allocation.gen_gpus=1", "allocation.gen_tp=2"],
+            "allocation.gen_gpus (1) must be a multiple of allocation.gen_tp (2)",
+        ),
+        (["allocation.reward_nodes=some"], "allocation.reward_nodes must be auto or a number >= 0 (got 'some')"),
         (["allocation.gen_tp=2"], "allocation.gen_tp (2) must divide cluster.gpus_per_node (1)"),
         (["model.dtype=float8"], "model.dtype must be float32, bfloat16 or float16"),
         (["model.architecture=llama"], "model.architecture must be one of qwen2, qwen3, qwen3_moe"),
@@ -118,19 +124,29 @@ def test_loading_a_config_runs_no_planner_and_builds_no_layout(monkeypatch):
     monkeypatch.setattr(areal_hpc.planner.search, "choose", refuse)
     monkeypatch.setattr(areal_hpc.layout.Layout, "from_config", refuse)
     cfg = load_config(REPO / "configs" / "qwen32b.yaml", ["cluster.nodes=16"])
-    assert cfg.allocation.gen_share == "auto" and cfg.allocation.gen_nodes is None
+    assert cfg.allocation.gen_share == "auto" and cfg.allocation.gen_gpus is None
     monkeypatch.undo()
-    with pytest.raises(ConfigError, match="allocation.gen_nodes is not set"):
+    with pytest.raises(ConfigError, match="allocation.gen_gpus is not set"):
         Layout.from_config(cfg)
     resolved, why = resolve_split(cfg)
-    assert resolved.allocation.gen_nodes == 5 and "the planner's fastest split" in why
-    assert resolve_split(resolved) == (resolved, "allocation.gen_nodes = 5 (set in the config)")
+    assert resolved.allocation.gen_gpus == 40 and "the planner's fastest split" in why
+    assert resolve_split(resolved) == (resolved, "allocation.gen_gpus = 40 (set in the config)")
+
+
+def test_a_split_in_nodes_is_read_as_gpus():
+    """Configs and run directories from before gen_gpus name the split in whole nodes: gen_nodes x gpus_per_node."""
+    cfg = load_config(None, ["cluster.nodes=3", "cluster.gpus_per_node=4", "allocation.gen_nodes=2"])
+    assert (cfg.allocation.gen_gpus, cfg.allocation.gen_nodes) == (8, None)
+    same = load_config(
+        None, ["cluster.nodes=3", "cluster.gpus_per_node=4", "allocation.gen_nodes=2", "allocation.gen_gpus=8"]
+    )
+    assert same.allocation.gen_gpus == 8
 
 
 def test_allocation_that_cannot_fit():
-    # 3 nodes of 1 device, trainer needs TP 2 x PP 1: no split leaves an even trainer count... except 1 gen node.
+    # 3 nodes of 1 device, trainer needs TP 2 x PP 1: 2 generator GPUs leave the trainer one.
     with pytest.raises(ConfigError, match="train_tp x train_pp"):
-        load_config(TINY, ["cluster.nodes=3", "allocation.gen_nodes=2", "allocation.train_tp=2"])
+        load_config(TINY, ["cluster.nodes=3", "allocation.gen_gpus=2", "allocation.train_tp=2"])
 
 
 def test_cli_config_error_exits_2_without_traceback():
@@ -206,10 +222,10 @@ def test_every_field_is_of_exactly_one_kind():
 def test_qwen32b_plan_adds_up_to_16_nodes_of_8_gpus():
     cfg, _ = resolve_split(load_config(REPO / "configs" / "qwen32b.yaml", ["cluster.nodes=16"]))
     layout = Layout.from_config(cfg)
-    assert layout.gen_nodes + layout.train_nodes == 16
+    assert layout.gen_gpus + layout.trainers == 16 * 8
     assert layout.generators * layout.gen_tp + layout.trainers == 16 * 8
     assert layout.train_tp * layout.train_pp * layout.train_dp == layout.trainers
-    assert layout.gen_nodes == 5  # gen_share auto: the planner's split (5 engines of TP 8, generation-bound)
+    assert layout.gen_gpus == 40  # gen_share auto: the planner's split (5 engines of TP 8, generation-bound)
 
 
 def test_learning_rate_schedule_is_validated():

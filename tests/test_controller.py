@@ -72,7 +72,9 @@ def test_weight_sync_times_are_the_slowest_generators(tmp_path):
     """timing/weight_sync_s and timing/sync_drain_s are the latest completed sync's slowest load and slowest
     drain, each kept apart: with two generators the first reports a load of 0.02 s, the second, last,
     0.01 s; their drains of 0.03 s and 0.06 s change places from one version to the next."""
-    cfg, layout, run_dir, tok_dir = make(tmp_path, "cluster.gpus_per_node=2", "train.total_steps=4")
+    cfg, layout, run_dir, tok_dir = make(
+        tmp_path, "cluster.gpus_per_node=2", "allocation.gen_gpus=2", "train.total_steps=4"
+    )
     assert len(layout.ranks(Role.GENERATOR)) == 2
     _, code = run(cfg, layout, run_dir, tok_dir, World(layout, build_tokenizer()), Prompts())
     assert code == EXIT_DONE
@@ -96,7 +98,8 @@ def test_the_log_and_the_metrics_number_a_step_alike(tmp_path, caplog):
 def test_each_replica_gets_its_batch_once_at_its_first_rank(tmp_path):
     """Trainer TP 2 x PP 2 x DP 2: one TrainBatch per replica and step, to its first rank (which relays
     it); the Saves and the Stop reach every trainer rank the same way."""
-    over = ["cluster.gpus_per_node=8", "allocation.train_tp=2", "allocation.train_pp=2", "rollout.max_staleness=1"]
+    over = ["cluster.gpus_per_node=8", "allocation.gen_gpus=8", "allocation.train_tp=2", "allocation.train_pp=2"]
+    over.append("rollout.max_staleness=1")
     cfg, layout, run_dir, tok_dir = make(tmp_path, *over)
     assert layout.train_dp == 2 and len(layout.ranks(Role.TRAINER)) == 8
     world = World(layout, build_tokenizer(), seed=1)

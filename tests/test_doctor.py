@@ -1,5 +1,5 @@
-"""`areal-hpc doctor` (areal_hpc/launch/doctor.py): on the local Slurm cluster every check passes for tiny-cpu on 3
-nodes, and each broken setup the tests make is named (a partition that does not exist, a run directory on
+"""`areal-hpc doctor` (areal_hpc/launch/doctor.py): on the local Slurm cluster every check passes for tiny-cpu on one
+node, and each broken setup the tests make is named (a partition that does not exist, a run directory on
 a node-local disk, packages missing on the nodes). The checks of a probe's reports on a cuda config,
 which this machine cannot run, are tested on reports written out here; the probe's own code, the run's
 start-up weight-sync broadcasts included (a group per pipeline stage and expert rank), runs in an MPI world
@@ -16,7 +16,7 @@ import pytest
 from areal_hpc.cli import main as cli_main
 from areal_hpc.config import load_config
 from areal_hpc.launch.doctor import doctor
-from areal_hpc.launch.doctor_job import probe_sources
+from areal_hpc.launch.doctor_job import probe_sources, probe_starts
 from areal_hpc.launch.doctor_reports import check_sandbox, check_weight_sync, evaluate
 from areal_hpc.layout import Layout
 from tests.support.helpers import MPI_PROGRAMS, TINY
@@ -48,14 +48,18 @@ def statuses(text: str) -> dict[str, str]:
 
 @pytest.mark.slurm
 def test_every_check_passes_on_the_local_cluster(slurm_cluster, tmp_path, capsys):
-    code = cli_main(["doctor", str(TINY), "--nodes", "3", f"experiment.root={tmp_path}"])
+    """`doctor --nodes 1`: one node of 2 GPUs, the controller, the reward worker, the generator and the trainer on
+    it, one job of one component."""
+    code = cli_main(["doctor", str(TINY), "--nodes", "1", "cluster.gpus_per_node=2", f"experiment.root={tmp_path}"])
     out = capsys.readouterr().out
     assert code == 0, out
+    assert "areal-hpc doctor: " in out and " on 1 GPU node(s)\n" in out
     assert statuses(out) == {name: "SKIP" if name == "gpus" else "PASS" for name in CHECKS}, out
+    assert "one job of the GPU nodes (allocation.reward_nodes 0)" in out
     assert "gpus           cluster.device is auto and no rank's torch sees a GPU" in out  # a fact, not a pass
-    assert "gloo across the nodes of generator (1 node(s)), trainer (2 node(s))" in out
+    assert "gloo across 2 generator and trainer ranks on 1 GPU node(s)" in out
     assert "gloo from world rank 3 (trainer) to world rank 2 (generator) at 127.0.0.1:" in out  # one host
-    assert "shared by this host and node1, node2, node3, node4" in out
+    assert "shared by this host and node1" in out
     assert not (tmp_path / "tiny-cpu/trial0").exists()  # a probe that passed leaves nothing behind
 
 
@@ -78,7 +82,7 @@ def test_each_broken_setup_is_named(slurm_cluster, tmp_path, capsys):
     code = cli_main(["doctor", str(TINY), "--nodes", "3", f"experiment.root={tmp_path}", *few])
     out = capsys.readouterr().out
     assert code == 1 and statuses(out)["partitions"] == "FAIL", out
-    assert "partition 'debug' has nodes of 8 CPUs, fewer than the 16 tasks of a trainer node" in out
+    assert "partition 'debug' has nodes of 8 CPUs, fewer than the 18 tasks of the busiest GPU node" in out
     assert statuses(out)["run directory"] == "SKIP", "no probe job"
 
     # a run directory on the nodes' local disk (tools/local_slurm.sh: a tmpfs of each node's own)
@@ -86,7 +90,7 @@ def test_each_broken_setup_is_named(slurm_cluster, tmp_path, capsys):
     code = cli_main(["doctor", str(TINY), "--nodes", "3", f"experiment.root={local}"])
     out = capsys.readouterr().out
     assert code == 1 and statuses(out)["run directory"] == "FAIL", out
-    assert "is not shared by every node: world ranks 0-4 (controller, generator, trainer) left no report" in out
+    assert "is not shared by every node: world ranks 0-4 (controller, reward, generator, trainer) left no report" in out
     assert "fix: put experiment.root on a filesystem that this host and every node mount" in out
 
     # packages missing on the nodes: they run an interpreter without them (Debian's own python3)
@@ -100,12 +104,13 @@ def test_each_broken_setup_is_named(slurm_cluster, tmp_path, capsys):
     assert status["run directory"].status == "PASS"
     assert status["python"].status == "FAIL"
     assert "torch missing: ModuleNotFoundError: No module named 'torch'" in status["python"].detail
-    assert "on node1, node2, node3, node4" in status["python"].detail
+    assert "on node1, node2, node3" in status["python"].detail  # the 3 GPU nodes: no CPU node
     assert status["mpi"].status == "FAIL" and "No module named 'mpi4py'" in status["mpi"].detail
 
 
 def test_gpu_checks_from_reports_on_a_cuda_config(tmp_path):
-    cfg = load_config(TINY, ["cluster.nodes=2", "cluster.device=cuda", "cluster.gpus_per_node=2"])
+    two = ["cluster.nodes=2", "cluster.device=cuda", "cluster.gpus_per_node=2", "allocation.gen_gpus=2"]
+    cfg = load_config(TINY, [*two, "allocation.reward_nodes=1"])
     layout = Layout.from_config(cfg)  # controller + reward | 2 generators on node2 | 2 trainers on node3
     login = {"torch": "2.13.0", "vllm": "0.32.0", "megatron.core": "0.16.1", "mpi4py": "4.1.2"}
     hosts = ["node1", "node1", "node2", "node2", "node3", "node3"]
@@ -121,7 +126,7 @@ def test_gpu_checks_from_reports_on_a_cuda_config(tmp_path):
     checks = {c.name: c for c in evaluate(cfg, layout, reports, "t", login, tmp_path)}
     assert checks.pop("sandbox").status == "SKIP", "tiny-cpu runs no program in the sandbox"
     assert all(c.status == "PASS" for c in checks.values()), checks
-    assert checks["all-reduce"].detail == "nccl across the nodes of generator (1 node(s)), trainer (1 node(s))"
+    assert checks["all-reduce"].detail == "nccl across 4 generator and trainer ranks on 2 GPU node(s)"
     assert checks["weight sync"].detail == (
         "nccl from world rank 4 (trainer) to world ranks 2-3 (generator) at 10.0.0.3:4711, checked by every receiver"
     )
@@ -156,14 +161,12 @@ def test_gpu_checks_from_reports_on_a_cuda_config(tmp_path):
 
 
 def test_the_sandbox_is_checked_on_the_nodes_that_run_programs():
-    cfg = load_config(TINY, ["cluster.nodes=2"])
-    layout = Layout.from_config(cfg)
+    cfg = load_config(TINY, ["cluster.nodes=2", "allocation.reward_nodes=1"])
+    layout = Layout.from_config(cfg)  # controller + reward on node1 | the generator on node2 | the trainer on node3
     missing = "error: bwrap (bubblewrap) is not installed"
-    reports = {  # each node's first rank: controller, generator, trainer component
-        0: {"host": "node1", "component": 0, "sandbox": missing},
-        2: {"host": "node2", "component": 1, "sandbox": "ok"},
-        4: {"host": "node3", "component": 2, "sandbox": missing},  # trainers run no program
-    }
+    reports = {r: {"host": f"node{r if r > 1 else 1}", "role": int(layout.role_of(r))} for r in range(4)}
+    for r, found in [(0, missing), (2, "ok"), (3, missing)]:  # each node's first rank tried one
+        reports[r]["sandbox"] = found  # the trainer's node runs no program
     check = check_sandbox(cfg, layout, reports)
     assert check.status == "SKIP" and "reward.kind math, the default workflow" in check.detail
     agent = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, workflow="agents.py:Agent"))
@@ -179,7 +182,9 @@ def test_the_sandbox_is_checked_on_the_nodes_that_run_programs():
 
 def test_the_weight_sync_check_covers_every_stage_and_names_the_one_that_failed():
     cfg = load_config(
-        TINY, ["cluster.nodes=2", "cluster.device=cuda", "cluster.gpus_per_node=2", "allocation.train_pp=2"]
+        TINY,
+        ["cluster.nodes=2", "cluster.device=cuda", "cluster.gpus_per_node=2", "allocation.gen_gpus=2"]
+        + ["allocation.train_pp=2"],
     )
     layout = Layout.from_config(cfg)  # 2 generators on node2 | stage 0's source rank 4, stage 1's rank 5 on node3
     assert probe_sources(layout) == "0:0:4,1:0:5"
@@ -213,7 +218,8 @@ def test_the_weight_sync_check_covers_every_stage_and_names_the_one_that_failed(
 def test_the_weight_sync_check_covers_every_expert_rank_and_names_the_group_that_failed():
     cfg = load_config(
         TINY,
-        [*MOE_EP2, "cluster.nodes=3", "cluster.device=cuda", "cluster.gpus_per_node=2", "allocation.train_pp=2"],
+        [*MOE_EP2, "cluster.nodes=3", "cluster.device=cuda", "cluster.gpus_per_node=2", "allocation.gen_gpus=2"]
+        + ["allocation.train_pp=2"],
     )
     layout = Layout.from_config(cfg)  # 2 generators on node2 | 4 trainers: PP 2 x DP 2, expert ranks 0-1
     assert probe_sources(layout) == "0:0:4,0:1:5,1:0:6,1:1:7"
@@ -252,8 +258,7 @@ def _probe(run_mpi, tmp_path, interface: str, overrides=("allocation.train_pp=2"
     cfg = load_config(TINY, ["cluster.nodes=3", *overrides])
     layout = Layout.from_config(cfg)
     (tmp_path / "token").write_text("t")
-    starts = ",".join(str(c.first_rank) for c in layout.components)
-    args = [str(tmp_path), "cpu", starts, probe_sources(layout), interface]
+    args = [str(tmp_path), "cpu", probe_starts(layout), probe_sources(layout), interface]
     proc = run_mpi(MPI_PROGRAMS / "probe_world.py", n=layout.world_size, timeout=240, args=args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return cfg, layout, {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(layout.world_size)}
@@ -311,12 +316,11 @@ def test_a_probe_whose_address_cannot_be_picked_reports_it_on_every_rank(run_mpi
     # that rendezvous gets its error instead of waiting in the broadcast, and the probe ends with reports.
     cfg, layout, reports = _probe(run_mpi, tmp_path, "nosuch0")
     missing = "ConfigError: cluster.network_interface 'nosuch0' is not an interface on host"
-    assert missing in reports[3]["allreduce_error"].strip().splitlines()[-1]  # the trainers' rank 0: a traceback
+    assert missing in reports[2]["allreduce_error"].strip().splitlines()[-1]  # the GPU ranks' rank 0: a traceback
     offered = "rank 0 of this torch.distributed world, on host "
-    assert (
-        offered in reports[4]["allreduce_error"]
-        and "offered no address to meet at: " + missing in (reports[4]["allreduce_error"])
-    )
+    for r in (3, 4):
+        assert offered in reports[r]["allreduce_error"]
+        assert "offered no address to meet at: " + missing in reports[r]["allreduce_error"]
     for r in (3, 4):  # each stage's source: its own error
         assert reports[r]["weight_sync_error"].startswith(missing), reports[r]
     generator = reports[2]["weight_sync_error"]  # stage 0's source's, offered to it

@@ -191,8 +191,8 @@ def test_runs_stops_on_ctrl_c_after_a_checkpoint_and_resumes(runs_root):
 def test_a_tp_2_run_resumes_at_dp_4_and_trains_its_next_step_alike(runs_root, tmp_path, monkeypatch):
     """A generator at gen_tp 2 and 2 trainer ranks at TP 2 (2 nodes of 2 slots) run 3 steps, saving at each; the
     generator's engine runs its tensor-parallel workers as spawned processes. The run
-    resumes from checkpoint k, the later ones lost (the run died writing them), on 5 nodes of 1 slot: 1
-    generator, 4 trainer ranks at DP 4. Step k + 1 again trains the groups buffered in checkpoint k, the
+    resumes from checkpoint k, the later ones lost (the run died writing them), on one node of 5 slots
+    (`cluster.nodes=1`): 1 generator, 4 trainer ranks at DP 4. Step k + 1 again trains the groups buffered in checkpoint k, the
     oldest B (the controller's log names its prompts), from the same weights and optimizer state: its
     figures are TP 2's, to float sums in another order. k is the latest checkpoint that holds step k + 1's
     batch whole (groups still running at a save are generated again after a resume, with other samples):
@@ -212,6 +212,7 @@ def test_a_tp_2_run_resumes_at_dp_4_and_trains_its_next_step_alike(runs_root, tm
         *same,
         "cluster.nodes=2",
         "cluster.gpus_per_node=2",
+        "allocation.gen_gpus=2",
         "allocation.gen_tp=2",
         "allocation.train_tp=2",
         "train.total_steps=3",
@@ -234,7 +235,7 @@ def test_a_tp_2_run_resumes_at_dp_4_and_trains_its_next_step_alike(runs_root, tm
     k = whole[0]
     at_tp2, carried = tp2.rows()[k], saved[k]
     written = carried.pop("layout")
-    assert written == "2 nodes: 1 generator(s) at TP 2, 2 trainer rank(s) at TP 2 x PP 1 x DP 1"
+    assert written == "2 node(s) x 2 GPUs: 1 generator(s) at TP 2, 2 trainer rank(s) at TP 2 x PP 1 x DP 1"
     for later in range(k + 1, 4):
         (checkpoint_dir(run_dir, later) / COMPLETE).unlink()  # the run died writing them: saved again at DP 4
 
@@ -242,8 +243,9 @@ def test_a_tp_2_run_resumes_at_dp_4_and_trains_its_next_step_alike(runs_root, tm
         runs_root,
         "tp2-dp4",
         *same,
-        "cluster.nodes=5",
-        "cluster.gpus_per_node=1",
+        "cluster.nodes=1",
+        "cluster.gpus_per_node=5",
+        "allocation.gen_gpus=1",
         "allocation.gen_tp=1",
         "allocation.train_tp=1",
         f"train.total_steps={k + 2}",
@@ -253,7 +255,7 @@ def test_a_tp_2_run_resumes_at_dp_4_and_trains_its_next_step_alike(runs_root, tm
     assert f"resuming from {step_k}, written on {written}" in dp4.output, dp4.output
     rows = dp4.rows()
     assert not metrics_problems(rows, k + 2, MISMATCH_TOL)  # every step once; generator and trainer agree at DP 4
-    now = "5 nodes: 1 generator(s) at TP 1, 4 trainer rank(s) at TP 1 x PP 1 x DP 4"
+    now = "1 node(s) x 5 GPUs: 1 generator(s) at TP 1, 4 trainer rank(s) at TP 1 x PP 1 x DP 4"
     log = (run_dir / "logs" / "controller-0.log").read_text()
     assert f"resumed from {step_k} at version {k}, written on {written}, now on {now}" in log, log
     assert json.loads(re.search(r"carried over: (.*)", log).group(1)) == carried

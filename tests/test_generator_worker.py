@@ -59,7 +59,7 @@ def test_generator_rank_serves_and_syncs(run_mpi, tmp_path, interruptible):
     torch.save(model_b.state_dict(), tmp_path / "b.pt")
     overrides = [
         "cluster.nodes=2",
-        "allocation.gen_nodes=1",
+        "allocation.gen_gpus=1",
         "train.collective_timeout_s=120",
         f"rollout.temperature={TEMPERATURE}",
         f"rollout.max_new_tokens={MAX_NEW}",
@@ -139,7 +139,7 @@ def test_a_workflow_that_cannot_be_loaded_is_the_ranks_failure(tmp_path):
     from areal_hpc.rank_context import CONTROLLER_RANK, RankContext
 
     cfg = load_config(
-        None, ["cluster.nodes=2", "allocation.gen_nodes=1", "rollout.workflow=areal_hpc.workflow.builtin:Nope"]
+        None, ["cluster.nodes=2", "allocation.gen_gpus=1", "rollout.workflow=areal_hpc.workflow.builtin:Nope"]
     )
     layout = Layout.from_config(cfg)
     rank = layout.ranks(Role.GENERATOR)[0]

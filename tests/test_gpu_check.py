@@ -233,7 +233,7 @@ def test_without_the_gpus_each_run_check_says_what_it_needs(tmp_path, gpu_check)
         ("Qwen's vocabulary, 4096 new tokens: peak memory, bf16 mismatch", "SKIP", "needs 2 GPUs, 0 visible"),
         ("stop (Ctrl-C), resume, continue a run", "SKIP", "needs 2 GPUs, 0 visible"),
         (
-            "20 steps through areal-hpc submit --nodes 2",
+            "20 steps through areal-hpc submit --nodes 1",
             "SKIP",
             "not asked for: --submit (on a Slurm cluster's login node)",
         ),

@@ -18,6 +18,14 @@ from areal_hpc.main import PIN_ENV, PLACEMENT_FLAG, SlurmTask, log_cpus, narrow_
 from areal_hpc.rundir import log_path, prepare_run_dir
 from tests.support.helpers import REPO
 
+CPU_NODE_AND_TWO = [
+    "cluster.gpus_per_node=4",
+    "allocation.gen_tp=2",
+    "allocation.gen_gpus=4",
+    "allocation.reward_nodes=1",
+]
+"""tiny-cpu on a CPU node (controller + reward) and 2 GPU nodes of 4: 2 engines of TP 2 on the first, 4 trainers."""
+
 
 def layout(*overrides):
     return Layout.from_config(load_config("configs/tiny-cpu.yaml", list(overrides)))
@@ -48,7 +56,7 @@ def test_a_dead_rank_is_named_by_its_role():
 
 def test_a_slurm_task_takes_its_entries_of_the_nodes_gpus():
     # controller + reward (node 0) | 2 engines of TP 2 (node 1) | 4 trainers (node 2); 4 GPUs per node
-    lay = layout("cluster.device=cuda", "cluster.gpus_per_node=4", "allocation.gen_tp=2")
+    lay = layout(*CPU_NODE_AND_TWO, "cluster.device=cuda")
     given = ["4", "5", "6", "7"]  # what Slurm shows every task of the node (a job beside another)
     assert own_gpus(lay, 3, given, SlurmTask("n1", 1, 1)) == ["6", "7"]
     assert own_gpus(lay, 6, given, SlurmTask("n2", 2, 2)) == ["6"]
@@ -63,7 +71,7 @@ def test_a_slurm_task_takes_its_entries_of_the_nodes_gpus():
 
 
 def test_a_local_run_lays_the_nodes_gpus_end_to_end_and_shares_fewer():
-    lay = layout("cluster.gpus_per_node=2")  # ranks: controller, reward, 2 generators, 2 trainers
+    lay = layout("cluster.gpus_per_node=2")  # ranks: controller, reward, 1 generator, 3 trainers
     eight = [str(i) for i in range(8)]
     assert [own_gpus(lay, r, eight, None) for r in range(6)] == [[], [], ["0"], ["1"], ["2"], ["3"]]
     assert [own_gpus(lay, r, ["7", "9"], None) for r in range(6)] == [[], [], ["7"], ["9"], ["7"], ["9"]]
@@ -73,7 +81,7 @@ def test_a_local_run_lays_the_nodes_gpus_end_to_end_and_shares_fewer():
 
 
 def test_narrow_gpus_sets_the_variable_and_logs_role_host_gpus(monkeypatch, caplog):
-    lay = layout("cluster.device=auto", "cluster.gpus_per_node=4", "allocation.gen_tp=2")
+    lay = layout(*CPU_NODE_AND_TWO, "cluster.device=auto")
     monkeypatch.delenv(PIN_ENV, raising=False)
     slurm = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "5", "SLURM_NODEID": "2", "SLURM_LOCALID": "1"}
     for key, value in {**slurm, "SLURMD_NODENAME": "gpu-b", "CUDA_VISIBLE_DEVICES": "GPU-a,GPU-b,GPU-c,GPU-d"}.items():
@@ -82,7 +90,7 @@ def test_narrow_gpus_sets_the_variable_and_logs_role_host_gpus(monkeypatch, capl
         narrow_gpus(lay, 5)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "GPU-b"
     assert "trainer 1 (world rank 5) on host " in caplog.text
-    assert "Slurm node gpu-b: trainer node 0, GPUs GPU-b of GPU-a,GPU-b,GPU-c,GPU-d" in caplog.text
+    assert "Slurm node gpu-b: node 2 (trainer), task 1, GPUs GPU-b of GPU-a,GPU-b,GPU-c,GPU-d" in caplog.text
     for key, value in {"SLURM_NODEID": "0", "SLURM_LOCALID": "0", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}.items():
         monkeypatch.setenv(key, value)
     narrow_gpus(lay, 0)
@@ -143,7 +151,7 @@ def test_visible_gpus_without_the_variable_come_from_the_driver(monkeypatch, tmp
 
 @pytest.mark.mpi
 def test_the_local_launcher_gives_each_rank_its_own_gpu_of_this_machine(tmp_path):
-    # tiny-cpu (device auto): controller, reward, one generator node and one trainer node of 1 GPU each,
+    # tiny-cpu (device auto): controller, reward and the generator on node 0, the trainer on node 1, 1 GPU each,
     # started by the local launcher's mpirun on a machine whose shell shows three (fake) GPUs
     cfg = load_config("configs/tiny-cpu.yaml", [f"experiment.root={tmp_path}"])
     lay, run_dir = Layout.from_config(cfg), prepare_run_dir(cfg).resolve()
@@ -157,15 +165,15 @@ def test_the_local_launcher_gives_each_rank_its_own_gpu_of_this_machine(tmp_path
     }
     host = socket.gethostname()
     assert (
-        f"generator 0 (world rank 2) on host {host}: generator node 0, GPUs GPU-a of GPU-a,GPU-b,GPU-c (pid"
+        f"generator 0 (world rank 2) on host {host}: node 0 (shared), task 2, GPUs GPU-a of GPU-a,GPU-b,GPU-c (pid"
         in (firsts[("generator", 0)])
     )
     assert (
-        f"trainer 0 (world rank 3) on host {host}: trainer node 0, GPUs GPU-b of GPU-a,GPU-b,GPU-c (pid"
+        f"trainer 0 (world rank 3) on host {host}: node 1 (trainer), task 0, GPUs GPU-b of GPU-a,GPU-b,GPU-c (pid"
         in (firsts[("trainer", 0)])
     )
-    for key in (("controller", 0), ("reward", 0)):
-        assert ": controller node 0, GPUs none of GPU-a,GPU-b,GPU-c (pid" in firsts[key]
+    for key, task in ((("controller", 0), 0), (("reward", 0), 1)):
+        assert f": node 0 (shared), task {task}, GPUs none of GPU-a,GPU-b,GPU-c (pid" in firsts[key]
     # no Slurm node named even if this shell runs inside an allocation: the local launcher's ranks are not its tasks
     assert all("Slurm node" not in line for line in firsts.values())
     # the GPUs are fake: torch finds none behind them and auto resolves to cpu

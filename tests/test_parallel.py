@@ -6,7 +6,7 @@ import pytest
 from areal_hpc import parallel
 from areal_hpc.arch import model_arch
 from areal_hpc.config import ConfigError, load_config, validate
-from areal_hpc.layout import TrainerGrid
+from areal_hpc.parallel import TrainerGrid
 from areal_hpc.planner import candidates, resolve_split, with_plan
 from tests.support.helpers import REPO, TINY
 
@@ -33,18 +33,25 @@ def test_a_size_that_splits_the_heads_but_not_the_mlp_is_refused_everywhere():
 
 
 def test_the_split_rules():
-    assert parallel.nodes_problem(1).startswith("cluster.nodes (1) must be at least 2")
-    assert parallel.split_problem(4, 8, 4, 1, 1).startswith("allocation.gen_nodes (4) must be between 1 and")
-    assert "(3 x 1 = 3) must divide the trainer GPUs (2 nodes x 8 = 16)" in parallel.split_problem(4, 8, 2, 3, 1)
-    assert parallel.split_problem(4, 8, 2, 4, 2) is None
+    assert "(1 x 1) is 1 GPU: this system needs one GPU to generate and one to train" in parallel.gpus_problem(1, 1)
+    assert parallel.gpus_problem(1, 2) is None and parallel.gpus_problem(2, 1) is None
+    assert parallel.split_problem(4, 8, 32, 1, 1, 1).startswith("allocation.gen_gpus (32) must leave each role a GPU")
+    assert parallel.split_problem(1, 8, 0, 1, 1, 1).startswith("allocation.gen_gpus (0) must leave each role a GPU")
+    assert "(3 x 1 = 3) must divide the trainer GPUs (4 x 8 - 16 = 16)" in parallel.split_problem(4, 8, 16, 1, 3, 1)
+    assert "multiple of allocation.gen_tp (2): whole vLLM engines" in parallel.split_problem(1, 8, 3, 2, 1, 1)
+    # a TP group within a node: the trainer's GPUs start at a multiple of train_tp (or of the node at train_tp 16)
+    assert "multiple of allocation.train_tp (4)" in parallel.split_problem(2, 8, 6, 2, 4, 1)
+    assert "multiple of cluster.gpus_per_node (8)" in parallel.split_problem(4, 8, 4, 1, 16, 1)
+    assert parallel.split_problem(4, 8, 16, 1, 16, 1) is None
+    assert parallel.split_problem(1, 8, 4, 2, 4, 1) is None and parallel.split_problem(4, 8, 16, 1, 4, 2) is None
 
 
 def test_the_expert_parallel_rules_name_the_field():
     moe = ["model.architecture=qwen3_moe", "model.num_experts=6"]
     with pytest.raises(ConfigError, match=r"allocation.train_ep \(4\) must divide model.num_experts \(6\)"):
         load_config(TINY, [*moe, "allocation.train_ep=4"])
-    # 4 nodes x 2 GPUs, 2 generator nodes: 4 trainer GPUs at tp 2, so data-parallel size 2
-    split = ["cluster.nodes=4", "cluster.gpus_per_node=2", "allocation.gen_nodes=2", "allocation.train_tp=2"]
+    # 4 nodes x 2 GPUs, 4 generator GPUs: 4 trainer GPUs at tp 2, so data-parallel size 2
+    split = ["cluster.nodes=4", "cluster.gpus_per_node=2", "allocation.gen_gpus=4", "allocation.train_tp=2"]
     with pytest.raises(
         ConfigError, match=r"allocation.train_ep \(3\) must divide the trainer's data-parallel size \(2\)"
     ):

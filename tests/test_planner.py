@@ -34,7 +34,7 @@ def cfg_of(name, nodes=16, *overrides):
 
 @pytest.fixture(scope="module")
 def paper():
-    """The paper's configuration: 12 generator nodes (TP 1), 4 trainer nodes (TP 2), max_staleness 8
+    """The paper's configuration: 12 generator nodes (96 GPUs, TP 1), 4 trainer nodes (TP 2), max_staleness 8
     (configs/qwen1.5b.yaml ships the planner's own split, gen_share auto)."""
     cfg = cfg_of("qwen1.5b", 16, "allocation.gen_share=0.75")
     return cfg, planner.predict(cfg)
@@ -42,7 +42,7 @@ def paper():
 
 def test_paper_plan_is_the_papers_split(paper):
     _, p = paper
-    assert p.plan == planner.Plan(gen_nodes=12, gen_tp=1, train_tp=2, train_pp=1)
+    assert p.plan == planner.Plan(gen_gpus=96, gen_tp=1, train_tp=2, train_pp=1)
     assert p.trajectories == 512 * 16 and p.fits
 
 
@@ -106,7 +106,6 @@ def test_chosen_plans_fit_memory_and_add_up_to_the_nodes(name, nodes, gpus):
     best, why = planner.choose(cfg)
     assert best.fits and max(best.gen_memory, best.train_memory) <= cfg.cluster.gpu_memory_gb * 1e9
     layout = Layout.from_config(planner.with_plan(cfg, best.plan))
-    assert layout.gen_nodes + layout.train_nodes == nodes
     assert layout.generators * layout.gen_tp + layout.trainers == nodes * gpus
     assert layout.train_tp * layout.train_pp * layout.train_dp == layout.trainers
     # nothing that fits is predicted faster (every third candidate, to keep the test quick)
@@ -117,14 +116,16 @@ def test_chosen_plans_fit_memory_and_add_up_to_the_nodes(name, nodes, gpus):
 @settings(max_examples=20, deadline=None)
 @given(
     name=st.sampled_from(["qwen1.5b", "qwen7b", "qwen32b"]),
-    nodes=st.integers(2, 12),
+    nodes=st.integers(1, 12),
     gpus=st.sampled_from([1, 2, 4, 8]),
     memory=st.sampled_from([24, 40, 80, 141]),
     mb=st.sampled_from([32768, 65536]),
     eta=st.integers(0, 16),
 )
 def test_any_chosen_plan_fits_and_adds_up(name, nodes, gpus, memory, mb, eta):
-    start = ["allocation.gen_nodes=1", "allocation.gen_tp=1", "allocation.train_tp=1", "allocation.train_pp=1"]
+    if nodes * gpus < 2:
+        return  # a config error: one GPU cannot both generate and train
+    start = ["allocation.gen_gpus=1", "allocation.gen_tp=1", "allocation.train_tp=1", "allocation.train_pp=1"]
     cluster = [f"cluster.gpus_per_node={gpus}", f"cluster.gpu_memory_gb={memory}", f"ppo.max_tokens_per_mb={mb}"]
     cfg = cfg_of(name, nodes, *start, *cluster, f"rollout.max_staleness={eta}")
     try:
@@ -134,7 +135,6 @@ def test_any_chosen_plan_fits_and_adds_up(name, nodes, gpus, memory, mb, eta):
         return
     assert best.fits
     layout = Layout.from_config(planner.with_plan(cfg, best.plan))
-    assert layout.gen_nodes + layout.train_nodes == nodes
     assert layout.generators * layout.gen_tp + layout.train_tp * layout.train_pp * layout.train_dp == nodes * gpus
     assert best.tokens_per_s() >= best.tokens / best.t_sync * (1 - 1e-9)  # asynchronous never slower
 
@@ -143,16 +143,16 @@ def test_qwen32b_on_16_nodes_adds_up_and_needs_model_parallel_training():
     cfg = cfg_of("qwen32b", 16)
     best, _ = planner.choose(cfg)
     layout = Layout.from_config(planner.with_plan(cfg, best.plan))
-    assert layout.gen_nodes + layout.train_nodes == 16 and layout.nodes == 16
+    assert layout.gen_gpus + layout.trainers == 16 * 8 and layout.nodes == 16
     assert best.plan.train_tp * best.plan.train_pp >= 4  # 6 bytes/parameter + sharded Adam of a 32B model: >= 4 GPUs
-    unsharded = planner.predict(cfg, planner.Plan(8, 1, 1, 1))
+    unsharded = planner.predict(cfg, planner.Plan(64, 1, 1, 1))
     assert not unsharded.fits and unsharded.train_memory > 3 * unsharded.memory
 
 
 def test_fixed_fields_are_kept():
     cfg = cfg_of("qwen32b", 16)
-    best, why = planner.choose(cfg, {"train_pp": 4, "gen_nodes": 12})
-    assert best.plan.train_pp == 4 and best.plan.gen_nodes == 12 and "fixed" in why
+    best, why = planner.choose(cfg, {"train_pp": 4, "gen_gpus": 96})
+    assert best.plan.train_pp == 4 and best.plan.gen_gpus == 96 and "fixed" in why
 
 
 def test_nothing_fits_is_a_config_error():
@@ -184,11 +184,11 @@ def test_cli_plan_prints_split_and_both_predictions():
     assert "steps/hour" in out and "effective tokens/s" in out and "--search would choose" in out
 
 
-@pytest.mark.parametrize("name", ["qwen1.5b", "qwen7b", "qwen32b", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("name", ["qwen1.5b", "qwen1.5b-1node", "qwen7b", "qwen32b", "qwen3-30b-a3b"])
 def test_shipped_configs_are_the_split_their_planner_prefers(name):
     cfg, _ = planner.resolve_split(load_config(CONFIGS / f"{name}.yaml"))
     assert cfg.allocation.gen_share == "auto"
-    best, _ = planner.choose(cfg)  # the full search: gen_nodes, gen_tp, train_tp, train_pp, train_ep
+    best, _ = planner.choose(cfg)  # the full search: gen_gpus, gen_tp, train_tp, train_pp, train_ep
     shipped = planner.predict(cfg)
     assert shipped.fits and best.tokens_per_s() <= shipped.tokens_per_s() * 1.005  # nothing that fits is faster
     assert "--search would keep this plan" in planner.search_hint(cfg, planner.predict(cfg))
@@ -200,7 +200,7 @@ def test_gen_share_auto_is_the_planners_split_on_any_node_count():
         a = cfg.allocation
         best, _ = planner.choose(cfg, {"gen_tp": a.gen_tp, "train_tp": a.train_tp, "train_pp": a.train_pp})
         layout = Layout.from_config(cfg)
-        assert layout.gen_nodes == best.plan.gen_nodes
+        assert layout.gen_gpus == best.plan.gen_gpus
         assert "allocation.gen_share auto: the planner's fastest split" in layout.table(why)
     with pytest.raises(ConfigError, match="gen_share must be auto or strictly between 0 and 1"):
         cfg_of("qwen7b", 16, "allocation.gen_share=half")
@@ -357,6 +357,11 @@ def test_plan_render_and_submit_dry_run_of_the_moe_config(tmp_path, capsys):
     root = f"experiment.root={tmp_path}"
     assert cli_main(["render", moe, "--nodes", "16", "-o", str(tmp_path / "job.sbatch"), root]) == 0
     written = yaml.safe_load(next(tmp_path.glob("*/*/config.yaml")).read_text())["allocation"]
-    assert (written["train_tp"], written["train_pp"], written["train_ep"]) == (2, 12, 1)
+    assert (written["gen_gpus"], written["train_tp"], written["train_pp"], written["train_ep"]) == (76, 1, 4, 1)
     assert cli_main(["submit", moe, "--nodes", "16", "--dry-run", f"experiment.root={tmp_path / 'dry'}"]) == 0
-    assert "#SBATCH --nodes=6" in capsys.readouterr().out  # the trainer's 6 nodes
+    out = capsys.readouterr().out
+    # 9 nodes of 2 engines, node 9 shared by the last engine and 4 trainer ranks, 6 trainer nodes
+    assert "#   1 generator  9 node(s) x 2 task(s), 56 CPUs/task, world ranks 9-26: generator" in out
+    assert "#   2 shared     1 node(s) x 5 task(s), 22 CPUs/task, world ranks 27-31: generator + trainer" in out
+    assert "#       GPU node 9: world ranks 27-31: generator 18 on GPUs 0-3, trainers 0-3 on GPUs 4-7" in out
+    assert "#   3 trainer    6 node(s) x 8 task(s), 14 CPUs/task, world ranks 32-79: trainer" in out

@@ -85,13 +85,16 @@ def test_script_is_valid_bash(path):
 
 
 def test_components_follow_the_layout():
-    text = render(["cluster.nodes=3"])
+    """tiny-cpu on 3 nodes of 1 GPU with a CPU node: the controller + 1 reward worker there, then the
+    generator's node and the 2 trainer nodes, one task each: one component of the 3 GPU nodes."""
+    text = render(["cluster.nodes=3", "allocation.reward_nodes=1"])
     comps = directives(text)
-    assert len(comps) == 3
-    # tiny-cpu on 3 nodes: controller + 1 reward worker, 1 generator node, 2 trainer nodes x 1 slot
+    assert len(comps) == 2
     assert "--nodes=1" in comps[0] and "--ntasks-per-node=2" in comps[0]
-    assert "--nodes=1" in comps[1] and "--ntasks-per-node=1" in comps[1]
-    assert "--nodes=2" in comps[2] and "--ntasks-per-node=1" in comps[2]
+    assert "--nodes=3" in comps[1] and "--ntasks-per-node=1" in comps[1] and "--mem=0" in comps[1]
+    assert "#   1 shared     3 node(s) x 1 task(s), 8 CPUs/task, world ranks 2-4: generator + trainer" in text
+    assert "#       GPU node 0: world ranks 2: generator 0 on GPU 0\n" in text
+    assert "#       GPU node 2: world ranks 4: trainer 1 on GPU 0\n" in text
     # job-wide options sit in the first component
     assert any(o.startswith("--signal=B:USR2@") for o in comps[0])
     assert "--requeue" in comps[0] and "--time=00:30:00" in comps[0]
@@ -99,28 +102,80 @@ def test_components_follow_the_layout():
     for flag in ("--mpi=pmix", "--kill-on-bad-exit=1"):
         assert flag in step
     # one step, the components in world-rank order, each running the same wrapped command
-    assert [part.split()[0] for part in step.split(" : ")[1:]] == ["--het-group=1", "--het-group=2"]
-    assert step.count('"${rank[@]}"') == 3 and " --het-group=0 " in step
-    # the controller's tasks: Slurm's default; a generator or trainer node's one task: its 8 CPUs (SINFO)
+    assert [part.split()[0] for part in step.split(" : ")[1:]] == ["--het-group=1"]
+    assert step.count('"${rank[@]}"') == 2 and " --het-group=0 " in step
+    # the controller's tasks: Slurm's default; a GPU node's one task: its 8 CPUs (SINFO)
     assert "--het-group=0 " in step and "--het-group=0 --cpus" not in step
-    assert "--het-group=1 --cpus-per-task=8 " in step and "--het-group=2 --cpus-per-task=8 " in step
-    assert "--cpus-per-task=8" in comps[1] and "--cpus-per-task=8" in comps[2]
-    assert not any(o.startswith("--cpus-per-task") for o in comps[0])
+    assert "--het-group=1 --cpus-per-task=8 " in step
+    assert "--cpus-per-task=8" in comps[1] and not any(o.startswith("--cpus-per-task") for o in comps[0])
+
+
+def test_nodes_that_run_as_many_tasks_make_one_component():
+    """2 nodes of 4 GPUs, 6 generator GPUs at TP 2: node 0 runs the controller, the reward worker and 2 engines
+    (4 tasks), node 1 1 engine and 2 trainer ranks (3 tasks): two components, each task a share of its node's
+    CPUs and every node's memory."""
+    overrides = ["cluster.nodes=2", "cluster.gpus_per_node=4", "allocation.gen_tp=2", "allocation.gen_gpus=6"]
+    text = render([*overrides, "cluster.cpus_per_node=12"])
+    comps = directives(text)
+    sizes = [[o for o in comp if o.startswith(("--nodes", "--ntasks", "--cpus", "--mem"))] for comp in comps]
+    assert sizes == [
+        ["--nodes=1", "--ntasks-per-node=4", "--cpus-per-task=3", "--mem=0"],
+        ["--nodes=1", "--ntasks-per-node=3", "--cpus-per-task=4", "--mem=0"],
+    ]
+    assert (
+        "#   0 shared     1 node(s) x 4 task(s), 3 CPUs/task, world ranks 0-3: controller + reward + generator" in text
+    )
+    assert "#       GPU node 0: world ranks 0-3: controller, 1 reward worker(s), generators 0-1 on GPUs 0-3\n" in text
+    assert "#   1 shared-2   1 node(s) x 3 task(s), 4 CPUs/task, world ranks 4-6: generator + trainer" in text
+    assert "#       GPU node 1: world ranks 4-6: generator 2 on GPUs 0-1, trainers 0-1 on GPUs 2-3\n" in text
+    parts = [" ".join(p.split()) for p in srun_step(text).split(" : ")]
+    assert parts[0].endswith('--het-group=0 --cpus-per-task=3 "${rank[@]}"')
+    assert parts[1] == '--het-group=1 --cpus-per-task=4 "${rank[@]}"'
+
+
+def test_one_node_is_one_component_with_every_role():
+    """One node of 4 GPUs: no CPU node (allocation.reward_nodes auto), no hetjob; the controller and the reward
+    worker are the node's first tasks, then 1 engine of TP 2 and 2 trainer ranks, each with its own GPUs and an
+    even share of the node's CPUs; the node's memory is asked for."""
+    text = render(["cluster.nodes=1", "cluster.gpus_per_node=4", "allocation.gen_tp=2", "allocation.gen_gpus=2"])
+    assert "#SBATCH hetjob" not in text and "--het-group" not in srun_step(text)
+    [comp] = directives(text)
+    assert {"--nodes=1", "--ntasks-per-node=5", "--cpus-per-task=1", "--mem=0", "--gpus-per-node=4"} <= set(comp)
+    assert srun_step(text).endswith(' --cpus-per-task=1 "${rank[@]}"')
+    assert (
+        "#   0 shared     1 node(s) x 5 task(s), 1 CPUs/task, world ranks 0-4: controller + reward + generator + trainer"
+        in text
+    )
+    assert (
+        "#       GPU node 0: world ranks 0-4: controller, 1 reward worker(s), generator 0 on GPUs 0-1, trainers 0-1 on GPUs 2-3"
+        in text
+    )
+    assert "one Slurm job, one MPI world of 5 ranks" in text
+    # the busiest node's tasks each need a CPU
+    with pytest.raises(
+        ConfigError, match=r"cluster.cpus_per_node \(4\) is fewer than the 6 tasks of the busiest GPU node"
+    ):
+        render(["cluster.nodes=1", "cluster.gpus_per_node=4", "allocation.gen_gpus=2", "cluster.cpus_per_node=4"])
 
 
 def test_gpus_only_on_gpu_components_and_never_with_cpu():
-    cpu = directives(render(["cluster.nodes=3", "cluster.device=cpu"]))
+    cpu = directives(render(["cluster.nodes=3", "cluster.device=cpu", "allocation.reward_nodes=1"]))
     assert not any("gpu" in o for comp in cpu for o in comp)
     for device in ("cuda", "auto"):  # auto: the job asks for GPUs, whatever the submitting machine has
-        gpus = directives(render(["cluster.nodes=3", f"cluster.device={device}", "cluster.gpus_per_node=4"]))
+        gpus = directives(
+            render(
+                ["cluster.nodes=3", f"cluster.device={device}", "cluster.gpus_per_node=4", "allocation.reward_nodes=1"]
+            )
+        )
         assert not any("gpu" in o for o in gpus[0])
-        assert "--gpus-per-node=4" in gpus[1] and "--gpus-per-node=4" in gpus[2]
+        assert "--gpus-per-node=4" in gpus[1]
 
 
 def test_cluster_settings_reach_the_script():
     text = render(
         [
             "cluster.nodes=3",
+            "allocation.reward_nodes=1",
             "cluster.partition=gpu",
             "cluster.cpus_per_node=8",
             "cluster.cpu_partition=cpu",
@@ -133,15 +188,15 @@ def test_cluster_settings_reach_the_script():
             "cluster.max_requeues=7",
             "cluster.network_interface=ib0",
             "cluster.container=nvcr.io/nvidia/pytorch:24.05",
-            "cluster.sbatch_args=[--mem=0]",
+            "cluster.sbatch_args=[--tmp=100G]",
             "cluster.srun_args=[--cpu-bind=none]",
             "cluster.env={NCCL_DEBUG: WARN, MY_VAR: 'a b'}",
         ]
     )
     comps = directives(text)
-    assert "--partition=cpu" in comps[0] and "--partition=gpu" in comps[1] and "--partition=gpu" in comps[2]
-    assert all("--account=proj1" in c and "--qos=high" in c and "--mem=0" in c for c in comps)
-    assert "--constraint=a100" not in comps[0] and "--constraint=a100" in comps[2]
+    assert "--partition=cpu" in comps[0] and "--partition=gpu" in comps[1]
+    assert all("--account=proj1" in c and "--qos=high" in c and "--tmp=100G" in c for c in comps)
+    assert "--constraint=a100" not in comps[0] and "--constraint=a100" in comps[1]
     assert not any("--exclusive" in c for c in comps)
     assert "--time=1-02:00:00" in comps[0] and "--signal=B:USR2@300" in comps[0]
     assert 'if [ "${stops:-0}" -lt 7 ]' in text
@@ -167,15 +222,14 @@ def test_controller_component_resources_and_reward_nodes():
     # 1 + 8 tasks over 2 CPU nodes: at most 5 per node, the controller on the first (block distribution)
     sizes = [o for o in comps[0] if o.startswith(("--nodes", "--ntasks", "--cpus"))]
     assert sizes == ["--nodes=2", "--ntasks=9", "--ntasks-per-node=5", "--cpus-per-task=16"]
-    assert "--mem=64G" in comps[0]
-    assert not any(o.startswith("--mem") for comp in comps[1:] for o in comp)
-    assert "--cpus-per-task=8" in comps[1] and "--cpus-per-task=8" in comps[2]  # a GPU node's (SINFO), not these
+    assert "--mem=64G" in comps[0] and "--mem=0" in comps[1]  # the GPU nodes' memory, all of it
+    assert "--cpus-per-task=8" in comps[1]  # a GPU node's (SINFO), not these
     assert "#   0 controller 2 node(s), 9 task(s) in all, 16 CPUs/task, world ranks 0-8: controller + reward" in text
-    # srun takes no CPUs from the allocation (Slurm 22.05+): asked again for component 0; the next ones ask
-    # their own (they would inherit component 0's otherwise)
+    # srun takes no CPUs from the allocation (Slurm 22.05+): asked again for component 0; the next one asks
+    # its own (it would inherit component 0's otherwise)
     parts = srun_step(text).split(" : ")
     assert "--het-group=0 --cpus-per-task=16" in parts[0]
-    assert all("--cpus-per-task=8 " in p for p in parts[1:])
+    assert "--cpus-per-task=8 " in parts[1]
     layout_cfg = load_config(REPO / "configs/tiny-cpu.yaml", ["cluster.nodes=3", "allocation.reward_nodes=2"])
     assert "3 + 2 CPU" in Layout.from_config(layout_cfg).table()
     assert "controller 2 node(s) x 1 task(s), 16 CPUs/task" in describe_request(
@@ -186,20 +240,22 @@ def test_controller_component_resources_and_reward_nodes():
 
 
 def test_each_gpu_task_asks_for_its_share_of_its_nodes_cpus():
-    # 4 GPUs per node: a generator node runs 4 / gen_tp 2 = 2 engines, a trainer node 4 ranks; 10 CPUs each
-    text = render(["cluster.nodes=3", "cluster.gpus_per_node=4", "allocation.gen_tp=2", "cluster.cpus_per_node=10"])
+    # 4 GPUs per node, a CPU node: a generator node runs 4 / gen_tp 2 = 2 engines, a trainer node 4 ranks; 10 CPUs each
+    overrides = ["cluster.nodes=3", "cluster.gpus_per_node=4", "allocation.gen_tp=2", "allocation.gen_gpus=4"]
+    text = render([*overrides, "allocation.reward_nodes=1", "cluster.cpus_per_node=10"])
     comps = directives(text)
     assert "--cpus-per-task=5" in comps[1] and "--cpus-per-task=2" in comps[2]  # the allocation's
     parts = srun_step(text).split(" : ")  # and the step's, which srun does not take from the allocation
     assert "--het-group=1 --cpus-per-task=5 " in parts[1] and "--het-group=2 --cpus-per-task=2 " in parts[2]
     assert "#   1 generator  1 node(s) x 2 task(s), 5 CPUs/task, world ranks 2-3" in text
     assert "#   2 trainer    2 node(s) x 4 task(s), 2 CPUs/task, world ranks 4-11" in text
-    cfg = launched(REPO / "configs/tiny-cpu.yaml", ["cluster.gpus_per_node=4", "cluster.cpus_per_node=10"])
-    assert "generator 1 node(s) x 4 task(s), 4 GPUs/node, 2 CPUs/task" in describe_request(cfg)
+    cfg = launched(REPO / "configs/tiny-cpu.yaml", [*overrides, "cluster.cpus_per_node=10"])
+    # without a CPU node every node runs 4 tasks (node 0: the controller, the reward worker and 2 engines)
+    assert describe_request(cfg) == "shared 3 node(s) x 4 task(s), 4 GPUs/node, 2 CPUs/task, all memory/node"
     # a config whose count was never resolved renders nothing rather than one CPU per task
     with pytest.raises(ConfigError, match="cluster.cpus_per_node is 0: a launcher reads it from Slurm"):
         render_sbatch(resolve_split(load_config(REPO / "configs/tiny-cpu.yaml"))[0], workdir=WORKDIR, python=PYTHON)
-    # fewer CPUs than a node's tasks: refused when the config loads
+    # fewer CPUs than a node's GPUs: refused when the config loads
     with pytest.raises(ConfigError, match=r"cluster.cpus_per_node \(3\) must be 0 .* \(cluster.gpus_per_node = 4\)"):
         load_config(REPO / "configs/tiny-cpu.yaml", ["cluster.gpus_per_node=4", "cluster.cpus_per_node=3"])
     with pytest.raises(ConfigError, match=r"cluster.cpus_per_node must be >= 0 \(got -1\)"):
@@ -214,8 +270,9 @@ def test_shipped_gpu_configs_ask_several_cpus_for_every_gpu_task_off_the_cluster
     parts = srun_step(capsys.readouterr().out).split(" : ")
     asked = [int(p.split("--cpus-per-task=")[1].split()[0]) for p in parts[1:]]
     cfg = load_config(REPO / f"configs/{config}.yaml")
+    per_task = cfg.cluster.cpus_per_node // cfg.cluster.gpus_per_node
     per_engine = cfg.cluster.cpus_per_node * cfg.allocation.gen_tp // cfg.cluster.gpus_per_node
-    assert asked == [per_engine, cfg.cluster.cpus_per_node // cfg.cluster.gpus_per_node] and min(asked) > 1
+    assert asked == ([per_task] if per_engine == per_task else [per_engine, per_task]) and min(asked) > 1
 
 
 def test_cpus_per_node_is_read_from_sinfo_and_checked_against_it():
@@ -231,7 +288,7 @@ def test_cpus_per_node_is_read_from_sinfo_and_checked_against_it():
         LaunchError, match=r"lists no partition 'big' \(partitions: gpu, small\): set cluster.partition"
     ):
         resolve_cpus(load_config(tiny, ["cluster.partition=big"]), parts)
-    with pytest.raises(LaunchError, match=r"partition 'small' has nodes of 4 CPUs, fewer than the 8 tasks"):
+    with pytest.raises(LaunchError, match=r"partition 'small' has nodes of 4 CPUs, fewer than the 10 tasks"):
         resolve_cpus(load_config(tiny, ["cluster.partition=small", "cluster.gpus_per_node=8"]), parts)
     # more than the largest node has: refused at submit (and by doctor's partitions check), naming all three
     check_cluster(load_config(tiny, ["cluster.cpus_per_node=128"]), parts)
@@ -285,15 +342,16 @@ def test_cluster_capacity_errors():
     with pytest.raises(LaunchError, match="cluster.partition 'gpu-big' is not a partition.*big, cpu, debug"):
         check_cluster(cfg, parts)
     check_cluster(cfg, None)  # sinfo cannot answer: leave it to sbatch
-    check_cluster(load_config(REPO / "configs/tiny-cpu.yaml", ["cluster.nodes=3"]), parts)  # 3 + 1 = 4 fit
+    check_cluster(load_config(REPO / "configs/tiny-cpu.yaml", ["cluster.nodes=4"]), parts)  # no CPU node: 4 fit
+    one_cpu_node = ["cluster.nodes=4", "allocation.reward_nodes=1"]
     with pytest.raises(LaunchError, match="needs 5 nodes in partition 'debug'.*which has 4"):
-        check_cluster(load_config(REPO / "configs/tiny-cpu.yaml", ["cluster.nodes=4"]), parts)
+        check_cluster(load_config(REPO / "configs/tiny-cpu.yaml", one_cpu_node), parts)
     with pytest.raises(LaunchError, match=r"needs 5 nodes .*allocation.reward_nodes = 2 CPU node\(s\)"):
         check_cluster(
             load_config(REPO / "configs/tiny-cpu.yaml", ["cluster.nodes=3", "allocation.reward_nodes=2"]), parts
         )
     # the controller's node from another partition frees one
-    check_cluster(load_config(REPO / "configs/tiny-cpu.yaml", ["cluster.nodes=4", "cluster.cpu_partition=cpu"]), parts)
+    check_cluster(load_config(REPO / "configs/tiny-cpu.yaml", [*one_cpu_node, "cluster.cpu_partition=cpu"]), parts)
     cuda = ["cluster.device=cuda", "cluster.gpus_per_node=8", "cluster.nodes=2"]
     with pytest.raises(LaunchError, match=r"gpus_per_node \(8\) exceeds the 4 GPUs per node of partition 'debug'"):
         check_cluster(load_config(REPO / "configs/tiny-cpu.yaml", cuda), parts)
@@ -340,8 +398,12 @@ def test_dry_run_prints_the_script_and_touches_nothing(tmp_path, capsys, monkeyp
     args = ["submit", str(REPO / "configs/tiny-cpu.yaml"), "--nodes", "3", "--dry-run", f"experiment.root={root}"]
     assert cli_main([*args, "cluster.cpus_per_node=8"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("#!/bin/bash") and "#SBATCH hetjob" in out
-    assert "#   1 generator  1 node(s) x 1 task(s), 8 CPUs/task" in out
+    assert out.startswith("#!/bin/bash")
+    assert (
+        "#   0 shared     1 node(s) x 3 task(s), 2 CPUs/task, world ranks 0-2: controller + reward + generator" in out
+    )
+    assert "#   1 trainer    2 node(s) x 1 task(s), 8 CPUs/task, world ranks 3-4: trainer" in out
+    assert "#SBATCH hetjob" in out
     assert not root.exists()
     # 0 (tiny-cpu's): read from sinfo, which cannot answer here
     assert cli_main(args) == 1
@@ -356,7 +418,7 @@ def test_render_writes_the_script_and_the_config(tmp_path):
     root = tmp_path / "runs"
     args = ["render", str(REPO / "configs/tiny-cpu.yaml"), "--nodes", "3", "-o", str(out), f"experiment.root={root}"]
     assert cli_main([*args, "cluster.cpus_per_node=8"]) == 0
-    assert "--het-group=2 --cpus-per-task=8" in srun_step(out.read_text())
+    assert "--het-group=0 --cpus-per-task=2 " in srun_step(out.read_text())
     assert load_config(root / "tiny-cpu/trial0/config.yaml").cluster.cpus_per_node == 8
 
 
@@ -370,8 +432,10 @@ def test_render_records_the_resolved_split_in_the_run_config(tmp_path):
     )
     assert code == 0
     saved = load_config(root / "qwen1.5b-math/trial0/config.yaml")
-    assert saved.allocation.gen_share == "auto" and saved.allocation.gen_nodes == 9
-    assert "#   1 generator  9 node(s) x 8 task(s)" in out.read_text()
+    assert saved.allocation.gen_share == "auto" and saved.allocation.gen_gpus == 74
+    text = out.read_text()
+    assert "#   1 shared     16 node(s) x 8 task(s)" in text
+    assert "#       GPU node 9: world ranks 81-88: generators 72-73 on GPUs 0-1, trainers 0-5 on GPUs 2-7" in text
 
 
 def test_status_and_cancel_without_a_job_say_so(tmp_path, capsys):

@@ -73,7 +73,7 @@ def test_operational_changes_resume_and_the_run_says_what_changed(tmp_path, capl
         "cluster.time=08:00:00",
         "logging.progress_every=1",
         "cluster.nodes=4",
-        "allocation.gen_nodes=2",
+        "allocation.gen_gpus=2",
         "allocation.train_tp=2",
         "train.total_steps=900",
     )
@@ -90,7 +90,7 @@ def test_operational_changes_resume_and_the_run_says_what_changed(tmp_path, capl
         "cluster.time": ("00:30:00", "08:00:00"),
         "logging.progress_every": (10, 1),
         "cluster.nodes": (2, 4),
-        "allocation.gen_nodes": (1, 2),
+        "allocation.gen_gpus": (1, 2),
         "allocation.train_tp": (1, 2),
         "train.total_steps": (600, 900),
     }
@@ -167,9 +167,24 @@ def test_resume_compares_the_models_shape_not_how_it_was_written(tmp_path):
         prepare_run_dir(tiny(tmp_path, "model.num_layers=4"))
 
 
-def test_a_run_directory_records_its_node_split(tmp_path):
-    with pytest.raises(ConfigError, match="allocation.gen_nodes is not set"):  # config.yaml records a number
-        prepare_run_dir(tiny(tmp_path, "cluster.nodes=4", "allocation.gen_nodes=null"))
+def test_a_run_directory_records_its_gpu_split(tmp_path):
+    with pytest.raises(ConfigError, match="allocation.gen_gpus is not set"):  # config.yaml records a number
+        prepare_run_dir(tiny(tmp_path, "cluster.nodes=4", "allocation.gen_gpus=null"))
+
+
+def test_a_run_directory_that_recorded_its_split_in_nodes_resumes_unchanged(tmp_path, caplog):
+    """A run directory from before gen_gpus: its config.yaml says gen_nodes 1 (of 1 GPU each), which is gen_gpus 1."""
+    run_dir = prepare_run_dir(tiny(tmp_path))
+    recorded = (run_dir / "config.yaml").read_text()
+    assert "  gen_gpus: 1\n" in recorded and "  gen_nodes: null\n" in recorded
+    (run_dir / "config.yaml").write_text(
+        recorded.replace("  gen_gpus: 1\n", "").replace("gen_nodes: null", "gen_nodes: 1")
+    )
+    make_checkpoint(run_dir, 4)
+    with caplog.at_level(logging.WARNING, logger="areal_hpc.rundir"):
+        prepare_run_dir(tiny(tmp_path))
+    assert "changed settings" not in caplog.text and not (run_dir / HISTORY).exists()
+    assert load_config(run_dir / "config.yaml").allocation.gen_gpus == 1
 
 
 def test_a_second_run_is_refused_naming_the_holder_and_a_dead_holders_lock_is_stale(tmp_path, capsys):

@@ -69,9 +69,11 @@ def test_cluster_has_fake_gpu_nodes(slurm_cluster):
 def test_hetjob_is_one_mpi_world_across_nodes(submit, tmp_path):
     out = tmp_path / "hello"
     out.mkdir()
-    # device cuda, 2 fake GPUs per node: controller + 1 reward | 1 node x 2 generators | 2 nodes x 2 trainers
+    # device cuda, 2 fake GPUs per node: controller + 1 reward | 1 node x 2 generators, 2 nodes x 2 trainers
     job_id, run_dir = submit(
-        MPI_PROGRAMS / "hello_world.py", [str(out)], ["cluster.device=cuda", "cluster.gpus_per_node=2"]
+        MPI_PROGRAMS / "hello_world.py",
+        [str(out)],
+        ["cluster.device=cuda", "cluster.gpus_per_node=2", "allocation.gen_gpus=2", "allocation.reward_nodes=1"],
     )
     assert wait_done(run_dir, 90) == "COMPLETED"
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(8)]
@@ -90,23 +92,26 @@ def test_hetjob_is_one_mpi_world_across_nodes(submit, tmp_path):
     # submitit's Job sees the heterogeneous job through squeue (its sacct watcher would say UNKNOWN)
     job = HetSlurmJob(folder=run_dir / "slurm", job_id=job_id)
     assert job.state == "COMPLETED" and job.done()
-    assert job.paths.submission_file.read_text().count("#SBATCH hetjob") == 2
+    # two components: the CPU node, then the 3 GPU nodes of 2 tasks each (generators and trainers alike)
+    assert job.paths.submission_file.read_text().count("#SBATCH hetjob") == 1
 
 
 def test_reward_workers_spread_over_reward_nodes_with_their_cpus(submit, tmp_path):
     out = tmp_path / "resources.json"
-    # controller + 2 reward workers over 2 CPU nodes (2 + 1 tasks, 2 CPUs each) | 1 generator | 1 trainer node
+    # controller + 2 reward workers over 2 CPU nodes (2 + 1 tasks, 2 CPUs each) | 1 generator node, 1 trainer node
     overrides = ["cluster.nodes=2", "allocation.reward_workers=2", "allocation.reward_nodes=2"]
     resources = ["cluster.controller_cpus=2", "cluster.controller_mem=500M"]
     job_id, run_dir = submit(MPI_PROGRAMS / "step_resources.py", [str(out)], [*overrides, *resources])
     assert wait_done(run_dir, 90) == "COMPLETED"
     seen = json.loads(out.read_text())
     nodes = seen["nodes"]
-    assert nodes[0] == nodes[1] and len(set(nodes)) == 4  # the controller's node, then one per component node
+    assert nodes[0] == nodes[1] and len(set(nodes)) == 4  # the controller's node, then one per GPU node
+    assert len(seen["steps"]) == 2  # the CPU nodes, then the GPU nodes: one task each
     assert "CPUs=6 Tasks=3" in seen["steps"][0]  # the step, not only the allocation, has 2 CPUs per task
-    # a generator or trainer node's one task: the node's 8 CPUs (cluster.cpus_per_node 0, read from sinfo)
-    assert "CPUs=8 Tasks=1" in seen["steps"][1] and "CPUs=8 Tasks=1" in seen["steps"][2]
-    assert "MinMemoryNode=500M" in seen["job"]
+    # a GPU node's one task: the node's 8 CPUs (cluster.cpus_per_node 0, read from sinfo)
+    assert "CPUs=16 Tasks=2" in seen["steps"][1]
+    assert "MinMemoryNode=500M" in seen["jobs"][0]
+    assert "MinMemoryNode=0" in seen["jobs"][1]  # --mem=0: all of each GPU node's memory
 
 
 def test_a_controller_that_does_not_answer_is_not_an_ended_job(slurm_cluster, tmp_path, monkeypatch, capsys):
@@ -200,13 +205,13 @@ def test_sbatch_rejection_is_shown(slurm_cluster, tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 1
     assert "sbatch rejected the job" in err and "Invalid feature specification" in err
-    assert "the job asked for: controller 1 node(s) x 2 task(s)" in err
+    assert "the job asked for: shared 1 node(s) x 3 task(s), 1 GPUs/node, 2 CPUs/task, all memory/node; trainer" in err
     assert not (tmp_path / "tiny-cpu/trial0/job.json").exists()
 
 
 def test_too_big_for_the_cluster_is_refused_before_sbatch(slurm_cluster, tmp_path, capsys):
-    # 4 accelerator nodes + the controller's: sbatch would accept it and leave it pending for ever
-    code = cli_main(["submit", str(TINY), "--nodes", "4", f"experiment.root={tmp_path}"])
+    # 4 GPU nodes + a CPU node for the controller: sbatch would accept it and leave it pending for ever
+    code = cli_main(["submit", str(TINY), "--nodes", "4", "allocation.reward_nodes=1", f"experiment.root={tmp_path}"])
     assert code == 1
     assert "the job needs 5 nodes in partition 'debug'" in capsys.readouterr().err
     code = cli_main(["submit", str(TINY), "--nodes", "3", "cluster.partition=gpu-big", f"experiment.root={tmp_path}"])

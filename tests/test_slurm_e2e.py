@@ -1,8 +1,8 @@
-"""The whole system as one heterogeneous Slurm job: `areal-hpc submit configs/tiny-cpu.yaml --nodes 3` on
-the local test cluster (controller + reward worker on node1, the generator on node2, two trainers on
-node3-4): a run to the end, then `areal-hpc status` reads its metrics, and the same run resubmitted with
-another `--nodes`, resumed at another layout; a run stopped by the time-limit signal, requeued, resumed
-from the controller's checkpoint, then preempted by Slurm in its second attempt, requeued and resumed again,
+"""The whole system as one Slurm job: `areal-hpc submit configs/tiny-cpu.yaml` on the local test cluster (fake
+nodes of 4 fake GPUs): a run on 2 nodes whose first node holds the controller, the reward worker, the generator
+and a trainer rank, to the end; `areal-hpc status` reads its metrics; the same run resubmitted on one node, every
+role on it, resumed at another layout; a run on 3 nodes stopped by the time-limit signal, requeued, resumed from
+the controller's checkpoint, then preempted by Slurm in its second attempt, requeued and resumed again,
 repeating no step. Each job costs a minute and a half here (the one stopped twice over two), so one run is
 checked for what several would show."""
 
@@ -135,12 +135,17 @@ def test_preempted_run_requeues_resumes_and_finishes(stopped_twice):
     assert max(r["staleness/max"] for r in stopped_twice.rows) <= 1  # rollout.max_staleness of SMALL
 
 
-def test_submit_runs_to_the_end_and_resubmitted_with_fewer_nodes_resumes_there(slurm_cluster, runs_root):
-    """`submit --nodes 3` (1 generator, 2 trainer ranks at DP 2) runs to its end at step 2, every step in its
-    metrics, and `areal-hpc status` reads them; then the same run submitted with --nodes 2 for 2 more steps:
-    1 trainer rank, the checkpoint's state resharded, the controller's carried over, every step once."""
-    for nodes, steps in ((3, 2), (2, 4)):
-        run_dir = submit(runs_root, "fewer-nodes", f"train.total_steps={steps}", nodes=nodes)
+def test_submit_on_two_nodes_runs_to_the_end_and_resubmitted_on_one_resumes_there(slurm_cluster, runs_root):
+    """`submit --nodes 2` of 2 GPUs each, one generating: the controller, the reward worker, the generator and a
+    trainer rank on the first node, two more trainer ranks (DP 3) on the second, a heterogeneous job of a 4-task
+    and a 2-task component; it runs to its end at step 2, every step in its metrics, and `areal-hpc status`
+    reads them. Then the same run submitted with --nodes 1 of 3 GPUs for 2 more steps: one node, one component,
+    every role on it, 2 trainer ranks at DP 2, the checkpoint's state resharded, the controller's carried over,
+    every step once; each rank's log names its own GPUs of the node, the generator's and the trainers' apart."""
+    for nodes, gpus, steps in ((2, 2, 2), (1, 3, 4)):
+        run_dir = submit(
+            runs_root, "one-node", f"train.total_steps={steps}", f"cluster.gpus_per_node={gpus}", nodes=nodes
+        )
         record = JobRecord.load(run_dir)
         try:
             state = wait_done(run_dir, 480)
@@ -149,6 +154,7 @@ def test_submit_runs_to_the_end_and_resubmitted_with_fewer_nodes_resumes_there(s
         logs = run_dir / "logs" / f"slurm-{record.job_id}" / "attempt-0"
         tails = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(logs.glob("*.log")))
         assert state == "COMPLETED", tails
+        assert Path(record.script).read_text().count("#SBATCH hetjob") == (1 if nodes == 2 else 0)
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == list(range(1, steps + 1))
         assert all("reward/mean" in r and "ppo/loss" in r for r in rows)
@@ -156,11 +162,28 @@ def test_submit_runs_to_the_end_and_resubmitted_with_fewer_nodes_resumes_there(s
             [sys.executable, "-m", "areal_hpc.cli", "status", str(run_dir)], capture_output=True, text=True, env=ENV
         )
         assert "COMPLETED" in status.stdout and f"last step: {steps}" in status.stdout, status.stdout
+        assert "no longer listed" not in status.stdout, status.stdout  # a job of one component too
+    # where the one-node job's ranks ran (the last "on host" line of each rank's log, which both jobs appended to)
+    where = {}
+    for role, count in (("controller", 1), ("reward", 1), ("generator", 1), ("trainer", 2)):
+        for i in range(count):
+            text = (run_dir / "logs" / f"{role}-{i}.log").read_text()
+            node, task, gpus, given = re.findall(
+                r"Slurm node (\S+): node 0 \(shared\), task (\d+), GPUs (\S+) of (\S+)", text
+            )[-1]
+            where[(role, i)] = (node, int(task), gpus, given)
+    assert len({node for node, _, _, _ in where.values()}) == 1, where  # one node
+    assert [task for _, task, _, _ in where.values()] == [0, 1, 2, 3, 4], where  # its tasks in world-rank order
+    gpus = {key: found[2] for key, found in where.items()}
+    assert gpus[("controller", 0)] == gpus[("reward", 0)] == "none"
+    given = where[("generator", 0)][3].split(",")  # the node's 3 GPUs, which Slurm shows every task
+    own = [gpus[("generator", 0)], gpus[("trainer", 0)], gpus[("trainer", 1)]]
+    assert len(given) == 3 and sorted(own) == sorted(given), where  # each rank its own, every one used
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4], "every step once across the two jobs"
     log = (run_dir / "logs" / "controller-0.log").read_text()
-    was = "3 nodes: 1 generator(s) at TP 1, 2 trainer rank(s) at TP 1 x PP 1 x DP 2"
-    now = "2 nodes: 1 generator(s) at TP 1, 1 trainer rank(s) at TP 1 x PP 1 x DP 1"
+    was = "2 node(s) x 2 GPUs: 1 generator(s) at TP 1, 3 trainer rank(s) at TP 1 x PP 1 x DP 3"
+    now = "1 node(s) x 3 GPUs: 1 generator(s) at TP 1, 2 trainer rank(s) at TP 1 x PP 1 x DP 2"
     assert f"step_2 at version 2, written on {was}, now on {now}" in log, log
     steps = [(int(s), json.loads(p)) for s, p in re.findall(r"step (\d+) trains prompts (\[.*\])", log)]
     assert [s for s, _ in steps] == [1, 2, 3, 4]

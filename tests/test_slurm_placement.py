@@ -3,7 +3,7 @@ gres backed by character devices, so that Slurm hands them out and sets CUDA_VIS
 finds no GPU behind them.
 
 Every rank runs the real entry point, `python -m areal_hpc.main RUN_DIR --placement`, in the one srun
-step of the heterogeneous job: it checks that Slurm put it where the layout says, narrows
+step of the job: it checks that Slurm put it where the layout says (a node shared by roles included), narrows
 CUDA_VISIBLE_DEVICES, logs its role, host and GPUs first, then its CPUs and OMP_NUM_THREADS, resolves
 cluster.device auto (cpu here) and leaves. A job holding GPUs 0,1 and a CPU of every node beside it
 makes Slurm give the run GPUs 2,3: each rank must take its entries of that list, not the indices
@@ -21,7 +21,7 @@ from areal_hpc.config import load_config
 from areal_hpc.launch.record import JobRecord
 from areal_hpc.launch.sbatch import cpus_per_task
 from areal_hpc.launch.slurm import SlurmLauncher, partitions, resolve_cpus
-from areal_hpc.layout import Layout
+from areal_hpc.layout import Layout, Role
 from areal_hpc.main import PLACEMENT_FLAG
 from areal_hpc.rundir import log_path
 from tests.support.helpers import TINY, wait_done, wait_for
@@ -30,7 +30,8 @@ pytestmark = [pytest.mark.slurm, pytest.mark.mpi]
 
 FIRST_LINE = re.compile(
     r" INFO (?P<name>\w+ \d+ \(world rank \d+\)) on host \S+, Slurm node (?P<node>\S+): "
-    r"(?P<component>\w+) node (?P<cnode>\d+), GPUs (?P<gpus>\S+) of (?P<given>\S+) \(pid \d+\)$"
+    r"node (?P<job_node>\d+) \((?P<component>[\w-]+)\), task (?P<slot>\d+), GPUs (?P<gpus>\S+) of (?P<given>\S+) "
+    r"\(pid \d+\)$"
 )
 
 
@@ -55,9 +56,10 @@ def test_each_rank_logs_and_takes_the_gpus_the_layout_gives_it(slurm_cluster, tm
         text=True,
         check=True,
     ).stdout.strip()
-    # controller + 1 reward worker | 1 node x 1 generator of TP 2 | 2 nodes x 2 trainers; 2 GPUs per node.
-    # 6 of each node's 8 CPUs (the job beside holds one): 6 for the engine, 3 for each trainer rank
-    shape = ["cluster.nodes=3", "cluster.gpus_per_node=2", "allocation.gen_tp=2", "cluster.exclusive=false"]
+    # 3 nodes of 2 GPUs, 3 generating: node 0 runs the controller, the reward worker and 2 engines, node 1 the
+    # third engine and a trainer rank, node 2 two trainer ranks. Two components (4 tasks a node, then 2):
+    # 6 of each node's 8 CPUs (the job beside holds one), 1 for each task of node 0, 3 for the others'
+    shape = ["cluster.nodes=3", "cluster.gpus_per_node=2", "allocation.gen_gpus=3", "cluster.exclusive=false"]
     cfg = load_config(TINY, [*shape, "cluster.cpus_per_node=6", f"experiment.root={tmp_path}"])
     assert cfg.cluster.device == "auto"
     assert resolve_cpus(load_config(TINY, shape), partitions()).cluster.cpus_per_node == 8  # 0: sinfo's count
@@ -85,40 +87,35 @@ def test_each_rank_logs_and_takes_the_gpus_the_layout_gives_it(slurm_cluster, tm
         log = log_path(run_dir, role.name.lower(), rank - layout.ranks(role).start).read_text().splitlines()
         first = FIRST_LINE.search(log[0])
         assert first, log[0]
-        assert (first["name"], first["component"], int(first["cnode"])) == (
+        assert (first["name"], first["component"], int(first["job_node"]), int(first["slot"])) == (
             layout.describe_rank(rank),
             place.component,
-            place.node,
+            place.job_node,
+            place.slot,
         )
         given, gpus = _gpus(first["given"]), _gpus(first["gpus"])
         if place.gpus:
             assert given == ["2", "3"], "Slurm gave the run the GPUs the other job left"
             assert gpus == [given[i] for i in place.gpus]
         else:
-            assert given == gpus == []  # the controller's node has no GPU
+            assert gpus == []  # the controller and the reward worker take none of their node's
         held.setdefault(first["node"], []).extend(gpus)
         assert any(f"{first['name']} device cpu (cluster.device auto)" in line for line in log[1:4]), log[:4]
-    assert len(held) == 4  # the controller's node, the generators' and the two trainer nodes
-    assert sorted(map(sorted, held.values())) == [[], ["2", "3"], ["2", "3"], ["2", "3"]]  # no GPU twice
+    assert len(held) == 3  # no CPU node: the controller runs on the first GPU node
+    assert sorted(map(sorted, held.values())) == [["2", "3"]] * 3  # no GPU twice, every one used
 
-    # What Slurm gave each task: for a GPU task the share of its node's CPUs that the config asked for,
-    # for the controller's Slurm's default (cluster.controller_cpus 0). The local cluster binds no task
-    # (TaskPlugin=task/none), so a task may run on every CPU of this machine; on a cluster that binds
-    # (task/affinity, task/cgroup) that is what Slurm gave it. OMP_NUM_THREADS: a trainer takes the
-    # fewer; a generator leaves it to vLLM.
-    seen = {}
+    # What Slurm gave each task: the share of its node's CPUs that the config asked for (its component's). The
+    # local cluster binds no task (TaskPlugin=task/none), so a task may run on every CPU of this machine; on a
+    # cluster that binds (task/affinity, task/cgroup) that is what Slurm gave it. OMP_NUM_THREADS: a rank
+    # other than a generator takes the fewer; a generator leaves it to vLLM.
     machine = len(os.sched_getaffinity(0))
+    assert [cpus_per_task(cfg.cluster, comp) for comp in layout.components] == [1, 3]
     for i, comp in enumerate(layout.components):
         for rank in comp.ranks:
             role = layout.role_of(rank)
             log = log_path(run_dir, role.name.lower(), rank - layout.ranks(role).start).read_text().splitlines()
             cpus = next((m for m in map(CPUS_LINE.search, log[1:4]) if m), None)
             assert cpus and cpus["name"] == layout.describe_rank(rank) and int(cpus["group"]) == i, log[:4]
-            assert cpus["given"] == str(cpus_per_task(cfg.cluster, comp) or "unset") and int(cpus["may"]) == machine
-            seen[role.name.lower()] = (cpus["given"], cpus["threads"])
-    assert seen == {
-        "controller": ("unset", str(machine)),
-        "reward": ("unset", str(machine)),
-        "generator": ("6", "unset"),
-        "trainer": ("3", str(min(3, machine))),
-    }
+            given = cpus_per_task(cfg.cluster, comp)
+            assert cpus["given"] == str(given) and int(cpus["may"]) == machine
+            assert cpus["threads"] == ("unset" if role == Role.GENERATOR else str(min(given, machine))), log[:4]

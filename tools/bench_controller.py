@@ -135,7 +135,7 @@ def bench_config(args, s: dict, root: Path):
         "cluster.device=cpu",
         f"cluster.nodes={1 + dp * per}",
         "cluster.gpus_per_node=1",
-        "allocation.gen_nodes=1",
+        "allocation.gen_gpus=1",
         "allocation.gen_tp=1",
         f"allocation.train_tp={per}",
         "allocation.train_pp=1",

@@ -223,7 +223,7 @@ def path_checks(work: Path, overrides: list[str], gpus: int, submit_root: Path |
     check(
         "stop (Ctrl-C), resume, continue a run", g.gpus_needed(overrides), lambda: g.check_stop_resume(work, overrides)
     )
-    name = "20 steps through areal-hpc submit --nodes 2"
+    name = "20 steps through areal-hpc submit --nodes 1"
     if submit_root is None:
         results.append(Result(name, "SKIP", "not asked for: --submit (on a Slurm cluster's login node)"))
     else:

@@ -44,8 +44,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         cfg: Config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(_omegaconf_message(e)) from None
+    _split_in_gpus(cfg)
     validate(cfg)
     return cfg
+
+
+def _split_in_gpus(cfg: Config) -> None:
+    """An older config's or run directory's split in nodes (`allocation.gen_nodes`) as the GPUs it means."""
+    a, g = cfg.allocation, cfg.cluster.gpus_per_node
+    if a.gen_nodes is None:
+        return
+    if a.gen_gpus is not None and a.gen_gpus != a.gen_nodes * g:
+        raise ConfigError(
+            f"allocation.gen_nodes ({a.gen_nodes}) and allocation.gen_gpus ({a.gen_gpus}) disagree: gen_nodes is the "
+            f"split in whole nodes (gen_gpus = gen_nodes x cluster.gpus_per_node = {a.gen_nodes * g}); set only gen_gpus"
+        )
+    a.gen_gpus, a.gen_nodes = a.gen_nodes * g, None
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

@@ -36,9 +36,10 @@ class ExperimentConfig:
 @dataclass
 class ClusterConfig:
     nodes: int = 2
-    """Nodes with accelerators for generation and training (`--nodes` on the command line). The
-    controller and reward workers run on `allocation.reward_nodes` more nodes, CPU nodes of
-    `cpu_partition`. Locally (`areal-hpc run`) the nodes are virtual, each a set of cores."""
+    """Nodes with accelerators for generation and training (`--nodes` on the command line; 1 is enough:
+    their GPUs are split between the roles, `allocation.gen_share`). The controller and reward workers run on
+    the first of them, or on `allocation.reward_nodes` more nodes, CPU nodes of `cpu_partition`. Locally
+    (`areal-hpc run`) the nodes are virtual, each a set of cores."""
     gpus_per_node: int = 1
     """Devices per node: GPUs on a GPU cluster; with `device: cpu`, process slots (one core each
     locally)."""
@@ -71,7 +72,7 @@ class ClusterConfig:
     constraint: str = ""
     """Slurm node feature constraint of the GPU components (empty: none)."""
     exclusive: bool = True
-    """Request whole nodes for the generator and trainer components."""
+    """Request whole GPU nodes (every GPU component `--exclusive`)."""
     container: str = ""
     """Container image for every rank, passed to srun as `--container-image` (empty: none)."""
     sbatch_args: list[str] = field(default_factory=list)
@@ -98,30 +99,35 @@ class ClusterConfig:
     fit in this time (it measures both), else it exits at once; either way the job requeues and resumes
     from its last complete checkpoint."""
     cpus_per_node: int = 0
-    """CPUs of each generator and trainer node, shared by the node's tasks: each asks Slurm for
-    cpus_per_node // (its node's tasks) CPUs (`--cpus-per-task`, on the allocation and the srun step),
-    and its OMP_NUM_THREADS follows. A generator node runs gpus_per_node / gen_tp tasks (one per engine),
-    a trainer node gpus_per_node. 0: read from Slurm when the job is launched (the fewest CPUs of a node
+    """CPUs of each GPU node, shared by the node's tasks: each asks Slurm for cpus_per_node // (its node's
+    tasks) CPUs (`--cpus-per-task`, on the allocation and the srun step), and its OMP_NUM_THREADS follows. A
+    node runs one task per engine (gen_tp GPUs) and per trainer GPU, and the first node also the controller
+    and the reward workers when allocation.reward_nodes is 0. 0: read from Slurm when the job is launched (the fewest CPUs of a node
     of `partition`, by `sinfo`) and recorded in the run's config.yaml; where Slurm cannot be asked
     (`submit --dry-run` off the cluster), set it: `sinfo -o %c -p PARTITION` on the cluster. A resumed run
     may change it."""
     controller_cpus: int = 0
-    """CPUs of each task of the controller component: the controller and every reward worker (a reward
-    worker scores with one process per CPU it gets, see reward.processes). 0: Slurm's default, one."""
+    """CPUs of each task of the controller component (its CPU nodes, allocation.reward_nodes): the controller
+    and every reward worker (a reward worker scores with one process per CPU it gets, see reward.processes).
+    0: Slurm's default, one. With reward_nodes 0 they are tasks of the first GPU node, with its share."""
     controller_mem: str = ""
-    """Memory per node of the controller component, as `sbatch --mem` takes it (e.g. 64G; empty: the
-    partition's default)."""
+    """Memory per node of the controller component's CPU nodes, as `sbatch --mem` takes it (e.g. 64G; empty:
+    the partition's default). GPU nodes ask for all of theirs (`--mem=0`)."""
 
 
 @dataclass
 class AllocationConfig:
     gen_share: float | str = 0.75
-    """Share of the nodes given to generation (the AReaL paper uses 3/4; the nearest split whose trainer GPUs
-    hold whole TP x PP replicas), or `auto`: the split that the planner predicts fastest (`areal-hpc
-    plan`), with gen_tp, train_tp and train_pp as set here. The rest of the nodes train."""
-    gen_nodes: int | None = None
-    """Generator nodes, overriding `gen_share` (null: from the share). A run resolves the share into this
+    """Share of the GPUs given to generation (the AReaL paper uses 3/4; the nearest split of whole engines whose
+    trainer GPUs hold whole TP x PP replicas), or `auto`: the split that the planner predicts fastest (`areal-hpc
+    plan`), with gen_tp, train_tp and train_pp as set here. The rest of the GPUs train."""
+    gen_gpus: int | None = None
+    """Generator GPUs, overriding `gen_share` (null: from the share): the first gen_gpus GPUs of the job,
+    node after node, the trainers the rest (a node may hold both). A run resolves the share into this
     number once, when it is launched (run, submit, render), and its config.yaml records it."""
+    gen_nodes: int | None = None
+    """The split in whole nodes, as configs and run directories before `gen_gpus` gave it: read as
+    gen_gpus = gen_nodes x cluster.gpus_per_node (a run's config.yaml then records gen_gpus)."""
     gen_tp: int = 1
     """Tensor-parallel size of each vLLM engine (GPUs per engine)."""
     train_tp: int = 1
@@ -134,9 +140,11 @@ class AllocationConfig:
     trainer's data-parallel size (the experts split over the data-parallel ranks, not the TP ones)."""
     reward_workers: int = 1
     """Reward worker ranks, on the controller component's nodes."""
-    reward_nodes: int = 1
+    reward_nodes: int | str = "auto"
     """CPU nodes of the controller component: the controller and the reward workers spread over them
-    (the controller on the first). More nodes give CPU-heavy rewards (code sandboxes) more cores."""
+    (the controller on the first). More nodes give CPU-heavy rewards (code sandboxes) more cores. 0: they
+    run on the first GPU node's CPUs. `auto`: 0 on up to 4 GPU nodes (a one-node job stays one node), 1 on
+    more (areal_hpc.layout.FEW_GPU_NODES)."""
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Which parallel sizes the model and the cluster allow is `areal_hpc.parallel`'s to say; the model's
 shape rules are `areal_hpc.arch.model_arch`'s. Validation reads numbers only: it never builds the rank
-map or runs the planner (the node split of `allocation.gen_share` is resolved when a run is launched).
+map or runs the planner (the GPU split of `allocation.gen_share` is resolved when a run is launched).
 A setting that would make the run learn nothing (rollout.group_size 1: every advantage 0) is an error.
 """
 
@@ -65,7 +65,6 @@ def validate(cfg: Config) -> None:
         ("allocation.train_pp", a.train_pp),
         ("allocation.train_ep", a.train_ep),
         ("allocation.reward_workers", a.reward_workers),
-        ("allocation.reward_nodes", a.reward_nodes),
         ("rollout.max_concurrent", r.max_concurrent),
         ("rollout.prompts_per_step", r.prompts_per_step),
         ("rollout.max_new_tokens", r.max_new_tokens),
@@ -92,7 +91,11 @@ def validate(cfg: Config) -> None:
         f"node (cluster.gpus_per_node = {c.gpus_per_node}): every task needs a CPU",
     )
     need(
-        a.reward_nodes <= 1 + a.reward_workers,
+        a.reward_nodes == "auto" or (isinstance(a.reward_nodes, int) and a.reward_nodes >= 0),
+        f"allocation.reward_nodes must be auto or a number >= 0 (got {a.reward_nodes!r})",
+    )
+    need(
+        not isinstance(a.reward_nodes, int) or a.reward_nodes <= 1 + a.reward_workers,
         f"allocation.reward_nodes ({a.reward_nodes}) must not exceed the controller and reward worker ranks "
         f"(1 + allocation.reward_workers = {1 + a.reward_workers}): every node gets one",
     )
@@ -197,8 +200,8 @@ def validate(cfg: Config) -> None:
         a.gen_share == "auto" or (not isinstance(a.gen_share, str) and 0 < a.gen_share < 1),
         f"allocation.gen_share must be auto or strictly between 0 and 1 (got {a.gen_share!r})",
     )
-    # How nodes, GPUs and parallel sizes fit together (the split too, when allocation.gen_nodes is set).
-    parallel.check(m, c.nodes, c.gpus_per_node, a.gen_tp, a.train_tp, a.train_pp, a.gen_nodes, a.train_ep)
+    # How nodes, GPUs and parallel sizes fit together (the split too, when allocation.gen_gpus is set).
+    parallel.check(m, c.nodes, c.gpus_per_node, a.gen_tp, a.train_tp, a.train_pp, a.gen_gpus, a.train_ep)
     need(
         not p.routing_replay or m.moe,
         f"ppo.routing_replay applies to mixture-of-experts models only; model.path is a dense {m.model_type}: "

@@ -9,14 +9,14 @@
                   wandb          with logging.wandb: the client imports and, online, has credentials
  one probe job    run directory  every rank reads a file this host wrote there and writes its own back
  (the run's own   python         torch, vllm, megatron.core, mpi4py import on every node, at this host's versions
-                  sandbox        a program runs in bubblewrap on the nodes that run programs: the controller
-                                 component's with reward.kind code, the generators' with a rollout.workflow
+                  sandbox        a program runs in bubblewrap on the nodes that run programs: the reward
+                                 workers' with reward.kind code, the generators' with a rollout.workflow
                                  other than the default (the python tool)
   sbatch script,  mpi            one MPI world across the components (an allreduce); every node has
   components and                 cluster.network_interface, when set
   resources)      gpus           each GPU rank sees its node's GPUs (cuda)
-                  all-reduce     torch.distributed across the nodes of each GPU component, with the run's
-                                 backend: NCCL on cuda, gloo on cpu
+                  all-reduce     torch.distributed across the generator and trainer ranks of every GPU node,
+                                 with the run's backend: NCCL on cuda, gloo on cpu
                   weight sync    the run's start-up weight-sync broadcasts, from each group's source to
                                  every generator rank (a group per pipeline stage and, with
                                  allocation.train_ep > 1, expert rank, as a run opens, joins and checks
@@ -40,12 +40,13 @@ from areal_hpc.launch import LaunchError
 from areal_hpc.launch.doctor_job import probe
 from areal_hpc.launch.doctor_reports import Check
 from areal_hpc.launch.slurm import _default_python, check_cluster, describe_request, partitions, resolve_cpus
+from areal_hpc.layout import Layout
 from areal_hpc.planner import resolve_split
 from areal_hpc.wandb_log import check_wandb
 
 
 def doctor(cfg: Config, python: str | None = None, wait_s: float = 600, say=print) -> list[Check]:
-    """Every check, printed as it is known; returns them (on the node split a run would be launched on)."""
+    """Every check, printed as it is known; returns them (on the GPU split a run would be launched on)."""
     cfg, _ = resolve_split(cfg)
     checks = []
 
@@ -77,6 +78,8 @@ def check_slurm(cfg: Config) -> Check:
         return Check(
             "slurm", "FAIL", f"{version.strip()}: too old", "Slurm 20.02 or later (#SBATCH hetjob, srun --het-group)"
         )
+    if len(Layout.from_config(cfg).components) == 1:  # allocation.reward_nodes 0: no heterogeneous job
+        return Check("slurm", "PASS", f"Slurm {m.group(0)}; one job of the GPU nodes (allocation.reward_nodes 0)")
     config = _output(["scontrol", "show", "config"]) or ""
     sched = re.search(r"^SchedulerType\s*=\s*(\S+)", config, re.M)
     params = re.search(r"^SchedulerParameters\s*=\s*(\S*)", config, re.M)
@@ -169,7 +172,8 @@ def check_preemption(cfg: Config) -> Check:
 def _used_partitions(cfg: Config, available: dict) -> list[str]:
     default = next((n for n, p in available.items() if p.default), "")
     gpu = cfg.cluster.partition or default
-    return [p for p in (gpu, cfg.cluster.cpu_partition or gpu) if p]
+    cpu = (cfg.cluster.cpu_partition or gpu) if Layout.from_config(cfg).reward_nodes else gpu
+    return [p for p in (gpu, cpu) if p]
 
 
 def _output(cmd: list[str], stderr: bool = False) -> str | None:

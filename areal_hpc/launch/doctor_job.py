@@ -21,7 +21,7 @@ from areal_hpc.launch.doctor_reports import Check, evaluate
 from areal_hpc.launch.record import ACTIVE, SqueueError, query_states
 from areal_hpc.launch.sbatch import render_sbatch
 from areal_hpc.launch.slurm import HetSlurmExecutor, describe_request
-from areal_hpc.layout import Layout
+from areal_hpc.layout import Layout, Role
 
 PROBE = Path(__file__).resolve().parent / "doctor_probe.py"
 PROBE_TIME = "00:05:00"
@@ -40,7 +40,7 @@ def probe(cfg: Config, python: str, wait_s: float, say) -> list[Check]:
     reports.mkdir(parents=True)
     token = uuid.uuid4().hex
     (reports / "token").write_text(token)
-    starts = ",".join(str(c.first_rank) for c in layout.components)
+    starts = probe_starts(layout)
     sources = probe_sources(layout)
     interface = cfg.cluster.network_interface
     command = [python, "-u", str(PROBE), str(reports), cfg.cluster.device, starts, sources, interface]
@@ -106,6 +106,11 @@ def _wait(job_id: str, wait_s: float, say) -> str:
 def _login_versions() -> dict[str, str]:
     out = subprocess.run([sys.executable, str(PROBE), "--versions"], capture_output=True, text=True, timeout=300)
     return json.loads(out.stdout) if out.returncode == 0 else {}
+
+
+def probe_starts(layout: Layout) -> str:
+    """The probe's STARTS: the first world rank of each role, in `Role` order ("0,1,2,3")."""
+    return ",".join(str(layout.ranks(role).start) for role in Role)
 
 
 def probe_sources(layout: Layout) -> str:

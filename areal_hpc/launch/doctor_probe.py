@@ -6,8 +6,8 @@
  first rank   python doctor_probe.py --versions (a child):    -> its node's torch, vllm, megatron.core, mpi4py
    of a node  a program in the code sandbox (bubblewrap)       -> "ok", or what went wrong
  every rank   MPI: allreduce over the world                    -> DIR/rank<r>.json again, with the result
- GPU ranks    GPUs they see; all-reduce of their component's ranks over torch.distributed with the
-   (comps 1+) run's backend (nccl on cuda, gloo on cpu)        -> DIR/rank<r>.json again
+ GPU ranks    GPUs they see; all-reduce of every GPU rank (generators and trainers) over
+              torch.distributed with the run's backend (nccl on cuda, gloo on cpu) -> DIR/rank<r>.json again
  sync         the run's start-up weight-sync broadcasts: each group's source to every generator rank,
    sources +  one group per (pipeline stage, expert rank), opened, joined and checked as a run does
  generators   (areal_hpc.weight_sync.broadcast: open_groups, then each end's join)
@@ -16,8 +16,8 @@
 
 Only the standard library at import: on a node where the environment is broken this still runs and says
 so. The versions come from a child process so that vLLM is imported before MPI is initialised in no
-process (a generator rank never sees that order either). STARTS: the first world rank of each component
-("0,2,3"); SOURCES: each weight-sync group's source as stage:expert rank:world rank (`Layout.sync_sources`,
+process (a generator rank never sees that order either). STARTS: the first world rank of each role,
+controller, reward, generator, trainer ("0,1,2,3"; `Layout.ranks`); SOURCES: each weight-sync group's source as stage:expert rank:world rank (`Layout.sync_sources`,
 "0:0:4,0:1:5,1:0:8,1:1:9"; expert rank 0 only when the trainer is not expert-parallel). A check that fails
 on one rank fails on every rank taking part (areal_hpc.network.offer, `agree`), which all go on to the
 next check: the probe ends and every rank writes its report.
@@ -84,8 +84,9 @@ def cli(argv: list[str]) -> None:
 
 def main(out: Path, device: str, starts: list[int], sources: list[tuple[int, int, int]], interface: str) -> None:
     rank = int(os.environ.get("SLURM_PROCID", "0"))
-    component = max(i for i, s in enumerate(starts) if s <= rank)
-    report = {"rank": rank, "component": component, "host": os.environ.get("SLURMD_NODENAME", socket.gethostname())}
+    role = max(i for i, s in enumerate(starts) if s <= rank)  # the index of areal_hpc.layout.Role
+    gpu_rank = role >= 2  # a generator or a trainer
+    report = {"rank": rank, "role": role, "host": os.environ.get("SLURMD_NODENAME", socket.gethostname())}
     try:
         report["token"] = (out / "token").read_text()
     except OSError as e:
@@ -114,12 +115,12 @@ def main(out: Path, device: str, starts: list[int], sources: list[tuple[int, int
         world = MPI.COMM_WORLD
         report["mpi"] = {"size": world.Get_size(), "sum": world.allreduce(1)}
         write()
-        comm = world.Split(color=component, key=rank)
+        comm = world.Split(color=int(gpu_rank), key=rank)
     except Exception:  # noqa: BLE001
         report["mpi_error"] = traceback.format_exc(limit=2)[-2000:]
         write()
         return
-    if component > 0:  # the GPU components: generators, trainers
+    if gpu_rank:
         try:
             report["gpus"], report["allreduce"] = gpus_and_allreduce(comm, device, interface)
         except Exception:  # noqa: BLE001
@@ -136,7 +137,7 @@ def main(out: Path, device: str, starts: list[int], sources: list[tuple[int, int
 
 
 def gpus_and_allreduce(comm, device: str, interface: str) -> tuple[dict, dict]:
-    """The GPUs this rank sees, and an all-reduce over this component's ranks with the run's backend:
+    """The GPUs this rank sees, and an all-reduce over the GPU ranks with the run's backend:
     the same device decision (areal_hpc.device) and the same rendezvous over MPI as the trainers'."""
     gpus = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
@@ -198,11 +199,11 @@ def weight_sync_check(
 ) -> dict | None:
     """The run's start-up weight-sync broadcasts, made as a run makes them (`open_groups`, then each
     end's `join`: the rendezvous, then the source's start-up check, checked by every receiver): from
-    each group's source (SOURCES: (stage, expert rank, world rank)) to every rank of the generator
-    component, one group rank each, on its current GPU, the groups in (stage, expert rank) order; a
+    each group's source (SOURCES: (stage, expert rank, world rank)) to every generator rank, one group
+    rank each, on its current GPU, the groups in (stage, expert rank) order; a
     source joins its own group, a receiver every group. Collective over the world; None on the ranks
     that are not members."""
-    rank, generators = world.Get_rank(), range(starts[1], starts[2])
+    rank, generators = world.Get_rank(), range(starts[2], starts[3])
     senders = {source for _, _, source in sources}
 
     def on_device() -> str:
@@ -225,8 +226,8 @@ def weight_sync_check(
         sources,
         generators,
         dev,
-        lambda r: (1 + r - starts[1],),
-        lambda r: f"world rank {r} ({'trainer' if r >= starts[2] else 'generator'})",
+        lambda r: (1 + r - starts[2],),
+        lambda r: f"world rank {r} ({'trainer' if r >= starts[3] else 'generator'})",
         interface,
         JOIN_S,
     )
@@ -235,7 +236,7 @@ def weight_sync_check(
     if rank in senders:
         end = WeightSender(specs[0].stage, True, specs[0], _master_store=master)
     else:
-        end = WeightReceiver(specs, (1 + rank - starts[1],))
+        end = WeightReceiver(specs, (1 + rank - starts[2],))
     try:
         lines = [end.join(JOIN_S)] if rank in senders else end.join(0, JOIN_S)
     finally:

@@ -130,13 +130,13 @@ def check_gpus(cfg: Config, layout: Layout, reports: dict) -> Check:
 
 
 def check_allreduce(cfg: Config, layout: Layout, reports: dict) -> Check:
-    """torch.distributed across the nodes of each GPU component, with the run's backend."""
+    """torch.distributed across the GPU ranks of every GPU node, with the run's backend."""
     gpu_ranks = _gpu_ranks(layout)
     done = {r: reports[r]["allreduce"] for r in gpu_ranks if "allreduce" in reports.get(r, {})}
     if len(done) == len(gpu_ranks) and all(d["ok"] for d in done.values()):
         kind = next(iter(done.values()))["backend"] if done else "-"
-        spread = ", ".join(f"{c.name} ({c.nodes} node(s))" for c in layout.components[1:])
-        return Check("all-reduce", "PASS", f"{kind} across the nodes of {spread}{_nccl_note(cfg)}")
+        spread = f"{len(gpu_ranks)} generator and trainer ranks on {layout.nodes} GPU node(s)"
+        return Check("all-reduce", "PASS", f"{kind} across {spread}{_nccl_note(cfg)}")
     bad = [r for r in gpu_ranks if not done.get(r, {}).get("ok")]
     errors = _allreduce_errors(layout, reports)
     return Check(
@@ -147,17 +147,17 @@ def check_allreduce(cfg: Config, layout: Layout, reports: dict) -> Check:
 
 
 def check_sandbox(cfg: Config, layout: Layout, reports: dict) -> Check:
-    """The code sandbox (bubblewrap) on the nodes that run programs in it: the controller component's, where
-    the reward workers score `reward.kind: code`; the generators', where a workflow's `python` tool runs
-    (any `rollout.workflow` but the default, which runs no tool). Each node's first rank tried one."""
-    needs = {"controller": "reward.kind code"} if cfg.reward.kind == "code" else {}
+    """The code sandbox (bubblewrap) on the nodes that run programs in it: the reward workers', which score
+    `reward.kind: code`; the generators', where a workflow's `python` tool runs (any `rollout.workflow` but
+    the default, which runs no tool). Each node's first rank tried one."""
+    needs = {Role.REWARD: "reward.kind code"} if cfg.reward.kind == "code" else {}
     if cfg.rollout.workflow != SINGLE_TURN:
-        needs["generator"] = f"the python tool of rollout.workflow {cfg.rollout.workflow}"
+        needs[Role.GENERATOR] = f"the python tool of rollout.workflow {cfg.rollout.workflow}"
     if not needs:
         return Check("sandbox", "SKIP", f"no program runs in it: reward.kind {cfg.reward.kind}, the default workflow")
-    names = [c.name for c in layout.components]
+    hosts = {rep["host"] for rep in reports.values() if rep.get("role") in needs}
     tried = {  # host -> what its first rank found
-        rep["host"]: rep["sandbox"] for rep in reports.values() if "sandbox" in rep and names[rep["component"]] in needs
+        rep["host"]: rep["sandbox"] for rep in reports.values() if "sandbox" in rep and rep["host"] in hosts
     }
     why = " and ".join(needs.values())
     if not tried:
@@ -220,8 +220,8 @@ def _in_world(layout: Layout, reports: dict) -> list[int]:
 
 
 def _gpu_ranks(layout: Layout) -> list[int]:
-    """The ranks of the GPU components (every component but the controller's)."""
-    return [r for c in layout.components[1:] for r in c.ranks]
+    """The ranks that hold GPUs: the generators and the trainers."""
+    return [*layout.ranks(Role.GENERATOR), *layout.ranks(Role.TRAINER)]
 
 
 def _allreduce_errors(layout: Layout, reports: dict) -> dict[int, str]:
@@ -242,8 +242,7 @@ def _nccl_note(cfg: Config) -> str:
 
 def _ranks_text(layout: Layout, ranks: list[int]) -> str:
     """'world ranks 2-4, 7 (generator, trainer)'."""
-    order = [c.name for c in layout.components]
-    comps = sorted({c.name for c in layout.components for r in ranks if r in c.ranks}, key=order.index)
+    roles = [role.name.lower() for role in sorted({layout.role_of(r) for r in ranks})]
     runs: list[list[int]] = []
     for r in sorted(ranks):
         if runs and r == runs[-1][-1] + 1:
@@ -251,4 +250,4 @@ def _ranks_text(layout: Layout, ranks: list[int]) -> str:
         else:
             runs.append([r])
     span = ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
-    return f"world rank{'s' if len(ranks) > 1 else ''} {span} ({', '.join(comps)})"
+    return f"world rank{'s' if len(ranks) > 1 else ''} {span} ({', '.join(roles)})"

@@ -23,8 +23,7 @@ import sys
 from pathlib import Path
 
 from areal_hpc.config import Config, ConfigError, load_config
-from areal_hpc.launch.sbatch import _quote_opt, cpus_per_task, fill, require_cpus
-from areal_hpc.layout import Layout
+from areal_hpc.launch.sbatch import _quote_opt, fill, require_cpus
 
 TEMPLATE = Path(__file__).resolve().parent / "templates" / "eval_array.sbatch"
 
@@ -34,8 +33,9 @@ def render_eval_array(cfg: Config, run_dir: Path, steps: list[int], eval_args: l
     directory first), `--step` is each task's own. `cfg`'s cluster.cpus_per_node is resolved."""
     c = cfg.cluster
     require_cpus(c)
-    generators = next(comp for comp in Layout.from_config(cfg).components if comp.name == "generator")
-    cpus = f"--cpus-per-task={cpus_per_task(c, generators)}"  # a run's engine's share of its node
+    cpus = (
+        f"--cpus-per-task={c.cpus_per_node * cfg.allocation.gen_tp // c.gpus_per_node}"  # an engine's share of a node
+    )
     logs = run_dir / "eval" / "slurm"
     opts = [
         f"--job-name=areal-eval-{cfg.experiment.name}-{cfg.experiment.trial}",

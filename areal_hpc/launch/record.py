@@ -151,8 +151,8 @@ def status(run_dir: Path) -> str:
         raise LaunchError(f"{run_dir} has no Slurm job record (job.json): it was not submitted with areal-hpc submit")
     slurm = query_states(record.job_id)
     lines = [f"run {run_dir}", f"job {record.job_id}: {record.state(slurm)} (submitted {record.submitted_at})"]
-    for k, name in enumerate(record.components):
-        comp = (slurm or {}).get(f"{record.job_id}+{k}")
+    for k, name in enumerate(record.components):  # squeue lists a job of one component by its own id
+        comp = (slurm or {}).get(f"{record.job_id}+{k}" if len(record.components) > 1 else record.job_id)
         if comp:
             where = comp["NodeList"] if comp["State"] != "PENDING" else f"reason: {comp['Reason']}"
             lines.append(f"  component {k} {name:<10} {comp['State']:<11} {where}")

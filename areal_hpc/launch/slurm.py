@@ -1,11 +1,12 @@
-"""`areal-hpc submit`: one heterogeneous Slurm job through submitit.
+"""`areal-hpc submit`: one Slurm job through submitit.
 
 submitit 1.5.4 knows only homogeneous jobs, so `HetSlurmExecutor` extends its `SlurmExecutor` in the
 three places that differ and keeps the rest (submission file handling, `sbatch` call and its error,
 job id parsing, `Job` objects with `cancel()`, `stdout()`, `stderr()`, its log names):
 
-- the submission text is `areal_hpc.launch.sbatch.render_sbatch` (three components, one MPMD `srun` step);
-- the job state comes from `squeue` over the components `ID+0`, `ID+1`, `ID+2` (`HetSlurmInfoWatcher`):
+- the submission text is `areal_hpc.launch.sbatch.render_sbatch` (the layout's components: the controller's
+  CPU nodes when allocation.reward_nodes asks for any, then runs of GPU nodes; one MPMD `srun` step);
+- the job state comes from `squeue` over the job or its components `ID+0`, `ID+1`, ... (`HetSlurmInfoWatcher`):
   submitit asks `sacct`, which reports a heterogeneous job as UNKNOWN (and clusters without
   accounting have no `sacct`);
 - the checkpoint/requeue cycle runs in the batch script (SIGUSR2 before the time limit, or a
@@ -139,8 +140,8 @@ def parse_sinfo(text: str) -> dict[str, Partition]:
 
 def resolve_cpus(cfg: Config, available: dict[str, Partition] | None) -> Config:
     """`cfg` with `cluster.cpus_per_node` a number: as the config sets it, or for 0 the fewest CPUs of a
-    node of the generator and trainer partition (`available`: `partitions()`, sinfo's answer). A launcher
-    resolves it once, as it resolves the node split (`planner.resolve_split`): the script is then a
+    node of the GPU partition (`available`: `partitions()`, sinfo's answer). A launcher
+    resolves it once, after the GPU split (`planner.resolve_split`): the script is then a
     function of the config alone, and the run's config.yaml records what was asked."""
     c = cfg.cluster
     if c.cpus_per_node:
@@ -156,10 +157,11 @@ def resolve_cpus(cfg: Config, available: dict[str, Partition] | None) -> Config:
             f"cluster.cpus_per_node is 0 (read from Slurm), but sinfo lists {said} (partitions: "
             f"{', '.join(sorted(available))}): set cluster.partition, or {fix}"
         )
-    if found.cpus_per_node < c.gpus_per_node:
+    tasks = Layout.from_config(cfg).busiest_gpu_node
+    if found.cpus_per_node < tasks:
         raise LaunchError(
-            f"partition '{name}' has nodes of {found.cpus_per_node} CPUs, fewer than the {c.gpus_per_node} tasks of "
-            f"a trainer node (cluster.gpus_per_node): every task needs a CPU; use another cluster.partition"
+            f"partition '{name}' has nodes of {found.cpus_per_node} CPUs, fewer than the {tasks} tasks of the busiest "
+            f"GPU node: every task needs a CPU; use another cluster.partition"
         )
     return dataclasses.replace(cfg, cluster=dataclasses.replace(c, cpus_per_node=found.cpus_per_node))
 
@@ -187,7 +189,7 @@ def check_cluster(cfg: Config, available: dict[str, Partition] | None) -> None:
         if name in available and nodes > available[name].nodes:
             raise LaunchError(
                 f"the job needs {nodes} nodes in partition '{name}' ({describe_request(cfg)}), which has "
-                f"{available[name].nodes}; lower --nodes (cluster.nodes = {c.nodes} accelerator nodes + "
+                f"{available[name].nodes}; lower --nodes (cluster.nodes = {c.nodes} GPU nodes + "
                 f"allocation.reward_nodes = {layout.reward_nodes} CPU node(s))"
             )
     if layout.uses_gpus and gpu_part in available and c.gpus_per_node > available[gpu_part].gpus_per_node:
@@ -204,20 +206,22 @@ def check_cluster(cfg: Config, available: dict[str, Partition] | None) -> None:
 
 
 def describe_request(cfg: Config) -> str:
-    """What the job asks for, for error messages: 'controller 1 node(s) x 2 task(s); generator ...'."""
+    """What the job asks for, for error messages: 'controller 1 node(s) x 2 task(s); gpu ...'."""
     c, parts = cfg.cluster, []
     for comp in Layout.from_config(cfg).components:
         extra = f", {comp.gpus_per_node} GPUs/node" if comp.gpus_per_node else ""
         cpus = cpus_per_task(c, comp)
         extra += f", {cpus} CPUs/task" if cpus else ""
-        if comp.name == "controller" and c.controller_mem:
+        if not comp.cpu_nodes:
+            extra += ", all memory/node"
+        elif c.controller_mem:
             extra += f", {c.controller_mem} memory/node"
         parts.append(f"{comp.name} {tasks_text(comp)}{extra}")
     return "; ".join(parts)
 
 
 class SlurmLauncher:
-    """Submits the run as one heterogeneous job and returns at once; `areal-hpc status` follows it."""
+    """Submits the run as one Slurm job and returns at once; `areal-hpc status` follows it."""
 
     name = "slurm"
 

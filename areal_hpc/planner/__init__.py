@@ -1,4 +1,4 @@
-"""The planner: a small cost model of one RL step, the plans it chooses with it, and the node split a run is
+"""The planner: a small cost model of one RL step, the plans it chooses with it, and the GPU split a run is
 launched on.
 
 ```
@@ -10,7 +10,7 @@ launched on.
 ```
 
 - Synchronous (eta = 0): the batch of N = prompts_per_step x group_size trajectories is decoded on
-  the generator nodes until the longest trajectory ends, then trained on the trainer nodes, then the
+  the generator GPUs until the longest trajectory ends, then trained on the trainer GPUs, then the
   weights go to the generators. Decoding is memory-bandwidth bound: every decode step reads the weights
   and the KV cache of the trajectories still running, so the long tail of trajectory lengths keeps the
   generators busy at a small batch, which is the inefficiency asynchronous RL removes.

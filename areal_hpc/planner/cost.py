@@ -232,7 +232,7 @@ def _erf(x: np.ndarray) -> np.ndarray:
 class Plan:
     """An allocation whose cost the planner predicts: what `plan --search` chooses."""
 
-    gen_nodes: int
+    gen_gpus: int
     gen_tp: int
     train_tp: int
     train_pp: int
@@ -244,7 +244,7 @@ class Plan:
         """The allocation of a config whose split is resolved (`resolve_split`; its `layout` refuses one that
         is not)."""
         a = cfg.allocation
-        return cls(a.gen_nodes, a.gen_tp, a.train_tp, a.train_pp, a.train_ep)
+        return cls(a.gen_gpus, a.gen_tp, a.train_tp, a.train_pp, a.train_ep)
 
     def layout(self, cfg: Config) -> Layout:
         """The rank map of this plan on the config's cluster: its generators (engines) and trainers."""

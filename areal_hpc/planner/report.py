@@ -79,7 +79,7 @@ def search_hint(cfg: Config, p: Prediction) -> str:
     b = best.plan
     ep = f" x EP {b.train_ep}" if ModelSize.from_config(cfg).experts else ""
     return (
-        f"--search would choose {b.gen_nodes} generator nodes (TP {b.gen_tp}) and trainer TP {b.train_tp} x PP "
+        f"--search would choose {b.gen_gpus} generator GPUs (TP {b.gen_tp}) and trainer TP {b.train_tp} x PP "
         f"{b.train_pp}{ep}: {tok_rate(best.tokens_per_s())} effective tokens/s asynchronous"
         + (f" ({gain:.2f}x this plan)" if p.fits else "")
         + f", {best.bottleneck}-bound"

@@ -39,8 +39,7 @@ import torch.distributed as dist
 from areal_hpc.arch import QwenArch
 from areal_hpc.config import PPOConfig
 from areal_hpc.device import backend
-from areal_hpc.layout import TrainerCoords, TrainerGrid
-from areal_hpc.parallel import check_trainer
+from areal_hpc.parallel import TrainerCoords, TrainerGrid, check_trainer
 from areal_hpc.trainer import cpu_compat
 from areal_hpc.trainer.convert import export_stage, load_hf_into
 from areal_hpc.trainer.model import build_stage, transformer_config

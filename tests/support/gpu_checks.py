@@ -33,10 +33,10 @@ MISMATCH_TOL = {"float32": 1e-3, "bfloat16": 5e-2}
 or after a resubmission in the interruption check, by model.dtype."""
 RUN_TIMEOUT_S = 1800
 """At most for one short run (the engine's start, CUDA graphs and the model build included)."""
-TP_AND_PP = ("cluster.nodes=2", "cluster.gpus_per_node=2", "allocation.gen_tp=2", "allocation.train_pp=2")
-"""One generator at gen_tp 2 on the first node, the trainer at PP 2 on the second: both paths, 4 GPUs."""
-PP_ONLY = ("cluster.nodes=3", "cluster.gpus_per_node=1", "allocation.gen_tp=1", "allocation.train_pp=2")
-"""The trainer at PP 2 on two nodes of one GPU, the generator on a third: 3 GPUs."""
+TP_AND_PP = ("cluster.gpus_per_node=4", "allocation.gen_gpus=2", "allocation.gen_tp=2", "allocation.train_pp=2")
+"""One node: one generator at gen_tp 2 on its first two GPUs, the trainer at PP 2 on the other two: 4 GPUs."""
+PP_ONLY = ("cluster.gpus_per_node=3", "allocation.gen_gpus=1", "allocation.gen_tp=1", "allocation.train_pp=2")
+"""One node: the generator on its first GPU, the trainer at PP 2 on the other two: 3 GPUs."""
 QWEN_VOCAB = ("model.vocab_size=151936", "model.max_position_embeddings=8192")
 """Qwen2's real vocabulary, and room for 4096 new tokens after a prompt (the built model only)."""
 LONG = ("rollout.max_new_tokens=4096",)
@@ -243,8 +243,9 @@ def submit_verdict(state: str, rows: list[dict], steps: int, tol: float, run_dir
 
 
 def check_submit(root: Path, overrides: list[str], steps: int = 5) -> tuple[str, str]:
-    """`areal-hpc submit configs/gpu-smoke.yaml --nodes 2` under `root` (a directory every node sees), waited
-    for with the job's record (areal_hpc.launch.record), judged from its metrics."""
+    """`areal-hpc submit configs/gpu-smoke.yaml --nodes 1` under `root` (a directory every node sees): one node,
+    a GPU generating and one training, waited for with the job's record (areal_hpc.launch.record), judged from
+    its metrics."""
     import subprocess
     import sys
 
@@ -254,9 +255,9 @@ def check_submit(root: Path, overrides: list[str], steps: int = 5) -> tuple[str,
     trial = time.strftime("submit-%Y%m%d-%H%M%S")
     args = smoke_overrides([f"experiment.root={root}", f"experiment.trial={trial}", *overrides])
     args.append(f"train.total_steps={steps}")
-    cmd = [sys.executable, "-m", "areal_hpc.cli", "submit", str(REPO / SMOKE), "--nodes", "2", *args]
+    cmd = [sys.executable, "-m", "areal_hpc.cli", "submit", str(REPO / SMOKE), "--nodes", "1", *args]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    cfg = load_config(REPO / SMOKE, [*args, "cluster.nodes=2"])
+    cfg = load_config(REPO / SMOKE, [*args, "cluster.nodes=1"])
     run_dir = REPO / cfg.run_dir
     record = JobRecord.load(run_dir)
     if proc.returncode != 0 or record is None:

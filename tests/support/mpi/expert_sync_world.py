@@ -35,7 +35,7 @@ def main(out: Path) -> None:
         [
             "cluster.nodes=5",
             "cluster.gpus_per_node=1",
-            "allocation.gen_nodes=1",
+            "allocation.gen_gpus=1",
             "allocation.train_tp=2",
             "allocation.train_ep=2",
             "model.architecture=qwen3_moe",

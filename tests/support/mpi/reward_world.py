@@ -40,7 +40,7 @@ def main():
     world = MPI.COMM_WORLD
     tok = build_tokenizer()  # the worker decodes the trajectories' tokens with the run's tokenizer
     cfg = Config()
-    cfg.allocation.gen_nodes = 1  # the split of the default 2 nodes
+    cfg.allocation.gen_gpus = 1  # the split of the default 2 nodes of 1 GPU
     cfg.reward.timeout_s = 4.0  # room for a sandboxed program on a loaded machine; the hanging tasks never end
     cfg.reward.processes = 2
     layout = Layout.from_config(cfg)

@@ -31,7 +31,7 @@ def main(out: Path) -> None:
         [
             "cluster.nodes=2",
             "cluster.gpus_per_node=2",
-            "allocation.gen_nodes=1",
+            "allocation.gen_gpus=2",
             "allocation.train_pp=2",
             "model.num_layers=2",
             "ppo.minibatches=2",

@@ -55,7 +55,7 @@ cfg = load_config(
     [
         f"cluster.nodes={1 + ep}",
         "cluster.gpus_per_node=2",
-        "allocation.gen_nodes=1",
+        "allocation.gen_gpus=2",
         "allocation.train_pp=2",
         f"allocation.train_ep={ep}",
         "train.collective_timeout_s=3",
