@@ -18,14 +18,22 @@ does that, so an offline run could not.
 `check_wandb` runs where a run starts (the launchers, before anything else; the controller, before its
 first step): a missing client, or online mode without credentials, is a ConfigError naming the fix, not a
 W&B prompt or traceback mid-run.
+
+A W&B server the controller cannot reach (compute nodes without a route out, common on clusters) would
+keep `wandb.init` retrying and then end the run with an error that names neither W&B nor the fix. So
+online, the controller first opens a connection to the server (`server_problem`, at most SERVER_TIMEOUT_S),
+and if it cannot, logs offline with a warning naming the server and `wandb sync`: no training run is lost
+to the W&B server. (A connection is what W&B's retries wait for; credentials are checked by `check_wandb`.)
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from areal_hpc.config.schema import Config, LoggingConfig
 from areal_hpc.errors import ConfigError
@@ -35,6 +43,8 @@ ID_FILE = "wandb_id"
 STEP = "step"
 """The training step (the policy version after it): the metrics.jsonl key, and W&B's x axis."""
 NO_NETWORK_MODES = ("offline", "dryrun", "disabled")
+SERVER_TIMEOUT_S = 10.0
+"""How long the controller waits for a connection to the W&B server before it logs offline."""
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +82,17 @@ def check_wandb(cfg: LoggingConfig) -> str:
     return f"{found}, credentials for {auth.host}"
 
 
+def server_problem(base_url: str, timeout_s: float = SERVER_TIMEOUT_S) -> str | None:
+    """Why a TCP connection to the W&B server at `base_url` cannot be made from here (None: it can)."""
+    url = urlsplit(base_url)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((url.hostname, port), timeout=timeout_s):
+            return None
+    except OSError as e:
+        return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
 class WandbLog:
     """The trial's W&B run, opened (or resumed) on creation; `log(row)` adds one metrics row."""
 
@@ -79,6 +100,7 @@ class WandbLog:
         check_wandb(cfg.logging)
         import wandb
         from omegaconf import OmegaConf
+        from wandb.sdk import wandb_setup
 
         run_dir = Path(run_dir).resolve()
         id_file = run_dir / ID_FILE
@@ -87,6 +109,16 @@ class WandbLog:
         # Where a run hangs at start, the log says whether it is here: wandb.init waits up to W&B's
         # init_timeout (90 s) for its service, and raises then.
         log.info("W&B: %s under %s", f"resuming run {run_id}" if run_id else "starting a run", run_dir / "wandb")
+        mode = {}
+        found = wandb_setup.singleton().settings
+        if found.mode not in NO_NETWORK_MODES and (problem := server_problem(found.base_url)):
+            log.warning(
+                "W&B: the server %s cannot be reached from host %s (%s): logging offline under %s; upload "
+                "later from a machine that reaches it with `wandb sync %s/offline-run-*` (WANDB_MODE=offline "
+                "skips this check)",
+                found.base_url, socket.gethostname(), problem, run_dir / "wandb", run_dir / "wandb",
+            )  # fmt: skip
+            mode = {"mode": "offline"}
         t0 = time.monotonic()
         self.run = wandb.init(
             project=settings.wandb_project,
@@ -97,7 +129,7 @@ class WandbLog:
             resume="allow" if run_id else None,
             dir=run_dir,
             config={**OmegaConf.to_container(OmegaConf.structured(cfg)), "run_dir": str(run_dir)},
-            settings=wandb.Settings(console="off"),  # the rank's output is its log file already
+            settings=wandb.Settings(console="off", **mode),  # the rank's output is its log file already
         )
         log.info("W&B run %s open (%s, %.1f s)", self.run.id, self.run.settings.mode, time.monotonic() - t0)
         id_file.write_text(self.run.id + "\n")

@@ -23,7 +23,7 @@ import pytest
 from areal_hpc.cli import main as cli_main
 from areal_hpc.config import ConfigError, LoggingConfig, load_config
 from areal_hpc.metrics import MetricsWriter, drop_rows_after
-from areal_hpc.wandb_log import ID_FILE, check_wandb
+from areal_hpc.wandb_log import ID_FILE, check_wandb, server_problem
 from tests.support.wandb_files import offline_runs
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.yaml"
@@ -83,6 +83,29 @@ def test_the_writer_logs_every_row_and_a_resumed_run_continues_it(tmp_path, wand
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert last == {r["step"]: r["reward/mean"] for r in rows}
     assert (run_dir / "wandb" / f"{Path(first.path).parent.name}").is_dir()  # under the run directory
+
+
+def test_a_server_out_of_reach_is_logged_offline_with_a_warning(tmp_path, wandb_env, caplog):
+    """Online, with credentials, but no route to the W&B server (here the real client's WANDB_BASE_URL on a
+    port nothing listens on): the run logs offline, says so with the fix, and loses no row."""
+    import wandb
+
+    wandb_env.setenv("WANDB_API_KEY", "x" * 40)
+    wandb_env.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
+    assert "Connection" in server_problem("http://127.0.0.1:9")
+    cfg = load_config(TINY, ["logging.wandb=true", f"experiment.root={tmp_path}"])
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with caplog.at_level("WARNING", logger="areal_hpc.wandb_log"):
+        writer = MetricsWriter(run_dir, tensorboard=False, wandb=cfg)
+    assert "W&B: the server http://127.0.0.1:9 cannot be reached from host " in caplog.text
+    assert f"wandb sync {run_dir.resolve()}/wandb/offline-run-*" in caplog.text
+    for step in (1, 2):
+        writer.write(step, {"reward/mean": step / 10})
+    writer.close()
+    wandb.teardown()
+    [run] = offline_runs(run_dir)
+    assert [(r["step"], r["reward/mean"]) for r in run.history] == [(1, 0.1), (2, 0.2)]
 
 
 def test_no_client_is_refused_naming_the_fix(wandb_env):
