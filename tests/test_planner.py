@@ -15,6 +15,7 @@ from areal_hpc.config import ConfigError, load_config
 from areal_hpc.layout import Layout
 from areal_hpc.planner.cost import Hardware
 from areal_hpc.planner.predict import expert_alltoall_s, train_step_s, weight_sync_s
+from areal_hpc.planner.timeouts import check_timeouts, drain_s
 from tests.support.helpers import REPO
 
 CONFIGS = REPO / "configs"
@@ -365,3 +366,29 @@ def test_plan_render_and_submit_dry_run_of_the_moe_config(tmp_path, capsys):
     assert "#   2 shared     1 node(s) x 5 task(s), 22 CPUs/task, world ranks 27-31: generator + trainer" in out
     assert "#       GPU node 9: world ranks 27-31: generator 18 on GPUs 0-3, trainers 0-3 on GPUs 4-7" in out
     assert "#   3 trainer    6 node(s) x 8 task(s), 14 CPUs/task, world ranks 32-79: trainer" in out
+
+
+def test_timeouts_a_normal_run_would_exceed_are_refused_naming_the_fields(tmp_path, capsys):
+    """A non-interruptible qwen1.5b run with the shipped timeouts: the trainers would wait in the weight broadcast
+    longer than train.collective_timeout_s while the generators finish their longest answers. Refused at
+    launch (`submit --dry-run` too) with the value each timeout needs; raised to it, accepted."""
+    cfg = cfg_of("qwen1.5b", 16, "rollout.interruptible=false")
+    drain = drain_s(cfg)
+    assert 300 < drain < 1800  # 27,648 tokens at a full-load decode step of tens of milliseconds
+    with pytest.raises(ConfigError) as refused:
+        check_timeouts(cfg)
+    message = str(refused.value)
+    assert f"train.collective_timeout_s (300 s) is below the {drain:,.0f} s a generator may take" in message
+    assert f"train.rank_timeout_s (600 s) is below the {drain:,.0f} s" in message
+    assert f"raise it to at least {1.5 * drain:,.0f}, or set rollout.interruptible=true" in message
+    enough = f"{1.5 * drain + 1:.0f}"
+    check_timeouts(cfg_of("qwen1.5b", 16, "rollout.interruptible=false", f"train.collective_timeout_s={enough}",
+                          f"train.rank_timeout_s={enough}"))  # fmt: skip
+    check_timeouts(cfg_of("qwen1.5b", 16))  # interruptible (shipped): an update waits for no answer
+    # a training step longer than rank_timeout_s: qwen32b's predicted step is over 6 minutes
+    step = planner.predict(cfg_of("qwen32b", 16)).t_train
+    with pytest.raises(ConfigError, match=rf"train.rank_timeout_s \(300 s\) is below the {step:,.0f} s the planner"):
+        check_timeouts(cfg_of("qwen32b", 16, "train.rank_timeout_s=300"))
+    args = ["submit", str(CONFIGS / "qwen1.5b.yaml"), "--nodes", "16", "--dry-run", f"experiment.root={tmp_path}"]
+    assert cli_main([*args, "rollout.interruptible=false"]) == 2  # a config error
+    assert "a normal run would be ended as hung: train.collective_timeout_s" in capsys.readouterr().err

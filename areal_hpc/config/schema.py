@@ -172,7 +172,8 @@ class RolloutConfig:
     (an episode's next turn waits), then loads and starts the waiting turns under the new weights, so every
     token of a turn carries one version. The trainers wait in the weight broadcast meanwhile
     (timing/sync_drain_s): `train.collective_timeout_s` and `train.rank_timeout_s` must exceed the longest
-    turn's decode time.
+    turn's decode time (a GPU run is refused at launch when they do not by the planner's figures, with the
+    values they need: areal_hpc.planner.timeouts).
     With max_staleness 0 (synchronous RL) no training episode is in flight at an update: it changes little there."""
     filter_uniform_groups: bool = training(False)
     """Dynamic filtering (DAPO): a group whose trajectories all got the same reward (all right or all wrong:
@@ -297,7 +298,8 @@ class TrainConfig:
     """A rank with work outstanding (an episode, a reward, a training step, a save) that sends the
     controller nothing for this long is taken as hung: the controller ends the run naming it. Must
     exceed the longest training step and the longest episode (all its turns and tool calls: a generator
-    sends each episode when it ends)."""
+    sends each episode when it ends); a GPU run whose predicted step it does not exceed 1.5 times is
+    refused at launch."""
     startup_timeout_s: float = 600.0
     """How long a rank may take to start (loading the model, compiling the engine, joining the weight-sync
     groups) before its first answer to the controller. The joins give up at this limit (counted from

@@ -100,6 +100,8 @@ def _run(cfg: Config, fresh: bool, allow_change: Sequence[str]) -> int:
     on_cpu = cfg.cluster.device == "cpu" or (cfg.cluster.device == "auto" and not visible_gpus())
     # before the run directory changes: a config that cannot fit is refused with the settings to change
     fits = planner.check_host_fits(cfg) if on_cpu else planner.check_fits(cfg)
+    if not on_cpu:
+        planner.check_timeouts(cfg)
     run_dir = prepare_run_dir(cfg, fresh=fresh, allow_change=allow_change).resolve()
     print(layout.table(why))
     if fits:

@@ -234,11 +234,13 @@ class SlurmLauncher:
     def script(self, cfg: Config) -> str:
         """The job's sbatch script of a config whose node split is resolved (`planner.resolve_split`); a
         config whose generator or trainer does not fit its GPUs is refused first (`planner.check_fits`:
-        what to change, by name; a cpu config's nodes are not known here), and so is a `rollout.workflow`
+        what to change, by name; a cpu config's nodes are not known here), and so is one whose timeouts a
+        normal run would exceed (`planner.check_timeouts`), and so is a `rollout.workflow`
         that cannot be imported here or is not a Workflow (the job's generators would fail on it)."""
         load_workflow(cfg.rollout.workflow)
         if cfg.cluster.device != "cpu":
             planner.check_fits(cfg)
+            planner.check_timeouts(cfg)
         return render_sbatch(cfg, workdir=Path.cwd(), python=self.python or _default_python(cfg), command=self.command)
 
     def launch(self, cfg: Config, fresh: bool = False, allow_change: Sequence[str] = ()) -> int:

@@ -29,6 +29,7 @@ compares the predictions with the AReaL paper's figures. Pure functions: no MPI,
  search.py    the plans the system can run, the fastest that fits (`choose`), the split a run is launched
               on (`resolve_split`, which the launchers call once and record in the run's config.yaml)
  memory.py    whether the ranks fit their GPUs or this host's memory, and what to change when not
+ timeouts.py  whether the run's timeouts outlast its predicted drain at an update and training step
  report.py    what `areal-hpc plan` prints
 ```
 """
@@ -38,6 +39,7 @@ from areal_hpc.planner.memory import check_fits, check_host_fits, host_memory_ne
 from areal_hpc.planner.predict import Prediction, predict, train_memory_parts
 from areal_hpc.planner.report import report, search_hint
 from areal_hpc.planner.search import ALLOCATION_FIELDS, candidates, choose, resolve_split
+from areal_hpc.planner.timeouts import check_timeouts
 
 __all__ = [
     "ALLOCATION_FIELDS",
@@ -49,6 +51,7 @@ __all__ = [
     "Prediction",
     "candidates",
     "check_fits",
+    "check_timeouts",
     "check_host_fits",
     "choose",
     "host_memory_need",
