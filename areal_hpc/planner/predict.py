@@ -99,12 +99,18 @@ def running_trajectories(m, hw, lengths: Lengths, engines: int, tp: int, concurr
     return max(1.0, min(concurrent / engines, kv_capacity(m, hw, tp, cost) / per_trajectory))
 
 
-def full_generation_rate(m, hw, lengths: Lengths, engines: int, tp: int, concurrent: float, cost=COST) -> float:
-    """Tokens/s of all engines under continuous batching at full load: engines * c / t(c, c * resident
-    context * kv_bytes), one token per running trajectory and decode step."""
+def full_load_step_s(m, hw, lengths: Lengths, engines: int, tp: int, concurrent: float, cost=COST) -> float:
+    """One decode step of an engine at full load: t(c, c * resident context * kv_bytes), c its running
+    trajectories (`running_trajectories`)."""
     c = running_trajectories(m, hw, lengths, engines, tp, concurrent, cost)
-    kv = c * lengths.resident_context * m.kv_bytes_per_token
-    return engines * c / float(decode_step_s(m, hw, tp, c, kv, cost))
+    return float(decode_step_s(m, hw, tp, c, c * lengths.resident_context * m.kv_bytes_per_token, cost))
+
+
+def full_generation_rate(m, hw, lengths: Lengths, engines: int, tp: int, concurrent: float, cost=COST) -> float:
+    """Tokens/s of all engines under continuous batching at full load: engines * c / the full-load step, one
+    token per running trajectory and decode step."""
+    c = running_trajectories(m, hw, lengths, engines, tp, concurrent, cost)
+    return engines * c / full_load_step_s(m, hw, lengths, engines, tp, concurrent, cost)
 
 
 def interruption_s(m, hw, lengths: Lengths, engines: int, tp: int, concurrent: float, cost=COST) -> float:

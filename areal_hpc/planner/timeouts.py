@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from areal_hpc.errors import ConfigError
 from areal_hpc.planner.cost import COST, CostModel, Hardware, Lengths, ModelSize, Plan
-from areal_hpc.planner.predict import decode_step_s, predict, running_trajectories
+from areal_hpc.planner.predict import full_load_step_s, predict
 
 if TYPE_CHECKING:
     from areal_hpc.config.schema import Config
@@ -34,8 +34,7 @@ def drain_s(cfg: Config, cost: CostModel = COST) -> float:
     m, hw, lengths = ModelSize.from_config(cfg), Hardware.from_config(cfg), Lengths.from_config(cfg, cost)
     r, plan = cfg.rollout, Plan.of(cfg)
     engines = plan.layout(cfg).generators
-    c = running_trajectories(m, hw, lengths, engines, plan.gen_tp, r.max_concurrent * r.group_size, cost)
-    step = float(decode_step_s(m, hw, plan.gen_tp, c, c * lengths.resident_context * m.kv_bytes_per_token, cost))
+    step = full_load_step_s(m, hw, lengths, engines, plan.gen_tp, r.max_concurrent * r.group_size, cost)
     return lengths.longest(r.prompts_per_step * r.group_size) * step
 
 
