@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, NamedTuple
@@ -273,24 +274,21 @@ class Layout:
             return self.gen_gpus + rank - self.ranks(role).start
         raise ValueError(f"{self.describe_rank(rank)} holds no GPU")
 
-    @property
+    @cached_property
     def components(self) -> tuple[Component, ...]:
         """The Slurm job's components, in world-rank order: the controller's CPU nodes (none with reward_nodes 0),
         then the GPU nodes in runs of nodes that run as many tasks each (`_gpu_components`)."""
-        comps, first = [], 0
+        comps = []
         if self.reward_nodes:
             comps.append(
                 Component(
                     "controller", (Role.CONTROLLER, Role.REWARD), self.reward_nodes, 1 + self.reward_workers, 0, 0
                 )
             )
-            first = 1 + self.reward_workers
         g = self.gpus_per_node if self.uses_gpus else 0
-        for name, start, nodes in self._gpu_components:
-            ranks = [r for r in range(first, self.world_size) if start <= self._gpu_node[r] < start + nodes]
+        for name, _, nodes, ranks in self._gpu_components:
             roles = tuple(sorted({self.role_of(r) for r in ranks}))
-            comps.append(Component(name, roles, nodes, len(ranks), g, first))
-            first += len(ranks)
+            comps.append(Component(name, roles, nodes, len(ranks), g, ranks[0]))
         return tuple(comps)
 
     @property
@@ -310,24 +308,28 @@ class Layout:
         ]
 
     @cached_property
-    def _gpu_components(self) -> list[tuple[str, int, int]]:
-        """(name, first GPU node, nodes) of each GPU component: consecutive GPU nodes running as many tasks
-        each, so that every task of a component gets the same share of its node (`cpus_per_task`). Named by
-        the role they run, 'generator' or 'trainer', or 'shared' when they run several; a name that recurs
-        numbered ('shared-2')."""
-        tasks = Counter(n for n in self._gpu_node if n is not None)
+    def _gpu_components(self) -> list[tuple[str, int, int, list[int]]]:
+        """(name, first GPU node, nodes, world ranks) of each GPU component: consecutive GPU nodes running as
+        many tasks each, so that every task of a component gets the same share of its node (`cpus_per_task`).
+        Named by the role they run, 'generator' or 'trainer', or 'shared' when they run several; a name that
+        recurs numbered ('shared-2')."""
+        on_node: list[list[int]] = [[] for _ in range(self.nodes)]  # each GPU node's ranks, in rank order
+        for rank, node in enumerate(self._gpu_node):
+            if node is not None:
+                on_node[node].append(rank)
         runs: list[list[int]] = []
         for node in range(self.nodes):
-            if runs and tasks[runs[-1][0]] == tasks[node]:
+            if runs and len(on_node[runs[-1][0]]) == len(on_node[node]):
                 runs[-1].append(node)
             else:
                 runs.append([node])
         out, seen = [], Counter()
         for run in runs:
-            roles = {self.role_of(r) for r, n in enumerate(self._gpu_node) if n in run}
+            ranks = [r for node in run for r in on_node[node]]
+            roles = {self.role_of(r) for r in ranks}
             name = roles.pop().name.lower() if len(roles) == 1 else "shared"
             seen[name] += 1
-            out.append((name if seen[name] == 1 else f"{name}-{seen[name]}", run[0], len(run)))
+            out.append((name if seen[name] == 1 else f"{name}-{seen[name]}", run[0], len(run), ranks))
         return out
 
     def placement(self, rank: int) -> RankPlacement:
@@ -345,7 +347,7 @@ class Layout:
             if gnode is None:
                 component, node, job_node = "controller", rank // per_cpu_node, rank // per_cpu_node
             else:
-                name, start = next((n, s) for n, s, k in self._gpu_components if s <= gnode < s + k)
+                name, start = next((n, s) for n, s, k, _ in self._gpu_components if s <= gnode < s + k)
                 component, node, job_node = name, gnode - start, self.reward_nodes + gnode
             gpus = ()
             if role in (Role.GENERATOR, Role.TRAINER) and self.uses_gpus:
@@ -430,7 +432,7 @@ class Layout:
                 self._node_span(gen),
                 str(self.gen_gpus),
                 str(self.generators),
-                _span(gen),
+                span(gen),
                 f"{self.generators} vLLM engine(s), TP {self.gen_tp}",
             ),
             (
@@ -438,7 +440,7 @@ class Layout:
                 self._node_span(train),
                 str(self.trainers),
                 str(self.trainers),
-                _span(train),
+                span(train),
                 f"Megatron TP {self.train_tp} x PP {self.train_pp} x DP {self.train_dp}"
                 + (f", EP {self.train_ep}" if self.train_ep > 1 else ""),
             ),
@@ -459,8 +461,7 @@ class Layout:
 
     def _node_span(self, ranks: range) -> str:
         """'0-8': the GPU nodes a role's ranks run on."""
-        nodes = sorted({self.placement(r).job_node - self.reward_nodes for r in ranks})
-        return f"{nodes[0]}-{nodes[-1]}" if len(nodes) > 1 else str(nodes[0])
+        return span(sorted({self.placement(r).job_node - self.reward_nodes for r in ranks}))
 
 
 def _columns(rows: list[tuple[str, ...]]) -> str:
@@ -471,5 +472,6 @@ def _columns(rows: list[tuple[str, ...]]) -> str:
     return "\n".join(lines)
 
 
-def _span(r: range) -> str:
-    return f"{r.start}-{r.stop - 1}" if len(r) > 1 else str(r.start)
+def span(values: Sequence[int]) -> str:
+    """'2-5' for consecutive values (a range of ranks, GPUs), '2' for one."""
+    return f"{values[0]}-{values[-1]}" if len(values) > 1 else str(values[0])

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from areal_hpc.config import ClusterConfig, Config, ConfigError
 from areal_hpc.exit_codes import EXIT_STOPPED, STOP_REASON_ENV
-from areal_hpc.layout import Component, Layout, Role
+from areal_hpc.layout import Component, Layout, Role, span
 
 TEMPLATE = Path(__file__).resolve().parent / "templates" / "hetjob.sbatch"
 
@@ -186,14 +186,10 @@ def node_texts(layout: Layout) -> list[str]:
                 continue
             gpus = sorted(g for r in mine for g in layout.placement(r).gpus)
             label = role.name.lower() + ("s" if len(mine) > 1 else "")
-            where = f" on GPU{'s' if len(gpus) > 1 else ''} {_span(gpus)}" if gpus else ""
-            parts.append(f"{label} {_span([r - layout.ranks(role).start for r in mine])}{where}")
-        texts.append(f"world ranks {_span(ranks)}: {', '.join(parts)}")
+            where = f" on GPU{'s' if len(gpus) > 1 else ''} {span(gpus)}" if gpus else ""
+            parts.append(f"{label} {span([r - layout.ranks(role).start for r in mine])}{where}")
+        texts.append(f"world ranks {span(ranks)}: {', '.join(parts)}")
     return texts
-
-
-def _span(values: list[int]) -> str:
-    return f"{values[0]}-{values[-1]}" if len(values) > 1 else str(values[0])
 
 
 def require_cpus(c: ClusterConfig, tasks: int = 1) -> None:
