@@ -105,6 +105,104 @@ def test_threads_bit_exact_buckets():
     assert torch.equal(got[-1][0][0][1], torch.ones(3))
 
 
+def test_the_receiving_thread_works_on_the_stream_of_the_thread_that_loads(monkeypatch):
+    """The code path of the GPU's stream discipline, on gloo (the CPU has no streams; a GPU proves the
+    loads themselves: tools/gpu_check.sh): the receiving thread allocates and receives every bucket on
+    the stream current in the thread that iterates `receive` (vLLM's worker, which loads on it)."""
+    from areal_hpc.weight_sync import broadcast
+
+    current = threading.local()
+    read_in, broadcasts = [], []
+    loading = object()  # the loading thread's stream
+    monkeypatch.setattr(broadcast, "current_stream", lambda device: read_in.append(threading.get_ident()) or loading)
+    monkeypatch.setattr(broadcast, "use_stream", lambda stream: setattr(current, "stream", stream))
+    plain = SyncGroup.broadcast
+
+    def on_which_stream(self, tensor, what, timeout_s=None):
+        broadcasts.append((threading.get_ident(), getattr(current, "stream", None), what))
+        return plain(self, tensor, what, timeout_s)
+
+    sender, spec = _local_group(2)
+    receiver = WeightReceiver([spec], (1,))
+    _connect_all(sender, [receiver])
+    monkeypatch.setattr(SyncGroup, "broadcast", on_which_stream)
+    loader = []
+
+    def load():
+        loader.append(threading.get_ident())
+        for _ in receiver.receive():
+            pass
+
+    th = threading.Thread(target=load)
+    th.start()
+    sender.send(_tensors(), bucket_bytes=40_000)
+    th.join(30)
+    received = [(thread, stream) for thread, stream, _ in broadcasts if thread != threading.get_ident()]
+    assert read_in == loader  # read once, in the loading thread
+    assert len(received) >= 3 * 3 + 1  # sizes, header, payload per bucket, and the end marker
+    assert {stream for _, stream in received} == {loading}
+    assert loader[0] not in {thread for thread, _ in received}  # received by its own thread
+    # the stream the caller names (a vLLM worker names vLLM's own) over the current one
+    named, broadcasts[:] = object(), []
+    th = threading.Thread(target=lambda: list(receiver.receive(named)))
+    th.start()
+    sender.send(_tensors(), bucket_bytes=40_000)
+    th.join(30)
+    assert {stream for thread, stream, _ in broadcasts if thread != threading.get_ident()} == {named}
+    assert len(read_in) == 1
+
+
+def test_a_receiver_holds_three_payloads_at_most_whatever_the_stages():
+    """Five stages' groups into one receiver whose caller loads slowly: every payload alive is counted (weak
+    references) as each bucket is taken. One being loaded, one waiting, one arriving: a stage's stream paused
+    in the round robin holds none (areal_hpc.generator.memory budgets three)."""
+    import gc
+    import weakref
+
+    class Bucket(list):  # a list that weak references can follow
+        pass
+
+    unpack, alive = WeightReceiver._bucket, []
+
+    def tracked(group):
+        bucket = unpack(group)
+        if bucket is not None:
+            bucket = Bucket(bucket)
+            alive.append(weakref.ref(bucket))
+        return bucket
+
+    stages, per_stage = 5, 4
+    senders, specs = [], []
+    for stage in range(stages):
+        master = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=20), wait_for_workers=False)
+        spec = GroupSpec(f"areal-ws-{stage}", stage, "127.0.0.1", master.port, 2, "gloo", 20.0, "", 4 + stage, MEMBERS)
+        senders.append(WeightSender(stage, True, spec, _master_store=master))
+        specs.append(spec)
+    receiver = WeightReceiver(specs, (1,))
+    receiver._bucket = tracked
+    joins = [threading.Thread(target=receiver.join, args=(0, 20.0))]
+    joins += [threading.Thread(target=s.join, args=(20.0,)) for s in senders]
+    for th in joins:
+        th.start()
+    for th in joins:
+        th.join(30)
+    most = 0
+    sends = [
+        threading.Thread(target=s.send, args=([(f"s{i}.{j}", torch.ones(1000)) for j in range(per_stage)], 4000))
+        for i, s in enumerate(senders)
+    ]
+    for th in sends:
+        th.start()
+    for bucket in receiver.receive():
+        del bucket
+        time.sleep(0.05)  # a slow load: the receiving thread fills what it may meanwhile
+        gc.collect()
+        most = max(most, sum(ref() is not None for ref in alive))
+    for th in sends:
+        th.join(30)
+    assert len(alive) == stages * per_stage and most <= 3, most
+
+
 def _layout(*overrides: str) -> Layout:
     return Layout.from_config(
         load_config(

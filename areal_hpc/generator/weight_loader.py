@@ -119,15 +119,21 @@ class WeightLoader:
         return joined
 
     def areal_receive_weights(self) -> int:
-        """Receive a sync over the groups joined at start and load each bucket as it arrives."""
+        """Receive a sync over the groups joined at start and load each bucket as it arrives, on one stream
+        (`WeightReceiver.receive`: the race a payload's memory would otherwise be open to)."""
         receiver = getattr(self, "_areal_receiver", None)
         if receiver is None:
             raise RuntimeError("weight sync before the worker joined its groups (GenerationEngine.join_weight_sync)")
         count = 0
+        loading = None
+        if receiver.device.type == "cuda":  # the stream vLLM runs the model and loads the weights on, here
+            from vllm.utils.torch_utils import current_stream
+
+            loading = current_stream()
 
         def stream():
             nonlocal count
-            for bucket in receiver.receive():
+            for bucket in receiver.receive(loading):
                 count += len(bucket)
                 yield from bucket
 

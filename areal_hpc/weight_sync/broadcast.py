@@ -104,10 +104,12 @@ from areal_hpc.weight_sync.group import (
     GroupSpec,
     SyncGroup,
     WeightSyncError,
+    current_stream,
     group_label,
     own_device,
     until,
     use_device,
+    use_stream,
 )
 
 if TYPE_CHECKING:
@@ -232,18 +234,36 @@ class WeightReceiver:
             group.leave()
         self._groups.clear()
 
-    def receive(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    @property
+    def device(self) -> torch.device:
+        """Where this process's ends of the groups live (joined: `join`)."""
+        return next(iter(self._groups.values())).device
+
+    def receive(self, loading=None) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Yield each bucket (a list of (hf_name, tensor)) of every group, in the agreed order (module
         docstring), until all groups have sent their end marker. One thread receives, in that order;
-        the caller consumes a bucket while the next ones arrive (at most 2 waiting)."""
+        the caller consumes a bucket while the next one waits and the one after it arrives: at most three
+        payloads at once (areal_hpc.generator.memory.RECEIVE_BUFFERS counts them on the GPU).
+
+        On a GPU the receiving thread works on `loading`, the stream the caller copies the weights into the
+        model on (default: the one current in the caller's thread when the iteration begins; a vLLM worker
+        passes vLLM's own). A bucket's payload is then allocated, received (the collective's stream waits
+        for that stream's earlier work, and NCCL's wait orders that stream after the collective) and copied
+        into the model on one stream: no copy starts before its bytes arrived, and a payload's memory,
+        freed once the caller drops the bucket, is reused by a later allocation only after the copies
+        queued before it (not so on the thread's own default stream). The GPU takes the transfers and
+        copies in turn: what overlaps is the host's work, unpacking and the loaders' Python."""
         if not self._groups:
             raise WeightSyncError("weight sync: this generator receives before joining its groups (join)")
-        out: queue.Queue = queue.Queue(maxsize=2)
+        out: queue.Queue = queue.Queue(maxsize=1)
         done = object()
+        device = self.device
+        loading = loading if loading is not None else current_stream(device)
 
         def pump() -> None:
             try:
-                use_device(next(iter(self._groups.values())).device)
+                use_device(device)
+                use_stream(loading)
                 for bucket in self._in_agreed_order():
                     out.put(bucket)
                 out.put(done)
@@ -284,24 +304,32 @@ class WeightReceiver:
                     del streams[stage]
                 else:
                     yield bucket
+                    del bucket  # this frame pauses in the next `next`: hold nothing there
 
     def _stream(self, group: SyncGroup) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        while True:
-            sizes = torch.empty(2, dtype=torch.int64, device=group.device)
-            group.broadcast(sizes, "bucket sizes")
-            head_n, payload_n = (int(x) for x in sizes.tolist())
-            if head_n == 0:
-                return
-            head = torch.empty(head_n, dtype=torch.uint8, device=group.device)
-            group.broadcast(head, "bucket header")
-            payload = torch.empty(payload_n, dtype=torch.uint8, device=group.device)
-            group.broadcast(payload, "bucket payload")
-            bucket = []
-            for name, dtype, shape, off in json.loads(bytes(head.cpu().numpy()).decode()):
-                dt = getattr(torch, dtype)
-                n = _numel(shape) * torch.empty((), dtype=dt).element_size()
-                bucket.append((name, payload[off : off + n].view(dt).view(shape)))
-            yield bucket
+        """One group's buckets until its end marker. Its paused frame holds no bucket (`yield from` a call
+        iterator): with a stream per stage paused in the round robin, a frame holding its last bucket would
+        keep one payload alive per stage (areal_hpc.generator.memory counts three in all)."""
+        yield from iter(lambda: self._bucket(group), None)
+
+    @staticmethod
+    def _bucket(group: SyncGroup) -> list[tuple[str, torch.Tensor]] | None:
+        """The group's next bucket, None at its end marker."""
+        sizes = torch.empty(2, dtype=torch.int64, device=group.device)
+        group.broadcast(sizes, "bucket sizes")
+        head_n, payload_n = (int(x) for x in sizes.tolist())
+        if head_n == 0:
+            return None
+        head = torch.empty(head_n, dtype=torch.uint8, device=group.device)
+        group.broadcast(head, "bucket header")
+        payload = torch.empty(payload_n, dtype=torch.uint8, device=group.device)
+        group.broadcast(payload, "bucket payload")
+        bucket = []
+        for name, dtype, shape, off in json.loads(bytes(head.cpu().numpy()).decode()):
+            dt = getattr(torch, dtype)
+            n = _numel(shape) * torch.empty((), dtype=dt).element_size()
+            bucket.append((name, payload[off : off + n].view(dt).view(shape)))
+        return bucket
 
 
 # --- setup (collective over the MPI world) -----------------------------------------------------

@@ -114,6 +114,18 @@ def use_device(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
+def current_stream(device: torch.device):
+    """The calling thread's current CUDA stream on `device` (in a vLLM worker, the dedicated stream vLLM
+    made current, on which it loads weights and runs the model); None on the CPU, which has no streams."""
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
+def use_stream(stream) -> None:
+    """Make `stream` (from `current_stream`, possibly another thread's) this thread's current stream."""
+    if stream is not None:
+        torch.cuda.set_stream(stream)
+
+
 class SyncGroup:
     """One member's end of a weight-sync group: joined and checked when made, then `broadcast`, `leave`."""
 
@@ -237,6 +249,8 @@ __all__ = [
     "group_label",
     "own_device",
     "until",
+    "current_stream",
     "use_device",
+    "use_stream",
     "watchdog_timeout_s",
 ]
