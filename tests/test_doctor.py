@@ -30,6 +30,7 @@ CHECKS = [
     "preemption",
     "run directory",
     "python",
+    "memory",
     "mpi",
     "gpus",
     "all-reduce",
@@ -115,9 +116,10 @@ def test_gpu_checks_from_reports_on_a_cuda_config(tmp_path):
     login = {"torch": "2.13.0", "vllm": "0.32.0", "megatron.core": "0.16.1", "mpi4py": "4.1.2"}
     hosts = ["node1", "node1", "node2", "node2", "node3", "node3"]
     reports = {
-        r: {"rank": r, "host": h, "token": "t", "mpi": {"size": 6, "sum": 6}, "versions": dict(login)}
+        r: {"rank": r, "host": h, "token": "t", "mpi": {"size": 6, "sum": 6}, "versions": dict(login),
+            "memory": {"node": 2**40, "limit": 64 * 2**30 if h == "node1" else None}}
         for r, h in enumerate(hosts)
-    }
+    }  # fmt: skip
     for r in range(2, 6):
         reports[r]["gpus"] = {"CUDA_VISIBLE_DEVICES": "0,1", "torch": 2}
         reports[r]["allreduce"] = {"backend": "nccl", "ranks": 2, "ok": True}
@@ -131,6 +133,12 @@ def test_gpu_checks_from_reports_on_a_cuda_config(tmp_path):
         "nccl from world rank 4 (trainer) to world ranks 2-3 (generator) at 10.0.0.3:4711, checked by every receiver"
     )
 
+    assert checks["memory"].detail == (
+        "the least a task may use: controller 64.0 GiB of the node's 1,024.0 GiB, reward 64.0 GiB of the node's "
+        "1,024.0 GiB, generator 1,024.0 GiB (the node's all), trainer 1,024.0 GiB (the node's all)"
+    )
+
+    reports[5]["memory"]["limit"] = 8 * 2**30  # a partition that caps a task's memory
     reports[4]["gpus"]["torch"] = 1  # a node whose GPU is gone
     reports[5].pop("allreduce")
     reports[5]["allreduce_error"] = "Traceback ...\nRuntimeError: NCCL error: unhandled system error"
@@ -140,6 +148,13 @@ def test_gpu_checks_from_reports_on_a_cuda_config(tmp_path):
     assert checks["all-reduce"].status == "FAIL" and "NCCL error: unhandled system error" in checks["all-reduce"].detail
     assert "world rank 5 (trainer)" in checks["all-reduce"].detail
     assert checks["python"].detail == "torch 2.12.0 (this host: 2.13.0) on node2"
+    assert checks["memory"].status == "FAIL" and checks["memory"].detail.startswith(
+        "world rank 5 (trainer) may use less than half their node's memory; "
+    )
+    assert (
+        "trainer 8.0 GiB of the node's 1,024.0 GiB" in checks["memory"].detail
+        and "MaxMemPerNode" in checks["memory"].fix
+    )
 
     # a generator that could not reach the trainer's group, and a node without cluster.network_interface
     reports[3].pop("weight_sync")
@@ -158,6 +173,28 @@ def test_gpu_checks_from_reports_on_a_cuda_config(tmp_path):
     assert "set cluster.network_interface" in checks["weight sync"].fix
     assert checks["mpi"].status == "FAIL"
     assert checks["mpi"].detail == "cluster.network_interface 'ib0' is not an interface on host node3 (...)"
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_tasks_memory_is_its_cgroups_limit_else_its_nodes(tmp_path, version):
+    """`doctor_probe.task_memory` on a /proc and a cgroup tree as Slurm's task/cgroup plugin leaves them."""
+    from areal_hpc.launch.doctor_probe import task_memory
+
+    proc, cgroups = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text("MemTotal:       1048576 kB\nMemFree:        1000 kB\n")
+    job = "/slurm/uid_0/job_7/step_0/task_0"
+    if version == 2:
+        (proc / "self" / "cgroup").write_text(f"0::{job}\n")
+        base, name, none = cgroups, "memory.max", "max"
+    else:
+        (proc / "self" / "cgroup").write_text(f"5:cpuset:/\n4:memory:{job}\n0::/\n")
+        base, name, none = cgroups / "memory", "memory.limit_in_bytes", str(2**63 - 4096)
+    (base / job.lstrip("/")).mkdir(parents=True)
+    (base / job.lstrip("/") / name).write_text(f"{none}\n")  # the task's own: none; its job's: 256 MiB
+    assert task_memory(proc, cgroups) == {"node": 2**30, "limit": None}
+    (base / "slurm/uid_0/job_7" / name).write_text(f"{256 * 2**20}\n")
+    assert task_memory(proc, cgroups) == {"node": 2**30, "limit": 256 * 2**20}
 
 
 def test_the_sandbox_is_checked_on_the_nodes_that_run_programs():
@@ -280,7 +317,7 @@ def test_the_probe_passes_in_an_mpi_world_with_the_runs_start_up_broadcasts(run_
     login = reports[0]["versions"]  # one host: the login node's are rank 0's
     checks = {c.name: c for c in evaluate(cfg, layout, reports, "t", login, tmp_path)}
     assert {n: c.status for n, c in checks.items()} == {
-        "run directory": "PASS", "python": "PASS", "sandbox": "SKIP", "mpi": "PASS", "gpus": "SKIP",
+        "run directory": "PASS", "python": "PASS", "sandbox": "SKIP", "memory": "PASS", "mpi": "PASS", "gpus": "SKIP",
         "all-reduce": "PASS", "weight sync": "PASS",
     }, checks  # fmt: skip
     assert reports[0]["sandbox"] == "ok", "a program ran in bubblewrap on this node"

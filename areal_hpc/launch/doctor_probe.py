@@ -2,6 +2,7 @@
 
 ```
  every rank   DIR/token readable? (the login node wrote it)   -> DIR/rank<r>.json   (before anything can hang)
+              the memory the task may use (its cgroup's limit, its node's total)
               IFACE (cluster.network_interface) on its node?
  first rank   python doctor_probe.py --versions (a child):    -> its node's torch, vllm, megatron.core, mpi4py
    of a node  a program in the code sandbox (bubblewrap)       -> "ok", or what went wrong
@@ -54,6 +55,35 @@ def versions() -> dict[str, str]:
     return found
 
 
+def task_memory(proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")) -> dict:
+    """The memory this task may use, in bytes: `node`, its node's MemTotal; `limit`, its cgroup's limit
+    (cgroup v2 memory.max, else v1 memory.limit_in_bytes, the nearest set on the way up; None: no limit
+    found), which is what Slurm's task/cgroup plugin enforces of --mem."""
+    node = None
+    for line in (proc / "meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            node = int(line.split()[1]) * 1024
+    limit = None
+    for entry in (proc / "self" / "cgroup").read_text().splitlines():
+        hierarchy, controllers, path = entry.split(":", 2)
+        if hierarchy == "0":
+            base, name = cgroups, "memory.max"
+        elif "memory" in controllers.split(","):
+            base, name = cgroups / "memory", "memory.limit_in_bytes"
+        else:
+            continue
+        here = base / path.lstrip("/")
+        while limit is None and here != base.parent:
+            try:
+                text = (here / name).read_text().strip()
+            except OSError:
+                text = "max"
+            if text != "max" and int(text) < (node or 0):  # v1 writes a huge number for none
+                limit = int(text)
+            here = here.parent
+    return {"node": node, "limit": limit}
+
+
 def sandbox() -> str:
     """Whether a program runs in the code sandbox on this node (areal_hpc.reward.code: bubblewrap), as the
     code reward and the `python` tool run theirs: "ok", or what went wrong."""
@@ -91,6 +121,10 @@ def main(out: Path, device: str, starts: list[int], sources: list[tuple[int, int
         report["token"] = (out / "token").read_text()
     except OSError as e:
         report["token_error"] = str(e)
+    try:
+        report["memory"] = task_memory()
+    except (OSError, ValueError) as e:
+        report["memory_error"] = f"{type(e).__name__}: {e}"
 
     def write() -> None:
         tmp = out / f".rank{rank}.json"

@@ -1,6 +1,6 @@
 """`areal-hpc doctor`'s judgement of its probe job's reports (areal_hpc/launch/doctor_probe.py writes one
-per world rank): a `Check` for each of run directory, python, sandbox, mpi, gpus, all-reduce and weight
-sync, each from what the ranks wrote. `evaluate` runs them in that order and SKIPs what cannot be known
+per world rank): a `Check` for each of run directory, python, sandbox, memory, mpi, gpus, all-reduce and
+weight sync, each from what the ranks wrote. `evaluate` runs them in that order and SKIPs what cannot be known
 (no report reached this host; no MPI world, for the checks that need one). Pure: no Slurm, no files.
 """
 
@@ -31,10 +31,11 @@ def evaluate(cfg: Config, layout: Layout, reports: dict, token: str, login: dict
     """The checks from the ranks' reports ({world rank: report})."""
     checks = [check_run_directory(cfg, layout, reports, token, probe_dir)]
     if not reports:
-        for name in ("python", "mpi", "gpus", "all-reduce", "weight sync"):
+        for name in ("python", "memory", "mpi", "gpus", "all-reduce", "weight sync"):
             checks.append(Check(name, "SKIP", "not known: no rank's report reached this host (see run directory)"))
         return checks
-    checks += [check_python(reports, login), check_sandbox(cfg, layout, reports), check_mpi(layout, reports)]
+    checks += [check_python(reports, login), check_sandbox(cfg, layout, reports), check_memory(layout, reports)]
+    checks.append(check_mpi(layout, reports))
     if len(_in_world(layout, reports)) < layout.world_size:
         for name in ("gpus", "all-reduce", "weight sync"):
             checks.append(Check(name, "SKIP", "not run: the ranks had no MPI world (see mpi)"))
@@ -82,6 +83,46 @@ def check_python(reports: dict, login: dict) -> Check:
             "nodes see them (a venv on the shared filesystem), or set cluster.container",
         )  # fmt: skip
     return Check("python", "PASS", f"{', '.join(f'{k} {v}' for k, v in login.items())} on every node")
+
+
+GPU_TASK_SHARE = 0.5
+"""A GPU task that may use less than this share of its node's memory FAILs the memory check: a trainer reads
+Hugging Face shards and stages checkpoints in host memory, and shares its node with the others."""
+
+
+def check_memory(layout: Layout, reports: dict) -> Check:
+    """The memory each role's tasks may use (`doctor_probe.task_memory`: their cgroup's limit, else their
+    node's memory), the least of each; FAIL when a GPU task gets less than GPU_TASK_SHARE of its node's."""
+    got: dict[str, list[tuple[int, int]]] = {}  # role -> [(bytes it may use, its node's)]
+    for r, rep in sorted(reports.items()):
+        m = rep.get("memory")
+        if m and m.get("node"):
+            got.setdefault(layout.role_of(r).name.lower(), []).append((m["limit"] or m["node"], m["node"]))
+    errors = sorted({rep["memory_error"] for rep in reports.values() if rep.get("memory_error")})
+    if not got:
+        return Check("memory", "SKIP", "not known: " + ("; ".join(errors) or "no rank reported its memory"))
+    parts = []
+    for role, sizes in got.items():
+        least, node = min(sizes)
+        parts.append(
+            f"{role} {_gib(least)}" + (" (the node's all)" if least == node else f" of the node's {_gib(node)}")
+        )
+    detail = "the least a task may use: " + ", ".join(parts)
+    short = [
+        r for r in _gpu_ranks(layout)
+        if (m := reports.get(r, {}).get("memory")) and m.get("limit") and m["limit"] < GPU_TASK_SHARE * m["node"]
+    ]  # fmt: skip
+    if not short:
+        return Check("memory", "PASS", detail)
+    return Check(
+        "memory", "FAIL", f"{_ranks_text(layout, short)} may use less than half their node's memory; {detail}",
+        "the job asks for all of a GPU node's memory (--mem=0); the partition caps it (MaxMemPerNode, or memory "
+        "per CPU): choose another cluster.partition or ask the admins for the nodes' memory",
+    )  # fmt: skip
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.1f} GiB"
 
 
 def check_mpi(layout: Layout, reports: dict) -> Check:
