@@ -1,8 +1,9 @@
 """tools/gpu_check.sh as a user runs it on a GPU node, here on this machine's device (AREAL_DEVICE resolved
 as the trainer tests resolve it): every trainer check passes and the summary counts them. And the parts
 of its run checks that need no GPU: the layouts they ask for and the GPUs those need, and the judges
-(metrics, generator log, interruption, a submitted job, the driver's version) on made-up inputs. The
-same judges run on real runs in tests/test_e2e.py and tests/test_generator.py."""
+(metrics, the MoE run's routing replay, the agent run's tool calls, generator log, interruption, a submitted
+job, the driver's version) on made-up inputs. The same judges run on real runs in tests/test_e2e.py and
+tests/test_generator.py."""
 
 from __future__ import annotations
 
@@ -12,12 +13,18 @@ import os
 import stat
 import subprocess
 
+import numpy as np
 import pytest
 
-from areal_hpc.config import load_config
+from areal_hpc.arch import model_arch
+from areal_hpc.config import Config, load_config
+from areal_hpc.controller.batch import BatchInfo
+from areal_hpc.controller.step_metrics import StepMetrics
 from areal_hpc.device import visible_gpus
 from areal_hpc.launch.record import SqueueError
 from areal_hpc.layout import Layout, Role
+from areal_hpc.metrics import read_metrics
+from areal_hpc.protocol import Trajectory
 from areal_hpc.trainer.spawn import default_device
 from tests.support import gpu_checks
 from tests.support.generator_log import ENGINE_LINE, engine_start, startup_verdict
@@ -111,6 +118,43 @@ def test_the_run_checks_ask_for_the_layouts_they_name():
     assert long.ppo.max_tokens_per_mb == load_config(SMOKE).ppo.max_tokens_per_mb  # the config's
 
 
+def test_the_moe_and_agent_checks_ask_for_the_layouts_they_name(tmp_path):
+    """The MoE check: the generator on a GPU of its own, 2 trainer ranks at EP 2 (DP 2: two of the 4 experts on
+    each), routing replay on, synchronous: 3 GPUs. The agent check: configs/tiny-agent-cpu.yaml's episodes,
+    warm start and model (heads of 64) on gpu-smoke's 2 GPUs. Both keep their tiny models when the user's
+    runs are on `model.path=DIR`."""
+    moe = load_config(SMOKE, gpu_checks.moe_overrides([]))
+    layout = Layout.from_config(moe)
+    assert gpu_checks.gpus_needed(gpu_checks.moe_overrides([])) == 3
+    assert (layout.generators, layout.trainers, layout.train_dp, layout.train_ep) == (1, 2, 2, 2)
+    gpus = [layout.machine_gpus(r) for r in (*layout.ranks(Role.GENERATOR), *layout.ranks(Role.TRAINER))]
+    assert gpus == [(0,), (1,), (2,)]
+    arch = model_arch(moe.model)
+    assert (arch.num_experts, arch.num_experts_per_tok, arch.num_layers) == (4, 2, 24)
+    assert moe.ppo.routing_replay and moe.rollout.max_staleness == 0 and moe.cluster.device == "cuda"
+
+    agent = load_config(SMOKE, gpu_checks.agent_overrides([]))
+    recipe = load_config(REPO / "configs" / "tiny-agent-cpu.yaml")
+    assert gpu_checks.gpus_needed(gpu_checks.agent_overrides([])) == 2
+    for field in ("workflow", "tool_format", "max_turns", "max_episode_tokens", "max_new_tokens", "tool_processes"):
+        assert getattr(agent.rollout, field) == getattr(recipe.rollout, field), field
+    assert agent.data == recipe.data and agent.sft == recipe.sft  # the multiplication task, the warm start to call
+    got, want = model_arch(agent.model), model_arch(recipe.model)
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "tie_word_embeddings"):
+        assert getattr(got, field) == getattr(want, field), field
+    assert (got.head_dim, want.head_dim) == (64, 32) and agent.cluster.device == "cuda"
+
+    from areal_hpc.data.tiny import hf_config
+    from tests.support.shapes import QWEN2
+
+    hf_config(QWEN2).save_pretrained(tmp_path)
+    user = [f"model.path={tmp_path}", "model.dtype=float32"]
+    for overrides in (gpu_checks.moe_overrides(user), gpu_checks.agent_overrides(user)):
+        cfg = load_config(SMOKE, gpu_checks.smoke_overrides(overrides))
+        assert (cfg.model.path, cfg.model.dtype) == ("tiny", "bfloat16")
+    assert gpu_checks.gpus_needed(gpu_checks.moe_overrides(user)) == 3
+
+
 def row(step: int, **kw) -> dict:
     base = {"step": step, "ppo/loss": 0.1, "ppo/grad_norm": 1.0, "ppo/logp_mismatch": 1e-3}
     return base | {"ppo/logp_mismatch_tokens": 10} | kw
@@ -125,6 +169,80 @@ def test_metrics_problems_name_what_is_wrong():
     assert "disagree on logprobs" in problem and "3.00e-01" in problem
     [problem] = metrics_problems([row(1, **{"ppo/logp_mismatch_tokens": 0})], 1, 5e-2)
     assert "weight sync was never checked" in problem
+
+
+def arrival(tool_errors: int = 0, error: str = "") -> Trajectory:
+    """An episode as it reaches the controller, with what its counts read: its failed tool calls, or the
+    traceback of a workflow that raised (a lost episode: no tokens)."""
+    empty = np.zeros(0, np.int32)
+    no_tokens = (empty, empty, empty.astype(np.uint8), empty.astype(np.float32), empty, empty)
+    return Trajectory(0, 0, *no_tokens, "stop", stats={"tool_errors": tool_errors}, error=error)
+
+
+def written_rows(run_dir, cfg: Config, steps: list[tuple[float, dict, list[Trajectory]]]) -> list[dict]:
+    """metrics.jsonl as the controller writes it (StepMetrics) for `steps`, each (the mean tool calls of its
+    batch's episodes, the trainer's figures, the episodes that arrived since the step before)."""
+    run_dir.mkdir()
+    writer = StepMetrics(run_dir, cfg, None, generators=1)
+    for version, (tool_calls_mean, stats, arrived) in enumerate(steps, 1):
+        for episode in arrived:
+            writer.arrived(episode)
+        info = BatchInfo(reward_mean=0.5, response_tokens=500, sequences=64, tool_calls_mean=tool_calls_mean)
+        writer.write(version, info, stats, rollouts={}, sync_s=0.2, drain_s=0.0, save_s=0.0, evals={})
+    writer.close()
+    return read_metrics(run_dir)
+
+
+TRAINED = {"ppo/loss": 0.1, "ppo/grad_norm": 1.0, "ppo/logp_mismatch": 2e-3, "ppo/logp_mismatch_tokens": 40}
+"""The trainer's figures of a step that went well (areal_hpc.trainer.step)."""
+
+
+def test_the_agent_and_moe_verdicts_name_what_is_wrong(tmp_path):
+    """Judged as check_agent and check_moe judge a run: rows as the controller writes them with the trainer's
+    figures. Episodes that called the calculator pass, the count in the detail; none calling it, every call
+    failing, a lost episode or a logprob mismatch fail saying so; a MoE step without its routing agreement
+    fails naming the step."""
+    base = [f"experiment.root={tmp_path}", "logging.tensorboard=false", "train.total_steps=2"]
+    agent = load_config(SMOKE, [*base, *gpu_checks.AGENT])
+    episodes = agent.rollout.prompts_per_step * agent.rollout.group_size  # 64 a step
+
+    def agent_verdict(name, steps):
+        rows = written_rows(tmp_path / name, agent, steps)
+        problems, detail = gpu_checks.tool_findings(rows, episodes)
+        return gpu_checks.rows_verdict(rows, agent, f"; {detail}", problems)
+
+    status, detail = agent_verdict("calls", [(0.25, TRAINED, [arrival(1)]), (0.75, TRAINED, [arrival()])])
+    assert status == "PASS" and detail.endswith("; 64 tool calls (0.50 per episode), 1 failed; 0 episodes lost")
+    assert detail.startswith("2 steps, weight sync 0.20 s at most, logp mismatch 2.0e-03 over 80 tokens (bfloat16)")
+    assert agent_verdict("none", [(0.0, TRAINED, [])] * 2) == (
+        "FAIL",
+        "no episode called the tool: rollout/tool_calls_mean 0 on every step",
+    )
+    all_failed = [(0.25, TRAINED, [arrival(8)] * 2), (0.0, TRAINED, [])]
+    assert agent_verdict("failed", all_failed) == (
+        "FAIL",
+        "every tool call failed: 16 rollout/tool_errors, about 16 calls",
+    )
+    status, detail = agent_verdict("lost", [(0.5, TRAINED, [arrival(error="Traceback ...")]), (0.5, TRAINED, [])])
+    assert status == "FAIL" and detail.startswith("1 episode(s) lost, their workflow raised (rollout/workflow_errors)")
+    off = TRAINED | {"ppo/logp_mismatch": 0.3}
+    status, detail = agent_verdict("mismatch", [(0.5, TRAINED, []), (0.5, off, [])])
+    assert status == "FAIL" and "disagree on logprobs" in detail and "3.00e-01 > 5e-02" in detail
+
+    moe = load_config(SMOKE, [*base, *gpu_checks.MOE_EP2])
+
+    def moe_verdict(name, agreements):
+        steps = [(0.0, TRAINED | ({"ppo/routing_agreement": a} if a is not None else {}), []) for a in agreements]
+        rows = written_rows(tmp_path / name, moe, steps)
+        problems, detail = gpu_checks.routing_findings(rows)
+        return gpu_checks.rows_verdict(rows, moe, f"; {detail}", problems)
+
+    status, detail = moe_verdict("replayed", [0.95, 0.97])
+    assert status == "PASS" and detail.endswith("; routing agreement 0.950 at the lowest, 0.960 on average")
+    assert moe_verdict("not-replayed", [0.95, None]) == (
+        "FAIL",
+        "steps [2] report no ppo/routing_agreement: the trainer replayed no routing",
+    )
 
 
 LOG = """\
@@ -229,6 +347,8 @@ def test_without_the_gpus_each_run_check_says_what_it_needs(tmp_path, gpu_check)
         ),
         ("generator at gen_tp 2: NCCL weight sync, logprobs agree", "SKIP", "needs 4 GPUs, 0 visible"),
         ("trainer at PP 2 -> generator", "SKIP", "needs 3 GPUs, 0 visible"),
+        ("tiny MoE at EP 2: expert weight sync to vLLM with routing replay", "SKIP", "needs 3 GPUs, 0 visible"),
+        ("agent episodes with a tool on a GPU engine", "SKIP", "needs 2 GPUs, 0 visible"),
         ("interruption, 256 trajectories in flight (bf16, the project's engine)", "SKIP", "needs 1 GPUs, 0 visible"),
         ("Qwen's vocabulary, 4096 new tokens: peak memory, bf16 mismatch", "SKIP", "needs 2 GPUs, 0 visible"),
         ("stop (Ctrl-C), resume, continue a run", "SKIP", "needs 2 GPUs, 0 visible"),

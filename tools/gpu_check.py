@@ -5,7 +5,8 @@ to a bug report. Run it through `tools/gpu_check.sh` (which finds the Python and
     tools/gpu_check.sh --trainer-only   # no vLLM needed: also from a checkout on PYTHONPATH with the
                                         # machine's own PyTorch (2.11 or newer) and megatron-core
     tools/gpu_check.sh --submit cluster.partition=gpu   # also the short run through Slurm, on 2 nodes
-    tools/gpu_check.sh model.path=DIR   # the runs on a real model (its config.json gives the shape)
+    tools/gpu_check.sh model.path=DIR   # the runs on a real model (its config.json gives the shape;
+                                        # the MoE and agent runs keep their tiny models)
 
 Every check calls the functions of tests/support/ that the CPU tests call. Trainer checks (on this
 machine's device: AREAL_DEVICE=auto|cpu|cuda, auto by default):
@@ -21,6 +22,13 @@ share a GPU over NCCL, so each check needs the GPUs of its layout, and says so w
   - a generator at gen_tp 2 receiving weights over NCCL, and a trainer at PP 2 sending to it (two
     weight-sync groups in their agreed order): one run of 4 GPUs, reported as two lines (with 3 GPUs
     the PP 2 run alone);
+  - 5 steps of gpu-smoke as a Qwen3-MoE with the tiny experts (4, top 2), the trainer at EP 2 with
+    ppo.routing_replay, synchronous: the experts of both EP ranks synced to vLLM (generator and trainer
+    agreeing on logprobs), every step's routing replayed, its agreement (`ppo/routing_agreement`) reported
+    (3 GPUs);
+  - 5 steps of the tiny agent (configs/tiny-agent-cpu.yaml's calculator episodes, warm start and model,
+    at heads of 64) on a GPU engine: every step trained, the episodes calling the tool, how often and
+    how many calls failed (2 GPUs);
   - the generator's interruption with the project's engine configuration (the same engine as in a
     run), 256 trajectories in flight, bf16: the logprob mismatch of the tokens before and after a
     resubmission, apart (1 GPU);
@@ -212,6 +220,16 @@ def path_checks(work: Path, overrides: list[str], gpus: int, submit_root: Path |
         check(tp_name, both, None)
         check(pp_name, pp_only, lambda: g.run_verdict(g.short_run(work, "pp2", [*g.PP_ONLY, *overrides], 5)))
 
+    check(
+        "tiny MoE at EP 2: expert weight sync to vLLM with routing replay",
+        g.gpus_needed(g.moe_overrides(overrides)),
+        lambda: g.check_moe(work, overrides),
+    )
+    check(
+        "agent episodes with a tool on a GPU engine",
+        g.gpus_needed(g.agent_overrides(overrides)),
+        lambda: g.check_agent(work, overrides),
+    )
     check(
         "interruption, 256 trajectories in flight (bf16, the project's engine)", 1, lambda: g.check_interruption(work)
     )

@@ -1,6 +1,7 @@
 """The GPU check's checks of the path a run takes (tools/gpu_check.py runs them after its trainer checks):
-short runs of configs/gpu-smoke.yaml through `areal-hpc run` (or `submit`), and the generator's
-interruption in a process of its own. Each returns (status, detail): PASS, FAIL or SKIP and why.
+short runs of configs/gpu-smoke.yaml through `areal-hpc run` (or `submit`), also as a mixture of experts
+and as the tiny agent, and the generator's interruption in a process of its own. Each returns (status,
+detail): PASS, FAIL or SKIP and why.
 
 Judged by the functions the CPU tests call (tests.support.runs, .generator_runs, .generator_log);
 what a check needs is counted from the layout its overrides give (`gpus_needed`), never assumed.
@@ -9,12 +10,15 @@ what a check needs is counted from the layout its overrides give (`gpus_needed`)
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
 
+import yaml
+
 from areal_hpc.arch import model_arch
-from areal_hpc.config import load_config
+from areal_hpc.config import Config, load_config
 from areal_hpc.layout import Layout
 from tests.support.generator_log import engine_start
 from tests.support.runs import (
@@ -40,6 +44,40 @@ PP_ONLY = ("cluster.gpus_per_node=3", "allocation.gen_gpus=1", "allocation.gen_t
 QWEN_VOCAB = ("model.vocab_size=151936", "model.max_position_embeddings=8192")
 """Qwen2's real vocabulary, and room for 4096 new tokens after a prompt (the built model only)."""
 LONG = ("rollout.max_new_tokens=4096",)
+MOE_EP2 = (
+    "model.architecture=qwen3_moe",
+    "ppo.routing_replay=true",
+    "rollout.max_staleness=0",
+    "cluster.gpus_per_node=3",
+    "allocation.gen_gpus=1",
+    "allocation.gen_tp=1",
+    "allocation.train_ep=2",
+)
+"""gpu-smoke's model as a Qwen3-MoE with the tiny experts (4 of width 64, top 2), the trainer at EP 2 (2 ranks
+at DP 2, two experts of every layer on each) replaying the generator's routing, the generator on the node's
+first GPU: 3 GPUs. Synchronous, as tests/test_e2e.py runs the tiny MoE: every token is then of the version
+being trained, so every step's logprob mismatch checks the expert weights the generator was sent."""
+AGENT_CONFIG = "configs/tiny-agent-cpu.yaml"
+EPISODE_FIELDS = ("workflow", "tool_format", "max_turns", "max_episode_tokens", "max_new_tokens", "tool_processes")
+"""The `rollout` fields of the agent's episodes (the rest of its rollout is the batch, gpu-smoke's here)."""
+
+
+def agent_settings() -> tuple[str, ...]:
+    """The tiny agent (configs/tiny-agent-cpu.yaml: two-digit multiplications, which its model answers mostly by
+    calling the calculator once its warm start showed it the call) as overrides of gpu-smoke, whose machine,
+    batch and dtype it keeps: its model's shape (not gpu-smoke's 0.5B: the warm start trains on the launcher's
+    CPU, one thread, where that would take hours), at heads of 64, the size every vLLM attention backend
+    supports (its YAML's 32 is the smallest vLLM's CPU attention takes), its task, warm start and episodes."""
+    own = yaml.safe_load((REPO / AGENT_CONFIG).read_text())
+    model = {k: v for k, v in own["model"].items() if k not in ("path", "dtype")}
+    model["num_attention_heads"] = model["hidden_size"] // 64
+    rollout = {k: own["rollout"][k] for k in EPISODE_FIELDS}
+    sections = {"model": model, "data": own["data"], "sft": own["sft"], "rollout": rollout}
+    return tuple(f"{section}.{k}={v}" for section, fields in sections.items() for k, v in fields.items())
+
+
+AGENT = agent_settings()
+"""The tiny agent on gpu-smoke's machine: a generator's GPU, a trainer's GPU (`agent_settings`)."""
 
 
 def smoke_overrides(overrides: list[str]) -> list[str]:
@@ -51,6 +89,20 @@ def smoke_overrides(overrides: list[str]) -> list[str]:
     if "model.path" not in keys:
         return list(overrides)
     return [*(f"model.{f}=null" for f in SHAPE_FIELDS if f"model.{f}" not in keys), *overrides]
+
+
+def own_model(overrides: list[str]) -> list[str]:
+    """`overrides` less the model's (`model.*`): the MoE and agent checks run the tiny models they name
+    (a `model.path=DIR` of the user's is for the other runs)."""
+    return [o for o in overrides if not o.startswith("model.")]
+
+
+def moe_overrides(overrides: list[str]) -> list[str]:
+    return [*MOE_EP2, *own_model(overrides)]
+
+
+def agent_overrides(overrides: list[str]) -> list[str]:
+    return [*AGENT, *own_model(overrides)]
 
 
 def gpus_needed(overrides: list[str]) -> int:
@@ -67,18 +119,25 @@ def short_run(work: Path, trial: str, overrides: list[str], steps: int | None = 
     return run
 
 
-def run_verdict(run: RunProcess, extra: str = "") -> tuple[str, str]:
-    """A finished run judged from its exit code and metrics (`metrics_problems`)."""
-    rows, tol = run.rows(), MISMATCH_TOL[run.cfg.model.dtype]
-    problems = metrics_problems(rows, run.cfg.train.total_steps, tol)
+def run_verdict(run: RunProcess, extra: str = "", problems: Sequence[str] = ()) -> tuple[str, str]:
+    """A finished run judged from its exit code and its metrics (`rows_verdict`), with a check's own `problems`."""
+    exited = []
     if run.proc.returncode != 0:
         tail = "\n".join(run.output.strip().splitlines()[-15:])
-        problems.insert(0, f"areal-hpc run exited with {run.proc.returncode}; logs in {run.run_dir / 'logs'}:\n{tail}")
+        exited.append(f"areal-hpc run exited with {run.proc.returncode}; logs in {run.run_dir / 'logs'}:\n{tail}")
+    return rows_verdict(run.rows(), run.cfg, extra, [*exited, *problems])
+
+
+def rows_verdict(rows: list[dict], cfg: Config, extra: str = "", problems: Sequence[str] = ()) -> tuple[str, str]:
+    """The metrics.jsonl rows of a finished run of `cfg` judged (`metrics_problems`, at the mismatch tolerance of
+    its dtype) after the `problems` found elsewhere. PASS's detail: steps, the slowest weight sync, the worst
+    logprob mismatch, then `extra`."""
+    problems = [*problems, *metrics_problems(rows, cfg.train.total_steps, MISMATCH_TOL[cfg.model.dtype])]
     checked = checked_steps(rows)
     detail = (
         f"{len(rows)} steps, weight sync {max((r.get('timing/weight_sync_s', 0) for r in rows), default=0):.2f} s at "
         f"most, logp mismatch {max((r['ppo/logp_mismatch'] for r in checked), default=0):.1e} over "
-        f"{sum(r['ppo/logp_mismatch_tokens'] for r in checked):.0f} tokens ({run.cfg.model.dtype}){extra}"
+        f"{sum(r['ppo/logp_mismatch_tokens'] for r in checked):.0f} tokens ({cfg.model.dtype}){extra}"
     )
     return ("FAIL", "; ".join(problems)) if problems else ("PASS", detail)
 
@@ -190,6 +249,64 @@ def check_long(work: Path, overrides: list[str], steps: int = 3) -> tuple[str, s
         "vLLM's share of its GPU (gpu_memory_utilization), not measured",
     )
     return status, detail
+
+
+# --- a mixture of experts at EP 2, agent episodes with a tool ----------------------------------------------
+
+
+def routing_findings(rows: list[dict]) -> tuple[list[str], str]:
+    """(problems, detail) of a run with ppo.routing_replay: every step must report ppo/routing_agreement, which
+    the trainer reports only when its routers replayed the generator's experts on some tokens. Its value is
+    reported, not judged: on the CPU (fp32) it stays above 0.9 (tests/test_e2e.py), while in bf16 the trainer's
+    router may break near-ties otherwise than vLLM's with nothing wrong; a wrong expert or router weight moves
+    the logprob mismatch, which is judged."""
+    missing = [r.get("step") for r in rows if "ppo/routing_agreement" not in r]
+    problems = [f"steps {missing} report no ppo/routing_agreement: the trainer replayed no routing"] if missing else []
+    agreement = [r["ppo/routing_agreement"] for r in rows if "ppo/routing_agreement" in r]
+    if not agreement:
+        return problems, "no routing agreement reported"
+    mean = sum(agreement) / len(agreement)
+    return problems, f"routing agreement {min(agreement):.3f} at the lowest, {mean:.3f} on average"
+
+
+def check_moe(work: Path, overrides: list[str], steps: int = 5) -> tuple[str, str]:
+    """`MOE_EP2`'s short run: every step trained, generator and trainer agreeing on logprobs after each sync of
+    the experts from the two EP ranks, and the routing replayed (`routing_findings`)."""
+    run = short_run(work, "moe-ep2", moe_overrides(overrides), steps)
+    problems, detail = routing_findings(run.rows())
+    arch = model_arch(run.cfg.model)
+    layout = f"trainer at EP {run.cfg.allocation.train_ep}, {arch.num_experts} experts, top {arch.num_experts_per_tok}"
+    return run_verdict(run, f"; {layout}; {detail}", problems)
+
+
+def tool_findings(rows: list[dict], episodes_per_step: int) -> tuple[list[str], str]:
+    """(problems, detail) of an agent run's episodes: the tool was called (`rollout/tool_calls_mean` times the
+    `episodes_per_step` of a step's batch, summed), not every call failed (`rollout/tool_errors`, counted as the
+    episodes arrive, so the two agree over a run, not to the call) and no episode was lost to its workflow
+    raising (`rollout/workflow_errors`)."""
+    calls = round(sum(r.get("rollout/tool_calls_mean", 0) for r in rows) * episodes_per_step)
+    failed = sum(r.get("rollout/tool_errors", 0) for r in rows)
+    lost = sum(r.get("rollout/workflow_errors", 0) for r in rows)
+    problems = []
+    if rows and calls == 0:
+        problems.append("no episode called the tool: rollout/tool_calls_mean 0 on every step")
+    elif failed >= calls > 0:
+        problems.append(f"every tool call failed: {failed} rollout/tool_errors, about {calls} calls")
+    if lost:
+        problems.append(
+            f"{lost} episode(s) lost, their workflow raised (rollout/workflow_errors): the generator's log says why"
+        )
+    per_episode = calls / max(len(rows) * episodes_per_step, 1)
+    return problems, f"{calls} tool calls ({per_episode:.2f} per episode), {failed} failed; {lost} episodes lost"
+
+
+def check_agent(work: Path, overrides: list[str], steps: int = 5) -> tuple[str, str]:
+    """`AGENT`'s short run: every step trained, generator and trainer agreeing on logprobs, the episodes calling
+    the calculator (`tool_findings`)."""
+    run = short_run(work, "agent", agent_overrides(overrides), steps)
+    rollout = run.cfg.rollout
+    problems, detail = tool_findings(run.rows(), rollout.prompts_per_step * rollout.group_size)
+    return run_verdict(run, f"; {rollout.workflow}: {detail}", problems)
 
 
 # --- stop, resume, continue -------------------------------------------------------------------------------
