@@ -127,7 +127,28 @@ class TrainBatch:
     versions: np.ndarray  # [N] int32, policy version of each sampled token (-1 on context)
     microbatches: list = field(default_factory=list)
     routing: np.ndarray | None = None
-    """[N, L, K], laid out like `tokens`: the episodes' `Trajectory.routing` (with `ppo.routing_replay`)."""
+    """[N, L', K], laid out like `tokens`: the episodes' `Trajectory.routing` (with `ppo.routing_replay`), of
+    the model's MoE layers `routing_layers` (all of them as the controller sends it; a pipeline stage's own
+    as its replica's first rank passes it on: `for_layers`)."""
+    routing_layers: tuple[int, int] | None = None
+    """The [first, end) model layers of `routing`'s columns; None: every layer."""
+
+    def for_layers(self, first: int, end: int) -> TrainBatch:
+        """This batch with the routing of model layers [first, end) only (a pipeline stage's)."""
+        if self.routing is None:
+            return self
+        offset = self.routing_layers[0] if self.routing_layers else 0
+        if not 0 <= first - offset < end - offset <= self.routing.shape[1]:
+            raise ValueError(
+                f"layers {first}-{end - 1} are not among the routing's {offset}-{offset + self.routing.shape[1] - 1}"
+            )
+        routing = np.ascontiguousarray(self.routing[:, first - offset : end - offset])
+        return dataclasses.replace(self, routing=routing, routing_layers=(first, end))
+
+    def routing_columns(self, layers: list[int]) -> list[int]:
+        """The columns of `routing` that hold model layers `layers`."""
+        offset = self.routing_layers[0] if self.routing_layers else 0
+        return [layer - offset for layer in layers]
 
 
 def routing_dtype(num_experts: int) -> np.dtype:
@@ -309,8 +330,10 @@ class ReplicaRelay:
     starts next do not enter MPI, and MPI moves a large buffer only while its sender is inside MPI.
     """
 
-    def __init__(self, box: Mailbox, replica_comm, source: int, timeout_s: float):
+    def __init__(self, box: Mailbox, replica_comm, source: int, timeout_s: float, for_peer=None):
         self.box, self.source, self.timeout_s = box, source, timeout_s
+        self.for_peer = for_peer or (lambda peer, msg: msg)
+        """(peer's rank in the replica, message) -> what that peer gets of it (the first rank's own copy whole)."""
         self.peers = Mailbox(replica_comm)
         self.first = replica_comm.Get_rank() == 0
         self.size = replica_comm.Get_size()
@@ -323,6 +346,6 @@ class ReplicaRelay:
         envelopes = self.box.poll(source=self.source)
         for env in envelopes:
             for peer in range(1, self.size):
-                self.peers.send(peer, env.msg)
+                self.peers.send(peer, self.for_peer(peer, env.msg))
         self.peers.flush(self.timeout_s)
         return envelopes

@@ -285,10 +285,36 @@ def test_settings_are_the_chosen_ones_as_vllm_resolved_them(setup):
         "prefix_caching": "on",
         "logprobs_mode": "processed_logprobs",
         "max_num_seqs": "64",
+        "max_num_batched_tokens": str(64 * 256),  # the project's (choices.step_tokens), not vLLM's 2,048
         "max_model_len": "256",
     }
     assert int(s["kv_cache_tokens"]) >= 64 * 256  # every trajectory at full length (generator.kv_cache)
     assert s["vllm"].startswith("0.32")
+
+
+def test_an_engine_step_holds_every_decode_token_and_a_prefill_chunk():
+    from areal_hpc.generator.choices import PREFILL_CHUNK_TOKENS, step_tokens
+
+    assert step_tokens(1024, 32768) == 1024 + PREFILL_CHUNK_TOKENS == 17408  # qwen1.5b's engines
+    assert step_tokens(4, 256) == 4 * 256  # no more than every trajectory at full length
+
+
+def test_a_gpu_engine_gets_the_projects_memory_share_and_step_budget(tmp_path):
+    """What a GPU generator's engine is built with, read from its arguments (vLLM's CUDA engine cannot start
+    here): vLLM's share from the project's budget (generator.memory), the step budget, and with routing
+    recorded eager decode (the router hook is installed after vLLM would capture its CUDA graphs)."""
+    from areal_hpc.config import load_config
+    from areal_hpc.generator.choices import step_tokens
+    from areal_hpc.generator.engine import GenerationEngine
+    from areal_hpc.generator.memory import GeneratorMemory
+
+    path = build_tiny_model(GENERATOR, tmp_path, seed=1)
+    share = GeneratorMemory.of(load_config(None, []), 80e9).utilization
+    args = GenerationEngine.engine_args(path, device="cuda", max_num_seqs=8, gpu_memory_utilization=share)
+    assert args.gpu_memory_utilization == share < 0.92 and args.kv_cache_memory_bytes is None
+    assert args.max_num_batched_tokens == step_tokens(8, GENERATOR.max_position_embeddings)
+    assert not args.enforce_eager
+    assert GenerationEngine.engine_args(path, device="cuda", record_routing=True).enforce_eager
 
 
 def test_the_environment_is_chosen_over_what_the_user_exported(caplog):

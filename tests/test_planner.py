@@ -77,7 +77,9 @@ def test_staleness_zero_is_synchronous_and_more_staleness_never_slower(name, nod
         assert p.t_async(0) == p.t_sync
         rates = [p.tokens_per_s(eta) for eta in range(0, 33)]
         assert all(b >= a for a, b in zip(rates, rates[1:])), plan
-        assert rates[-1] <= p.tokens / p.t_cap * (1 + 1e-9)  # never past the pipelined limit
+        # never past the pipelined limit, unless a synchronous step is faster (no interruption: a tiny model's
+        # re-prefill after each update can cost more than its whole synchronous step)
+        assert rates[-1] <= p.tokens / min(p.t_cap, p.t_sync) * (1 + 1e-9)
 
 
 def test_staleness_zero_config_predicts_the_same_both_ways():
@@ -358,14 +360,13 @@ def test_plan_render_and_submit_dry_run_of_the_moe_config(tmp_path, capsys):
     root = f"experiment.root={tmp_path}"
     assert cli_main(["render", moe, "--nodes", "16", "-o", str(tmp_path / "job.sbatch"), root]) == 0
     written = yaml.safe_load(next(tmp_path.glob("*/*/config.yaml")).read_text())["allocation"]
-    assert (written["gen_gpus"], written["train_tp"], written["train_pp"], written["train_ep"]) == (76, 1, 4, 1)
+    assert (written["gen_gpus"], written["train_tp"], written["train_pp"], written["train_ep"]) == (80, 1, 4, 1)
     assert cli_main(["submit", moe, "--nodes", "16", "--dry-run", f"experiment.root={tmp_path / 'dry'}"]) == 0
     out = capsys.readouterr().out
-    # 9 nodes of 2 engines, node 9 shared by the last engine and 4 trainer ranks, 6 trainer nodes
-    assert "#   1 generator  9 node(s) x 2 task(s), 56 CPUs/task, world ranks 9-26: generator" in out
-    assert "#   2 shared     1 node(s) x 5 task(s), 22 CPUs/task, world ranks 27-31: generator + trainer" in out
-    assert "#       GPU node 9: world ranks 27-31: generator 18 on GPUs 0-3, trainers 0-3 on GPUs 4-7" in out
-    assert "#   3 trainer    6 node(s) x 8 task(s), 14 CPUs/task, world ranks 32-79: trainer" in out
+    # 10 nodes of 2 engines, 6 trainer nodes; the controller's node asks for what its trajectories need
+    assert "#   1 generator  10 node(s) x 2 task(s), 56 CPUs/task, world ranks 9-28: generator" in out
+    assert "#   2 trainer    6 node(s) x 8 task(s), 14 CPUs/task, world ranks 29-76: trainer" in out
+    assert out.count("#SBATCH --mem=0") == 2 and "#SBATCH --mem=160G" in out
 
 
 def test_timeouts_a_normal_run_would_exceed_are_refused_naming_the_fields(tmp_path, capsys):
@@ -392,3 +393,72 @@ def test_timeouts_a_normal_run_would_exceed_are_refused_naming_the_fields(tmp_pa
     args = ["submit", str(CONFIGS / "qwen1.5b.yaml"), "--nodes", "16", "--dry-run", f"experiment.root={tmp_path}"]
     assert cli_main([*args, "rollout.interruptible=false"]) == 2  # a config error
     assert "a normal run would be ended as hung: train.collective_timeout_s" in capsys.readouterr().err
+
+
+def test_a_generator_gpu_counts_what_the_project_adds_after_vllm(moe_16_nodes, capsys):
+    """vLLM's share of a generator GPU is what the routing table, the weight-sync communicators and the
+    receive buffers leave of vLLM's own default (areal_hpc.generator.memory), and `plan` shows the parts."""
+    from areal_hpc.generator.memory import NCCL_COMMUNICATOR_BYTES, RECEIVE_BUFFERS, VLLM_SHARE
+
+    cfg, p = moe_16_nodes
+    b, gpu = p.gen_budget, cfg.cluster.gpu_memory_gb * 1e9
+    assert b.communicators == 4 * NCCL_COMMUNICATOR_BYTES  # PP 4: a group per stage
+    assert b.receive_buffers == RECEIVE_BUFFERS * 151936 * 2048 * 2  # the embedding travels alone
+    assert b.routing_per_kv_byte == 48 * 8 / (2 * 48 * 1 * 128 * 2)  # 384 B per slot, 1 of 4 KV heads at TP 4
+    assert b.utilization * gpu + sum(b.parts().values()) == pytest.approx(VLLM_SHARE * gpu)
+    assert 0.85 < b.utilization < 0.88
+    dense = planner.predict(cfg_of("qwen1.5b")).gen_budget
+    assert dense.routing_table == 0 and dense.utilization > b.utilization
+    assert cli_main(["plan", str(CONFIGS / "qwen3-30b-a3b.yaml"), "--nodes", "16"]) == 0
+    out = capsys.readouterr().out
+    assert f"vLLM is given {b.utilization:.3f} of it" in out and "routing table 1.1 GB" in out
+    assert "weight-sync communicators 1.1 GB, receive buffers 1.9 GB" in out
+
+
+def test_the_interruption_prefills_in_the_engines_step_budget(paper):
+    """The planner's interruption uses the engines' step budget (generator.choices.step_tokens): vLLM's
+    fallback of 2,048 tokens a step would cost more steps, each with its fixed cost."""
+    from areal_hpc.generator.choices import step_tokens
+    from areal_hpc.planner.cost import Lengths, ModelSize
+    from areal_hpc.planner.predict import interruption_s
+
+    cfg, _ = paper
+    m, hw, lengths = ModelSize.from_config(cfg), Hardware.from_config(cfg), Lengths.from_config(cfg)
+    r = cfg.rollout
+    ours = step_tokens(r.engine_seqs, cfg.model.max_position_embeddings)
+    times = {n: interruption_s(m, hw, lengths, 96, 1, r.max_concurrent * r.group_size, n) for n in (2048, ours)}
+    assert ours > 8 * 2048 and times[2048] > times[ours] > 0
+
+
+def test_routing_replay_decodes_eagerly_and_its_bytes_are_counted(moe_16_nodes, capsys):
+    cfg, p = moe_16_nodes
+    plain_cfg = dataclasses.replace(cfg, ppo=dataclasses.replace(cfg.ppo, routing_replay=False))
+    plain = planner.predict(plain_cfg, p.plan)
+    assert p.t_gen_full > 1.05 * plain.t_gen_full and p.t_gen_sync > plain.t_gen_sync  # no CUDA graphs
+    per_token = 48 * 8  # uint8 ids of 8 experts in 48 layers
+    assert p.routing_bytes == pytest.approx(8192 * (200 + 2319) * per_token, rel=0.01) and plain.routing_bytes == 0
+    assert p.controller_bytes == pytest.approx(10 * 8192 * (200 + 2319) * (per_token + 13), rel=0.01)
+    assert cli_main(["plan", str(CONFIGS / "qwen3-30b-a3b.yaml"), "--nodes", "16"]) == 0
+    assert "the engines decode eagerly" in capsys.readouterr().out
+
+
+def test_a_controller_node_that_cannot_hold_its_trajectories_is_refused():
+    from areal_hpc.planner.memory import slurm_mem_bytes
+
+    assert (slurm_mem_bytes("64G"), slurm_mem_bytes("500"), slurm_mem_bytes("1t")) == (64 * 2**30, 500 * 2**20, 2**40)
+    with pytest.raises(ConfigError, match="cluster.controller_mem '64 GB'"):
+        slurm_mem_bytes("64 GB")
+    planner.check_fits(cfg_of("qwen3-30b-a3b"))  # as shipped: 160G
+    with pytest.raises(ConfigError, match=r"cluster.controller_mem \(64G\).*raise it to at least 153G"):
+        planner.check_fits(cfg_of("qwen3-30b-a3b", 16, "cluster.controller_mem=64G"))
+    planner.check_fits(cfg_of("qwen3-30b-a3b", 16, "cluster.controller_mem=64G", "rollout.max_staleness=2"))
+    planner.check_fits(cfg_of("qwen3-30b-a3b", 16, "cluster.controller_mem=0"))  # --mem=0: all of the node's
+
+
+def test_a_generator_gpu_the_additions_would_leave_too_little_of_does_not_fit():
+    """qwen32b's receive buffers (its 1.56 GB embedding, three at once) and communicator on a 10 GB GPU: vLLM
+    would get under half of it, which the planner refuses, as a generator would at start."""
+    cfg = load_config(CONFIGS / "qwen32b.yaml", ["cluster.gpu_memory_gb=10"])
+    p = planner.predict(cfg, planner.Plan.of(planner.resolve_split(load_config(CONFIGS / "qwen32b.yaml"))[0]))
+    assert p.gen_budget.utilization < 0.5 and not p.fits
+    assert "vLLM would get 0.43 of the generator GPU's 10.0 GB" in planner.memory_advice(cfg, p)

@@ -35,6 +35,35 @@ def _batch_with_routing(vocab: int, layers: int, seed: int = 0):
     return batch
 
 
+def test_each_peer_of_a_replica_gets_the_routing_of_its_own_stage():
+    """The replica's first rank relays a batch to its TP x PP peers (trainer.worker.stage_routing): each peer
+    gets its stage's layers' columns of the routing, which its micro-batches read as the whole batch's."""
+    from types import SimpleNamespace
+
+    from areal_hpc.config import load_config
+    from areal_hpc.layout import Layout, Role
+    from areal_hpc.protocol import WeightSync
+    from areal_hpc.trainer.step import make_microbatch
+    from areal_hpc.trainer.worker import stage_routing
+
+    overrides = ["model.architecture=qwen3_moe", "model.num_layers=4", "ppo.routing_replay=true"]
+    cfg = load_config(None, [*overrides, "cluster.nodes=1", "cluster.gpus_per_node=5", "allocation.gen_gpus=1",
+                             "allocation.train_tp=2", "allocation.train_pp=2"])  # fmt: skip
+    layout = Layout.from_config(cfg)
+    first = layout.ranks(Role.TRAINER).start
+    for_peer = stage_routing(SimpleNamespace(cfg=cfg, layout=layout, rank=first))
+    batch = _batch_with_routing(1000, 4)
+    got = {peer: for_peer(peer, batch) for peer in (1, 2, 3)}  # tp 1 of stage 0, tp 0 and 1 of stage 1
+    assert [got[p].routing_layers for p in (1, 2, 3)] == [(0, 2), (2, 4), (2, 4)]
+    assert np.array_equal(got[2].routing, batch.routing[:, 2:4]) and got[2].tokens is batch.tokens
+    whole, own = (make_microbatch(b, [0, 1], layers=[2, 3]).routing for b in (batch, got[2]))
+    assert torch.equal(whole, own)
+    with pytest.raises(ValueError, match="layers 0-1 are not among the routing's 2-3"):
+        got[2].for_layers(0, 2)
+    assert for_peer(1, WeightSync(3)) == WeightSync(3)
+    assert stage_routing(SimpleNamespace(cfg=load_config(None, overrides[:2]), layout=layout, rank=first)) is None
+
+
 @pytest.mark.parametrize("padded", [False, True])
 def test_microbatch_routing_in_router_order(padded):
     """Row s_idx * b + b_idx of the [s, b] rows holds the routing of the token there; padding and unknown
@@ -281,11 +310,17 @@ def _transformers_routing(model_dir, batch) -> np.ndarray:
 
 def _step_rank(par, model_dir, batch) -> dict | None:
     """One PPO step from the same weights with and without the batch's routing replayed, with the prox
-    pass (replayed too) although the batch is one minibatch."""
+    pass (replayed too) although the batch is one minibatch. Each rank but the first gets the batch's
+    routing of its own stage's layers only, as the replica's first rank relays it (trainer.worker.stage_routing)."""
+    from areal_hpc.arch import hf_arch
     from areal_hpc.config import PPOConfig
+    from areal_hpc.trainer.convert import stage_layers
     from areal_hpc.trainer.engine import Engine
     from areal_hpc.trainer.step import StepConfig, prox_pass, step_microbatches, train_minibatches
 
+    if par.rank > 0:
+        batch = batch.for_layers(*stage_layers(hf_arch(model_dir), par.coords.pp, par.grid.pp))
+        assert batch.routing.shape[1] == hf_arch(model_dir).num_layers // par.grid.pp
     out = {}
     for replay in (True, False):
         engine = Engine(model_dir, par, PPOConfig(routing_replay=replay, lr=1e-3))

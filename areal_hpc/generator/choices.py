@@ -66,6 +66,26 @@ ENGINE_ARGS = {
   attention backend supports: `resolved` reads the outcome.
 """
 
+PREFILL_CHUNK_TOKENS = 16384
+"""The prefill an engine step may add to its decode tokens (`step_tokens`): vLLM 0.32's own offline default
+on an H100 or H200 (`EngineArgs.get_batch_defaults`, usage context LLM_CLASS)."""
+
+
+def step_tokens(max_num_seqs: int, max_model_len: int) -> int:
+    """vLLM's `max_num_batched_tokens`, the most tokens one engine step computes: a decode token for each of
+    the `max_num_seqs` trajectories it runs plus a `PREFILL_CHUNK_TOKENS` prefill chunk, no more than all of
+    them at `max_model_len`.
+
+    Left unset it would be 2,048 on both devices: the engine is built with `LLMEngine.from_engine_args`,
+    whose usage context (ENGINE_CONTEXT) has no default of its own, so vLLM falls back to
+    `SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS`. After every weight update an interrupted engine
+    prefills all its running trajectories again (the prefix cache is reset), and in 2,048-token steps a
+    step's fixed cost (scheduling, sampling, launches) would be paid hundreds of times over; a GPU
+    computes a 16k-token chunk of a small model in a few tens of milliseconds. The planner's
+    interruption uses the same number (areal_hpc.planner.predict.interruption_s)."""
+    return min(max_num_seqs + PREFILL_CHUNK_TOKENS, max_num_seqs * max_model_len)
+
+
 log = logging.getLogger(__name__)
 
 
@@ -119,6 +139,7 @@ def _worker_settings(worker, engine_pid: int) -> dict[str, str]:
         "prefix_caching": _on(cache.enable_prefix_caching),
         "logprobs_mode": str(model.logprobs_mode),
         "max_num_seqs": str(c.scheduler_config.max_num_seqs),
+        "max_num_batched_tokens": str(c.scheduler_config.max_num_batched_tokens),
         "max_model_len": str(model.max_model_len),
     }
 

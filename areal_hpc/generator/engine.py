@@ -43,8 +43,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from areal_hpc.arch import model_arch
-from areal_hpc.generator.choices import ENGINE_ARGS, choose_environment, resolved
+from areal_hpc.arch import hf_arch, model_arch
+from areal_hpc.generator.choices import ENGINE_ARGS, choose_environment, resolved, step_tokens
 from areal_hpc.workflow.client import Turn
 
 # vLLM's environment (worker start method, model runner, in-process engine core), set on import: before
@@ -94,6 +94,8 @@ class GenerationEngine:
         self._vllm_ids: dict[str, str] = {}  # turn key -> vLLM's id of its current attempt (it suffixes ours)
         self._held: dict[str, EngineTurn] | None = None  # while holding (`hold`): the turns submitted since
         self.record_routing = record_routing
+        self.memory = None
+        """On a GPU engine built `from_config`: its `memory.GeneratorMemory` budget."""
         if record_routing:
             engine.collective_rpc("areal_record_routing")
 
@@ -110,14 +112,19 @@ class GenerationEngine:
         max_num_seqs: int = 256,
         enforce_eager: bool = False,
         record_routing: bool = False,
+        gpu_memory_utilization: float | None = None,
     ):
         """vLLM `EngineArgs` for a generator: processed logprobs (see the module doc), our worker extension,
         the project's choices where vLLM's defaults differ by platform (`choices.ENGINE_ARGS`).
         `device`: 'cpu' or 'cuda', the rank's (`RankContext.device`); vLLM's own platform is never asked.
-        `record_routing`: an engine whose routing is recorded runs eagerly (areal_hpc.generator.routing)."""
+        `record_routing`: an engine whose routing is recorded runs eagerly (areal_hpc.generator.routing).
+        The step's token budget is the project's (`choices.step_tokens`), from `max_num_seqs` and the
+        context (`max_model_len`, default the model's). `gpu_memory_utilization`: vLLM's share of a GPU
+        (areal_hpc.generator.memory; None: vLLM's default); on the CPU the KV cache is sized in bytes."""
         from vllm import EngineArgs
 
-        kv_bytes = _cpu_setup(model_path, tp, max_num_seqs, max_model_len) if device == "cpu" else None
+        max_len = max_model_len or hf_arch(model_path).max_position_embeddings
+        kv_bytes = _cpu_setup(model_path, tp, max_num_seqs, max_len) if device == "cpu" else None
         return EngineArgs(
             model=str(model_path),
             dtype=dtype,
@@ -125,12 +132,14 @@ class GenerationEngine:
             seed=seed,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=step_tokens(max_num_seqs, max_len),
             logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION,
             enable_prefix_caching=True,
             enforce_eager=enforce_eager or record_routing,
             disable_log_stats=True,
             kv_cache_memory_bytes=kv_bytes,
+            **({"gpu_memory_utilization": gpu_memory_utilization} if gpu_memory_utilization else {}),
             **ENGINE_ARGS,
         )
 
@@ -144,9 +153,19 @@ class GenerationEngine:
     @classmethod
     def from_config(cls, cfg, model_path, device: str, seed_offset: int = 0) -> GenerationEngine:
         """The engine of a generator rank, from the run config (model, allocation.gen_tp, rollout; it records
-        routing with ppo.routing_replay)."""
+        routing with ppo.routing_replay). On a GPU vLLM gets the share the project's additions leave
+        (`memory.GeneratorMemory`, kept as `memory` for the log)."""
         r, m = cfg.rollout, cfg.model
-        return cls.create(
+        memory = None
+        if device == "cuda":
+            import torch
+
+            from areal_hpc.generator.memory import GeneratorMemory
+
+            memory = GeneratorMemory.of(cfg, torch.cuda.get_device_properties(0).total_memory)
+            if memory.problem():
+                raise ValueError(memory.problem())
+        engine = cls.create(
             model_path,
             device=device,
             temperature=r.temperature,
@@ -157,7 +176,10 @@ class GenerationEngine:
             max_model_len=model_arch(m).max_position_embeddings,
             max_num_seqs=r.engine_seqs,
             record_routing=cfg.ppo.routing_replay,
+            gpu_memory_utilization=memory.utilization if memory else None,
         )
+        engine.memory = memory
+        return engine
 
     def settings(self) -> dict[str, str]:
         """The engine's resolved settings, as vLLM runs them (`choices.resolved`): model runner, async
@@ -339,7 +361,7 @@ def _extend(turn: EngineTurn, token_ids, logprobs, version: int) -> None:
     sampled.versions += [version] * len(token_ids)
 
 
-def _cpu_setup(model_path, tp: int, max_num_seqs: int, max_model_len: int | None) -> int:
+def _cpu_setup(model_path, tp: int, max_num_seqs: int, max_model_len: int) -> int:
     """On CPU, the KV cache this engine can use at most (`generator.kv_cache.cpu_kv_cache_bytes`: every
     trajectory at full length, within bounds). (On GPU vLLM sizes it from gpu_memory_utilization.)
 
@@ -351,7 +373,6 @@ def _cpu_setup(model_path, tp: int, max_num_seqs: int, max_model_len: int | None
     """
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    from areal_hpc.arch import hf_arch
     from areal_hpc.generator.kv_cache import cpu_kv_cache_bytes
 
     threads = os.environ.get("OMP_NUM_THREADS")
@@ -366,4 +387,4 @@ def _cpu_setup(model_path, tp: int, max_num_seqs: int, max_model_len: int | None
             f"{arch.num_attention_heads}) is not supported by vLLM's CPU attention; supported: "
             f"{', '.join(map(str, supported))} (e.g. fewer attention heads)"
         )
-    return cpu_kv_cache_bytes(arch, tp, max_num_seqs, max_model_len or arch.max_position_embeddings)
+    return cpu_kv_cache_bytes(arch, tp, max_num_seqs, max_model_len)

@@ -111,11 +111,25 @@ class WeightLoader:
 
     def areal_join_weight_sync(self, receiver, timeout_s: float) -> list[str]:
         """Join every stage's weight-sync group as this worker's rank (`WeightReceiver.join`: the
-        rendezvous and the start-up check, within `timeout_s`); keeps the connected receiver here."""
+        rendezvous and the start-up check, within `timeout_s`); keeps the connected receiver here. On a
+        GPU one more line: the GPU memory the groups' communicators took, against what
+        areal_hpc.generator.memory budgets for them."""
+        import torch
         from vllm.distributed import get_tensor_model_parallel_rank
 
-        joined = receiver.join(get_tensor_model_parallel_rank(), timeout_s)
+        from areal_hpc.generator.memory import NCCL_COMMUNICATOR_BYTES
+
+        tp_rank = get_tensor_model_parallel_rank()
+        on_gpu = receiver.specs[0].backend == "nccl"
+        free = torch.cuda.mem_get_info()[0] if on_gpu else 0
+        joined = receiver.join(tp_rank, timeout_s)
         self._areal_receiver = receiver  # in a worker process, its own unpickled copy holds the groups
+        if on_gpu:
+            took, groups = free - torch.cuda.mem_get_info()[0], len(receiver.specs)
+            joined.append(
+                f"worker tp {tp_rank}: the {groups} weight-sync group(s) took {took / 1e9:.2f} GB of GPU memory "
+                f"(budgeted: {groups * NCCL_COMMUNICATOR_BYTES / 1e9:.2f} GB, areal_hpc.generator.memory)"
+            )
         return joined
 
     def areal_receive_weights(self) -> int:

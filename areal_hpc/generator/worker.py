@@ -76,6 +76,12 @@ async def _serve(ctx, sync) -> None:
         engine = GenerationEngine.from_config(ctx.cfg, ctx.model_path, ctx.device, seed_offset=ctx.rank)
         settings = " ".join(f"{k}={v}" for k, v in engine.settings().items())
         log.info("%s vLLM engine: %s", ctx.layout.describe_rank(ctx.rank), settings)
+        if engine.memory is not None:
+            m = engine.memory
+            log.info(
+                "%s GPU memory: vLLM given %.3f of %.1f GB; after it the project adds %s (areal_hpc.generator.memory)",
+                ctx.layout.describe_rank(ctx.rank), m.utilization, m.gpu_bytes / 1e9, m.describe(),
+            )  # fmt: skip
         for line in engine.join_weight_sync(sync, sync.startup_left_s()):
             log.info("%s", line)
         runner = EpisodeRunner.from_config(ctx.cfg, engine, ctx.model_path, workflow)

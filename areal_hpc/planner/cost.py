@@ -45,6 +45,12 @@ class CostModel:
     decode_step_overhead_s: float = 0.00122
     """Fixed time per decode step: scheduling, sampling, kernel launches (calibrated to the paper's
     synchronous 128.7k tokens/s)."""
+    eager_layer_overhead_s: float = 150e-6
+    """Added to a decode step per layer when the engines decode eagerly, without CUDA graphs (assumed: some
+    30 kernel launches a layer at about 5 us each, which a graph replays at once); they do with
+    ppo.routing_replay (areal_hpc.generator.routing), `gen_eager`."""
+    gen_eager: bool = False
+    """Whether the engines decode eagerly: `plan_cost` sets it from ppo.routing_replay."""
     decode_trajectory_overhead_s: float = 10e-6
     """Time per decode step and running trajectory outside the GPU kernels: scheduling, sampling,
     detokenising (assumed; the engines' CPU work grows with the batch)."""
@@ -61,8 +67,10 @@ class CostModel:
     """Latency of one small all-reduce inside a node (decode steps do two per layer at TP > 1; assumed)."""
     nvlink_gbs: float = 200.0
     """Achieved all-reduce bandwidth inside a node, GB/s (assumed; H800 NVLink is 400 GB/s)."""
-    gen_memory_fraction: float = 0.9
-    """Share of GPU memory a vLLM engine uses (its gpu_memory_utilization)."""
+    gen_memory_fraction: float = 0.92
+    """Share of GPU memory a vLLM engine is given (its gpu_memory_utilization): vLLM 0.32's default here;
+    `plan_cost` sets each plan's own, what the project's additions after vLLM leave of it
+    (areal_hpc.generator.memory, which the engines compute alike from their GPU's memory)."""
     gen_reserve_gb: float = 4.0
     """Engine memory outside weights and KV cache: activations, CUDA graphs (assumed)."""
     train_memory_fraction: float = 0.9

@@ -6,6 +6,7 @@ model's memory per GPU (`check_fits`, `memory_advice`), on this host's CPUs agai
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING
 
 from areal_hpc.arch import model_arch
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 def memory_advice(cfg: Config, p: Prediction, cost: CostModel = COST) -> str:
     """What to change so that `p`'s generator and trainer fit their GPUs ('' when they do): the settings
     by name, each with what it would need."""
-    fixes = []
+    fixes = [p.gen_budget.problem()] if p.gen_budget.problem() else []
     if p.gen_memory > p.memory:
         g = cfg.cluster.gpus_per_node
         more = [t for t in range(p.plan.gen_tp + 1, g + 1) if not gen_tp_problem(model_arch(cfg.model), g, t)]
@@ -59,14 +60,54 @@ def _with_ppo(cfg: Config, **fields) -> Config:
     return dataclasses.replace(cfg, ppo=dataclasses.replace(cfg.ppo, **fields))
 
 
+CONTROLLER_SHARE = 0.5
+"""Of the memory of the controller's CPU node, the share its trajectories may take (the rest: the reward
+workers, which share the node, and the processes themselves)."""
+_SLURM_MEM_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def slurm_mem_bytes(text: str) -> float:
+    """Bytes of an `sbatch --mem` value: a number with an optional unit K, M, G or T (none: megabytes)."""
+    value = text.strip().upper()
+    unit = _SLURM_MEM_UNITS.get(value[-1:], None)
+    number = value[:-1] if unit else value
+    if not number.isdigit():
+        raise ConfigError(f"cluster.controller_mem {text!r} is not a memory size as sbatch --mem takes it (e.g. 64G)")
+    return int(number) * (unit or 2**20)
+
+
+def controller_problem(cfg: Config, p: Prediction) -> str:
+    """Why the controller's CPU node would not hold the trajectories it may hold (`Prediction.controller_bytes`)
+    in CONTROLLER_SHARE of `cluster.controller_mem` ('' when it would, or when the controller has no CPU
+    node of its own or that memory is not set, or 0: all of the node's)."""
+    c = cfg.cluster
+    if not c.controller_mem or not Layout.from_config(cfg).reward_nodes:
+        return ""
+    have = slurm_mem_bytes(c.controller_mem)
+    if have == 0 or p.controller_bytes <= CONTROLLER_SHARE * have:  # --mem=0: all of the node's
+        return ""
+    routing = f", {p.routing_bytes / GB:,.1f} GB of routing each" if p.routing_bytes else ""
+    need = math.ceil(p.controller_bytes / CONTROLLER_SHARE / GiB)
+    return (
+        f"the controller may hold {p.controller_bytes / GB:,.1f} GB of trajectories (max_staleness + 2 = "
+        f"{cfg.rollout.max_staleness + 2} steps' worth{routing}), more than {CONTROLLER_SHARE:.0%} of "
+        f"cluster.controller_mem ({c.controller_mem}), which its node shares with the reward workers: raise it "
+        f"to at least {need}G, or lower rollout.max_staleness"
+    )
+
+
 def check_fits(cfg: Config) -> None:
-    """ConfigError naming what to change when the config's generator or trainer does not fit its GPUs."""
+    """ConfigError naming what to change when the config's generator or trainer does not fit its GPUs, or
+    its controller's trajectories do not fit the memory asked for its CPU node."""
 
     p = predict(cfg)
     if not p.fits:
         raise ConfigError(
             f"{cfg.experiment.name} DOES NOT FIT GPU memory by the planner's model: {memory_advice(cfg, p)}"
         )
+    problem = controller_problem(cfg, p)
+    if problem:
+        raise ConfigError(f"{cfg.experiment.name} DOES NOT FIT: {problem}")
 
 
 def check_host_fits(cfg: Config, available: float | None = None) -> str:

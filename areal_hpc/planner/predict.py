@@ -5,13 +5,18 @@ draws. Pure functions: no MPI, no GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from areal_hpc.planner.cost import COST, GB, CostModel, Hardware, Lengths, ModelSize, Plan
+from areal_hpc.arch import model_arch
+from areal_hpc.generator.choices import step_tokens
+from areal_hpc.generator.memory import GeneratorMemory
+from areal_hpc.planner.cost import COST, GB, CostModel, Hardware, Lengths, ModelSize, Plan, with_plan
+from areal_hpc.protocol import routing_dtype
 
 if TYPE_CHECKING:
     from areal_hpc.config.schema import Config
@@ -29,8 +34,11 @@ class Prediction:
     t_weight_sync: float
     t_gen_full: float  # per step, generators at full load, interruption included
     gen_memory: float  # bytes per generator GPU (weights + KV room for the longest trajectory + reserve)
+    gen_budget: GeneratorMemory  # vLLM's share of a generator GPU and the project's additions after it
     train_memory: float  # bytes per trainer GPU
     memory: float  # bytes per GPU
+    routing_bytes: float = 0.0  # routing (ppo.routing_replay) of a step's trajectories, through the controller
+    controller_bytes: float = 0.0  # the most the controller holds of trajectories (`controller_bytes`)
 
     @property
     def t_sync(self) -> float:
@@ -54,7 +62,8 @@ class Prediction:
 
     @property
     def fits(self) -> bool:
-        return max(self.gen_memory, self.train_memory) <= self.memory
+        """Generators and trainers fit their GPUs, vLLM left enough of a generator's (`GeneratorMemory.problem`)."""
+        return max(self.gen_memory, self.train_memory) <= self.memory and not self.gen_budget.problem()
 
     @property
     def bottleneck(self) -> str:
@@ -65,11 +74,14 @@ def decode_step_s(m: ModelSize, hw: Hardware, tp: int, batch, kv_bytes, cost: Co
     """One decode step of an engine at tensor-parallel size tp, with `batch` trajectories whose KV cache
     totals `kv_bytes`: t = t_step + t_traj * batch + TP latency + max(memory time, compute time), where
     memory time = (W_read + KV) / (tp * bandwidth * efficiency) and compute time = 2 P_active batch / (tp *
-    flops * mfu) (W_read: all weights of a dense model, a MoE's touched experts, `ModelSize.decode_weight_bytes`)."""
+    flops * mfu) (W_read: all weights of a dense model, a MoE's touched experts, `ModelSize.decode_weight_bytes`);
+    t_step grows by `eager_layer_overhead_s` a layer when the engines run without CUDA graphs (`gen_eager`)."""
     memory_s = (m.decode_weight_bytes(batch) + kv_bytes) / (tp * hw.bandwidth * cost.decode_bandwidth_efficiency)
     compute_s = 2 * m.active_params * batch / (tp * hw.flops * cost.decode_mfu)
     tp_s = 2 * m.layers * cost.tp_allreduce_latency_s if tp > 1 else 0.0
     overhead = cost.decode_step_overhead_s + cost.decode_trajectory_overhead_s * batch
+    if cost.gen_eager:
+        overhead += m.layers * cost.eager_layer_overhead_s
     return overhead + tp_s + np.maximum(memory_s, compute_s)
 
 
@@ -113,11 +125,21 @@ def full_generation_rate(m, hw, lengths: Lengths, engines: int, tp: int, concurr
     return engines * c / full_load_step_s(m, hw, lengths, engines, tp, concurrent, cost)
 
 
-def interruption_s(m, hw, lengths: Lengths, engines: int, tp: int, concurrent: float, cost=COST) -> float:
-    """After a weight update an interrupted engine recomputes the KV of its running trajectories:
-    c * resident context tokens of prefill at 2 P_active FLOPs each."""
+def interruption_s(
+    m, hw, lengths: Lengths, engines: int, tp: int, concurrent: float, max_step_tokens: int, cost=COST
+) -> float:
+    """After a weight update an interrupted engine recomputes the KV of its running trajectories: c * resident
+    context tokens of prefill at 2 P_active FLOPs each, in engine steps of at most `max_step_tokens` tokens
+    (vLLM's max_num_batched_tokens: areal_hpc.generator.choices.step_tokens), each paying a decode step's
+    fixed cost (its step's and its running trajectories', and TP latency) and reading the weights at least once."""
     c = running_trajectories(m, hw, lengths, engines, tp, concurrent, cost)
-    return 2 * m.active_params * c * lengths.resident_context / (tp * hw.flops * cost.prefill_mfu)
+    tokens = c * lengths.resident_context
+    steps = math.ceil(tokens / max_step_tokens)
+    compute = 2 * m.active_params * tokens / (tp * hw.flops * cost.prefill_mfu)
+    weights = steps * m.weight_bytes / (tp * hw.bandwidth * cost.decode_bandwidth_efficiency)
+    tp_s = 2 * m.layers * cost.tp_allreduce_latency_s if tp > 1 else 0.0
+    overhead = cost.decode_step_overhead_s + cost.decode_trajectory_overhead_s * c + tp_s
+    return steps * overhead + max(compute, weights)
 
 
 def train_step_s(
@@ -187,7 +209,7 @@ def gen_memory(m: ModelSize, hw: Hardware, tp: int, lengths: Lengths, cost: Cost
     """Bytes per generator GPU: (W + KV of one longest trajectory) / tp + reserve, over the engine's
     share of memory (so it compares with the GPU's memory)."""
     need = (m.weight_bytes + (lengths.prompt + lengths.cap) * m.kv_bytes_per_token) / tp + cost.gen_reserve_gb * GB
-    return need / cost.gen_memory_fraction
+    return need / cost.gen_memory_fraction if cost.gen_memory_fraction > 0 else math.inf
 
 
 def train_memory_parts(
@@ -227,10 +249,38 @@ def train_memory(m: ModelSize, tp: int, pp: int, dp: int, cfg: Config, cost: Cos
     return sum(train_memory_parts(m, tp, pp, dp, cfg, cost, ep=ep).values()) / cost.train_memory_fraction
 
 
+def plan_cost(cfg: Config, plan: Plan, cost: CostModel = COST) -> tuple[CostModel, GeneratorMemory]:
+    """`cost` as the engines of `cfg` under `plan` run: their share of their GPUs (`gen_memory_fraction`, the
+    one they start with: areal_hpc.generator.memory) and, with routing replay, eager decode (`gen_eager`);
+    and that memory budget."""
+    budget = GeneratorMemory.of(with_plan(cfg, plan), Hardware.from_config(cfg).memory)
+    eager = cfg.ppo.routing_replay and model_arch(cfg.model).moe
+    return dataclasses.replace(cost, gen_memory_fraction=budget.utilization, gen_eager=eager), budget
+
+
+TRAJECTORY_BYTES_PER_TOKEN = 13
+"""A trajectory's arrays per token besides routing: token, mask, logprob, version (areal_hpc.protocol)."""
+
+
+def controller_bytes(cfg: Config, lengths: Lengths, trajectories: int) -> tuple[float, float]:
+    """(routing bytes of a step's trajectories, the most bytes of trajectories the controller holds): each
+    token of prompt and answer carries TRAJECTORY_BYTES_PER_TOKEN, and with routing replay L x K expert
+    ids (a MoE's every layer: the generator records them all); the controller holds at most what the
+    staleness gate admits beyond the trained, max_staleness + 1 steps, and the step it packs."""
+    arch = model_arch(cfg.model)
+    tokens = trajectories * (lengths.prompt + lengths.mean)
+    routing = 0.0
+    if cfg.ppo.routing_replay and arch.moe:
+        routing = tokens * arch.num_layers * arch.num_experts_per_tok * routing_dtype(arch.num_experts).itemsize
+    held = (cfg.rollout.max_staleness + 2) * (tokens * TRAJECTORY_BYTES_PER_TOKEN + routing)
+    return routing, held
+
+
 def predict(cfg: Config, plan: Plan | None = None, cost: CostModel = COST) -> Prediction:
     """The cost of one step for `plan` (default: the config's own allocation)."""
     if plan is None:
         plan = Plan.of(cfg)
+    cost, budget = plan_cost(cfg, plan, cost)
     m, hw, lengths = ModelSize.from_config(cfg), Hardware.from_config(cfg), Lengths.from_config(cfg, cost)
     r = cfg.rollout
     trajectories = r.prompts_per_step * r.group_size
@@ -244,13 +294,16 @@ def predict(cfg: Config, plan: Plan | None = None, cost: CostModel = COST) -> Pr
     t_ws = weight_sync_s(m, hw, plan.train_pp, cost)
     rate = full_generation_rate(m, hw, lengths, engines, plan.gen_tp, concurrent, cost)
     tokens = trajectories * lengths.mean
-    t_gen_full = tokens / rate + t_ws + interruption_s(m, hw, lengths, engines, plan.gen_tp, concurrent, cost)
+    per_step = step_tokens(r.engine_seqs, model_arch(cfg.model).max_position_embeddings)
+    t_gen_full = tokens / rate + t_ws + interruption_s(m, hw, lengths, engines, plan.gen_tp, concurrent, per_step, cost)
     return Prediction(
         plan, r.max_staleness, trajectories, tokens, lengths.longest(trajectories), t_gen_sync, t_train, t_ws,
         t_gen_full,
         gen_memory(m, hw, plan.gen_tp, lengths, cost),
+        budget,
         train_memory(m, plan.train_tp, plan.train_pp, max(1, layout.train_dp), cfg, cost, ep=plan.train_ep),
         hw.memory,
+        *controller_bytes(cfg, lengths, trajectories),
     )  # fmt: skip
 
 
@@ -258,6 +311,7 @@ def colocated_step_s(cfg: Config, plan: Plan, cost: CostModel = COST) -> float:
     """A synchronous system on all GPUs, each phase in turn (what the paper compares against; areal-hpc
     always splits the nodes): T_gen_sync(all engines) + T_train(all GPUs) + T_ws (the engines still
     load the new weights)."""
+    cost, _ = plan_cost(cfg, plan, cost)
     m, hw, lengths = ModelSize.from_config(cfg), Hardware.from_config(cfg), Lengths.from_config(cfg, cost)
     r, n, g = cfg.rollout, cfg.cluster.nodes, cfg.cluster.gpus_per_node
     trajectories = r.prompts_per_step * r.group_size

@@ -4,12 +4,13 @@ why, the memory per GPU, and what `--search` would choose instead.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from areal_hpc.errors import ConfigError
 from areal_hpc.planner.cost import GB, ModelSize
-from areal_hpc.planner.memory import check_host_fits, memory_advice
-from areal_hpc.planner.predict import Prediction, colocated_step_s, tok_rate
+from areal_hpc.planner.memory import check_host_fits, controller_problem, memory_advice
+from areal_hpc.planner.predict import Prediction, colocated_step_s, predict, tok_rate
 from areal_hpc.planner.search import choose
 
 if TYPE_CHECKING:
@@ -43,6 +44,10 @@ def report(cfg: Config, p: Prediction) -> str:
         f"s/step: {p.bottleneck} is the bottleneck",
         f"memory per GPU (of {p.memory / GB:g} GB): generator {p.gen_memory / GB:,.1f} GB, trainer "
         f"{p.train_memory / GB:,.1f} GB" + ("" if p.fits else f"  -- DOES NOT FIT: {memory_advice(cfg, p)}"),
+        f"a generator GPU: vLLM is given {p.gen_budget.utilization:.3f} of it (weights, activations, KV cache and "
+        f"any CUDA graphs); after it the project adds {p.gen_budget.describe()} (areal_hpc.generator.memory)",
+        f"controller: holds at most {p.controller_bytes / GB:,.1f} GB of trajectories"
+        + (f"  -- DOES NOT FIT: {problem}" if (problem := controller_problem(cfg, p)) else ""),
         "model and constants: docs/planner.md (GPU figures from cluster.gpu_tflops, gpu_memory_bandwidth_gbs, "
         "interconnect_gbps)",
     ]
@@ -54,6 +59,16 @@ def report(cfg: Config, p: Prediction) -> str:
             f"mixture of experts: {m.active_params / 1e9:,.2f}B of {m.params / 1e9:,.2f}B parameters per token "
             f"(top {m.experts_per_token} of {m.experts} experts); trainer expert parallel EP {ep} "
             f"(allocation.train_ep): {m.experts // ep} experts of each layer per GPU",
+        )
+    if cfg.ppo.routing_replay and m.experts:
+        plain = predict(dataclasses.replace(cfg, ppo=dataclasses.replace(cfg.ppo, routing_replay=False)), p.plan)
+        lines.insert(
+            -1,
+            f"routing replay (ppo.routing_replay): the engines decode eagerly, without CUDA graphs (vLLM's router "
+            f"hook is installed after they are captured): generation at full load {p.t_gen_full:,.1f} s/step, "
+            f"{plain.t_gen_full:,.1f} s without replay ({p.t_gen_full / plain.t_gen_full - 1:+.0%}, with the routing "
+            f"table's memory); "
+            f"{p.routing_bytes / GB:,.1f} GB of routing a step through the controller",
         )
     if cfg.cluster.device == "cpu":
         lines.append(

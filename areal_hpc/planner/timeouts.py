@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from areal_hpc.errors import ConfigError
 from areal_hpc.planner.cost import COST, CostModel, Hardware, Lengths, ModelSize, Plan
-from areal_hpc.planner.predict import full_load_step_s, predict
+from areal_hpc.planner.predict import full_load_step_s, plan_cost, predict
 
 if TYPE_CHECKING:
     from areal_hpc.config.schema import Config
@@ -31,8 +31,9 @@ MARGIN = 1.5
 def drain_s(cfg: Config, cost: CostModel = COST) -> float:
     """The longest a generator takes to finish the answers it holds at full load: the longest answer of a
     step, a token per decode step of an engine running as many trajectories as its KV cache holds."""
-    m, hw, lengths = ModelSize.from_config(cfg), Hardware.from_config(cfg), Lengths.from_config(cfg, cost)
     r, plan = cfg.rollout, Plan.of(cfg)
+    cost, _ = plan_cost(cfg, plan, cost)
+    m, hw, lengths = ModelSize.from_config(cfg), Hardware.from_config(cfg), Lengths.from_config(cfg, cost)
     engines = plan.layout(cfg).generators
     step = full_load_step_s(m, hw, lengths, engines, plan.gen_tp, r.max_concurrent * r.group_size, cost)
     return lengths.longest(r.prompts_per_step * r.group_size) * step

@@ -162,6 +162,11 @@ def layer_offset(arch: QwenArch, pp_rank: int, pp: int) -> int:
     return pp_rank * (arch.num_layers // pp)
 
 
+def stage_layers(arch: QwenArch, pp_rank: int, pp: int) -> tuple[int, int]:
+    """[first, end) model layers of pipeline stage `pp_rank` of `pp`."""
+    return layer_offset(arch, pp_rank, pp), layer_offset(arch, pp_rank + 1, pp) if pp_rank + 1 < pp else arch.num_layers
+
+
 def load_hf_into(
     model,
     model_dir: str | Path,

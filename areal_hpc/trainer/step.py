@@ -152,7 +152,8 @@ def make_microbatch(
     where = (torch.cat(r_idx), torch.cat(c_idx))
     routing = None
     if batch.routing is not None and layers is not None:
-        routing = _router_order(np.asarray(batch.routing)[take][:, layers], rows, multiple, sp_rank).to(device)
+        columns = batch.routing_columns(layers)
+        routing = _router_order(np.asarray(batch.routing)[take][:, columns], rows, multiple, sp_rank).to(device)
     return MicroBatch(
         rows.to(device),
         (where[0].to(device), where[1].to(device)),

@@ -2,7 +2,8 @@
 controller's messages in order until Stop.
 
 The controller sends each message for a data-parallel replica to the replica's first rank, which
-passes it on to the replica's other TP x PP ranks (`protocol.ReplicaRelay`).
+passes it on to the replica's other TP x PP ranks (`protocol.ReplicaRelay`); with routing replay a
+batch's routing only for the peer's own pipeline stage's layers (`stage_routing`).
 
     TrainBatch(v)   -> one PPO step (every rank); trainer-local rank 0 replies TrainResult(v + 1, stats)
     WeightSync(v)   -> every rank iterates its stage's export (the dense tensors' TP gathers); each
@@ -27,10 +28,12 @@ from pathlib import Path
 
 import torch
 
+from areal_hpc.arch import model_arch
 from areal_hpc.network import world_store
 from areal_hpc.protocol import Failure, Mailbox, ReplicaRelay, Save, Saved, Stop, TrainBatch, TrainResult, WeightSync
 from areal_hpc.rank_context import CONTROLLER_RANK
 from areal_hpc.trainer import checkpoint as trainer_checkpoint
+from areal_hpc.trainer.convert import stage_layers
 from areal_hpc.trainer.engine import Engine, init_parallel, shutdown_parallel
 from areal_hpc.trainer.step import StepConfig, ppo_step
 
@@ -69,6 +72,21 @@ def send_weights(engine: Engine, sync, bucket_bytes: int) -> dict | None:
     return None
 
 
+def stage_routing(ctx):
+    """The replica relay's `for_peer` with routing replay: a peer gets a batch's routing of its own pipeline
+    stage's layers only (a stage replays only its own layers' routers), not all of them; None without."""
+    if not ctx.cfg.ppo.routing_replay:
+        return None
+    layout, arch = ctx.layout, model_arch(ctx.cfg.model)
+    peers = sorted(layout.replica_ranks(layout.replica_of(ctx.rank)))  # by replica rank (world-rank order)
+    layers = [stage_layers(arch, layout.trainer_coords(rank).pp, layout.train_pp) for rank in peers]
+
+    def for_peer(peer: int, msg):
+        return msg.for_layers(*layers[peer]) if isinstance(msg, TrainBatch) else msg
+
+    return for_peer
+
+
 def serve(ctx, sync) -> None:
     """The trainer rank's loop (see the module docstring)."""
     box = Mailbox(ctx.world)
@@ -77,7 +95,7 @@ def serve(ctx, sync) -> None:
         if sync is not None and sync.is_source:
             log.info("%s", sync.join())  # the generators join once their engines exist
         replica = ctx.layout.split_replica(ctx.role_comm)
-        inbox = ReplicaRelay(box, replica, CONTROLLER_RANK, ctx.cfg.train.collective_timeout_s)
+        inbox = ReplicaRelay(box, replica, CONTROLLER_RANK, ctx.cfg.train.collective_timeout_s, stage_routing(ctx))
         step_cfg = StepConfig.from_config(ctx.cfg)
         bucket_bytes = ctx.cfg.train.weight_sync_bucket_mb << 20
         while True:
