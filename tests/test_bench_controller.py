@@ -118,6 +118,9 @@ def test_bench_controller_small_world(tmp_path):
     assert r["trainbatch_sends_per_step"] == r["setting"]["train_dp"]
     assert r["relayed_bytes_per_step"] == pytest.approx(r["bytes_per_step"]["TrainBatch"])
     assert r["cpu_s_per_step"] > 0 and r["tokens_s_cpu"] > 0
+    per = r["cpu_us_per_trajectory"]  # its parts add up to rank 0's CPU per trajectory
+    assert {"receive (Mailbox.poll)", "handle Trajectory", "admit", "train"} <= per.keys() and min(per.values()) >= 0
+    assert sum(per.values()) == pytest.approx(1e6 / r["trajectories_s_cpu"])
 
     last = stdout.strip().splitlines()[-1]
     m = re.fullmatch(r"controller headroom: ([0-9][0-9,]*\.[0-9])x", last)

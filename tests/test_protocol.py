@@ -1,5 +1,6 @@
-"""Typed messages over real MPI ranks: arrays arrive bit-exact as buffers, scalars intact; a replica's
-first rank relays the controller's messages to the others in order."""
+"""Typed messages over real MPI ranks: arrays arrive bit-exact as buffers, scalars intact; a receiver is
+not held by a sender gone from MPI, and keeps each sender's order; a replica's first rank relays the
+controller's messages to the others in order."""
 
 import pytest
 
@@ -12,6 +13,12 @@ def test_messages_cross_ranks_intact(run_mpi):
     r = run_mpi(MPI_PROGRAMS / "messages.py", n=2)
     assert r.returncode == 0, r.stderr
     assert "OK 50" in r.stdout
+
+
+def test_a_sender_outside_mpi_holds_no_receiver_and_order_is_kept(run_mpi, tmp_path):
+    r = run_mpi(MPI_PROGRAMS / "slow_sender.py", n=2, timeout=60, args=[str(tmp_path)])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "OK" in r.stdout
 
 
 def test_replica_relay_passes_on_in_order(run_mpi):

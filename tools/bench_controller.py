@@ -33,7 +33,8 @@ They flood rank 0, which then runs as fast as it can; its CPU time (time.process
 core sustains, whatever else the machine runs. The tokenizer rank 0 loads is the project's tiny one.
 
 Printed: the setting, rank 0's sustained trajectories/s and tokens/s (per CPU second and per wall
-second), CPU seconds and bytes sent per training step, and last `controller headroom: X.Xx` (the
+second), CPU seconds and bytes sent per training step, its CPU per trajectory by part of its loop (where
+a regression is), and last `controller headroom: X.Xx` (the
 tokens/s rank 0 sustains on one core / the tokens/s the cluster produces). Target: 10x.
 """
 
@@ -155,19 +156,39 @@ def bench_config(args, s: dict, root: Path):
 # --- rank 0 -------------------------------------------------------------------------------------------
 
 
-def run_controller(ctx, side, payloads: Payloads, profile: bool) -> dict:
+def run_controller(ctx, side, payloads: Payloads, profile: bool, warmup: int, steps: int) -> dict:
     from areal_hpc.controller import Controller
     from areal_hpc.protocol import Mailbox
 
     marks = []  # per step: (tokens, trajectories, wall s, cpu s)
+    parts = Counter()  # CPU seconds of each part of the loop, over the measured steps (`measuring`)
+    measuring = [warmup == 0]
+
+    def timed(part: str, fn):
+        def wrapped(*a, **k):
+            t0 = time.process_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                if measuring[0]:
+                    parts[part] += time.process_time() - t0
+
+        return wrapped
 
     class Timed(Controller):
         def on_train_result(self, res):
             info = self.trainers.step
             super().on_train_result(res)
             marks.append((info.response_tokens, info.sequences, time.perf_counter(), time.process_time()))
+            measuring[0] = warmup < len(marks) <= warmup + steps  # from the first measured step's start
+
+        def handle(self, src, msg):
+            timed(f"handle {type(msg).__name__}", super().handle)(src, msg)
 
     ctl = Timed(ctx, mailbox=Mailbox(ctx.world), prompts=Prompts(payloads))
+    ctl.box.poll = timed("receive (Mailbox.poll)", ctl.box.poll)
+    for name in ("admit", "train"):
+        setattr(ctl, name, timed(name, getattr(ctl, name)))
     marks.append((0, 0, time.perf_counter(), time.process_time()))
     if profile:
         import cProfile
@@ -185,7 +206,10 @@ def run_controller(ctx, side, payloads: Payloads, profile: bool) -> dict:
     t0 = time.process_time()
     state = pickle.dumps(ctl.state())
     state_s = time.process_time() - t0
-    return {"marks": marks, "state_bytes": len(state), "state_s": state_s, "buffered": len(ctl.rollouts.buffer)}
+    return {
+        "marks": marks, "parts": dict(parts), "state_bytes": len(state), "state_s": state_s,
+        "buffered": len(ctl.rollouts.buffer),
+    }  # fmt: skip
 
 
 def rank_main(args) -> None:
@@ -216,7 +240,7 @@ def rank_main(args) -> None:
         run_dir = prepare_run_dir(cfg, fresh=True)
         build_tokenizer().save_pretrained(root / "tokenizer")
         ctx = RankContext(cfg, layout, world, None, run_dir, root / "tokenizer", None, "cpu")
-        report = run_controller(ctx, side, payloads, args.profile)
+        report = run_controller(ctx, side, payloads, args.profile, args.warmup, args.steps)
     elif role == Role.REWARD:
         report = sim_reward(world, side, generator)
     elif role == Role.GENERATOR:
@@ -297,6 +321,10 @@ def summarise(args, s: dict, cfg, layout, reports) -> dict:
         "buffered_groups": ctl["buffered"],
         "trained_trajectories": len(trained),
         "errors": errors[:20],
+        "cpu_us_per_trajectory": {
+            **{part: sec / trajectories * 1e6 for part, sec in sorted(ctl["parts"].items(), key=lambda p: -p[1])},
+            "the rest of the loop": (cpu - sum(ctl["parts"].values())) / trajectories * 1e6,
+        },
         "headroom": tokens / cpu / s["cluster_tokens_s"],
     }
 
@@ -421,6 +449,11 @@ def report(r: dict) -> None:
     print(
         f"checkpoint state: {r['state_bytes'] / 2**20:,.1f} MiB pickled in {r['state_s']:.2f} s CPU "
         f"({r['buffered_groups']} groups buffered at the end)"
+    )
+    per = r["cpu_us_per_trajectory"]
+    print(
+        f"rank 0 CPU per trajectory: {sum(per.values()):,.0f} us, by part of its loop: "
+        + ", ".join(f"{part} {us:,.0f}" for part, us in per.items())
     )
     print(
         f"checks: {r['trained_trajectories']} trajectories trained, each once; staleness bound held"
