@@ -134,33 +134,39 @@ class TrainBatch:
     microbatches: list = field(default_factory=list)
     routing: np.ndarray | None = None
     """[N, L', K], laid out like `tokens`: the episodes' `Trajectory.routing` (with `ppo.routing_replay`), of
-    the model's MoE layers `routing_layers` (all of them as the controller sends it; a pipeline stage's own
-    as its replica's first rank passes it on: `for_layers`)."""
-    routing_layers: tuple[int, int] | None = None
-    """The [first, end) model layers of `routing`'s columns; None: every layer."""
+    the L' model layers from `routing_first_layer` on (all of them as the controller sends it; a pipeline
+    stage's own as its replica's first rank passes it on: `for_layers`)."""
+    routing_first_layer: int = 0
+    """The model layer of `routing`'s first column."""
 
     def for_layers(self, first: int, end: int) -> TrainBatch:
         """This batch with the routing of model layers [first, end) only (a pipeline stage's)."""
         if self.routing is None:
             return self
-        offset = self.routing_layers[0] if self.routing_layers else 0
-        if not 0 <= first - offset < end - offset <= self.routing.shape[1]:
+        start, have = first - self.routing_first_layer, self.routing.shape[1]
+        if not 0 <= start < end - self.routing_first_layer <= have:
             raise ValueError(
-                f"layers {first}-{end - 1} are not among the routing's {offset}-{offset + self.routing.shape[1] - 1}"
+                f"layers {first}-{end - 1} are not among the routing's "
+                f"{self.routing_first_layer}-{self.routing_first_layer + have - 1}"
             )
-        routing = np.ascontiguousarray(self.routing[:, first - offset : end - offset])
-        return dataclasses.replace(self, routing=routing, routing_layers=(first, end))
+        routing = np.ascontiguousarray(self.routing[:, start : start + end - first])
+        return dataclasses.replace(self, routing=routing, routing_first_layer=first)
 
     def routing_columns(self, layers: list[int]) -> list[int]:
         """The columns of `routing` that hold model layers `layers`."""
-        offset = self.routing_layers[0] if self.routing_layers else 0
-        return [layer - offset for layer in layers]
+        return [layer - self.routing_first_layer for layer in layers]
 
 
 def routing_dtype(num_experts: int) -> np.dtype:
     """The dtype of routing arrays for a model of `num_experts` routed experts per layer: the smallest that
     holds every expert index and, as its maximum, `routing_unknown` (uint8 up to 254 experts)."""
     return np.dtype(np.uint8 if num_experts < np.iinfo(np.uint8).max else np.int16)
+
+
+def routing_bytes_per_token(arch) -> int:
+    """What a position's routing takes (`Trajectory.routing`): the top-k ids of every MoE layer of `arch`
+    (a `QwenArch`), in `routing_dtype`."""
+    return arch.num_layers * arch.num_experts_per_tok * routing_dtype(arch.num_experts).itemsize
 
 
 def routing_unknown(dtype) -> int:

@@ -163,8 +163,8 @@ class GenerationEngine:
             from areal_hpc.generator.memory import GeneratorMemory
 
             memory = GeneratorMemory.of(cfg, torch.cuda.get_device_properties(0).total_memory)
-            if memory.problem():
-                raise ValueError(memory.problem())
+            if problem := memory.problem():
+                raise ValueError(problem)
         engine = cls.create(
             model_path,
             device=device,

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from areal_hpc.arch import DTYPE_BYTES, model_arch
-from areal_hpc.protocol import routing_dtype
+from areal_hpc.protocol import routing_bytes_per_token
 
 if TYPE_CHECKING:
     from areal_hpc.config.schema import Config
@@ -72,9 +72,8 @@ class GeneratorMemory:
         arch, a = model_arch(cfg.model), cfg.allocation
         dtype_bytes = DTYPE_BYTES[cfg.model.dtype]
         routing = 0.0
-        if cfg.ppo.routing_replay and arch.moe:
-            ids = arch.num_layers * arch.num_experts_per_tok * routing_dtype(arch.num_experts).itemsize
-            routing = ids / arch.kv_bytes_per_token(dtype_bytes, a.gen_tp)
+        if cfg.ppo.routing_replay:  # a MoE's (areal_hpc.config refuses it for a dense model)
+            routing = routing_bytes_per_token(arch) / arch.kv_bytes_per_token(dtype_bytes, a.gen_tp)
         largest = max(arch.vocab_size * arch.hidden_size, arch.intermediate_size * arch.hidden_size) * dtype_bytes
         payload = max(cfg.train.weight_sync_bucket_mb * 2**20, largest)
         groups = a.train_pp * a.train_ep

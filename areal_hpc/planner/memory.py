@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 def memory_advice(cfg: Config, p: Prediction, cost: CostModel = COST) -> str:
     """What to change so that `p`'s generator and trainer fit their GPUs ('' when they do): the settings
     by name, each with what it would need."""
-    fixes = [p.gen_budget.problem()] if p.gen_budget.problem() else []
+    fixes = [problem] if (problem := p.gen_budget.problem()) else []
     if p.gen_memory > p.memory:
         g = cfg.cluster.gpus_per_node
         more = [t for t in range(p.plan.gen_tp + 1, g + 1) if not gen_tp_problem(model_arch(cfg.model), g, t)]

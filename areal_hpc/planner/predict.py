@@ -16,7 +16,7 @@ from areal_hpc.arch import model_arch
 from areal_hpc.generator.choices import step_tokens
 from areal_hpc.generator.memory import GeneratorMemory
 from areal_hpc.planner.cost import COST, GB, CostModel, Hardware, Lengths, ModelSize, Plan, with_plan
-from areal_hpc.protocol import routing_dtype
+from areal_hpc.protocol import routing_bytes_per_token
 
 if TYPE_CHECKING:
     from areal_hpc.config.schema import Config
@@ -254,7 +254,7 @@ def plan_cost(cfg: Config, plan: Plan, cost: CostModel = COST) -> tuple[CostMode
     one they start with: areal_hpc.generator.memory) and, with routing replay, eager decode (`gen_eager`);
     and that memory budget."""
     budget = GeneratorMemory.of(with_plan(cfg, plan), Hardware.from_config(cfg).memory)
-    eager = cfg.ppo.routing_replay and model_arch(cfg.model).moe
+    eager = cfg.ppo.routing_replay  # a recording engine runs eagerly (areal_hpc.generator.routing)
     return dataclasses.replace(cost, gen_memory_fraction=budget.utilization, gen_eager=eager), budget
 
 
@@ -267,11 +267,8 @@ def controller_bytes(cfg: Config, lengths: Lengths, trajectories: int) -> tuple[
     token of prompt and answer carries TRAJECTORY_BYTES_PER_TOKEN, and with routing replay L x K expert
     ids (a MoE's every layer: the generator records them all); the controller holds at most what the
     staleness gate admits beyond the trained, max_staleness + 1 steps, and the step it packs."""
-    arch = model_arch(cfg.model)
     tokens = trajectories * (lengths.prompt + lengths.mean)
-    routing = 0.0
-    if cfg.ppo.routing_replay and arch.moe:
-        routing = tokens * arch.num_layers * arch.num_experts_per_tok * routing_dtype(arch.num_experts).itemsize
+    routing = tokens * routing_bytes_per_token(model_arch(cfg.model)) if cfg.ppo.routing_replay else 0.0
     held = (cfg.rollout.max_staleness + 2) * (tokens * TRAJECTORY_BYTES_PER_TOKEN + routing)
     return routing, held
 
