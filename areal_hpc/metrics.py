@@ -3,7 +3,8 @@
 `timing/train_idle_frac`.
 
 Names (one per concept): reward/mean, staleness/max, staleness/dropped (trajectories dropped as too
-stale since the previous step), throughput/effective_tokens_per_s, timing/step_s,
+stale since the previous step), staleness/wait_s (seconds the staleness schedule held a step back for a
+running group since the previous step: areal_hpc.algo.staleness), throughput/effective_tokens_per_s, timing/step_s,
 timing/weight_sync_s (the latest completed sync: the slowest generator's load), timing/sync_drain_s (its
 slowest generator's wait for its turns in flight to finish first, rollout.interruptible false), timing/gen_idle_frac,
 timing/train_idle_frac, timing/save_s (the trainers' time in checkpoint saves since the previous step),
@@ -16,7 +17,8 @@ previous step), rollout/filtered (prompt groups left out by rollout.filter_unifo
 previous step), rollout/truncated (episodes of the step cut at a token limit), the episode figures
 (rollout/turns_mean, rollout/tool_calls_mean, rollout/tool_s_mean, rollout/episode_tokens_mean: means over
 the step's episodes; rollout/answer_tokens_mean, _median, _p90, _max: the tokens sampled in each of the step's
-episodes, all its turns; rollout/workflow_errors, rollout/tool_errors, rollout/template_rewrites,
+episodes, all its turns; rollout/generated_tokens_p90: the same p90 over the training episodes
+generated since the previous step, trained or not (0 when none came); rollout/workflow_errors, rollout/tool_errors, rollout/template_rewrites,
 rollout/lost_groups: counts since the previous step; areal_hpc.controller.step_metrics), and after an
 evaluation between steps eval/pass@1 ... (areal_hpc.eval.training). Each line also has `step`, the policy
 version after the step.
@@ -123,10 +125,11 @@ def _plain(v):
 
 
 def progress_line(row: dict, total_steps: int) -> str:
-    """'step 12/100  reward 0.41  staleness 1 (0 dropped)  820 tok/s  step 1.9 s  sync 0.12 s'"""
+    """'step 12/100  reward 0.41  staleness 1 (0 dropped, waited 0.2 s)  820 tok/s  step 1.9 s  sync 0.12 s'"""
     return (
         f"step {row['step']}/{total_steps}  reward {row['reward/mean']:.3f}  "
-        f"staleness {row['staleness/max']} ({row['staleness/dropped']} dropped)  "
+        f"staleness {row['staleness/max']} ({row['staleness/dropped']} dropped, "
+        f"waited {row.get('staleness/wait_s', 0.0):.1f} s)  "
         f"{row['throughput/effective_tokens_per_s']:.0f} tok/s  step {row['timing/step_s']:.2f} s  "
         f"sync {row['timing/weight_sync_s']:.2f} s  idle gen {row['timing/gen_idle_frac']:.0%} "
         f"train {row['timing/train_idle_frac']:.0%}"

@@ -89,8 +89,8 @@ class CheckedGate(StalenessGate):
         super().finish(accepted)
         self.check()
 
-    def consume(self, buffer):
-        step = super().consume(buffer)
+    def consume(self, buffer, running=None):
+        step = super().consume(buffer, running)
         self.check()
         return step
 

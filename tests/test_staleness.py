@@ -1,6 +1,7 @@
 """Staleness gate and consumption check: the worked example, checkpoints, and a simulated system."""
 
 import json
+from collections import Counter
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -31,6 +32,7 @@ class Rollout:
 
     oldest_version: int | None
     n: int = 1
+    admitted: int = 0
 
 
 def test_worked_example():
@@ -71,6 +73,44 @@ def test_worked_example():
     assert gate.take_metrics() == {"staleness/max": 0, "staleness/dropped": 8}
     assert gate.take_metrics()["staleness/dropped"] == 0  # counted once
     assert restored.take_metrics()["staleness/dropped"] == 0  # its rows before the checkpoint are written
+
+
+def test_the_controllers_worked_example_waits_rather_than_drops():
+    """areal_hpc.controller's table, B = 3, eta = 1: step 2 waits for g5 (admitted at v0, still running),
+    which step 3 could no longer train, then takes g3, g4, g5; step 3 takes g6, g7, g8; nothing dropped."""
+    version = Version()
+    gate = StalenessGate(prompts_per_step=3, max_staleness=1, max_concurrent=100, version=version)
+    g = {i: Rollout(0, admitted=0) for i in range(6)}
+    for _ in range(6):
+        gate.admit()
+    for _ in range(3):
+        gate.finish()
+    step = gate.consume([g[0], g[1], g[2]], {0: 3})
+    assert step.consumed == [g[0], g[1], g[2]] and not step.waits_for
+    version.v = 1
+    for i in (6, 7, 8):
+        gate.admit()
+        g[i] = Rollout(1, admitted=1)
+    for _ in range(3):  # g3, g4, g6
+        gate.finish()
+    assert (gate.state.running, gate.state.accepted, gate.state.consumed, gate.room()) == (3, 6, 3, 0)
+    step = gate.consume([g[3], g[4], g[6]], {0: 1, 1: 2})  # g5 at key 0, g7 and g8 at 1 running
+    assert (step.consumed, step.dropped, step.buffered, step.waits_for) == ([], [], [g[3], g[4], g[6]], 1)
+    gate.finish()  # g5, its tokens of v0 and v1
+    step = gate.consume([g[3], g[4], g[5], g[6]], {1: 2})
+    assert step.consumed == [g[3], g[4], g[5]] and step.buffered == [g[6]]
+    assert (gate.state.running, gate.state.accepted, gate.state.consumed, gate.room()) == (2, 7, 6, 0)
+    assert gate.take_metrics() == {"staleness/max": 1, "staleness/dropped": 0}
+    version.v = 2
+    assert gate.room() == 3
+    for i in (9, 10, 11):
+        gate.admit()
+        g[i] = Rollout(2, admitted=2)
+    for _ in range(3):  # g7, g8, g9
+        gate.finish()
+    step = gate.consume([g[6], g[7], g[8], g[9]], {2: 2})
+    assert step.consumed == [g[6], g[7], g[8]] and not step.dropped
+    assert (gate.state.running, gate.state.accepted, gate.state.consumed, gate.room()) == (2, 10, 9, 0)
 
 
 def test_max_concurrent_and_rejections_free_slots():
@@ -135,8 +175,9 @@ class System:
     """Controller + generators + trainer reduced to the gate's calls. Every gate call goes to the
     original gate and to any gate restored from a checkpoint of it; their answers must agree."""
 
-    def __init__(self, B, eta, max_concurrent, oldest_first):
-        self.B, self.eta = B, eta
+    def __init__(self, B, eta, max_concurrent, oldest_first, schedule=False):
+        """`schedule`: the step is given the running groups' keys (as the controller's is), so it may wait."""
+        self.B, self.eta, self.schedule = B, eta, schedule
         self.version = Version()
         self.gates = [StalenessGate(B, eta, max_concurrent, self.version)]
         self.running = []  # admission version of each running group
@@ -169,15 +210,18 @@ class System:
             v0 = self.running.pop(k % len(self.running))
             self.call("finish", accepted)
             if accepted:
-                self.buffer.append(Rollout(v0, n=8))
+                self.buffer.append(Rollout(v0, n=8, admitted=v0))
         self.check()
 
     def train(self):
         if self.oldest_first:
             self.buffer.sort(key=lambda g: g.oldest_version)
-        steps = [g.consume(self.buffer) for g in self.gates]
+        running = Counter(self.running) if self.schedule else None
+        steps = [g.consume(self.buffer, running) for g in self.gates]
         step = steps[0]
         assert all(s == step for s in steps), "restored gate disagrees on consume"
+        if step.waits_for:  # only for running groups admitted before this version
+            assert not step.consumed and 0 < step.waits_for <= sum(a < self.version.v for a in self.running)
         assert sorted(map(id, step.consumed + step.dropped + step.buffered)) == sorted(map(id, self.buffer))
         self.buffer = step.buffered
         self.dropped += len(step.dropped)
@@ -190,6 +234,32 @@ class System:
             self.staleness += ages
             self.version.v += 1
         self.check()
+
+    def play(self, stream, restore_at, reject):
+        """The ops of `stream` (admit, finish the k-th running group, train), a checkpoint before the
+        `restore_at`-th; a finish is accepted unless `reject` and its flag is false."""
+        for i, (op, k, flag) in enumerate(stream):
+            if i == restore_at:
+                self.checkpoint()
+            if op == "admit":
+                self.admit()
+            elif op == "finish":
+                self.finish(k, accepted=flag or not reject)
+            else:
+                self.train()
+
+    def drain(self, steps=3):
+        """Admit while the gate lets, finish everything, train; `steps` more steps must come."""
+        start = self.version.v
+        for _ in range(50 * self.B):
+            if self.version.v >= start + steps:
+                break
+            while self.call("can_admit"):
+                self.admit()
+            while self.running:
+                self.finish(0, accepted=True)
+            self.train()
+        assert self.version.v >= start + steps, "stall"
 
     def check(self):
         v, B, eta = self.version.v, self.B, self.eta
@@ -226,30 +296,32 @@ ops = st.lists(
 )
 def test_random_streams_never_exceed_the_bound(B, eta, max_concurrent, oldest_first, stream, restore_at, reject):
     system = System(B, eta, max_concurrent, oldest_first)
-    for i, (op, k, flag) in enumerate(stream):
-        if i == restore_at:
-            system.checkpoint()
-        if op == "admit":
-            system.admit()
-        elif op == "finish":
-            system.finish(k, accepted=flag or not reject)
-        else:
-            system.train()
+    system.play(stream, restore_at, reject)
     if eta == 0:
         # Synchronous RL: every consumed group came from the current version, none was dropped.
         assert all(s == 0 for s in system.staleness)
         assert system.dropped == 0
-    # Drain: the system keeps training (no stall), whatever was dropped before.
-    start = system.version.v
-    for _ in range(50 * B):
-        if system.version.v >= start + 3:
-            break
-        while system.call("can_admit"):
-            system.admit()
-        while system.running:
-            system.finish(0, accepted=True)
-        system.train()
-    assert system.version.v >= start + 3
+    system.drain()  # the system keeps training (no stall), whatever was dropped before
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    B=st.integers(1, 4),
+    eta=st.integers(0, 3),
+    max_concurrent=st.integers(1, 12),
+    stream=ops,
+    restore_at=st.integers(0, 160),
+    reject=st.booleans(),
+)
+def test_the_schedule_drops_nothing_in_any_completion_order(B, eta, max_concurrent, stream, restore_at, reject):
+    """Groups finish in any order, each with its admission version as its oldest token's (the oldest it can
+    be: an answer interrupted by every update); given the running groups' keys, a step waits rather than
+    leave one too old, so nothing is ever dropped, the bound holds, and training never stalls."""
+    system = System(B, eta, max_concurrent, oldest_first=True, schedule=True)
+    system.play(stream, restore_at, reject)
+    assert system.dropped == 0
+    system.drain()  # once everything running has finished, a step goes
+    assert system.dropped == 0
 
 
 @settings(max_examples=100, deadline=None)

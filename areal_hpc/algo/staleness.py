@@ -1,14 +1,32 @@
-"""Staleness control, the pure rule: the admission gate and the consumption check.
+"""Staleness control, the pure rule: the admission gate, the consumption schedule and check.
 
 B = `rollout.prompts_per_step` (prompt groups per training step), eta = `rollout.max_staleness`,
 v = the policy version (completed training steps, each of `ppo.minibatches` optimizer steps; the version
 the next step trains), read from an injected callable so the gate needs no MPI and tests drive it directly.
+A group's key is the version at its admission: its tokens are sampled by that version or a later one.
 
     admission:    admit a new prompt group only while
                       accepted + running < (eta + v + 1) * B   and   running < max_concurrent
+    schedule:     a step at version v takes the B oldest finished groups (by key), but waits while a
+                  running group would otherwise be left too old for the steps to come: while, for some
+                  k in 0 .. eta - 1, the groups of key <= v - eta + k left unconsumed after this step
+                  (running, or finished and not taken) number more than k * B and one of them is running
     consumption:  when a step is assembled at version v, every buffered group whose oldest generated
                   token has version < v - eta is dropped; then the B oldest of the rest, if B
-                  remain, are consumed (`consume`, one call).
+                  remain and the schedule does not wait, are consumed (`consume`, one call).
+
+The schedule is what keeps long answers. A group of key a must be trained by the step at version
+a + eta; an answer that takes longer than eta + 1 steps to write (interrupted by weight updates, it
+goes on with each new version) would be dropped at consumption. The schedule holds the version back
+instead: the trainer waits for it, at the last step that can train it within the bound. The
+generators do not wait meanwhile (the gate keeps its room), so where generation is the slower side
+the wait costs nothing, and where the trainer is, the wait is what the bound costs, which the
+planner's T0 / (eta + 1) predicts (areal_hpc.planner). Why it never drops and never stalls: the gate
+lets at most (eta + 1) * B groups be unconsumed, so if every step leaves at most k * B groups of key
+<= v - eta + k for each k, the next one can again; taking the oldest finished groups first is the
+best a step can do, and it waits only for a running group, which finishes. docs/design.md (The
+algorithm) has the long form. The consumption check stays for what the schedule cannot hold: groups
+restored from a checkpoint written before it, or a changed B or eta at a resume.
 
 Counters, in prompt groups:
 
@@ -44,7 +62,8 @@ again (and finishes them as usual) or releases each with `finish(accepted=False)
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -85,6 +104,9 @@ class Buffered(Protocol):
     def oldest_version(self) -> int | None: ...  # of its generated tokens (`oldest_version`)
 
     @property
+    def admitted(self) -> int: ...  # the version at its admission: its key in the schedule
+
+    @property
     def n(self) -> int: ...  # its trajectories
 
 
@@ -101,6 +123,8 @@ class Consumption(Generic[G]):
     """Too stale (oldest < v - eta): counted, their slots freed, never trained on."""
     buffered: list[G]
     """The rest, still waiting, in the given order: the buffer from now on."""
+    waits_for: int = 0
+    """Running groups the step waits for (the schedule): while > 0, `consumed` is empty."""
 
 
 class StalenessGate:
@@ -161,13 +185,15 @@ class StalenessGate:
 
     # --- consumption ------------------------------------------------------------------------
 
-    def consume(self, buffer: Sequence[G]) -> Consumption[G]:
-        """The consumption check at version v over `buffer` (the accepted groups not yet consumed, in
-        the order they are to be trained: oldest first).
+    def consume(self, buffer: Sequence[G], running: Mapping[int, int] | None = None) -> Consumption[G]:
+        """The consumption check and the schedule at version v over `buffer` (the accepted groups not yet
+        consumed, in the order they are to be trained: oldest key first) and `running` (how many
+        groups are running, by key).
 
         Every group whose oldest generated-token version is < v - eta is dropped and counted (its
         trajectories too), which frees its slot; a group without generated tokens is fresh. Then, if
-        at least B fresh groups remain, the first B are consumed (trained on at v).
+        at least B fresh groups remain and the schedule does not wait for a running one (`waits_for`),
+        the first B are consumed (trained on at v).
         """
         s, v, eta = self.state, self.version(), self.max_staleness
         if len(buffer) > s.accepted - s.consumed:
@@ -181,10 +207,27 @@ class StalenessGate:
         if len(fresh) < self.prompts_per_step:
             return Consumption([], dropped, fresh)
         consumed, fresh = fresh[: self.prompts_per_step], fresh[self.prompts_per_step :]
+        waits_for = self.waits_for(fresh, running or {})
+        if waits_for:
+            return Consumption([], dropped, consumed + fresh, waits_for)
         s.consumed += len(consumed)
         ages = [v - g.oldest_version for g in consumed if g.oldest_version is not None]
         self._staleness_max = max([self._staleness_max, *ages])
         return Consumption(consumed, dropped, fresh)
+
+    def waits_for(self, left: Sequence[Buffered], running: Mapping[int, int]) -> int:
+        """The schedule (module docstring): the running groups a step at v waits for, 0 when it may go.
+        `left`: the finished groups the step would leave; `running`: running groups by key."""
+        v, eta, B = self.version(), self.max_staleness, self.prompts_per_step
+        if not running:
+            return 0
+        left_keys = Counter(g.admitted for g in left)
+        for k in range(eta):
+            edge = v - eta + k
+            behind = sum(n for key, n in running.items() if key <= edge)
+            if behind and behind + sum(n for key, n in left_keys.items() if key <= edge) > k * B:
+                return behind
+        return 0
 
     # --- metrics ----------------------------------------------------------------------------
 

@@ -151,7 +151,9 @@ class AllocationConfig:
 class RolloutConfig:
     max_staleness: int = identity(2)
     """Bound eta on policy staleness: no consumed token is more than eta versions older than the
-    trainer's policy. 0 is synchronous RL."""
+    trainer's policy. 0 is synchronous RL. A step waits for a group still being written rather than leave
+    it too old to train (staleness/wait_s), so nothing is dropped for a long answer: a smaller eta costs
+    waits, never answers."""
     max_concurrent: int = operational(64)
     """Most prompt groups in flight on the generators at once."""
     group_size: int = identity(8)

@@ -26,11 +26,12 @@ syncs and checkpoints, writes the metrics. One thread, one event loop, no blocki
    admit    while the gate has room: next prompt -> GenerateRequest to the least-loaded generator
             (waits for: room = (eta + v + 1) * B - accepted - running > 0; TrainResult or a dropped
             group makes room)
-   train    when no step is running: stale groups dropped and, if B fresh ones are buffered, the
-            oldest B (rollouts.take_batch: gate.consume); advantages, pack, one TrainBatch per
+   train    when no step is running: stale groups dropped and, if B fresh ones are buffered and no
+            older group still running must be trained now, the oldest B (rollouts.take_batch:
+            gate.consume, the schedule); advantages, pack, one TrainBatch per
             data-parallel replica, to its first rank (which passes every message on to the replica's
             other TP x PP ranks: protocol.ReplicaRelay)
-            (waits for: the previous TrainResult, and B finished groups)
+            (waits for: the previous TrainResult, B finished groups, and an old group still running)
    watch    a rank with work outstanding that has said nothing for train.rank_timeout_s -> error
 ```
 
@@ -40,24 +41,29 @@ trainer never waits for the longest rollout: any B finished groups, oldest first
 
 The invariant: every consumed token has `v - token version <= eta` (B = `rollout.prompts_per_step`,
 eta = `rollout.max_staleness`). The gate (areal_hpc.algo.staleness) bounds how far ahead generation runs;
-the consumption check drops the rare group that finished too late; docs/design.md (The algorithm) says
-why this holds. The worked example, B = 3, eta = 1 (room = (eta + v + 1) * B - accepted - running):
+the schedule holds a step back for a group still running that the step after could no longer train; the
+consumption check drops what neither could hold; docs/design.md (The algorithm) says why this holds.
+The worked example, B = 3, eta = 1 (room = (eta + v + 1) * B - accepted - running):
 
 ```
  v  event                                                   running  accepted  consumed  room
  0  admit g0 .. g5                                          6        0         0         0
  0  g0, g1, g2 done; step 1 takes them (age 0)              3        3         3         0
  1  WeightSync(1); admit g6, g7, g8                         6        3         3         0
- 1  g3, g4, g6 done; step 2 takes them (ages 1, 1, 0)       3        6         6         0
- 2  admit g9, g10, g11                                      6        6         6         0
- 2  g5 (interrupted: tokens of v0 and v1), g7, g8, g9 done  2        10        6         0
- 2  step 3: g5 dropped (0 < 2 - 1); takes g7, g8, g9        2        9         9         1: g12
+ 1  g3, g4, g6 done; step 2 waits: g5 (admitted at v0)      3        6         3         0
+    is running, and step 3 could not train it
+ 1  g5 done (interrupted: tokens of v0 and v1); step 2      2        7         6         0
+    takes g3, g4, g5 (age 1)
+ 2  admit g9, g10, g11                                      5        7         6         0
+ 2  g7, g8, g9 done; step 3 takes g6, g7, g8 (age 1)        2        10        9         0
 ```
 
 g6..g8 are sampled by version-1 weights: the WeightSync is sent before their requests, and generators
-handle messages in order. g5 is counted in `staleness/dropped` and leaves `accepted`; had it stayed, the
-room after step 3 would be 0 and g12 would wait. `rollout.max_staleness = 0` is synchronous RL on this
-same path: B groups in flight, train, sync, B more.
+handle messages in order. Without the schedule, step 2 would have taken g3, g4, g6 and step 3 dropped g5
+(0 < 2 - 1), generated and never trained. The check still drops a group the schedule could not hold (one
+restored from an older checkpoint, or B or eta changed at a resume): counted in `staleness/dropped`, it
+leaves `accepted`, so its slot admits another prompt. `rollout.max_staleness = 0` is synchronous RL on
+this same path: B groups in flight, train, sync, B more.
 
 Who keeps what (under areal_hpc/; the controller routes between them):
 

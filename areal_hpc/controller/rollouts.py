@@ -12,12 +12,14 @@ the one owner of the groups and of the gate's counters over them (the controller
                    --gate.finish(accepted=False)--> left out (rollout.filter_uniform_groups: every
                                                     reward equal, the group teaches nothing; or every
                                                     episode lost): its slot admits another prompt
- buffer --take_batch (gate.consume): stale groups dropped, then the oldest B--> the step's groups
+ buffer --take_batch (gate.consume): stale groups dropped, then the oldest B, unless the schedule
+        waits for a running group that would be too old after this step--> the step's groups
 ```
 
-The buffer is ordered by admission (group id), so a step trains the oldest groups first: those most at
-risk of going stale. The gate's rules are areal_hpc.algo.staleness's; the version it reads is the
-controller's, injected (`from_config`).
+The buffer is ordered by admission (group id, and so by the version at admission, `Group.admitted`), so
+a step trains the oldest groups first: those most at risk of going stale. The gate's rules are
+areal_hpc.algo.staleness's; the version it reads is the controller's, injected (`from_config`). The time
+a step waits on the schedule is `staleness/wait_s`.
 
 Pure bookkeeping over numpy arrays, no MPI: the controller drives it, tests drive it directly.
 """
@@ -25,6 +27,8 @@ Pure bookkeeping over numpy arrays, no MPI: the controller drives it, tests driv
 from __future__ import annotations
 
 import logging
+import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -77,6 +81,9 @@ class Group:
     """The prompt of the data set, its token ids (`prompt_ids`, the one copy the controller holds) and its
     target (the reward's); saved in checkpoints."""
     n: int
+    admitted: int = 0
+    """The policy version when it was admitted (or requeued after a restore): its tokens are that
+    version's or later ones; its key in the staleness schedule."""
     trajectories: list = field(default_factory=list)
     """Episode (Trajectory) by index (None until it arrives)."""
     rewards: list = field(default_factory=list)
@@ -120,19 +127,23 @@ class Group:
             "group_id": self.group_id,
             "example": self.example,
             "n": self.n,
+            "admitted": self.admitted,
             "rewards": list(self.rewards),
             "trajectories": [vars(t).copy() for t in self.trajectories],
         }
 
     @classmethod
     def from_state(cls, s: dict) -> Group:
-        return cls(
+        """A saved group; one saved before `admitted` was kept is keyed by its oldest token (0 without one)."""
+        group = cls(
             group_id=s["group_id"],
             example=s["example"],
             n=s["n"],
             trajectories=[_trajectory(t, s["example"].prompt_ids) for t in s["trajectories"]],
             rewards=list(s["rewards"]),
         )
+        group.admitted = s["admitted"] if "admitted" in s else group.oldest_version or 0
+        return group
 
 
 def _trajectory(saved: dict, prompt_ids) -> Trajectory:
@@ -160,6 +171,8 @@ class Rollouts:
         self.gate = gate
         self.group_size, self.filter_uniform = group_size, filter_uniform
         self.running: dict[int, Group] = {}
+        self.running_keys: Counter[int] = Counter()
+        """Running groups by `Group.admitted`: what the staleness schedule reads."""
         self.buffer: list[Group] = []
         self.requeued: list[Example] = []
         """Prompts of the groups running at the restored checkpoint: the gate counts them as running already."""
@@ -170,6 +183,10 @@ class Rollouts:
         """Groups left out since the last `take_metrics` because every episode of theirs was lost."""
         self.window = [0, 0, ""]
         """Episodes arrived and lost since the last full step's worth, and the first lost one's traceback."""
+        self.waiting_since: float | None = None
+        """When the schedule began to hold the step back (None: it does not now)."""
+        self.wait_s = 0.0
+        """Seconds the schedule held steps back since the last `take_metrics`."""
 
     @classmethod
     def from_config(cls, rollout, version: Callable[[], int]) -> Rollouts:
@@ -187,9 +204,10 @@ class Rollouts:
             else:
                 example = prompts.next()
                 self.gate.admit()
-            group = Group(self.next_group_id, example, self.group_size)
+            group = Group(self.next_group_id, example, self.group_size, admitted=self.gate.version())
             self.next_group_id += 1
             self.running[group.group_id] = group
+            self.running_keys[group.admitted] += 1
             started.append(group)
         return started
 
@@ -236,6 +254,9 @@ class Rollouts:
         if not group.complete:
             return
         del self.running[group.group_id]
+        self.running_keys[group.admitted] -= 1
+        if not self.running_keys[group.admitted]:
+            del self.running_keys[group.admitted]
         if all(group.lost):
             self.gate.finish(accepted=False)
             self.lost_groups += 1
@@ -257,17 +278,31 @@ class Rollouts:
         self.gate.finish(accepted=True)
 
     def take_batch(self) -> list[Group]:
-        """The step's B groups, oldest first, or [] while fewer than B fresh ones are buffered; stale groups
-        are dropped first (counted, their slots freed: `StalenessGate.consume`)."""
-        taken = self.gate.consume(self.buffer)
+        """The step's B groups, oldest first, or [] while fewer than B fresh ones are buffered or the schedule
+        waits for a running group (timed: `staleness/wait_s`); stale groups are dropped first (counted,
+        their slots freed: `StalenessGate.consume`)."""
+        taken = self.gate.consume(self.buffer, self.running_keys)
         self.buffer = taken.buffered
+        now = time.monotonic()
+        if taken.waits_for and self.waiting_since is None:
+            self.waiting_since = now
+            log.debug("step %d waits for %d running groups", self.gate.version() + 1, taken.waits_for)
+        elif not taken.waits_for and self.waiting_since is not None:
+            self.wait_s += now - self.waiting_since
+            self.waiting_since = None
         return taken.consumed
 
     def take_metrics(self) -> dict:
-        """staleness/max, staleness/dropped, rollout/filtered and rollout/lost_groups since the last call;
-        starts anew."""
-        row = {**self.gate.take_metrics(), "rollout/filtered": self.filtered, "rollout/lost_groups": self.lost_groups}
+        """staleness/max, staleness/dropped, staleness/wait_s, rollout/filtered and rollout/lost_groups
+        since the last call; starts anew."""
+        row = {
+            **self.gate.take_metrics(),
+            "staleness/wait_s": self.wait_s,
+            "rollout/filtered": self.filtered,
+            "rollout/lost_groups": self.lost_groups,
+        }
         self.filtered = self.lost_groups = 0
+        self.wait_s = 0.0
         return row
 
     # --- checkpoints ------------------------------------------------------------------------

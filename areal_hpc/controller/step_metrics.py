@@ -13,7 +13,7 @@ from pathlib import Path
 from areal_hpc.checkpoint.files import checkpoint_version
 from areal_hpc.config import Config
 from areal_hpc.controller.batch import BatchInfo
-from areal_hpc.metrics import IdleClock, MetricsWriter, drop_rows_after
+from areal_hpc.metrics import IdleClock, MetricsWriter, drop_rows_after, length_summary
 from areal_hpc.protocol import Trajectory
 
 ARRIVAL_COUNTS = ("rollout/workflow_errors", "rollout/tool_errors", "rollout/template_rewrites")
@@ -33,6 +33,9 @@ class StepMetrics:
         """Training trajectories scored 0 for a reward timeout or error since the last row."""
         self.episode_counts = dict.fromkeys(ARRIVAL_COUNTS, 0)
         """ARRIVAL_COUNTS over the training episodes arrived since the last row."""
+        self.generated_tokens: list[int] = []
+        """Tokens sampled in each training episode arrived since the last row (not lost): what was generated,
+        trained or not, beside rollout/answer_tokens_* of what the step trained."""
         self._step_start = time.monotonic()
         self._generating = False
 
@@ -51,6 +54,8 @@ class StepMetrics:
         c["rollout/workflow_errors"] += bool(traj.error)
         c["rollout/tool_errors"] += int(traj.stats.get("tool_errors", 0))
         c["rollout/template_rewrites"] += int(traj.stats.get("template_rewrites", 0))
+        if not traj.error:
+            self.generated_tokens.append(int(traj.loss_mask.sum()))
 
     def write(
         self,
@@ -71,7 +76,7 @@ class StepMetrics:
         step_s, self._step_start = now - self._step_start, now
         row = {
             "reward/mean": info.reward_mean,
-            **rollouts,  # staleness/max, staleness/dropped, rollout/filtered, rollout/lost_groups
+            **rollouts,  # staleness/max, staleness/dropped, staleness/wait_s, rollout/filtered, rollout/lost_groups
             "reward/errors": self.reward_errors,
             "rollout/truncated": info.truncated,
             "rollout/turns_mean": info.turns_mean,
@@ -79,6 +84,9 @@ class StepMetrics:
             "rollout/tool_s_mean": info.tool_s_mean,
             "rollout/episode_tokens_mean": info.episode_tokens_mean,
             **{f"rollout/answer_tokens_{k}": v for k, v in info.answer_tokens.items()},
+            "rollout/generated_tokens_p90": length_summary(self.generated_tokens)["p90"]
+            if self.generated_tokens
+            else 0.0,
             **self.episode_counts,
             "throughput/effective_tokens_per_s": info.response_tokens / max(step_s, 1e-9),
             "timing/step_s": step_s,
@@ -92,6 +100,7 @@ class StepMetrics:
         }
         self.reward_errors = 0
         self.episode_counts = dict.fromkeys(ARRIVAL_COUNTS, 0)
+        self.generated_tokens = []
         self.writer.write(version, row)
 
     def close(self) -> None:
