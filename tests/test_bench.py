@@ -11,11 +11,13 @@ from tools.bench_figures import (
     format_lengths,
     ideal_ratio,
     interruption_line,
+    last_fifth_reward,
     occupancy,
     planner_lengths,
     run_lengths,
     steady_rows,
     task_lengths,
+    trained_over_generated_p90,
 )
 
 
@@ -72,6 +74,22 @@ def test_dropped_share_is_of_the_trajectories_generated():
     rows = _steps((100, 400), (100, 400), dropped=8)  # 16 dropped, 2 x 64 trained
     assert dropped_share(rows, 64) == pytest.approx(16 / (16 + 128))
     assert dropped_share(_steps((100, 400)), 64) == 0.0
+
+
+def test_trained_over_generated_p90_leaves_out_steps_where_nothing_came():
+    rows = [
+        {"rollout/answer_tokens_p90": t, "rollout/generated_tokens_p90": g}
+        for t, g in ((400, 500), (500, 0), (600, 600), (450, 550))
+    ]
+    assert trained_over_generated_p90(rows) == pytest.approx(475 / 550)
+    with pytest.raises(ValueError, match="no step"):
+        trained_over_generated_p90(rows[1:2])
+
+
+def test_last_fifth_reward_is_the_mean_of_the_last_steps():
+    rows = [{"reward/mean": r} for r in (0.0,) * 8 + (0.5, 0.3)]
+    assert last_fifth_reward(rows) == pytest.approx(0.4)
+    assert last_fifth_reward(rows[:3]) == 0.0  # at least one step
 
 
 def test_occupancy_is_the_mean_share_of_each_batchs_longest_answer():

@@ -8,18 +8,19 @@ areal_hpc.layout.Layout.core_plan). Settings given on the command line apply to 
 
     python tools/bench_async_vs_sync.py                          # short: 2 rounds of 60 steps per mode
     python tools/bench_async_vs_sync.py --rounds 1 --steps 100 ppo.prox_logp=loglinear
-    python tools/bench_async_vs_sync.py --workload reasoning     # 2 rounds x 3 modes, about 25-30 min
+    python tools/bench_async_vs_sync.py --workload reasoning     # 3 rounds x 3 modes, about 35-40 min
 
 Workloads (`--workload`):
 
   short      configs/tiny-cpu.yaml (short arithmetic answers); modes sync (rollout.max_staleness 0:
              generation and training take turns) and async (--staleness: they overlap), in that order
-             every round.
+             every round; 2 rounds unless --rounds.
   reasoning  configs/tiny-reasoning-cpu.yaml (the chain task: long-tailed answers of up to 1,024
              tokens); modes sync, async (interruptible: a weight update interrupts the answers in
              flight, loads, resumes them) and async-noint (same staleness, rollout.interruptible=false: a
              generator lets its running answers finish before it loads), the order reversed every
-             second round (sync, async, async-noint; then async-noint, async, sync).
+             second round (sync, async, async-noint; then async-noint, async, sync); 3 rounds unless
+             --rounds.
 
 Each run prints its wall time as it ends, each round its ratios. Then, per mode, over the steady-state
 steps of all its rounds (the first `--warmup` steps of each run left out: engine warm-up, and the
@@ -47,8 +48,19 @@ prints, in order:
   below 2x           only under 2x: the sync run's G and T as shares of its step, and how full its
                      batches are (mean of answer_tokens_mean / answer_tokens_max: a synchronous step's
                      answers start together and it decodes until the longest ends)
+  each round         the figures of the six lines below, round by round
 
-and last, for both, `async/sync effective throughput: X.XXx` over all rounds. The ratio follows the
+and last six lines, each figure the median of the rounds' own:
+
+  dropped            the share of the trajectories generated that the async run dropped as too stale
+  interruption       async / async-noint effective throughput, signed
+  p90 answer tokens  trained / generated, of the async run (`rollout/answer_tokens_p90` over
+                     `rollout/generated_tokens_p90`): under 1 when the answers dropped were long ones
+  reward             the mean reward of each mode's last fifth of steps (warm-up included in the count)
+  balanced bound     async/sync over that round's balanced bound (G + T) / max(G, T)
+  headline           async/sync effective throughput
+
+short prints last `async/sync effective throughput: X.XXx` over all rounds. The ratio follows the
 balance of G and T: with tiny-cpu's own settings they come out about equal on this machine. The measured
 ratio can come close to the balanced bound, or pass it: the synchronous step also waits for the rewards,
 the weight sync and (reasoning) its batch's longest answer, which the asynchronous run overlaps too.
@@ -64,6 +76,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tools.bench_figures
 
@@ -77,11 +91,14 @@ from tools.bench_figures import (  # noqa: E402
     format_lengths,
     ideal_ratio,
     interruption_line,
+    last_fifth_reward,
     occupancy,
     planner_lengths,
     run_lengths,
+    signed_percent,
     steady_rows,
     task_lengths,
+    trained_over_generated_p90,
     trajectories_per_step,
 )
 
@@ -99,16 +116,20 @@ class Workload:
     steps: int
     warmup: int
     rotate: bool
+    rounds: int
 
 
 WORKLOADS = {
-    "short": Workload(REPO / "configs" / "tiny-cpu.yaml", ("sync", "async"), steps=60, warmup=5, rotate=False),
+    "short": Workload(
+        REPO / "configs" / "tiny-cpu.yaml", ("sync", "async"), steps=60, warmup=5, rotate=False, rounds=2
+    ),
     "reasoning": Workload(
         REPO / "configs" / "tiny-reasoning-cpu.yaml",
         ("sync", "async", "async-noint"),
         steps=100,  # steps of about 3.0 s sync, 1.9 s async, 2.0 s async-noint, ~40 s start-up a run:
-        warmup=10,  # 2 x (100 x 6.9 s + 3 x 40 s) = 27 min
+        warmup=10,  # 3 x (100 x 6.9 s + 3 x 40 s) = 40 min
         rotate=True,
+        rounds=3,  # each figure the median of the rounds': one round's interruption figure moves by 8 points
     ),
 }
 
@@ -215,12 +236,15 @@ def report_short(steady: dict[str, list[dict]]) -> None:
     print(f"async/sync effective throughput: {speedup(sync, asyn):.2f}x")
 
 
-def report_reasoning(cfg, steady: dict[str, list[dict]], rounds: list[dict[str, Summary]]) -> None:
+def report_reasoning(cfg, runs: list[dict[str, list[dict]]], warmup: int) -> None:
+    """The reasoning workload's figures (module docstring) from `runs`: each round's rows by mode."""
     from areal_hpc.data.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     cap = cfg.rollout.max_new_tokens
+    steady = {mode: [r for run in runs for r in steady_rows(run[mode], warmup)] for mode in runs[0]}
     s = {mode: summarize(rows, 0) for mode, rows in steady.items()}
+    rounds = [{mode: summarize(rows, warmup) for mode, rows in run.items()} for run in runs]
     print(
         f"answer tokens (task: the chain task's worked answers; planner: its model of the paper's 1.5B run, "
         f"the median scaled from {PAPER_CAP:,} to the cap of {cap}; each mode: what it trained on, steady steps):"
@@ -232,6 +256,7 @@ def report_reasoning(cfg, steady: dict[str, list[dict]], rounds: list[dict[str, 
         print(format_lengths(mode, run_lengths(rows), cap))
     for mode, rows in steady.items():
         extra = f"  dropped {dropped_share(rows, trajectories_per_step(cfg)):.1%} of the trajectories generated"
+        extra += f"  staleness wait {sum(r['staleness/wait_s'] for r in rows) / len(rows):.2f} s a step"
         if mode == "async-noint":
             drain = sum(r["timing/sync_drain_s"] for r in rows) / len(rows)
             extra += f"  sync drain {drain:.2f} s a step"
@@ -242,7 +267,40 @@ def report_reasoning(cfg, steady: dict[str, list[dict]], rounds: list[dict[str, 
     headline = speedup(sync, asyn)
     if headline < 2:
         print(below_2x_line(sync.gen_s, sync.train_s, sync.step_s, occupancy(steady["sync"])))
-    print(f"async/sync effective throughput: {headline:.2f}x")
+    figures = [round_figures(cfg, run, summary, warmup) for run, summary in zip(runs, rounds)]
+    for k, f in enumerate(figures, 1):
+        rewards = ", ".join(f"{mode} {f['reward'][mode]:.3f}" for mode in f["reward"])
+        print(
+            f"round {k}: dropped {f['dropped']:.1%}, interruption {signed_percent(f['interruption'])}, "
+            f"p90 trained / generated {f['p90']:.2f}, reward last fifth {rewards}, "
+            f"of the balanced bound {f['of_bound']:.2f}, async/sync {f['headline']:.2f}x"
+        )
+
+    def median(key: str, mode: str | None = None) -> float:
+        return float(np.median([f[key][mode] if mode else f[key] for f in figures]))
+
+    rewards = ", ".join(f"{mode} {median('reward', mode):.2f}" for mode in runs[0])
+    print(f"dropped: {median('dropped'):.1%} of the trajectories generated (async, interruptible)")
+    print(f"interruption: {signed_percent(median('interruption'))} (async / async-noint)")
+    print(f"p90 answer tokens, trained / generated: {median('p90'):.2f} (async, interruptible)")
+    print(f"reward, last fifth: {rewards}")
+    print(f"async/sync of the balanced bound: {median('of_bound'):.2f}")
+    print(f"async/sync effective throughput: {median('headline'):.2f}x")
+
+
+def round_figures(cfg, run: dict[str, list[dict]], summary: dict[str, Summary], warmup: int) -> dict:
+    """The six figures of one round (module docstring)."""
+    asyn = steady_rows(run["async"], warmup)
+    sync = summary["sync"]
+    headline = speedup(sync, summary["async"])
+    return {
+        "dropped": dropped_share(asyn, trajectories_per_step(cfg)),
+        "interruption": speedup(summary["async-noint"], summary["async"]),
+        "p90": trained_over_generated_p90(asyn),
+        "reward": {mode: last_fifth_reward(rows) for mode, rows in run.items()},
+        "of_bound": headline / ideal_ratio(sync.gen_s, sync.train_s),
+        "headline": headline,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--warmup", type=int, help="first steps of each run left out of the figures (default: the workload's)"
     )
-    p.add_argument("--rounds", type=int, default=2, help="runs per mode, the modes alternating")
+    p.add_argument("--rounds", type=int, help="runs per mode, the modes alternating (default: the workload's)")
     p.add_argument("--staleness", type=int, default=ASYNC_STALENESS, help="max_staleness of the async runs")
     p.add_argument("--root", default=str(REPO / "runs" / "bench"), help="run root of all runs")
     p.add_argument("overrides", nargs="*", help="more config overrides for every run (section.field=value)")
@@ -260,8 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     w = WORKLOADS[args.workload]
     steps = w.steps if args.steps is None else args.steps
     warmup = w.warmup if args.warmup is None else args.warmup
-    if args.rounds < 1 or steps <= warmup:
-        p.error(f"need --rounds >= 1 and --steps > --warmup (got {args.rounds}, {steps}, {warmup})")
+    rounds = w.rounds if args.rounds is None else args.rounds
+    if rounds < 1 or steps <= warmup:
+        p.error(f"need --rounds >= 1 and --steps > --warmup (got {rounds}, {steps}, {warmup})")
     root = Path(args.root).resolve()
     root.mkdir(parents=True, exist_ok=True)
     cfg = load_config(w.config, BENCH_OVERRIDES + args.overrides)
@@ -273,27 +332,25 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} cores)")
     print(f"settings: {' '.join(BENCH_OVERRIDES + args.overrides)}", flush=True)
-    steady: dict[str, list[dict]] = {mode: [] for mode in w.modes}
-    rounds: list[dict[str, Summary]] = []
-    for k in range(1, args.rounds + 1):
+    runs: list[dict[str, list[dict]]] = []  # each round's rows by mode
+    for k in range(1, rounds + 1):
         this_round = {}
         for mode in round_order(w.modes, k, w.rotate):
             trial = f"{mode}{k}"
             overrides = mode_overrides(mode, args.staleness) + args.overrides
             run_dir = run_mode(w.config, root, trial, overrides, steps, root / f"{trial}.out")
-            rows = steady_rows(read_metrics(run_dir), warmup)
-            this_round[mode] = summarize(rows, 0)
-            steady[mode] += rows
-        rounds.append(this_round)
-        line = f"round {k}: async/sync {speedup(this_round['sync'], this_round['async']):.2f}x"
-        if "async-noint" in this_round:
-            line += f", async/async-noint {speedup(this_round['async-noint'], this_round['async']):.2f}x"
+            this_round[mode] = read_metrics(run_dir)
+        runs.append({mode: this_round[mode] for mode in w.modes})
+        summary = {mode: summarize(rows, warmup) for mode, rows in this_round.items()}
+        line = f"round {k}: async/sync {speedup(summary['sync'], summary['async']):.2f}x"
+        if "async-noint" in summary:
+            line += f", async/async-noint {speedup(summary['async-noint'], summary['async']):.2f}x"
         print(line, flush=True)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.workload == "reasoning":
-        report_reasoning(cfg, steady, rounds)
+        report_reasoning(cfg, runs, warmup)
     else:
-        report_short(steady)
+        report_short({mode: [r for run in runs for r in steady_rows(run[mode], warmup)] for mode in w.modes})
     return 0
 
 

@@ -6,6 +6,8 @@ Answer lengths: what a run's answers were, what the task asks for, and the plann
 paper's run at the same cap, one row each, so a reader sees the shape a throughput figure was measured on.
 Throughput: the async/sync bounds, the share of trajectories staleness dropped, how full a synchronous
 batch is, the interruption effect, and the line that says why a speedup stays under 2x.
+Bias and learning: the p90 of the answers trained over that of the answers generated, the reward of a
+run's last fifth of steps.
 """
 
 from __future__ import annotations
@@ -103,6 +105,22 @@ def dropped_share(rows: list[dict], trajectories_per_step: int) -> float:
     summed, over that plus the trajectories trained (`trajectories_per_step` a row)."""
     dropped = sum(r["staleness/dropped"] for r in rows)
     return dropped / (dropped + trajectories_per_step * len(rows))
+
+
+def trained_over_generated_p90(rows: list[dict]) -> float:
+    """The p90 of the answers trained over the p90 of those generated (`rollout/answer_tokens_p90`,
+    `rollout/generated_tokens_p90`; each the median of the steps' own, as `run_lengths`; steps where no
+    episode came back are left out of the second): under 1 when what staleness dropped were long answers."""
+    generated = [r["rollout/generated_tokens_p90"] for r in rows if r["rollout/generated_tokens_p90"] > 0]
+    if not generated:
+        raise ValueError("no step with an episode generated")
+    return float(np.median([r["rollout/answer_tokens_p90"] for r in rows]) / np.median(generated))
+
+
+def last_fifth_reward(rows: list[dict]) -> float:
+    """The mean `reward/mean` of a run's last fifth of steps (at least one): what the policy learned, for
+    comparing modes that trained as many steps."""
+    return float(np.mean([r["reward/mean"] for r in rows[-max(1, len(rows) // 5) :]]))
 
 
 def occupancy(rows: list[dict]) -> float:

@@ -9,9 +9,14 @@
    plain `LLM.generate` on the same engine, with and without logprobs; best of --repeats interleaved
    runs each (the best run is the one least disturbed by other work on a shared machine).
    Target: the wrapper within 10% of plain vLLM with logprobs.
-2. Pause per weight update: with every turn mid-generation, the time from the interruption to
-   the first token sampled under the new weights, the weights arriving through a real weight-sync
-   group (gloo; the sender is a thread of this process). Median of --repeats updates per size.
+2. Pause per weight update: with every turn mid-generation (--depth tokens in its context: a prompt of
+   its own of random tokens, as the distinct answers in flight have, and 4 sampled), the time from
+   the interruption to the first token sampled under the new weights, the weights arriving through a
+   real weight-sync group (gloo; the sender is a thread of this process). Median of --repeats updates
+   per size, alternating between the engine as it runs (the prefix cache reset with the weights, so
+   every turn is prefilled again) and the same engine keeping its prefix cache (not what the system
+   does: the KV of the tokens already sampled was computed by the old weights): the difference is
+   what keeping the cache would save an update.
 
 Each model size runs in its own process (one in-process vLLM engine per process).
 """
@@ -98,6 +103,7 @@ def child(size: str, args) -> dict:
         out.update({f"tok_s_{k}": max(v) for k, v in runs.items()})
 
     # Pause per weight update through a real (in-process) weight-sync group.
+    import numpy as np
     import torch.distributed as dist
 
     from areal_hpc.weight_sync.broadcast import WeightReceiver, WeightSender
@@ -111,24 +117,30 @@ def child(size: str, args) -> dict:
     gen.join_weight_sync(receiver, 120.0)
     joining.join()
     state = _state(path)
-    pauses, updates = [], []
-    for i in range(args.repeats):
-        for g, p in enumerate(prompts):
-            for j in range(args.n):
-                gen.submit(f"pause{i}.{g}.{j}", p, 512)
+    rng = np.random.default_rng(0)
+    pauses, kept, updates = [], [], []
+    reset = gen.engine.reset_prefix_cache
+    for i in range(2 * args.repeats):
+        keep = i % 2 == 1
+        gen.engine.reset_prefix_cache = (lambda: True) if keep else reset
+        for j in range(args.groups * args.n):
+            gen.submit(f"pause{i}.{j}", rng.integers(5, 95, max(args.depth, 5)).tolist(), 512)
         for _ in range(4):
             gen.step()
         version = gen.version + 1
         th = threading.Thread(target=sender.send, args=(sorted(state.items()), 64 << 20))
         t0 = time.perf_counter()
         th.start()
-        updates.append(gen.update_weights(receiver, version))
+        update_s = gen.update_weights(receiver, version)
         while not any(turn.sampled.versions and turn.sampled.versions[-1] == version for turn in gen.partial()):
             gen.step()
-        pauses.append(time.perf_counter() - t0)
+        (kept if keep else pauses).append(time.perf_counter() - t0)
+        updates += [] if keep else [update_s]
         th.join()
         gen.interrupt()
+    gen.engine.reset_prefix_cache = reset
     out["pause_s"] = statistics.median(pauses)
+    out["pause_kept_cache_s"] = statistics.median(kept)
     out["update_s"] = statistics.median(updates)
     out["state_MB"] = sum(t.numel() * t.element_size() for t in state.values()) / 2**20
     del torch
@@ -148,6 +160,7 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=32, help="prompt groups")
     ap.add_argument("--n", type=int, default=8, help="turns per prompt")
     ap.add_argument("--max-new", type=int, default=64, help="tokens per turn in the throughput runs")
+    ap.add_argument("--depth", type=int, default=5, help="context tokens of each turn when a weight update comes")
     ap.add_argument("--repeats", type=int, default=5, help="runs per figure (best throughput, median pause)")
     ap.add_argument("--root", default="runs", help="where the models are built (cached)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -175,14 +188,17 @@ def main() -> None:
                 f"{r['size']:<5}{r['params_M']:>8.2f}M{r['tok_s_plain']:>10.0f}/s{r['tok_s_plain_logprobs']:>10.0f}/s"
                 f"{r['tok_s_wrapper']:>10.0f}/s{over:>22.1%}"
             )
-    print(f"\nweight update with {turns} turns mid-generation (median of {args.repeats}):")
-    print(f"{'size':<5}{'params':>9}{'weights':>10}{'update':>10}{'pause':>10}{'engine start':>14}")
+    print(f"\nweight update with {turns} turns {args.depth} tokens into generation (median of {args.repeats}):")
+    print(f"{'size':<5}{'params':>9}{'weights':>10}{'update':>10}{'pause':>10}{'cache kept':>12}{'engine start':>14}")
     for r in results:
         print(
             f"{r['size']:<5}{r['params_M']:>8.2f}M{r['state_MB']:>8.1f}MB{r['update_s']:>9.3f}s{r['pause_s']:>9.3f}s"
-            f"{r['engine_start_s']:>13.1f}s"
+            f"{r['pause_kept_cache_s']:>11.3f}s{r['engine_start_s']:>13.1f}s"
         )
-    print("update = abort + receive/load + prefix-cache reset + resubmit; pause = abort to first new-version token")
+    print(
+        "update = abort + receive/load + prefix-cache reset + resubmit; pause = abort to first new-version token; "
+        "cache kept = the pause had the prefix cache been kept"
+    )
 
 
 if __name__ == "__main__":
