@@ -61,8 +61,7 @@ def test_staleness_bound_and_every_prompt_once(tmp_path, eta):
     # groups finish in any order, yet none is dropped: the schedule holds a step back for an old one instead
     assert sum(r["staleness/dropped"] for r in rows) == 0
     assert eta != 1 or sum(r["staleness/wait_s"] for r in rows) > 0  # with this seed it does wait
-    generated = [r["rollout/generated_tokens_p90"] for r in rows]  # 0 on a step trained from the buffer alone
-    assert all(p90 >= 0 for p90 in generated) and sum(p90 > 0 for p90 in generated) > len(rows) / 2
+    assert all(0 < r["rollout/generated_tokens_p90"] <= max(x["rollout/answer_tokens_max"] for x in rows) for r in rows)
     n = cfg.rollout.group_size
     assert len(world.trained_prompts) == 12 * 4 * n
     assert set(Counter(world.trained_prompts).values()) == {n}, "a prompt was trained on twice"

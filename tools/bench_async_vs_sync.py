@@ -13,10 +13,11 @@ areal_hpc.layout.Layout.core_plan). Settings given on the command line apply to 
 Workloads (`--workload`):
 
   short      configs/tiny-cpu.yaml (short arithmetic answers); modes sync (rollout.max_staleness 0:
-             generation and training take turns) and async (--staleness: they overlap), in that order
+             generation and training take turns) and async (--staleness, default the config's 2: they
+             overlap), in that order
              every round; 2 rounds unless --rounds.
   reasoning  configs/tiny-reasoning-cpu.yaml (the chain task: long-tailed answers of up to 1,024
-             tokens); modes sync, async (interruptible: a weight update interrupts the answers in
+             tokens; --staleness default the config's 4); modes sync, async (interruptible: a weight update interrupts the answers in
              flight, loads, resumes them) and async-noint (same staleness, rollout.interruptible=false: a
              generator lets its running answers finish before it loads), the order reversed every
              second round (sync, async, async-noint; then async-noint, async, sync); 3 rounds unless
@@ -102,7 +103,6 @@ from tools.bench_figures import (  # noqa: E402
     trajectories_per_step,
 )
 
-ASYNC_STALENESS = 2
 BENCH_OVERRIDES = ["logging.tensorboard=false"]  # the configs as shipped, less the TensorBoard writes
 
 
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         "--warmup", type=int, help="first steps of each run left out of the figures (default: the workload's)"
     )
     p.add_argument("--rounds", type=int, help="runs per mode, the modes alternating (default: the workload's)")
-    p.add_argument("--staleness", type=int, default=ASYNC_STALENESS, help="max_staleness of the async runs")
+    p.add_argument("--staleness", type=int, help="max_staleness of the async runs (default: the config's)")
     p.add_argument("--root", default=str(REPO / "runs" / "bench"), help="run root of all runs")
     p.add_argument("overrides", nargs="*", help="more config overrides for every run (section.field=value)")
     args = p.parse_args(argv)
@@ -324,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.root).resolve()
     root.mkdir(parents=True, exist_ok=True)
     cfg = load_config(w.config, BENCH_OVERRIDES + args.overrides)
+    if args.staleness is None:
+        args.staleness = cfg.rollout.max_staleness
     if args.workload == "reasoning":
         r = cfg.rollout
         print(

@@ -219,7 +219,7 @@ class StalenessGate:
         """The schedule (module docstring): the running groups a step at v waits for, 0 when it may go.
         `left`: the finished groups the step would leave; `running`: running groups by key."""
         v, eta, B = self.version(), self.max_staleness, self.prompts_per_step
-        if not running:
+        if not running or min(running) > v - 1:  # the common case, checked without counting `left`
             return 0
         left_keys = Counter(g.admitted for g in left)
         for k in range(eta):

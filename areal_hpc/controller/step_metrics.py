@@ -8,6 +8,7 @@ the controller's parts (the generators' by the dispatch, the trainers' by `Train
 from __future__ import annotations
 
 import time
+from collections import deque
 from pathlib import Path
 
 from areal_hpc.checkpoint.files import checkpoint_version
@@ -33,9 +34,10 @@ class StepMetrics:
         """Training trajectories scored 0 for a reward timeout or error since the last row."""
         self.episode_counts = dict.fromkeys(ARRIVAL_COUNTS, 0)
         """ARRIVAL_COUNTS over the training episodes arrived since the last row."""
-        self.generated_tokens: list[int] = []
-        """Tokens sampled in each training episode arrived since the last row (not lost): what was generated,
-        trained or not, beside rollout/answer_tokens_* of what the step trained."""
+        r = cfg.rollout
+        self.generated_tokens: deque[int] = deque(maxlen=r.prompts_per_step * r.group_size)
+        """Tokens sampled in each of the last step's worth of training episodes to arrive (not lost): what was
+        generated, trained or not, over as many episodes as rollout/answer_tokens_* of what a step trains."""
         self._step_start = time.monotonic()
         self._generating = False
 
@@ -100,7 +102,6 @@ class StepMetrics:
         }
         self.reward_errors = 0
         self.episode_counts = dict.fromkeys(ARRIVAL_COUNTS, 0)
-        self.generated_tokens = []
         self.writer.write(version, row)
 
     def close(self) -> None:
