@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from areal_hpc.algo.staleness import StalenessGate, StalenessState, oldest_version
 from areal_hpc.config import RolloutConfig
-from areal_hpc.controller.rollouts import Group
+from areal_hpc.controller.rollouts import Group, Rollouts, single_turn
 from areal_hpc.data.dataset import Example
 
 
@@ -111,6 +111,39 @@ def test_the_controllers_worked_example_waits_rather_than_drops():
     step = gate.consume([g[6], g[7], g[8], g[9]], {2: 2})
     assert step.consumed == [g[6], g[7], g[8]] and not step.dropped
     assert (gate.state.running, gate.state.accepted, gate.state.consumed, gate.room()) == (2, 10, 9, 0)
+
+
+def test_a_restore_keys_the_requeued_groups_at_the_version_it_resumes_from():
+    """Groups running at a checkpoint start again at the version the run resumes from: that is their key
+    from then on (the schedule never waits at once for an answer begun again); a buffered group keeps its
+    key, and one saved before keys were kept is keyed by its oldest token."""
+
+    class Stream:
+        position = 0
+
+        def next(self):
+            self.position += 1
+            return Example(self.position, "p", "1", "math", prompt_ids=np.array([5, 6], np.int32))
+
+    version = Version()
+    rollout = RolloutConfig(prompts_per_step=2, max_staleness=1, max_concurrent=4, group_size=1)
+    rollouts = Rollouts.from_config(rollout, version)
+    started = rollouts.admit(Stream())
+    assert [g.admitted for g in started] == [0] * 4 and rollouts.running_keys == Counter({0: 4})
+    done = started[1].group_id
+    rollouts.add_trajectory(single_turn(done, 0, [5, 6], [7, 8], [-0.5, -0.5], [1, 1], "stop"))
+    rollouts.add_reward(done, 0, 1.0)
+    assert [g.group_id for g in rollouts.buffer] == [done] and rollouts.running_keys == Counter({0: 3})
+    state = rollouts.state_dict()
+    version.v = 3
+    restored = Rollouts.from_config(rollout, version)
+    restored.load_state_dict(state)
+    assert restored.buffer[0].admitted == 0
+    again = restored.admit(Stream())
+    assert [g.example.index for g in again[:3]] == [1, 3, 4]  # the requeued first, then a new prompt
+    assert all(g.admitted == 3 for g in again) and restored.running_keys == Counter({3: len(again)})
+    del state["buffer"][0]["admitted"]  # as a checkpoint written before keys were kept
+    assert Group.from_state(state["buffer"][0]).admitted == 1
 
 
 def test_max_concurrent_and_rejections_free_slots():

@@ -124,7 +124,7 @@ def child(size: str, args) -> dict:
         keep = i % 2 == 1
         gen.engine.reset_prefix_cache = (lambda: True) if keep else reset
         for j in range(args.groups * args.n):
-            gen.submit(f"pause{i}.{j}", rng.integers(5, 95, max(args.depth, 5)).tolist(), 512)
+            gen.submit(f"pause{i}.{j}", rng.integers(5, 95, args.depth).tolist(), 512)
         for _ in range(4):
             gen.step()
         version = gen.version + 1
@@ -160,12 +160,20 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=32, help="prompt groups")
     ap.add_argument("--n", type=int, default=8, help="turns per prompt")
     ap.add_argument("--max-new", type=int, default=64, help="tokens per turn in the throughput runs")
-    ap.add_argument("--depth", type=int, default=5, help="context tokens of each turn when a weight update comes")
+    ap.add_argument(
+        "--depth",
+        type=int,
+        default=5,
+        help="prompt tokens of each turn in flight at a weight update (4 more are sampled first); the prefix "
+        "cache only keeps whole blocks, so 'cache kept' means something only with a context of several",
+    )
     ap.add_argument("--repeats", type=int, default=5, help="runs per figure (best throughput, median pause)")
     ap.add_argument("--root", default="runs", help="where the models are built (cached)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.throughput_sizes = args.throughput_sizes.split(",")
+    if args.depth < 1:
+        ap.error(f"--depth must be >= 1 (got {args.depth})")
     if args.child:
         print("RESULT " + json.dumps(child(args.child, args)), flush=True)
         return

@@ -19,14 +19,15 @@ The schedule is what keeps long answers. A group of key a must be trained by the
 a + eta; an answer that takes longer than eta + 1 steps to write (interrupted by weight updates, it
 goes on with each new version) would be dropped at consumption. The schedule holds the version back
 instead: the trainer waits for it, at the last step that can train it within the bound. The
-generators do not wait meanwhile (the gate keeps its room), so where generation is the slower side
-the wait costs nothing, and where the trainer is, the wait is what the bound costs, which the
-planner's T0 / (eta + 1) predicts (areal_hpc.planner). Why it never drops and never stalls: the gate
+generators go on meanwhile, though finished groups waiting for the step hold gate slots: with (eta +
+1) * B well above max_concurrent they stay full, and where generation is the slower side the wait then
+costs nothing; otherwise the wait is what the bound costs, which the planner's T0 / (eta + 1) predicts
+(areal_hpc.planner). Why it never drops and never stalls: the gate
 lets at most (eta + 1) * B groups be unconsumed, so if every step leaves at most k * B groups of key
 <= v - eta + k for each k, the next one can again; taking the oldest finished groups first is the
 best a step can do, and it waits only for a running group, which finishes. docs/design.md (The
 algorithm) has the long form. The consumption check stays for what the schedule cannot hold: groups
-restored from a checkpoint written before it, or a changed B or eta at a resume.
+restored from a checkpoint written before it, or a changed B at a resume.
 
 Counters, in prompt groups:
 

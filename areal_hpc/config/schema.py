@@ -153,7 +153,8 @@ class RolloutConfig:
     """Bound eta on policy staleness: no consumed token is more than eta versions older than the
     trainer's policy. 0 is synchronous RL. A step waits for a group still being written rather than leave
     it too old to train (staleness/wait_s), so nothing is dropped for a long answer: a smaller eta costs
-    waits, never answers."""
+    waits, never answers. With long-tailed answers keep (eta + 1) x prompts_per_step well above
+    max_concurrent, so the generator stays full while finished groups wait for a step."""
     max_concurrent: int = operational(64)
     """Most prompt groups in flight on the generators at once."""
     group_size: int = identity(8)

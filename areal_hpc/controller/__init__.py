@@ -35,9 +35,11 @@ syncs and checkpoints, writes the metrics. One thread, one event loop, no blocki
    watch    a rank with work outstanding that has said nothing for train.rank_timeout_s -> error
 ```
 
-Generators never wait for the trainer: they always have up to `rollout.max_concurrent` groups to
-work on while the gate is open, and a WeightSync interrupts them only while the weights load. The
-trainer never waits for the longest rollout: any B finished groups, oldest first, make a step.
+Generators never wait for the trainer: they have up to `rollout.max_concurrent` groups to work on
+while the gate is open, and a WeightSync interrupts them only while the weights load. The trainer does
+not wait for each step's longest rollout: the B oldest finished groups make a step, unless an older
+group still running could not be trained by a later one (the schedule). While it waits, finished groups
+hold gate slots: with (eta + 1) * B not well above `max_concurrent` the generators run below it.
 
 The invariant: every consumed token has `v - token version <= eta` (B = `rollout.prompts_per_step`,
 eta = `rollout.max_staleness`). The gate (areal_hpc.algo.staleness) bounds how far ahead generation runs;
@@ -61,7 +63,7 @@ The worked example, B = 3, eta = 1 (room = (eta + v + 1) * B - accepted - runnin
 g6..g8 are sampled by version-1 weights: the WeightSync is sent before their requests, and generators
 handle messages in order. Without the schedule, step 2 would have taken g3, g4, g6 and step 3 dropped g5
 (0 < 2 - 1), generated and never trained. The check still drops a group the schedule could not hold (one
-restored from an older checkpoint, or B or eta changed at a resume): counted in `staleness/dropped`, it
+restored from an older checkpoint, or B changed at a resume): counted in `staleness/dropped`, it
 leaves `accepted`, so its slot admits another prompt. `rollout.max_staleness = 0` is synchronous RL on
 this same path: B groups in flight, train, sync, B more.
 

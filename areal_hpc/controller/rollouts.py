@@ -319,6 +319,10 @@ class Rollouts:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's groups into a Rollouts with none running; the requeued are admitted (`admit`) at
+        the version then, their key from then on."""
+        if self.running:
+            raise RuntimeError("load_state_dict() into Rollouts with groups running")
         self.gate.load_state_dict(state["gate"])
         self.requeued = list(state["requeued"])
         self.buffer = [Group.from_state(g) for g in state["buffer"]]
