@@ -17,8 +17,9 @@ previous step), rollout/filtered (prompt groups left out by rollout.filter_unifo
 previous step), rollout/truncated (episodes of the step cut at a token limit), the episode figures
 (rollout/turns_mean, rollout/tool_calls_mean, rollout/tool_s_mean, rollout/episode_tokens_mean: means over
 the step's episodes; rollout/answer_tokens_mean, _median, _p90, _max: the tokens sampled in each of the step's
-episodes, all its turns; rollout/generated_tokens_p90: the same p90 over the last step's worth of
-training episodes generated, trained or not (0 before any came); rollout/workflow_errors, rollout/tool_errors, rollout/template_rewrites,
+episodes, all its turns; rollout/generated_tokens_p90 and rollout/trained_tokens_p90: the p90 of the
+same over the last ten steps' worth of training episodes generated (trained or not; 0 before any came)
+and trained, which differ when staleness drops long answers; rollout/workflow_errors, rollout/tool_errors, rollout/template_rewrites,
 rollout/lost_groups: counts since the previous step; areal_hpc.controller.step_metrics), and after an
 evaluation between steps eval/pass@1 ... (areal_hpc.eval.training). Each line also has `step`, the policy
 version after the step.

@@ -78,10 +78,10 @@ def test_dropped_share_is_of_the_trajectories_generated():
 
 def test_trained_over_generated_p90_leaves_out_steps_where_nothing_came():
     rows = [
-        {"rollout/answer_tokens_p90": t, "rollout/generated_tokens_p90": g}
-        for t, g in ((400, 500), (500, 0), (600, 600), (450, 550))
+        {"rollout/trained_tokens_p90": t, "rollout/generated_tokens_p90": g}
+        for t, g in ((400, 500), (500, 0), (600, 600), (440, 550))
     ]
-    assert trained_over_generated_p90(rows) == pytest.approx(475 / 550)
+    assert trained_over_generated_p90(rows) == pytest.approx(0.8)  # the median of 0.8, 1.0, 0.8
     with pytest.raises(ValueError, match="no step"):
         trained_over_generated_p90(rows[1:2])
 

@@ -61,7 +61,9 @@ def test_staleness_bound_and_every_prompt_once(tmp_path, eta):
     # groups finish in any order, yet none is dropped: the schedule holds a step back for an old one instead
     assert sum(r["staleness/dropped"] for r in rows) == 0
     assert eta != 1 or sum(r["staleness/wait_s"] for r in rows) > 0  # with this seed it does wait
-    assert all(0 < r["rollout/generated_tokens_p90"] <= max(x["rollout/answer_tokens_max"] for x in rows) for r in rows)
+    longest = max(r["rollout/answer_tokens_max"] for r in rows)
+    assert all(0 < r[f"rollout/{k}_tokens_p90"] <= longest for r in rows for k in ("generated", "trained"))
+    assert rows[0]["rollout/trained_tokens_p90"] == rows[0]["rollout/answer_tokens_p90"]  # the window: one step yet
     n = cfg.rollout.group_size
     assert len(world.trained_prompts) == 12 * 4 * n
     assert set(Counter(world.trained_prompts).values()) == {n}, "a prompt was trained on twice"

@@ -55,8 +55,9 @@ and last six lines, each figure the median of the rounds' own:
 
   dropped            the share of the trajectories generated that the async run dropped as too stale
   interruption       async / async-noint effective throughput, signed
-  p90 answer tokens  trained / generated, of the async run (`rollout/answer_tokens_p90` over
-                     `rollout/generated_tokens_p90`): under 1 when the answers dropped were long ones
+  p90 answer tokens  trained / generated, of the async run (`rollout/trained_tokens_p90` over
+                     `rollout/generated_tokens_p90`, each over ten steps' worth of episodes): under 1
+                     when the answers dropped were long ones
   reward             the mean reward of each mode's last fifth of steps (warm-up included in the count)
   balanced bound     async/sync over that round's balanced bound (G + T) / max(G, T)
   headline           async/sync effective throughput

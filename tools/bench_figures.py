@@ -108,14 +108,17 @@ def dropped_share(rows: list[dict], trajectories_per_step: int) -> float:
 
 
 def trained_over_generated_p90(rows: list[dict]) -> float:
-    """The p90 of the answers trained over the p90 of those generated (`rollout/answer_tokens_p90`, each
-    step's batch; `rollout/generated_tokens_p90`, the last step's worth of episodes to arrive; each the
-    median of the steps' own, as `run_lengths`; rows before any episode came are left out): under 1 when
-    what staleness dropped were long answers."""
-    generated = [r["rollout/generated_tokens_p90"] for r in rows if r["rollout/generated_tokens_p90"] > 0]
-    if not generated:
+    """The p90 of the answers trained over the p90 of those generated, the median over the rows of
+    `rollout/trained_tokens_p90` / `rollout/generated_tokens_p90` (each over the last ten steps' worth
+    of episodes; rows before any episode came left out): under 1 when staleness dropped long answers."""
+    ratios = [
+        r["rollout/trained_tokens_p90"] / r["rollout/generated_tokens_p90"]
+        for r in rows
+        if r["rollout/generated_tokens_p90"] > 0
+    ]
+    if not ratios:
         raise ValueError("no step with an episode generated")
-    return float(np.median([r["rollout/answer_tokens_p90"] for r in rows]) / np.median(generated))
+    return float(np.median(ratios))
 
 
 def last_fifth_reward(rows: list[dict]) -> float:

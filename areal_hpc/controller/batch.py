@@ -47,9 +47,14 @@ class BatchInfo:
     """Seconds per tool call (0 without calls)."""
     episode_tokens_mean: float = 0.0
     """Tokens of an episode, all its sequences."""
-    answer_tokens: dict = field(default_factory=dict)
-    """`length_summary` of the tokens sampled in each episode, all its turns (loss mask 1 before
-    `ppo.mask_truncated`): the lengths of the answers the policy wrote."""
+    answer_lengths: list = field(default_factory=list)
+    """The tokens sampled in each episode, all its turns (loss mask 1 before `ppo.mask_truncated`): the
+    lengths of the answers the policy wrote."""
+
+    @property
+    def answer_tokens(self) -> dict:
+        """`length_summary` of `answer_lengths`."""
+        return length_summary(self.answer_lengths)
 
 
 def build_train_batches(
@@ -172,5 +177,5 @@ def _info(episodes: list[Trajectory], rewards: list[float], lost: list[bool], se
         tool_calls_mean=float(stat("tool_calls").mean()),
         tool_s_mean=float(stat("tool_s").sum() / calls) if calls else 0.0,
         episode_tokens_mean=float(np.mean([len(t.tokens) for t in episodes])),
-        answer_tokens=length_summary([int(t.loss_mask.sum()) for t in episodes]),
+        answer_lengths=[int(t.loss_mask.sum()) for t in episodes],
     )

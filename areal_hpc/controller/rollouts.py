@@ -81,13 +81,13 @@ class Group:
     """The prompt of the data set, its token ids (`prompt_ids`, the one copy the controller holds) and its
     target (the reward's); saved in checkpoints."""
     n: int
-    admitted: int = 0
-    """The policy version when it was admitted (or requeued after a restore): its tokens are that
-    version's or later ones; its key in the staleness schedule."""
     trajectories: list = field(default_factory=list)
     """Episode (Trajectory) by index (None until it arrives)."""
     rewards: list = field(default_factory=list)
     """Reward by index (None until scored, and for ever for a lost episode)."""
+    admitted: int = 0
+    """The policy version when it was admitted (or requeued after a restore): its tokens are that
+    version's or later ones; its key in the staleness schedule."""
 
     def __post_init__(self):
         if not self.trajectories:

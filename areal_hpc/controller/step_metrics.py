@@ -17,6 +17,11 @@ from areal_hpc.controller.batch import BatchInfo
 from areal_hpc.metrics import IdleClock, MetricsWriter, drop_rows_after, length_summary
 from areal_hpc.protocol import Trajectory
 
+LENGTH_WINDOW_STEPS = 10
+"""rollout/generated_tokens_p90 and rollout/trained_tokens_p90 are over this many steps' worth of episodes
+(prompts_per_step x group_size each): a step's own batch is a few prompt groups, whose answers' lengths go
+together, too few to compare two p90s by."""
+
 ARRIVAL_COUNTS = ("rollout/workflow_errors", "rollout/tool_errors", "rollout/template_rewrites")
 """Counted over the training episodes as they arrive, since the last row (like reward/errors): episodes lost
 (their workflow raised), tool calls that failed or timed out, messages whose tokens came from a chat
@@ -34,10 +39,11 @@ class StepMetrics:
         """Training trajectories scored 0 for a reward timeout or error since the last row."""
         self.episode_counts = dict.fromkeys(ARRIVAL_COUNTS, 0)
         """ARRIVAL_COUNTS over the training episodes arrived since the last row."""
-        r = cfg.rollout
-        self.generated_tokens: deque[int] = deque(maxlen=r.prompts_per_step * r.group_size)
-        """Tokens sampled in each of the last step's worth of training episodes to arrive (not lost): what was
-        generated, trained or not, over as many episodes as rollout/answer_tokens_* of what a step trains."""
+        window = LENGTH_WINDOW_STEPS * cfg.rollout.prompts_per_step * cfg.rollout.group_size
+        self.generated_tokens: deque[int] = deque(maxlen=window)
+        """Tokens sampled in each of the last training episodes to arrive (not lost), trained or not."""
+        self.trained_tokens: deque[int] = deque(maxlen=window)
+        """Tokens sampled in each of the last episodes trained."""
         self._step_start = time.monotonic()
         self._generating = False
 
@@ -76,6 +82,7 @@ class StepMetrics:
         weight sync's load and drain, and the trainers' time in saves."""
         now = time.monotonic()
         step_s, self._step_start = now - self._step_start, now
+        self.trained_tokens.extend(info.answer_lengths)
         row = {
             "reward/mean": info.reward_mean,
             **rollouts,  # staleness/max, staleness/dropped, staleness/wait_s, rollout/filtered, rollout/lost_groups
@@ -89,6 +96,7 @@ class StepMetrics:
             "rollout/generated_tokens_p90": length_summary(self.generated_tokens)["p90"]
             if self.generated_tokens
             else 0.0,
+            "rollout/trained_tokens_p90": length_summary(self.trained_tokens)["p90"],
             **self.episode_counts,
             "throughput/effective_tokens_per_s": info.response_tokens / max(step_s, 1e-9),
             "timing/step_s": step_s,
