@@ -158,7 +158,7 @@ def bench_config(args, s: dict, root: Path):
 
 def run_controller(ctx, side, payloads: Payloads, profile: bool, warmup: int, steps: int) -> dict:
     from areal_hpc.controller import Controller
-    from areal_hpc.protocol import Mailbox
+    from areal_hpc.protocol import Mailbox, TrainResult
 
     marks = []  # per step: (tokens, trajectories, wall s, cpu s)
     parts = Counter()  # CPU seconds of each part of the loop, over the measured steps (`measuring`)
@@ -175,15 +175,19 @@ def run_controller(ctx, side, payloads: Payloads, profile: bool, warmup: int, st
 
         return wrapped
 
+    trained = []  # the BatchInfo of the step whose TrainResult is being handled
+
     class Timed(Controller):
         def on_train_result(self, res):
-            info = self.trainers.step
+            trained.append(self.trainers.step)
             super().on_train_result(res)
-            marks.append((info.response_tokens, info.sequences, time.perf_counter(), time.process_time()))
-            measuring[0] = warmup < len(marks) <= warmup + steps  # from the first measured step's start
 
         def handle(self, src, msg):
             timed(f"handle {type(msg).__name__}", super().handle)(src, msg)
+            if isinstance(msg, TrainResult):  # marked once its handling is over: in the window whole, or out
+                info = trained.pop()
+                marks.append((info.response_tokens, info.sequences, time.perf_counter(), time.process_time()))
+                measuring[0] = warmup < len(marks) <= warmup + steps  # from the first measured step's end
 
     ctl = Timed(ctx, mailbox=Mailbox(ctx.world), prompts=Prompts(payloads))
     ctl.box.poll = timed("receive (Mailbox.poll)", ctl.box.poll)

@@ -53,8 +53,8 @@ class BatchInfo:
 
     @property
     def answer_tokens(self) -> dict:
-        """`length_summary` of `answer_lengths`."""
-        return length_summary(self.answer_lengths)
+        """`length_summary` of `answer_lengths` ({} without episodes)."""
+        return length_summary(self.answer_lengths) if self.answer_lengths else {}
 
 
 def build_train_batches(

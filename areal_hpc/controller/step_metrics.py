@@ -96,7 +96,7 @@ class StepMetrics:
             "rollout/generated_tokens_p90": length_summary(self.generated_tokens)["p90"]
             if self.generated_tokens
             else 0.0,
-            "rollout/trained_tokens_p90": length_summary(self.trained_tokens)["p90"],
+            "rollout/trained_tokens_p90": length_summary(self.trained_tokens)["p90"] if self.trained_tokens else 0.0,
             **self.episode_counts,
             "throughput/effective_tokens_per_s": info.response_tokens / max(step_s, 1e-9),
             "timing/step_s": step_s,
