@@ -22,6 +22,12 @@ LENGTH_WINDOW_STEPS = 10
 (prompts_per_step x group_size each): a step's own batch is a few prompt groups, whose answers' lengths go
 together, too few to compare two p90s by."""
 
+
+def p90(lengths) -> float:
+    """The 90th percentile of a window of answer lengths, 0 before the first."""
+    return length_summary(lengths)["p90"] if lengths else 0.0
+
+
 ARRIVAL_COUNTS = ("rollout/workflow_errors", "rollout/tool_errors", "rollout/template_rewrites")
 """Counted over the training episodes as they arrive, since the last row (like reward/errors): episodes lost
 (their workflow raised), tool calls that failed or timed out, messages whose tokens came from a chat
@@ -93,10 +99,8 @@ class StepMetrics:
             "rollout/tool_s_mean": info.tool_s_mean,
             "rollout/episode_tokens_mean": info.episode_tokens_mean,
             **{f"rollout/answer_tokens_{k}": v for k, v in info.answer_tokens.items()},
-            "rollout/generated_tokens_p90": length_summary(self.generated_tokens)["p90"]
-            if self.generated_tokens
-            else 0.0,
-            "rollout/trained_tokens_p90": length_summary(self.trained_tokens)["p90"] if self.trained_tokens else 0.0,
+            "rollout/generated_tokens_p90": p90(self.generated_tokens),
+            "rollout/trained_tokens_p90": p90(self.trained_tokens),
             **self.episode_counts,
             "throughput/effective_tokens_per_s": info.response_tokens / max(step_s, 1e-9),
             "timing/step_s": step_s,
