@@ -142,7 +142,8 @@ def unshard(shards: list[torch.Tensor], kind: str, arch: QwenArch) -> list[torch
 
 
 def stage_params(model) -> list[tuple[str, torch.Tensor]]:
-    """The stage's parameters by Megatron name (unwrapping DDP and Float16Module), without the tied duplicate.
+    """The stage's parameters by Megatron name (unwrapping DDP and Float16Module), without the tied duplicate
+    and without LoRA adapters (`trainer.lora`: PEFT's names, their own export).
 
     With tied embeddings and several stages the last stage holds a copy of the embedding as
     output_layer.weight; Hugging Face has one tensor, sent by the first stage.
@@ -153,6 +154,8 @@ def stage_params(model) -> list[tuple[str, torch.Tensor]]:
     out = []
     for name, p in inner.named_parameters():
         if name == "output_layer.weight" and getattr(inner, "share_embeddings_and_output_weights", False):
+            continue
+        if ".lora." in name:
             continue
         out.append((name, p))
     return out

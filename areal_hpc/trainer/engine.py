@@ -30,6 +30,7 @@ from __future__ import annotations
 import datetime
 import math
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +43,7 @@ from areal_hpc.device import backend
 from areal_hpc.parallel import TrainerCoords, TrainerGrid, check_trainer
 from areal_hpc.trainer import cpu_compat
 from areal_hpc.trainer.convert import export_stage, load_hf_into
+from areal_hpc.trainer.lora import LoraSpec, add_adapters, base_only
 from areal_hpc.trainer.model import build_stage, transformer_config
 
 
@@ -150,11 +152,13 @@ class Engine:
         dtype: torch.dtype = torch.float32,
         total_steps: int = 1,
         overlap_grad_reduce: bool = True,
+        lora: LoraSpec | None = None,
     ):
         """The stage of the model in `model_dir` for this rank; `ppo` (the config section) gives Adam's
         settings and learning-rate schedule (over `total_steps` training steps), the recompute setting
         and sequence parallelism. `overlap_grad_reduce` False reduces the gradients after the backward
-        pass instead of during it (for comparison: the step is the same)."""
+        pass instead of during it (for comparison: the step is the same). `lora`: LoRA adapters on the
+        frozen base (`trainer.lora`), the only weights trained."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -166,6 +170,7 @@ class Engine:
         self.arch = QwenArch.from_hf(model_dir)
         check_trainer(self.arch, par.grid.tp, par.grid.pp, par.grid.ep, par.grid.dp)
         self.device = par.device
+        self.lora = lora
         self.resumed_from: Path | None = None
         """The checkpoint this engine's state was loaded from (named in a non-finite step's error)."""
         grid = par.grid
@@ -191,9 +196,10 @@ class Engine:
         """This rank's GPTModel stage itself, inside DDP (and Float16Module in bf16/fp16)."""
         self.reference: torch.nn.Module | None = None
         """With ppo.kl_coef > 0: a frozen copy of the initial policy's stage (the weights of `model_dir`,
-        whatever checkpoint the engine loads later), same sharding, no gradient, no optimizer."""
+        whatever checkpoint the engine loads later), same sharding, no gradient, no optimizer; with LoRA the
+        model itself, its adapters off during the pass (`reference_pass`): the base is the initial policy."""
         if ppo.kl_coef > 0:
-            self.reference = self._initial_stage(dtype).requires_grad_(False).eval()
+            self.reference = self.model if lora else self._initial_stage(dtype).requires_grad_(False).eval()
         self.grad_clip = ppo.grad_clip
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
@@ -244,11 +250,17 @@ class Engine:
         load_hf_into(
             stage, self.model_dir, self.arch, coords.tp, grid.tp, coords.pp, grid.pp, self.par.expert_rank, grid.ep
         )
+        if self.lora:
+            add_adapters(stage, self.arch, self.lora)
         if dtype != torch.float32:
             # As Megatron's own training does: every parameter in the 16-bit dtype (the local layer
             # spec makes its norms fp32; the distributed optimizer needs one dtype per gradient buffer).
             stage = Float16Module(self.config, stage)
         return stage
+
+    def reference_pass(self):
+        """The context of a pass of `reference`: with LoRA, the adapters off."""
+        return base_only(self.model) if self.lora else nullcontext()
 
     @property
     def adams(self) -> list[torch.optim.Optimizer]:

@@ -326,7 +326,8 @@ def train_minibatches(engine, version: int, minibatches: list[list[MicroBatch]],
         if engine.reference is None:
             raise ValueError("ppo.kl_coef > 0 needs an Engine built with it (it keeps the reference policy)")
         flat = [mb for k in minibatches for mb in k]
-        ref = compute_logprobs(engine, flat, cfg.temperature, model=engine.reference)
+        with engine.reference_pass():
+            ref = compute_logprobs(engine, flat, cfg.temperature, model=engine.reference)
         if ref is not None:
             for mb, lp in zip(flat, ref):
                 mb.ref_logprobs = lp

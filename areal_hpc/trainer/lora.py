@@ -1,0 +1,261 @@
+"""LoRA adapters on the tensor-parallel linear layers of a Megatron stage (`trainer.model.build_stage`).
+
+A target is named as Hugging Face and PEFT name it (`q_proj` ... `down_proj`); each is a pair A [r, in],
+B [out, r] whose product, times alpha / r, is added to the layer's output: y = W x + (alpha / r) B A x.
+Megatron fuses some targets into one layer, and each keeps its own pair there (PEFT's and vLLM's format
+is one pair per Hugging Face module):
+
+| target                     | Megatron layer (under a decoder layer) | kind   | split over TP           |
+|----------------------------|----------------------------------------|--------|-------------------------|
+| q_proj, k_proj, v_proj     | self_attention.linear_qkv              | column | B's rows by key/value group; A replicated |
+| o_proj                     | self_attention.linear_proj             | row    | A's columns; B replicated |
+| gate_proj, up_proj         | mlp.linear_fc1 ([gate; up])            | column | B's rows; A replicated  |
+| down_proj                  | mlp.linear_fc2                         | row    | A's columns; B replicated |
+
+A subset of a fused layer's targets is supported: the others' part of its output gets nothing. Mixture-of-
+experts MLPs have no such layers (their experts are not targets): naming gate_proj, up_proj or down_proj
+on one is an error.
+
+Communication follows the base layer's: a column layer's input is the sequence shard under sequence
+parallelism (gathered for A, whose gradient Megatron then sums over TP: the parameter is marked
+`sequence_parallel`), else whole (A's output is all-reduced in the backward pass, so A's gradient is whole on
+every rank). A row layer's A x is partial over TP: all-reduced, or reduce-scattered over the sequence
+under sequence parallelism (B marked `sequence_parallel` then). The base weights are frozen (no gradient, no
+optimizer state); the adapters are the stage's only trainable parameters.
+
+Why by hand: megatron-core 0.16.1 has no LoRA module; Megatron-Bridge's needs TransformerEngine; PEFT's
+`LoraParallelLinear` fails on these layers (it expects a tensor where they return (output, bias), looks up
+config keys they lack, overrides `params_dtype` and leaves its replicated halves unmarked for sequence
+parallelism). PEFT stays the format of an exported adapter.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+TARGETS = {
+    "q_proj": ("self_attention.linear_qkv", "q"),
+    "k_proj": ("self_attention.linear_qkv", "k"),
+    "v_proj": ("self_attention.linear_qkv", "v"),
+    "o_proj": ("self_attention.linear_proj", None),
+    "gate_proj": ("mlp.linear_fc1", "gate"),
+    "up_proj": ("mlp.linear_fc1", "up"),
+    "down_proj": ("mlp.linear_fc2", None),
+}
+"""Each target's Megatron layer and its part of the fused output (None: the whole output)."""
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """The adapters a trainer gives its model: rank r, alpha (the update is scaled by alpha / r), targets."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...] = tuple(TARGETS)
+
+
+class LoraError(ValueError):
+    """Targets or a rank that this model cannot take."""
+
+
+def _attr(module: torch.nn.Module, path: str) -> torch.nn.Module | None:
+    for name in path.split("."):
+        module = getattr(module, name, None)
+        if module is None:
+            return None
+    return module
+
+
+class Adapters(torch.nn.Module):
+    """The LoRA pairs of one linear layer, in the layer's TP shard; added to its output by a forward hook."""
+
+    def __init__(self, layer, path: str, targets: list[str], arch, rank: int, alpha: float, global_layer: int):
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes as mark
+
+        super().__init__()
+        self.column = isinstance(layer, ColumnParallelLinear)
+        self.sp = layer.sequence_parallel
+        self.tp, self.tp_rank = _tp()
+        self.scale = alpha / rank
+        self.enabled = True
+        self.parts = [TARGETS[t][1] for t in targets]
+        self.targets = targets
+        self.path = path
+        self.arch = arch
+        self.layer = global_layer
+        device, dtype = layer.weight.device, layer.weight.dtype
+        for target in targets:
+            out, inp = _full_shape(target, arch)
+            a, b = initial_pair(global_layer, target, rank, inp, out)
+            pair = torch.nn.Module()
+            if self.column:  # whole key/value groups of q, k, v (the fused QKV holds whole groups), rows of the others
+                b = b.chunk(self.tp, 0)[self.tp_rank]
+            else:
+                a = a.chunk(self.tp, 1)[self.tp_rank]
+            pair.lora_A = torch.nn.Parameter(a.to(device, dtype).contiguous())
+            pair.lora_B = torch.nn.Parameter(b.to(device, dtype).contiguous())
+            split, whole = (pair.lora_B, pair.lora_A) if self.column else (pair.lora_A, pair.lora_B)
+            mark(split, True, 0 if self.column else 1, 1)
+            whole.sequence_parallel = self.sp  # its gradient is partial over TP under sequence parallelism
+            self.add_module(target, pair)
+        layer.register_forward_hook(self._add)
+
+    def _add(self, layer, args, output):
+        if not self.enabled:
+            return output
+        out, bias = output
+        return out + self.delta(args[0]).to(out.dtype), bias
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        """(alpha / r) B A x in the layer's output shard and layout."""
+        from megatron.core import tensor_parallel as tpl
+
+        pairs = [self.get_submodule(t) for t in self.targets]
+        if self.column:
+            if self.sp:
+                x = tpl.gather_from_sequence_parallel_region(x)
+            h = x @ torch.cat([p.lora_A for p in pairs]).t()  # [s, b, n * r]
+            if not self.sp:
+                h = tpl.copy_to_tensor_model_parallel_region(h)
+            parts = {part: hi @ p.lora_B.t() for part, hi, p in zip(self.parts, h.chunk(len(pairs), -1), pairs)}
+            return self.scale * self._fuse(parts, x.shape[:-1], x)
+        (p,) = pairs
+        h = x @ p.lora_A.t()  # partial over TP
+        if self.sp:
+            h = tpl.reduce_scatter_to_sequence_parallel_region(h)
+        else:
+            h = tpl.reduce_from_tensor_model_parallel_region(h)
+        return self.scale * (h @ p.lora_B.t())
+
+    def _fuse(self, parts: dict, lead: torch.Size, like: torch.Tensor) -> torch.Tensor:
+        """The column layer's output shard from its targets' parts (zeros for the parts not targeted)."""
+        widths = _part_widths(self.path, self.arch, self.tp)
+        full = {k: parts.get(k, like.new_zeros(*lead, w)) for k, w in widths.items()}
+        if self.path.endswith("linear_fc1"):
+            return torch.cat([full["gate"], full["up"]], -1)
+        groups = self.arch.num_key_value_heads // self.tp  # per group: its query heads, its key, its value
+        q, k, v = (full[x].reshape(*lead, groups, -1) for x in "qkv")
+        return torch.cat([q, k, v], -1).reshape(*lead, -1)
+
+
+def _tp() -> tuple[int, int]:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+
+
+def _full_shape(target: str, arch) -> tuple[int, int]:
+    """(out, in) of a target's whole Hugging Face weight."""
+    h, d = arch.hidden_size, arch.head_dim
+    return {
+        "q_proj": (arch.num_attention_heads * d, h),
+        "k_proj": (arch.num_key_value_heads * d, h),
+        "v_proj": (arch.num_key_value_heads * d, h),
+        "o_proj": (h, arch.num_attention_heads * d),
+        "gate_proj": (arch.intermediate_size, h),
+        "up_proj": (arch.intermediate_size, h),
+        "down_proj": (h, arch.intermediate_size),
+    }[target]
+
+
+def _part_widths(path: str, arch, tp: int) -> dict[str, int]:
+    d = arch.head_dim
+    if path.endswith("linear_fc1"):
+        return {"gate": arch.intermediate_size // tp, "up": arch.intermediate_size // tp}
+    return {
+        "q": arch.num_attention_heads * d // tp,
+        "k": arch.num_key_value_heads * d // tp,
+        "v": arch.num_key_value_heads * d // tp,
+    }
+
+
+def initial_pair(layer: int, target: str, rank: int, inp: int, out: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A target's initial (A, B), whole: A as PEFT draws it (Kaiming uniform, a = sqrt(5)), B zero, so the
+    adapted model starts as the base. Seeded by layer and target: the same at every parallel layout."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{layer}.{target}".encode()))
+    bound = 1 / math.sqrt(inp)  # kaiming_uniform_ with a = sqrt(5): sqrt(6 / ((1 + 5) * fan_in))
+    a = (torch.rand(rank, inp, generator=gen, dtype=torch.float32) * 2 - 1) * bound
+    return a, torch.zeros(out, rank)
+
+
+def add_adapters(stage: torch.nn.Module, arch, spec: LoraSpec) -> list[Adapters]:
+    """Give every decoder layer of `stage` (before Float16Module and DDP wrap it) the adapters of `spec`,
+    and freeze everything else. Raises LoraError naming a target that names no layer here."""
+    rank, alpha, targets = spec.rank, spec.alpha, list(spec.targets)
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown:
+        raise LoraError(f"lora.target_modules: {unknown} name no layer of a Qwen model; its targets: {list(TARGETS)}")
+    stage.requires_grad_(False)
+    if getattr(stage, "embedding", None) is not None:
+        # The frozen embedding's output needs no gradient, so a layer recomputed by Megatron's checkpoint (a
+        # reentrant autograd.Function) would return one that needs none either: its adapters would get none.
+        stage.embedding.register_forward_hook(lambda module, args, output: output.requires_grad_(True))
+    adapters = []
+    for layer in stage.decoder.layers:
+        by_path: dict[str, list[str]] = {}
+        for t in targets:
+            by_path.setdefault(TARGETS[t][0], []).append(t)
+        for path, ts in by_path.items():
+            linear = _attr(layer, path)
+            if linear is None:
+                raise LoraError(
+                    f"lora.target_modules: {ts} name no layer of this model ({path} is missing: the MLP of a "
+                    "mixture of experts is its experts, which LoRA does not target here)"
+                )
+            too_small = [t for t in ts if rank > min(_full_shape(t, arch))]
+            if too_small:
+                raise LoraError(f"lora.rank {rank} is larger than the smallest dimension of {too_small}")
+            module = Adapters(linear, path, ts, arch, rank, alpha, layer.layer_number - 1)
+            linear.lora = module
+            adapters.append(module)
+    return adapters
+
+
+def adapters_of(model: torch.nn.Module) -> Iterator[Adapters]:
+    return (m for m in model.modules() if isinstance(m, Adapters))
+
+
+@contextmanager
+def base_only(model: torch.nn.Module):
+    """The model without its adapters, for the duration (the KL reference: the base itself)."""
+    mods = list(adapters_of(model))
+    for m in mods:
+        m.enabled = False
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.enabled = True
+
+
+def peft_name(layer: int, target: str, matrix: str) -> str:
+    """A pair's tensor as PEFT saves it (and vLLM reads it): `matrix` is lora_A or lora_B."""
+    module = "self_attn" if TARGETS[target][0].startswith("self_attention") else "mlp"
+    return f"base_model.model.model.layers.{layer}.{module}.{target}.{matrix}.weight"
+
+
+def export_adapters(model: torch.nn.Module, tp_group, dst: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """This stage's adapters under PEFT's names, whole (TP-gathered) tensors, one at a time: collective over
+    `tp_group`, whose every rank iterates them to the end; yielded on global rank `dst` (its TP rank 0)."""
+    import torch.distributed as dist
+
+    tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+    me = dist.get_rank() if dist.is_initialized() else dst
+    for m in adapters_of(model):
+        for target in m.targets:
+            pair = m.get_submodule(target)
+            for matrix, split in (("lora_A", None if m.column else 1), ("lora_B", 0 if m.column else None)):
+                local = getattr(pair, matrix).detach().contiguous()
+                if split is not None and tp > 1:
+                    shards = [torch.empty_like(local) for _ in range(tp)] if me == dst else None
+                    dist.gather(local, shards, dst=dst, group=tp_group)
+                    local = torch.cat(shards, split) if me == dst else None
+                if me == dst:
+                    yield peft_name(m.layer, target, matrix), local
