@@ -53,6 +53,8 @@ choose_environment()
 
 WORKER_EXTENSION = "areal_hpc.generator.weight_loader.WeightLoader"
 """vLLM's `worker_extension_cls`: the class its workers mix in (areal_hpc.generator.weight_loader)."""
+ADAPTER_ID = 1
+"""vLLM's id of the policy's LoRA adapter (ids start at 1): one adapter, replaced in place at each update."""
 
 
 @dataclass
@@ -94,6 +96,9 @@ class GenerationEngine:
         self._vllm_ids: dict[str, str] = {}  # turn key -> vLLM's id of its current attempt (it suffixes ours)
         self._held: dict[str, EngineTurn] | None = None  # while holding (`hold`): the turns submitted since
         self.record_routing = record_routing
+        self.lora_request = None
+        """vLLM's `LoRARequest` of every request once an adapter is loaded (`update_adapter`); before, the base
+        serves alone (an initial adapter, B = 0, adds nothing)."""
         self.memory = None
         """On a GPU engine built `from_config`: its `memory.GeneratorMemory` budget."""
         if record_routing:
@@ -113,6 +118,7 @@ class GenerationEngine:
         enforce_eager: bool = False,
         record_routing: bool = False,
         gpu_memory_utilization: float | None = None,
+        lora_rank: int = 0,
     ):
         """vLLM `EngineArgs` for a generator: processed logprobs (see the module doc), our worker extension,
         the project's choices where vLLM's defaults differ by platform (`choices.ENGINE_ARGS`).
@@ -120,7 +126,9 @@ class GenerationEngine:
         `record_routing`: an engine whose routing is recorded runs eagerly (areal_hpc.generator.routing).
         The step's token budget is the project's (`choices.step_tokens`), from `max_num_seqs` and the
         context (`max_model_len`, default the model's). `gpu_memory_utilization`: vLLM's share of a GPU
-        (areal_hpc.generator.memory; None: vLLM's default); on the CPU the KV cache is sized in bytes."""
+        (areal_hpc.generator.memory; None: vLLM's default); on the CPU the KV cache is sized in bytes.
+        `lora_rank` > 0: vLLM's LoRA, one adapter of at most that rank (one of vLLM's `MaxLoRARanks`), loaded
+        in memory (`update_adapter`)."""
         from vllm import EngineArgs
 
         max_len = max_model_len or hf_arch(model_path).max_position_embeddings
@@ -140,6 +148,11 @@ class GenerationEngine:
             disable_log_stats=True,
             kv_cache_memory_bytes=kv_bytes,
             **({"gpu_memory_utilization": gpu_memory_utilization} if gpu_memory_utilization else {}),
+            **(
+                {"enable_lora": True, "max_lora_rank": lora_rank, "max_loras": 1, "max_cpu_loras": 1}
+                if lora_rank
+                else {}
+            ),
             **ENGINE_ARGS,
         )
 
@@ -314,12 +327,28 @@ class GenerationEngine:
         broadcast is received and loaded inside vLLM's workers) or an iterable of buckets, each a list
         of (hf_name, tensor).
         """
+        if hasattr(weights, "receive"):
+            return self._reload(lambda: self.engine.collective_rpc("areal_receive_weights"), version)
+        return self._reload(
+            lambda: self.engine.collective_rpc("areal_load_weights", args=([list(b) for b in weights],)), version
+        )
+
+    def update_adapter(self, tensors: dict, rank: int, alpha: float, version: int) -> float:
+        """`update_weights` for a LoRA engine (`engine_args(lora_rank=...)`): replace its adapter by `tensors`
+        (PEFT's names, whole), in memory; every request from now on runs with it."""
+        from vllm.lora.request import LoRARequest
+
+        def load():
+            self.engine.collective_rpc("areal_load_adapter", args=(tensors, rank, alpha, ADAPTER_ID))
+            self.lora_request = LoRARequest("areal-policy", ADAPTER_ID, "in-memory")
+
+        return self._reload(load, version)
+
+    def _reload(self, load, version: int) -> float:
+        """Interrupt, `load()`, reset the prefix cache, resume, then start the turns held; the seconds it took."""
         t0 = time.perf_counter()
         paused = self.interrupt()
-        if hasattr(weights, "receive"):
-            self.engine.collective_rpc("areal_receive_weights")
-        else:
-            self.engine.collective_rpc("areal_load_weights", args=([list(b) for b in weights],))
+        load()
         if not self.engine.reset_prefix_cache():
             raise RuntimeError("vLLM did not reset its prefix cache after the weight update")
         self.version = version
@@ -350,7 +379,9 @@ class GenerationEngine:
             output_kind=RequestOutputKind.FINAL_ONLY,  # partial output is read on interruption
         )
         prompt = {"prompt_token_ids": turn.context_ids + turn.sampled.token_ids}
-        self._vllm_ids[turn.key] = self.engine.add_request(turn.request_id, prompt, params)
+        self._vllm_ids[turn.key] = self.engine.add_request(
+            turn.request_id, prompt, params, lora_request=self.lora_request
+        )
         self._running[turn.key] = turn
 
 

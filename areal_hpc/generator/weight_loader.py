@@ -23,6 +23,32 @@ class WeightLoader:
         self._areal_load(iter(named))
         return len(named)
 
+    def areal_load_adapter(self, tensors: dict, rank: int, alpha: float, adapter_id: int) -> int:
+        """Replace the LoRA adapter `adapter_id` by `tensors` (PEFT's names, whole: vLLM's LoRA layers take
+        this worker's TP slice), in memory: the pair vLLM would read from an adapter directory, built by
+        its own `LoRAModel.from_lora_tensors` and put in the worker's adapter cache, where a request's
+        `LoRARequest` of that id finds it loaded (vLLM reads its path only for an id it does not hold).
+        vLLM folds alpha / r into B in place, so it gets copies."""
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        manager = self.model_runner.lora_manager
+        targets = sorted({name.split(".")[-3] for name in tensors})
+        helper = PEFTHelper.from_dict({"r": rank, "lora_alpha": alpha, "target_modules": targets})
+        helper.validate_legal(manager.lora_config)
+        lora = LoRAModel.from_lora_tensors(
+            adapter_id,
+            {name: t.clone() for name, t in tensors.items()},
+            helper,
+            device="cpu",
+            dtype=manager.lora_config.lora_dtype,
+            model_vocab_size=manager.vocab_size,
+        )
+        adapters = manager._adapter_manager  # vLLM 0.32: the worker's cache of adapters (LRU)
+        adapters.remove_adapter(adapter_id)
+        adapters.add_adapter(lora)
+        return len(tensors)
+
     def _areal_load(self, named: Iterator) -> None:
         """Load Hugging Face named tensors into the running model, straight into its parameters.
 
