@@ -3,7 +3,8 @@ transformers, on the tiny Qwen2 of tests/test_generator.py: before an adapter is
 adapter sent as tensors under PEFT's names (what the trainer's `trainer.lora.export_adapters` yields), loaded
 in memory, makes the behaviour logprobs those of transformers with (alpha / r) B A merged into its weights;
 a second update replaces it, the turns in flight interrupted and resumed as for full weights; the caller's
-tensors come back as they went (vLLM folds the scale into B in place)."""
+tensors come back as they went (vLLM folds the scale into B in place); the trainer's own adapters (a Megatron
+rank with LoRA, `export_adapters`) make vLLM sample with the logprobs the trainer gives the same tokens."""
 
 import numpy as np
 import pytest
@@ -118,3 +119,39 @@ def test_an_update_mid_answer_replaces_the_adapter(setup):
         late = [k for k, v in enumerate(t.sampled.versions) if v == 2]
         ref = reference_logprobs(model, t.context_ids, t.sampled.token_ids, TEMPERATURE)
         np.testing.assert_allclose(np.asarray(t.sampled.behav_logprobs)[late], ref[late], atol=TOL, rtol=0)
+
+
+def _trainer_rank(par, path, seqs):
+    """The trainer's side at TP 1: its adapters (every B random) under PEFT's names, and the full logits of
+    `seqs` under the adapted model."""
+    from areal_hpc.config import PPOConfig
+    from areal_hpc.trainer.engine import Engine
+    from areal_hpc.trainer.lora import LoraSpec, adapters_of, export_adapters
+    from tests.support.trainer_runs import logits
+
+    engine = Engine(path, par, PPOConfig(), lora=LoraSpec(RANK, ALPHA))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for m in adapters_of(engine.model):
+            for t in m.targets:
+                b = m.get_submodule(t).lora_B
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+    return {"adapters": dict(export_adapters(engine.model, None, 0)), "logits": logits(engine, seqs) if seqs else None}
+
+
+def test_the_trainers_adapters_give_the_trainers_logprobs(setup):
+    """What the weight sync will carry: the trainer's exported adapters, loaded by vLLM, sample with the
+    logprobs the trainer gives the same tokens (Megatron and vLLM in fp32; measured below 1e-5)."""
+    from areal_hpc.trainer.spawn import run_ranks
+
+    engine, path = setup
+    adapters = run_ranks(_trainer_rank, 1, 1, 1, str(path), None)[0]["adapters"]
+    engine.update_adapter(adapters, RANK, ALPHA, version=engine.version + 1)
+    turns = sample(engine, n=4)
+    seqs = [torch.tensor(list(t.context_ids) + list(t.sampled.token_ids)) for t in turns]
+    logits = run_ranks(_trainer_rank, 1, 1, 1, str(path), seqs)[0]["logits"]
+    for t, full in zip(turns, logits):
+        p = len(t.context_ids)
+        lp = torch.log_softmax(full[p - 1 : -1] / TEMPERATURE, -1)
+        ref = lp.gather(-1, torch.tensor(t.sampled.token_ids)[:, None])[:, 0].numpy()
+        np.testing.assert_allclose(t.sampled.behav_logprobs, ref, atol=1e-4, rtol=0)
