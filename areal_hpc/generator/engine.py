@@ -340,7 +340,9 @@ class GenerationEngine:
 
         def load():
             self.engine.collective_rpc("areal_load_adapter", args=(tensors, rank, alpha, ADAPTER_ID))
-            self.lora_request = LoRARequest("areal-policy", ADAPTER_ID, "in-memory")
+            # the path is never read while the worker holds the adapter; were it gone, this one fails at once
+            # (a relative path would be tried as a Hugging Face Hub repository)
+            self.lora_request = LoRARequest("areal-policy", ADAPTER_ID, "/nonexistent/areal-hpc-in-memory-adapter")
 
         return self._reload(load, version)
 
