@@ -26,14 +26,14 @@ TOL = 1e-3  # as tests/test_generator.py: summation order only
 
 def adapter(seed: int) -> dict[str, torch.Tensor]:
     """Random A and B (B not zero) of every target, under PEFT's names."""
-    from areal_hpc.trainer.lora import _full_shape
+    from areal_hpc.trainer.lora import full_shape
 
     arch = model_arch(GENERATOR)
     g = torch.Generator().manual_seed(seed)
     out = {}
     for layer in range(arch.num_layers):
         for t in TARGETS:
-            o, i = _full_shape(t, arch)
+            o, i = full_shape(t, arch)
             out[peft_name(layer, t, "lora_A")] = torch.randn(RANK, i, generator=g) * 0.1
             out[peft_name(layer, t, "lora_B")] = torch.randn(o, RANK, generator=g) * 0.1
     return out

@@ -36,9 +36,9 @@ def model_dir(tmp_path_factory):
 
 
 def _whole_b(layer: int, target: str, arch) -> torch.Tensor:
-    from areal_hpc.trainer.lora import _full_shape
+    from areal_hpc.trainer.lora import full_shape
 
-    out, _ = _full_shape(target, arch)
+    out, _ = full_shape(target, arch)
     g = torch.Generator().manual_seed(100 * layer + list(TARGETS).index(target))
     return torch.randn(out, SPEC.rank, generator=g) * 0.2
 
@@ -58,7 +58,7 @@ def _nonzero_b(engine) -> None:
 def _merge(engine) -> None:
     """Add (alpha / r) B A of every target to the base weight it adapts, in Megatron's layout."""
     from areal_hpc.trainer.convert import shard
-    from areal_hpc.trainer.lora import Adapters, _full_shape, initial_pair
+    from areal_hpc.trainer.lora import Adapters, full_shape, initial_pair
 
     tp, tp_rank, arch = engine.par.grid.tp, engine.par.coords.tp, engine.arch
     with torch.no_grad():
@@ -70,7 +70,7 @@ def _merge(engine) -> None:
             for t in TARGETS:
                 if TARGETS[t][0] != m.path:
                     continue
-                out, inp = _full_shape(t, arch)
+                out, inp = full_shape(t, arch)
                 a = initial_pair(m.layer, t, SPEC.rank, inp, out)[0]
                 deltas[t] = SPEC.alpha / SPEC.rank * _whole_b(m.layer, t, arch) @ a
             parts = list(deltas.values())

@@ -64,14 +64,6 @@ class LoraError(ValueError):
     """Targets or a rank that this model cannot take."""
 
 
-def _attr(module: torch.nn.Module, path: str) -> torch.nn.Module | None:
-    for name in path.split("."):
-        module = getattr(module, name, None)
-        if module is None:
-            return None
-    return module
-
-
 class Adapters(torch.nn.Module):
     """The LoRA pairs of one linear layer, in the layer's TP shard; added to its output by a forward hook."""
 
@@ -92,7 +84,7 @@ class Adapters(torch.nn.Module):
         self.layer = global_layer
         device, dtype = layer.weight.device, layer.weight.dtype
         for target in targets:
-            out, inp = _full_shape(target, arch)
+            out, inp = full_shape(target, arch)
             a, b = initial_pair(global_layer, target, rank, inp, out)
             pair = torch.nn.Module()
             if self.column:  # whole key/value groups of q, k, v (the fused QKV holds whole groups), rows of the others
@@ -136,8 +128,10 @@ class Adapters(torch.nn.Module):
 
     def _fuse(self, parts: dict, lead: torch.Size, like: torch.Tensor) -> torch.Tensor:
         """The column layer's output shard from its targets' parts (zeros for the parts not targeted)."""
-        widths = _part_widths(self.path, self.arch, self.tp)
-        full = {k: parts.get(k, like.new_zeros(*lead, w)) for k, w in widths.items()}
+        fused = [
+            (part, full_shape(t, self.arch)[0] // self.tp) for t, (path, part) in TARGETS.items() if path == self.path
+        ]
+        full = {k: parts.get(k, like.new_zeros(*lead, w)) for k, w in fused}
         if self.path.endswith("linear_fc1"):
             return torch.cat([full["gate"], full["up"]], -1)
         groups = self.arch.num_key_value_heads // self.tp  # per group: its query heads, its key, its value
@@ -151,7 +145,7 @@ def _tp() -> tuple[int, int]:
     return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
 
 
-def _full_shape(target: str, arch) -> tuple[int, int]:
+def full_shape(target: str, arch) -> tuple[int, int]:
     """(out, in) of a target's whole Hugging Face weight."""
     h, d = arch.hidden_size, arch.head_dim
     return {
@@ -163,17 +157,6 @@ def _full_shape(target: str, arch) -> tuple[int, int]:
         "up_proj": (arch.intermediate_size, h),
         "down_proj": (h, arch.intermediate_size),
     }[target]
-
-
-def _part_widths(path: str, arch, tp: int) -> dict[str, int]:
-    d = arch.head_dim
-    if path.endswith("linear_fc1"):
-        return {"gate": arch.intermediate_size // tp, "up": arch.intermediate_size // tp}
-    return {
-        "q": arch.num_attention_heads * d // tp,
-        "k": arch.num_key_value_heads * d // tp,
-        "v": arch.num_key_value_heads * d // tp,
-    }
 
 
 def initial_pair(layer: int, target: str, rank: int, inp: int, out: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,21 +180,22 @@ def add_adapters(stage: torch.nn.Module, arch, spec: LoraSpec) -> list[Adapters]
         # The frozen embedding's output needs no gradient, so a layer recomputed by Megatron's checkpoint (a
         # reentrant autograd.Function) would return one that needs none either: its adapters would get none.
         stage.embedding.register_forward_hook(lambda module, args, output: output.requires_grad_(True))
+    too_small = [t for t in targets if rank > min(full_shape(t, arch))]
+    if too_small:
+        raise LoraError(f"lora.rank {rank} is larger than the smallest dimension of {too_small}")
+    by_path: dict[str, list[str]] = {}
+    for t in targets:
+        by_path.setdefault(TARGETS[t][0], []).append(t)
     adapters = []
     for layer in stage.decoder.layers:
-        by_path: dict[str, list[str]] = {}
-        for t in targets:
-            by_path.setdefault(TARGETS[t][0], []).append(t)
         for path, ts in by_path.items():
-            linear = _attr(layer, path)
-            if linear is None:
+            try:
+                linear = layer.get_submodule(path)
+            except AttributeError:
                 raise LoraError(
                     f"lora.target_modules: {ts} name no layer of this model ({path} is missing: the MLP of a "
                     "mixture of experts is its experts, which LoRA does not target here)"
-                )
-            too_small = [t for t in ts if rank > min(_full_shape(t, arch))]
-            if too_small:
-                raise LoraError(f"lora.rank {rank} is larger than the smallest dimension of {too_small}")
+                ) from None
             module = Adapters(linear, path, ts, arch, rank, alpha, layer.layer_number - 1)
             linear.lora = module
             adapters.append(module)
