@@ -32,6 +32,8 @@ from areal_hpc.errors import ConfigError
 ARCHITECTURES = ("qwen2", "qwen3", "qwen3_moe")
 """The Hugging Face `model_type`s the trainer builds."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The linear layers of a decoder layer as Hugging Face (and PEFT, and vLLM) name them: LoRA's targets."""
 """The values of `model.dtype`, and the bytes of one value of each."""
 
 
@@ -185,6 +187,48 @@ class QwenArch:
         else:
             per_layer += 3 * h * self.intermediate_size
         return self.num_layers * per_layer + self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+
+    def projection_shape(self, name: str) -> tuple[int, int]:
+        """(out, in) of a projection's whole weight (`PROJECTIONS`), as Hugging Face stores it."""
+        h, d = self.hidden_size, self.head_dim
+        return {
+            "q_proj": (self.num_attention_heads * d, h),
+            "k_proj": (self.num_key_value_heads * d, h),
+            "v_proj": (self.num_key_value_heads * d, h),
+            "o_proj": (h, self.num_attention_heads * d),
+            "gate_proj": (self.intermediate_size, h),
+            "up_proj": (self.intermediate_size, h),
+            "down_proj": (h, self.intermediate_size),
+        }[name]
+
+    def lora_params(self, rank: int, targets: tuple[str, ...] | list[str]) -> int:
+        """Parameters of LoRA adapters of `rank` on `targets` in every layer: A [r, in] + B [out, r] each."""
+        return self.num_layers * sum(rank * sum(self.projection_shape(t)) for t in targets)
+
+    def lora_problem(self, rank: int, targets: tuple[str, ...] | list[str]) -> str | None:
+        """Why adapters of `rank` on `targets` do not fit this model (None: they do), naming the fix."""
+        if not targets:
+            return f"lora.target_modules is empty: name at least one of {list(PROJECTIONS)}"
+        unknown = [t for t in targets if t not in PROJECTIONS]
+        if unknown:
+            return (
+                f"lora.target_modules {list(targets)}: {unknown} name no layer of a {self.model_type} model; "
+                f"its layers: {list(PROJECTIONS)}"
+            )
+        if self.moe:  # vLLM 0.32 serves a MoE with LoRA only through its Triton MoE kernels
+            return (
+                f"LoRA (lora.rank) is for dense models (qwen2, qwen3); model.path is a {self.model_type}: vLLM serves "
+                "a mixture of experts with LoRA only through its Triton kernels, which its CPU build (the project's "
+                "tests) lacks; set lora.rank=0"
+            )
+        too_small = [t for t in targets if rank > min(self.projection_shape(t))]
+        if too_small:
+            return (
+                f"lora.rank {rank} is larger than the smallest dimension of {too_small} ("
+                + ", ".join(f"{t}: {self.projection_shape(t)[1]} -> {self.projection_shape(t)[0]}" for t in too_small)
+                + ")"
+            )
+        return None
 
     def kv_bytes_per_token(self, dtype_bytes: int, tp: int = 1) -> int:
         """KV cache of one token on one of `tp` tensor-parallel workers: K and V of every layer,

@@ -6,7 +6,8 @@ Names (one per concept): reward/mean, staleness/max, staleness/dropped (trajecto
 stale since the previous step), staleness/wait_s (seconds the staleness schedule held a step back for a
 running group since the previous step: areal_hpc.algo.staleness), throughput/effective_tokens_per_s, timing/step_s,
 timing/weight_sync_s (the latest completed sync: the slowest generator's load), timing/sync_drain_s (its
-slowest generator's wait for its turns in flight to finish first, rollout.interruptible false), timing/gen_idle_frac,
+slowest generator's wait for its turns in flight to finish first, rollout.interruptible false),
+timing/weight_sync_bytes (what that sync brought a generator: the whole model, or with LoRA the adapters), timing/gen_idle_frac,
 timing/train_idle_frac, timing/save_s (the trainers' time in checkpoint saves since the previous step),
 the trainer's ppo/* statistics (ppo/entropy: the mean over trained tokens of the entropy of the
 policy's next-token distribution; ppo/kl with ppo.kl_coef > 0: the mean k3 estimate of the KL to the

@@ -198,6 +198,7 @@ class SyncDone:
     version: int
     seconds: float  # receiving and loading them
     drain_s: float = 0.0  # before that, waiting for the turns in its engine to finish (rollout.interruptible false)
+    nbytes: int = 0  # what it received: the tensors' bytes (the adapters only, with LoRA)
 
 
 @dataclass

@@ -85,6 +85,22 @@ def test_override_changes_a_field():
             "up to the model's context (512: rollout.max_episode_tokens is 0 and rollout.workflow",
         ),
         (["rollout.max_episode_tokens=12"], "rollout.max_episode_tokens (12) must exceed rollout.max_new_tokens (12)"),
+        (["lora.rank=600"], "lora.rank must be in [0, 512] (got 600)"),
+        (["lora.rank=-1"], "lora.rank must be in [0, 512] (got -1)"),
+        (
+            ["lora.rank=65", "lora.target_modules=[q_proj,v_proj]"],
+            "lora.rank 65 is larger than the smallest dimension of ['v_proj'] (v_proj: 128 -> 64)",
+        ),
+        (
+            ["lora.rank=8", "lora.target_modules=[q_proj,qkv_proj]"],
+            "lora.target_modules ['q_proj', 'qkv_proj']: ['qkv_proj'] name no layer of a qwen2 model; its layers: ['q_proj',",
+        ),
+        (["lora.rank=8", "lora.target_modules=[]"], "lora.target_modules is empty: name at least one of"),
+        (["lora.rank=8", "lora.alpha=0"], "lora.alpha must be > 0 (got 0.0)"),
+        (
+            ["lora.rank=8", "model.architecture=qwen3_moe", "lora.target_modules=[o_proj]"],
+            "LoRA (lora.rank) is for dense models (qwen2, qwen3); model.path is a qwen3_moe",
+        ),
     ],
 )
 def test_config_errors_name_the_key(overrides, message):

@@ -75,7 +75,8 @@ def test_staleness_bound_and_every_prompt_once(tmp_path, eta):
 def test_weight_sync_times_are_the_slowest_generators(tmp_path):
     """timing/weight_sync_s and timing/sync_drain_s are the latest completed sync's slowest load and slowest
     drain, each kept apart: with two generators the first reports a load of 0.02 s, the second, last,
-    0.01 s; their drains of 0.03 s and 0.06 s change places from one version to the next."""
+    0.01 s; their drains of 0.03 s and 0.06 s change places from one version to the next.
+    timing/weight_sync_bytes is what that sync brought a generator (1000 bytes x its version here)."""
     cfg, layout, run_dir, tok_dir = make(
         tmp_path, "cluster.gpus_per_node=2", "allocation.gen_gpus=2", "train.total_steps=4"
     )
@@ -85,6 +86,7 @@ def test_weight_sync_times_are_the_slowest_generators(tmp_path):
     rows = metrics(run_dir)
     assert [r["timing/weight_sync_s"] for r in rows][1:] == [0.02] * 3
     assert [r["timing/sync_drain_s"] for r in rows][1:] == [0.06] * 3
+    assert [r["timing/weight_sync_bytes"] for r in rows] == [0, 1000, 2000, 3000]  # the sync before the step
 
 
 def test_the_log_and_the_metrics_number_a_step_alike(tmp_path, caplog):

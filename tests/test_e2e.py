@@ -8,6 +8,8 @@ controller, a reward worker, a vLLM generator and a Megatron trainer, on the tin
 - the tiny mixture of experts (`model.architecture=qwen3_moe`), synchronous, with routing replay, learns
   as fast as its shipped run starts to, and the trainer's logprobs equal the generator's on every step
   while ppo/routing_agreement reports the trainer's own routers choosing the replayed experts;
+- the embedded default with LoRA (`lora.rank=8`) learns, every weight sync brings the adapters alone, and a
+  resumed run gives its generator the trained adapters again;
 - the tiny agent (configs/tiny-agent-cpu.yaml, multi-turn episodes with a calculator tool) learns to call
   the tool: the reward and the tool calls rise, and `areal-hpc eval` of its initial and final weights on
   the held-out problems shows pass@1 rising;
@@ -39,7 +41,15 @@ import pytest
 
 from areal_hpc.checkpoint.files import COMPLETE, checkpoint_dir
 from tests.support.generator_log import engine_start, startup_verdict
-from tests.support.runs import REPO, RunProcess, left_running, metrics_problems, stop_and_resume, stop_resume_problems
+from tests.support.runs import (
+    REPO,
+    RunProcess,
+    checked_steps,
+    left_running,
+    metrics_problems,
+    stop_and_resume,
+    stop_resume_problems,
+)
 from tests.support.wandb_files import offline_runs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.mpi, pytest.mark.vllm, pytest.mark.megatron, pytest.mark.slow]
@@ -135,6 +145,33 @@ def test_the_tiny_moe_learns_and_replays_the_generators_routing(runs_root):
     assert all(0.9 <= r["ppo/routing_agreement"] <= 1 for r in rows), [r["ppo/routing_agreement"] for r in rows]
     first, last = fifths(rows, "reward/mean")
     assert last >= first + 0.15, f"reward/mean of the first fifth {first:.3f}, of the last {last:.3f}"
+
+
+def test_the_tiny_model_learns_with_lora_and_syncs_the_adapters_alone(runs_root):
+    """`areal-hpc run configs/tiny-cpu.yaml lora.rank=8`: rank-8 adapters on every projection of the frozen
+    model, the embedded default's other settings. 150 steps (about 1.5 min) show the rise of the 600-step run
+    (docs/benchmarks.md: 0.15 -> 0.36 by fifths; its first 150 steps 0.07 -> 0.24). Every weight sync brings
+    the adapters alone: 2 layers x 8 x (in + out) of the seven projections in fp32, 180 KB of the model's
+    2 MB. Extended by 10 steps, the run resumes from its checkpoint and its new generator gets the trained
+    adapters: the logprobs of the tokens of the current version agree again."""
+    from areal_hpc.arch import PROJECTIONS, model_arch
+    from areal_hpc.config import load_config
+
+    first_run = run(runs_root, "lora", "lora.rank=8", "train.total_steps=150", small=False)
+    assert first_run.wait(timeout=900) == 0, first_run.output
+    rows = first_run.rows()
+    assert not metrics_problems(rows, 150, MISMATCH_TOL)
+    first, last = fifths(rows, "reward/mean")
+    assert last >= first + 0.1, f"reward/mean of the first fifth {first:.3f}, of the last {last:.3f}"
+    arch = model_arch(load_config(REPO / TINY).model)
+    adapters = arch.lora_params(8, PROJECTIONS) * 4
+    assert {r["timing/weight_sync_bytes"] for r in rows[1:]} == {adapters}
+    assert adapters < 0.1 * arch.params * 4
+    extended = run(runs_root, "lora", "lora.rank=8", "train.total_steps=160", small=False)
+    assert extended.wait(timeout=600) == 0, extended.output
+    rows = extended.rows()
+    assert not metrics_problems(rows, 160, MISMATCH_TOL)
+    assert checked_steps(rows[150:]), "no resumed step trained tokens of its own version: the sync went unchecked"
 
 
 def test_the_tiny_agent_learns_to_call_the_calculator(runs_root):

@@ -287,6 +287,7 @@ def test_settings_are_the_chosen_ones_as_vllm_resolved_them(setup):
         "max_num_seqs": "64",
         "max_num_batched_tokens": str(64 * 256),  # the project's (choices.step_tokens), not vLLM's 2,048
         "max_model_len": "256",
+        "lora": "off",
     }
     assert int(s["kv_cache_tokens"]) >= 64 * 256  # every trajectory at full length (generator.kv_cache)
     assert s["vllm"].startswith("0.32")

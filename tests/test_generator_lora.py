@@ -1,5 +1,6 @@
-"""The generator with vLLM's LoRA (`engine_args(lora_rank=...)`, `GenerationEngine.update_adapter`) against
-transformers, on the tiny Qwen2 of tests/test_generator.py: before an adapter is loaded the base serves; an
+"""The generator with vLLM's LoRA (`GenerationEngine.create(lora=(rank, alpha))`: its updates are adapters) against
+transformers, on the tiny Qwen2 of tests/test_generator.py: vLLM serves rank 4 at its next allowed rank, 8,
+logged; before an adapter is loaded the base serves; an
 adapter sent as tensors under PEFT's names (what the trainer's `trainer.lora.export_adapters` yields), loaded
 in memory, makes the behaviour logprobs those of transformers with (alpha / r) B A merged into its weights;
 a second update replaces it, the turns in flight interrupted and resumed as for full weights; the caller's
@@ -20,20 +21,18 @@ from tests.support.shapes import GENERATOR
 pytestmark = pytest.mark.vllm
 
 TEMPERATURE = 0.8
-RANK, ALPHA = 8, 16.0
+RANK, ALPHA = 4, 16.0  # vLLM allows max_lora_rank 1 or 8, not 4: served at 8
 TOL = 1e-3  # as tests/test_generator.py: summation order only
 
 
 def adapter(seed: int) -> dict[str, torch.Tensor]:
     """Random A and B (B not zero) of every target, under PEFT's names."""
-    from areal_hpc.trainer.lora import full_shape
-
     arch = model_arch(GENERATOR)
     g = torch.Generator().manual_seed(seed)
     out = {}
     for layer in range(arch.num_layers):
         for t in TARGETS:
-            o, i = full_shape(t, arch)
+            o, i = arch.projection_shape(t)
             out[peft_name(layer, t, "lora_A")] = torch.randn(RANK, i, generator=g) * 0.1
             out[peft_name(layer, t, "lora_B")] = torch.randn(o, RANK, generator=g) * 0.1
     return out
@@ -65,7 +64,7 @@ def setup(tmp_path_factory):
         max_model_len=256,
         max_num_seqs=16,
         seed=0,
-        lora_rank=RANK,
+        lora=(RANK, ALPHA),
     )
     yield engine, path
     engine.close()
@@ -90,11 +89,14 @@ def worst(turns, model) -> float:
 def test_the_loaded_adapter_gives_the_merged_models_logprobs(setup):
     engine, path = setup
     base = merged(path, {})
+    assert engine.settings()["lora"] == "max_rank 8"
+    assert engine.settings()["compilation_mode"] == "NONE"  # vLLM's CPU platform with LoRA (a GPU compiles)
     assert worst(sample(engine), base) < TOL  # no adapter yet: the base
     first = adapter(1)
     kept = {k: v.clone() for k, v in first.items()}
-    engine.update_adapter(first, RANK, ALPHA, version=1)
+    engine.load_weights(first.items(), version=1)
     assert all(torch.equal(first[k], kept[k]) for k in kept), "the caller's tensors changed"
+    assert engine.synced_bytes == sum(t.numel() * 4 for t in first.values())
     turns = sample(engine)
     assert all(set(t.sampled.versions) == {1} for t in turns)
     assert worst(turns, merged(path, first)) < TOL
@@ -103,12 +105,12 @@ def test_the_loaded_adapter_gives_the_merged_models_logprobs(setup):
 
 def test_an_update_mid_answer_replaces_the_adapter(setup):
     engine, path = setup
-    engine.update_adapter(adapter(1), RANK, ALPHA, version=1)
+    engine.load_weights(adapter(1).items(), version=1)
     for i in range(4):
         engine.submit(f"h{i}", [9, 6 + i, 7], 200)
     turns = engine.step()
     second = adapter(2)
-    engine.update_adapter(second, RANK, ALPHA, version=2)
+    engine.load_weights(second.items(), version=2)
     turns += drain(engine)
     assert len(turns) == 4
     # every token sampled after the update is the second adapter's
@@ -146,7 +148,7 @@ def test_the_trainers_adapters_give_the_trainers_logprobs(setup):
 
     engine, path = setup
     adapters = run_ranks(_trainer_rank, 1, 1, 1, str(path), None)[0]["adapters"]
-    engine.update_adapter(adapters, RANK, ALPHA, version=engine.version + 1)
+    engine.load_weights(adapters.items(), version=engine.version + 1)
     turns = sample(engine, n=4)
     seqs = [torch.tensor(list(t.context_ids) + list(t.sampled.token_ids)) for t in turns]
     logits = run_ranks(_trainer_rank, 1, 1, 1, str(path), seqs)[0]["logits"]

@@ -188,7 +188,7 @@ def written_rows(run_dir, cfg: Config, steps: list[tuple[float, dict, list[Traje
         for episode in arrived:
             writer.arrived(episode)
         info = BatchInfo(reward_mean=0.5, response_tokens=500, sequences=64, tool_calls_mean=tool_calls_mean)
-        writer.write(version, info, stats, rollouts={}, sync_s=0.2, drain_s=0.0, save_s=0.0, evals={})
+        writer.write(version, info, stats, rollouts={}, sync_s=0.2, drain_s=0.0, sync_bytes=0, save_s=0.0, evals={})
     writer.close()
     return read_metrics(run_dir)
 

@@ -36,9 +36,7 @@ def model_dir(tmp_path_factory):
 
 
 def _whole_b(layer: int, target: str, arch) -> torch.Tensor:
-    from areal_hpc.trainer.lora import full_shape
-
-    out, _ = full_shape(target, arch)
+    out, _ = arch.projection_shape(target)
     g = torch.Generator().manual_seed(100 * layer + list(TARGETS).index(target))
     return torch.randn(out, SPEC.rank, generator=g) * 0.2
 
@@ -58,7 +56,7 @@ def _nonzero_b(engine) -> None:
 def _merge(engine) -> None:
     """Add (alpha / r) B A of every target to the base weight it adapts, in Megatron's layout."""
     from areal_hpc.trainer.convert import shard
-    from areal_hpc.trainer.lora import Adapters, full_shape, initial_pair
+    from areal_hpc.trainer.lora import Adapters, initial_pair
 
     tp, tp_rank, arch = engine.par.grid.tp, engine.par.coords.tp, engine.arch
     with torch.no_grad():
@@ -70,7 +68,7 @@ def _merge(engine) -> None:
             for t in TARGETS:
                 if TARGETS[t][0] != m.path:
                     continue
-                out, inp = full_shape(t, arch)
+                out, inp = arch.projection_shape(t)
                 a = initial_pair(m.layer, t, SPEC.rank, inp, out)[0]
                 deltas[t] = SPEC.alpha / SPEC.rank * _whole_b(m.layer, t, arch) @ a
             parts = list(deltas.values())
@@ -178,7 +176,7 @@ def _errors_rank(par, dense_dir, moe_dir):
     out = {}
     for name, (path, spec) in {
         "unknown": (dense_dir, LoraSpec(4, 8.0, ("q_proj", "qkv_proj"))),
-        "moe": (moe_dir, LoraSpec(4, 8.0, ("q_proj", "down_proj"))),
+        "moe": (moe_dir, LoraSpec(4, 8.0, ("q_proj",))),
         "rank": (dense_dir, LoraSpec(QwenArch.from_hf(dense_dir).hidden_size + 1, 8.0, ("o_proj",))),
     }.items():
         try:
@@ -193,7 +191,7 @@ def test_targets_that_name_no_layer_and_a_rank_too_large_are_errors(model_dir, t
     moe_dir = str(build_tiny_model(TINY_MOE, tmp_path / "moe", seed=1))
     got = run_ranks(_errors_rank, 1, 1, 1, model_dir, moe_dir)[0]
     assert "['qkv_proj']" in got["unknown"] and "q_proj" in got["unknown"], got
-    assert "['down_proj']" in got["moe"] and "experts" in got["moe"], got
+    assert "is for dense models" in got["moe"] and "qwen3_moe" in got["moe"], got
     assert "lora.rank 65" in got["rank"] and "o_proj" in got["rank"], got
     with pytest.raises(LoraError, match="name no layer"):
         add_adapters(torch.nn.Module(), model_arch(QWEN2), LoraSpec(2, 2.0, ("lm_head",)))

@@ -57,6 +57,8 @@ def test_a_resume_refuses_identity_and_unpermitted_training_changes_naming_each(
         prepare_run_dir(tiny(tmp_path, "ppo.lr=0.1", "rollout.max_staleness=4"), allow_change=["ppo", "rollout"])
     with pytest.raises(ConfigError, match="--allow-change rollout.group_size: .* is identity"):
         prepare_run_dir(tiny(tmp_path), allow_change=["rollout.group_size"])
+    with pytest.raises(ConfigError, match=r"lora.rank: 0 -> 8  \(identity: another experiment\)"):  # LoRA's rank too
+        prepare_run_dir(tiny(tmp_path, "lora.rank=8"), allow_change=["lora"])
     with pytest.raises(ConfigError, match="--allow-change ppo.lrr: no such config field or section"):
         prepare_run_dir(tiny(tmp_path), allow_change=["ppo.lrr"])
     assert not (run_dir / HISTORY).exists() and load_config(run_dir / "config.yaml") == tiny(tmp_path)

@@ -26,3 +26,11 @@ LR_DECAYS = ("constant", "linear", "cosine")
 """The values of `ppo.lr_decay`: Megatron's OptimizerParamScheduler styles of those names."""
 SYNTHETIC_TASKS = ("arithmetic", "multiplication", "chain")
 """The values of `data.synthetic_task` (what each one is: areal_hpc.data.synthetic)."""
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM 0.32 takes as `max_lora_rank` (its `MaxLoRARanks`): a generator serves an adapter of
+`lora.rank` at the first of them that holds it (`lora_serving_rank`)."""
+
+
+def lora_serving_rank(rank: int) -> int:
+    """vLLM's `max_lora_rank` for adapters of `rank` (at most the last of `VLLM_LORA_RANKS`)."""
+    return next(r for r in VLLM_LORA_RANKS if r >= rank)

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from areal_hpc.arch import ModelConfig  # the `model` section, defined beside the architecture it gives
+from areal_hpc.arch import PROJECTIONS, ModelConfig  # the `model` section, defined beside the architecture it gives
 from areal_hpc.config.kinds import declared_kinds, identity, operational, training
 
 SINGLE_TURN = "areal_hpc.workflow.builtin:SingleTurn"
@@ -281,6 +281,21 @@ class PPOConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = identity(0)  # another rank or other targets: other parameters, another experiment
+    """LoRA rank: > 0 trains low-rank adapters of this rank on the frozen model (only they get gradients, optimizer
+    state and checkpoint space, and a weight update sends only them); 0: full training. At most 512 (vLLM's
+    largest); the generators serve the adapter with vLLM's LoRA, at a rank vLLM allows (the next of 1, 8, 16, 32,
+    64, 128, 256, 320, 512: a smaller adapter is padded)."""
+    alpha: float = training(32.0)
+    """LoRA's alpha: the adapters' update B A x is scaled by alpha / rank."""
+    target_modules: list[str] = identity(factory=lambda: list(PROJECTIONS))
+    """The layers that get adapters, named as Hugging Face and PEFT name them: q_proj, k_proj, v_proj, o_proj,
+    gate_proj, up_proj, down_proj (default: all of them). Megatron fuses q/k/v and gate/up into one layer each;
+    a subset of one is fine. Dense models only (qwen2, qwen3)."""
+
+
+@dataclass
 class TrainConfig:
     total_steps: int = 20
     """Training steps of the run."""
@@ -435,6 +450,7 @@ class Config:
     allocation: AllocationConfig = operational(factory=AllocationConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     train: TrainConfig = operational(factory=TrainConfig)  # the length (a finished run is extended), saves, timeouts
     reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = identity(factory=DataConfig)

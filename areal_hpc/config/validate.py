@@ -11,7 +11,7 @@ from __future__ import annotations
 from areal_hpc import parallel
 from areal_hpc.algo.advantages import ADV_NORMS
 from areal_hpc.arch import DTYPE_BYTES, model_arch
-from areal_hpc.config.choices import LR_DECAYS, PROX_LOGPS, RECOMPUTES, SYNTHETIC_TASKS
+from areal_hpc.config.choices import LR_DECAYS, PROX_LOGPS, RECOMPUTES, SYNTHETIC_TASKS, VLLM_LORA_RANKS
 from areal_hpc.config.schema import SINGLE_TURN, Config
 from areal_hpc.device import CHOICES as DEVICES
 from areal_hpc.errors import ConfigError
@@ -211,6 +211,18 @@ def validate(cfg: Config) -> None:
         p.load_balancing_coef is None or p.load_balancing_coef >= 0,
         f"ppo.load_balancing_coef must be >= 0 or null (got {p.load_balancing_coef})",
     )
+
+    lora = cfg.lora
+    need(
+        0 <= lora.rank <= VLLM_LORA_RANKS[-1],
+        f"lora.rank must be in [0, {VLLM_LORA_RANKS[-1]}] (got {lora.rank}): 0 is full training; vLLM serves "
+        f"adapters of rank up to {VLLM_LORA_RANKS[-1]}",
+    )
+    if lora.rank:
+        need(lora.alpha > 0, f"lora.alpha must be > 0 (got {lora.alpha})")
+        need(
+            m.lora_problem(lora.rank, lora.target_modules) is None, str(m.lora_problem(lora.rank, lora.target_modules))
+        )
 
 
 def _one_of(options: tuple[str, ...]) -> str:

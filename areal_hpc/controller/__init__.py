@@ -317,6 +317,7 @@ class Controller:
             rollouts=self.rollouts.take_metrics(),
             sync_s=self.trainers.last_sync_s,
             drain_s=self.trainers.last_drain_s,
+            sync_bytes=self.trainers.last_sync_bytes,
             save_s=self.ckpt.take_stall(),
             evals=self.evals.take_metrics(),
         )

@@ -80,12 +80,13 @@ class StepMetrics:
         rollouts: dict,
         sync_s: float,
         drain_s: float,
+        sync_bytes: int,
         save_s: float,
         evals: dict,
     ) -> None:
         """The row of the step that made `version`: `info` of its data, the trainer's `stats`, the
         rollouts' and the evaluation's figures and the episodes' counts since the last row, the latest
-        weight sync's load and drain, and the trainers' time in saves."""
+        weight sync's load, drain and bytes, and the trainers' time in saves."""
         now = time.monotonic()
         step_s, self._step_start = now - self._step_start, now
         self.trained_tokens.extend(info.answer_lengths)
@@ -106,6 +107,7 @@ class StepMetrics:
             "timing/step_s": step_s,
             "timing/weight_sync_s": sync_s,
             "timing/sync_drain_s": drain_s,
+            "timing/weight_sync_bytes": float(sync_bytes),
             "timing/gen_idle_frac": self.gen_idle.take_fraction(),
             "timing/train_idle_frac": self.train_idle.take_fraction(),
             "timing/save_s": save_s,

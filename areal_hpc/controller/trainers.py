@@ -44,9 +44,10 @@ class Trainers:
         self.started = 0.0
         self.last_step_s = 0.0
         self.syncing: dict[int, set[int]] = {}  # version -> generators not done loading it
-        self.sync_s: dict[int, tuple[float, float]] = {}  # version -> the slowest load and drain reported so far
+        self.sync_s: dict[int, tuple[float, float, int]] = {}  # version -> the slowest load and drain, the bytes so far
         self.last_sync_s = 0.0
         self.last_drain_s = 0.0
+        self.last_sync_bytes = 0
 
     @property
     def busy(self) -> bool:
@@ -97,17 +98,18 @@ class Trainers:
 
     def synced(self, src: int, msg: SyncDone) -> None:
         """Generator `src` runs version `msg.version`; once every generator does, that sync's slowest load is
-        `last_sync_s` (timing/weight_sync_s) and its slowest drain `last_drain_s` (timing/sync_drain_s: the
-        wait for the turns in flight to finish first, rollout.interruptible false)."""
+        `last_sync_s` (timing/weight_sync_s), its slowest drain `last_drain_s` (timing/sync_drain_s: the
+        wait for the turns in flight to finish first, rollout.interruptible false) and what one generator
+        received `last_sync_bytes` (timing/weight_sync_bytes)."""
         waiting = self.syncing[msg.version]
         waiting.discard(src)
         self.timeline.mark("sync_done", rank=src, version=msg.version, seconds=msg.seconds)
         self.liveness.done(src)
-        load_s, drain_s = self.sync_s.get(msg.version, (0.0, 0.0))
-        self.sync_s[msg.version] = (max(load_s, msg.seconds), max(drain_s, msg.drain_s))
+        load_s, drain_s, nbytes = self.sync_s.get(msg.version, (0.0, 0.0, 0))
+        self.sync_s[msg.version] = (max(load_s, msg.seconds), max(drain_s, msg.drain_s), max(nbytes, msg.nbytes))
         if not waiting:
             del self.syncing[msg.version]
-            self.last_sync_s, self.last_drain_s = self.sync_s.pop(msg.version)
+            self.last_sync_s, self.last_drain_s, self.last_sync_bytes = self.sync_s.pop(msg.version)
 
     def save(self, version: int, path) -> None:
         """Every trainer rank saves version `version` to `path` (each answers Saved)."""

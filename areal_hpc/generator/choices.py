@@ -141,6 +141,8 @@ def _worker_settings(worker, engine_pid: int) -> dict[str, str]:
         "max_num_seqs": str(c.scheduler_config.max_num_seqs),
         "max_num_batched_tokens": str(c.scheduler_config.max_num_batched_tokens),
         "max_model_len": str(model.max_model_len),
+        # vLLM's CPU platform runs a LoRA engine uncompiled (compilation_mode NONE); a GPU keeps compiling it
+        "lora": f"max_rank {c.lora_config.max_lora_rank}" if c.lora_config else "off",
     }
 
 

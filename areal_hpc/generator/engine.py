@@ -21,7 +21,7 @@ Interruption (`update_weights`), nothing lost or duplicated:
   1. abort every in-flight vLLM request; each turn keeps the tokens, logprobs and versions vLLM has
      returned so far (a token computed but not yet returned is simply sampled again);
   2. load the new weights bucket by bucket inside vLLM's worker(s), in place where vLLM allows it
-     (`WeightLoader` below);
+     (`WeightLoader` below); with LoRA (`lora`), the adapter alone, replacing the one loaded;
   3. reset the prefix cache (its KV entries were computed by the old weights);
   4. resubmit each turn as its context + partial output with what is left of its own token budget;
      tokens sampled from then on carry the new version.
@@ -44,6 +44,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from areal_hpc.arch import hf_arch, model_arch
+from areal_hpc.config.choices import lora_serving_rank
 from areal_hpc.generator.choices import ENGINE_ARGS, choose_environment, resolved, step_tokens
 from areal_hpc.workflow.client import Turn
 
@@ -87,7 +88,14 @@ class GenerationEngine:
     carries its routing (`Turn.routing` of `EngineTurn.sampled`).
     """
 
-    def __init__(self, engine, temperature: float = 1.0, top_p: float = 1.0, record_routing: bool = False):
+    def __init__(
+        self,
+        engine,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        record_routing: bool = False,
+        lora: tuple[int, float] | None = None,
+    ):
         self.engine = engine
         self.temperature, self.top_p = temperature, top_p
         self.version = 0
@@ -96,9 +104,14 @@ class GenerationEngine:
         self._vllm_ids: dict[str, str] = {}  # turn key -> vLLM's id of its current attempt (it suffixes ours)
         self._held: dict[str, EngineTurn] | None = None  # while holding (`hold`): the turns submitted since
         self.record_routing = record_routing
+        self.lora = lora
+        """(rank, alpha) of the LoRA adapter each update brings (an engine built with vLLM's LoRA); None: the
+        updates bring whole weights."""
         self.lora_request = None
-        """vLLM's `LoRARequest` of every request once an adapter is loaded (`update_adapter`); before, the base
+        """vLLM's `LoRARequest` of every request once an adapter is loaded (`update_weights`); before, the base
         serves alone (an initial adapter, B = 0, adds nothing)."""
+        self.synced_bytes = 0
+        """What the last update brought: its tensors' bytes (timing/weight_sync_bytes)."""
         self.memory = None
         """On a GPU engine built `from_config`: its `memory.GeneratorMemory` budget."""
         if record_routing:
@@ -127,8 +140,8 @@ class GenerationEngine:
         The step's token budget is the project's (`choices.step_tokens`), from `max_num_seqs` and the
         context (`max_model_len`, default the model's). `gpu_memory_utilization`: vLLM's share of a GPU
         (areal_hpc.generator.memory; None: vLLM's default); on the CPU the KV cache is sized in bytes.
-        `lora_rank` > 0: vLLM's LoRA, one adapter of at most that rank (one of vLLM's `MaxLoRARanks`), loaded
-        in memory (`update_adapter`)."""
+        `lora_rank` > 0: vLLM's LoRA, one adapter of that rank (vLLM's `max_lora_rank` the next it allows:
+        `lora_serving_rank`), loaded in memory (`update_weights`)."""
         from vllm import EngineArgs
 
         max_len = max_model_len or hf_arch(model_path).max_position_embeddings
@@ -149,7 +162,7 @@ class GenerationEngine:
             kv_cache_memory_bytes=kv_bytes,
             **({"gpu_memory_utilization": gpu_memory_utilization} if gpu_memory_utilization else {}),
             **(
-                {"enable_lora": True, "max_lora_rank": lora_rank, "max_loras": 1, "max_cpu_loras": 1}
+                {"enable_lora": True, "max_lora_rank": lora_serving_rank(lora_rank), "max_loras": 1, "max_cpu_loras": 1}
                 if lora_rank
                 else {}
             ),
@@ -157,11 +170,13 @@ class GenerationEngine:
         )
 
     @classmethod
-    def create(cls, model_path, *, temperature=1.0, top_p=1.0, record_routing=False, **engine_kwargs):
+    def create(cls, model_path, *, temperature=1.0, top_p=1.0, record_routing=False, lora=None, **engine_kwargs):
+        """An engine (`engine_args`' keywords); `lora`: (rank, alpha) of the adapter its updates bring."""
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        args = cls.engine_args(model_path, record_routing=record_routing, **engine_kwargs)
-        return cls(LLMEngine.from_engine_args(args), temperature, top_p, record_routing)
+        lora_rank = lora[0] if lora else 0
+        args = cls.engine_args(model_path, record_routing=record_routing, lora_rank=lora_rank, **engine_kwargs)
+        return cls(LLMEngine.from_engine_args(args), temperature, top_p, record_routing, lora)
 
     @classmethod
     def from_config(cls, cfg, model_path, device: str, seed_offset: int = 0) -> GenerationEngine:
@@ -190,6 +205,7 @@ class GenerationEngine:
             max_num_seqs=r.engine_seqs,
             record_routing=cfg.ppo.routing_replay,
             gpu_memory_utilization=memory.utilization if memory else None,
+            lora=(cfg.lora.rank, cfg.lora.alpha) if cfg.lora.rank else None,
         )
         engine.memory = memory
         return engine
@@ -321,28 +337,32 @@ class GenerationEngine:
 
     def update_weights(self, weights, version: int) -> float:
         """Interrupt, load `weights`, reset the prefix cache, resume, then start the turns held (`hold`);
-        returns the seconds it took.
+        returns the seconds it took (`synced_bytes`: what it brought).
 
         `weights` is the `weight_sync.WeightReceiver` that joined at start (`join_weight_sync`: the
         broadcast is received and loaded inside vLLM's workers) or an iterable of buckets, each a list
-        of (hf_name, tensor).
+        of (hf_name, tensor). With LoRA (`lora`) they are the adapter's tensors, under PEFT's names: it
+        replaces the one loaded, in memory, and every request from then on runs with it.
         """
-        if hasattr(weights, "receive"):
-            return self._reload(lambda: self.engine.collective_rpc("areal_receive_weights"), version)
-        return self._reload(
-            lambda: self.engine.collective_rpc("areal_load_weights", args=([list(b) for b in weights],)), version
-        )
+        received = hasattr(weights, "receive")
+        buckets = None if received else [list(b) for b in weights]
+        if self.lora:
+            from vllm.lora.request import LoRARequest
 
-    def update_adapter(self, tensors: dict, rank: int, alpha: float, version: int) -> float:
-        """`update_weights` for a LoRA engine (`engine_args(lora_rank=...)`): replace its adapter by `tensors`
-        (PEFT's names, whole), in memory; every request from now on runs with it."""
-        from vllm.lora.request import LoRARequest
-
-        def load():
-            self.engine.collective_rpc("areal_load_adapter", args=(tensors, rank, alpha, ADAPTER_ID))
+            args = (*self.lora, ADAPTER_ID)
+            rpc = (
+                ("areal_receive_adapter", args)
+                if received
+                else ("areal_load_adapter", ({k: t for b in buckets for k, t in b}, *args))
+            )
             # the path is never read while the worker holds the adapter; were it gone, this one fails at once
             # (a relative path would be tried as a Hugging Face Hub repository)
             self.lora_request = LoRARequest("areal-policy", ADAPTER_ID, "/nonexistent/areal-hpc-in-memory-adapter")
+        else:
+            rpc = ("areal_receive_weights", ()) if received else ("areal_load_weights", (buckets,))
+
+        def load():
+            self.synced_bytes = self.engine.collective_rpc(rpc[0], args=rpc[1])[0]
 
         return self._reload(load, version)
 

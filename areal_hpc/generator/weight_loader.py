@@ -18,17 +18,18 @@ class WeightLoader:
     """
 
     def areal_load_weights(self, buckets: list) -> int:
-        """Load buckets of Hugging Face named tensors (the model shards them by its own TP rank)."""
+        """Load buckets of Hugging Face named tensors (the model shards them by its own TP rank); returns their
+        bytes."""
         named = [item for bucket in buckets for item in bucket]
         self._areal_load(iter(named))
-        return len(named)
+        return _nbytes(t for _, t in named)
 
     def areal_load_adapter(self, tensors: dict, rank: int, alpha: float, adapter_id: int) -> int:
         """Replace the LoRA adapter `adapter_id` by `tensors` (PEFT's names, whole: vLLM's LoRA layers take
         this worker's TP slice), in memory: the pair vLLM would read from an adapter directory, built by
         its own `LoRAModel.from_lora_tensors` and put in the worker's adapter cache, where a request's
         `LoRARequest` of that id finds it loaded (vLLM reads its path only for an id it does not hold).
-        vLLM folds alpha / r into B in place, so it gets copies."""
+        vLLM folds alpha / r into B in place, so it gets copies. Returns their bytes."""
         from vllm.lora.lora_model import LoRAModel
         from vllm.lora.peft_helper import PEFTHelper
 
@@ -47,7 +48,7 @@ class WeightLoader:
         adapters = manager._adapter_manager  # vLLM 0.32: the worker's cache of adapters (LRU)
         adapters.remove_adapter(adapter_id)
         adapters.add_adapter(lora)
-        return len(tensors)
+        return _nbytes(tensors.values())
 
     def _areal_load(self, named: Iterator) -> None:
         """Load Hugging Face named tensors into the running model, straight into its parameters.
@@ -160,25 +161,36 @@ class WeightLoader:
 
     def areal_receive_weights(self) -> int:
         """Receive a sync over the groups joined at start and load each bucket as it arrives, on one stream
-        (`WeightReceiver.receive`: the race a payload's memory would otherwise be open to)."""
+        (`WeightReceiver.receive`: the race a payload's memory would otherwise be open to); returns its bytes."""
+        nbytes = 0
+
+        def stream():
+            nonlocal nbytes
+            for bucket in self._areal_receive():
+                nbytes += _nbytes(t for _, t in bucket)
+                yield from bucket
+
+        self._areal_load(stream())
+        return nbytes
+
+    def areal_receive_adapter(self, rank: int, alpha: float, adapter_id: int) -> int:
+        """`areal_load_adapter` of a sync received over the groups joined at start (the adapter's tensors,
+        whole: loaded once all have arrived); returns its bytes."""
+        return self.areal_load_adapter(
+            {name: t for bucket in self._areal_receive() for name, t in bucket}, rank, alpha, adapter_id
+        )
+
+    def _areal_receive(self) -> Iterator:
+        """The buckets of one sync (`WeightReceiver.receive`), on the stream vLLM runs the model on."""
         receiver = getattr(self, "_areal_receiver", None)
         if receiver is None:
             raise RuntimeError("weight sync before the worker joined its groups (GenerationEngine.join_weight_sync)")
-        count = 0
         loading = None
         if receiver.device.type == "cuda":  # the stream vLLM runs the model and loads the weights on, here
             from vllm.utils.torch_utils import current_stream
 
             loading = current_stream()
-
-        def stream():
-            nonlocal count
-            for bucket in receiver.receive(loading):
-                count += len(bucket)
-                yield from bucket
-
-        self._areal_load(stream())
-        return count
+        return receiver.receive(loading)
 
     def areal_leave_weight_sync(self) -> None:
         receiver = getattr(self, "_areal_receiver", None)
@@ -240,6 +252,10 @@ def _as_recorded(module) -> bool:
         if was.keys() != now.keys() or any(t.shape != now[k].shape or t.dtype != now[k].dtype for k, t in was.items()):
             return False
     return True
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _has_tensors(module) -> bool:

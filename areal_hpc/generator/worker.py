@@ -63,7 +63,7 @@ async def _serve(ctx, sync) -> None:
 
     def load(version: int, drain_s: float = 0.0) -> None:
         seconds = engine.update_weights(sync, version)
-        mailbox.send(CONTROLLER_RANK, SyncDone(version, seconds, drain_s))
+        mailbox.send(CONTROLLER_RANK, SyncDone(version, seconds, drain_s, engine.synced_bytes))
 
     def load_drained() -> None:
         """Every sync waiting, in order (each broadcast is on the wire in that order)."""

@@ -28,6 +28,12 @@ groups (the step among them) first, then the parameter state without the step, t
 parameter its own step tensor again (Megatron's group load hands one shared CPU tensor to all; fused
 Adam keeps one per parameter on its device).
 
+With LoRA (`Engine.lora`) the model part is the adapters alone (`trainer.lora.sharded_state_dict`, split
+over TP as in training, so they too load at any layout) and the optimizer holds only theirs: the base is
+kept by reference, its path and an identity cheap to compute at every save (`base_identity`: not a checksum
+of its tens of gigabytes) in the manifest with the adapters' rank, alpha and targets. Loading checks both:
+adapters of another rank or targets, or trained on another base, are refused by name.
+
 Atomicity: all ranks write into `<step dir>/.trainer.partial/`; after a barrier, trainer rank 0
 writes the manifest and renames the directory to `trainer/`. A crash before the rename leaves only
 the `.partial` directory, which `load` never reads; a `trainer/` directory always has every file.
@@ -36,6 +42,7 @@ the `.partial` directory, which `load` never reads; a `trainer/` directory alway
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -45,6 +52,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from areal_hpc.arch import QwenArch
+from areal_hpc.trainer import lora
 from areal_hpc.trainer.engine import adam_step
 
 MANIFEST = "manifest.json"
@@ -56,8 +64,10 @@ SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 def sharded_state_dict(engine, is_loading: bool) -> dict:
-    """The engine's model and optimizer as Megatron ShardedTensors (global names and offsets)."""
-    model = engine.stage.sharded_state_dict()  # the GPTModel itself: names without "module."
+    """The engine's model (with LoRA its adapters) and optimizer as Megatron ShardedTensors (global names and
+    offsets)."""
+    # the GPTModel itself: names without "module."
+    model = lora.sharded_state_dict(engine.stage) if engine.lora else engine.stage.sharded_state_dict()
     optimizer = engine.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=SHARDING)
     return {"model": model, "optimizer": optimizer}
 
@@ -94,6 +104,10 @@ def save(engine, step_dir: str | Path) -> Path:
             "dtype": dtype,
             "arch": asdict(engine.arch),
         }
+        if engine.lora:
+            spec = engine.lora
+            manifest["lora"] = {"rank": spec.rank, "alpha": spec.alpha, "targets": list(spec.targets)}
+            manifest["base"] = base_identity(engine.model_dir)
         _fsync_write(partial / MANIFEST, json.dumps(manifest, indent=1).encode())
         if final.exists():  # overwrite a complete checkpoint: move it aside first, drop it after
             old = step_dir / ".trainer.old"
@@ -120,6 +134,38 @@ def _keep_hf_files(model_dir: Path, dest: Path) -> None:
             shutil.copy2(f, dest / f.name)
 
 
+def base_identity(model_dir: str | Path) -> dict:
+    """The base model of a LoRA checkpoint, by reference: its path, and what tells it from another model
+    cheaply enough for every save: config.json's SHA-256 and, per weight file, its name, size and the SHA-256
+    of its first and last MiB (a safetensors file starts with every tensor's name, dtype and offsets)."""
+    model_dir = Path(model_dir)
+    files = []
+    for f in sorted(model_dir.iterdir()):
+        if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES) and not f.name.endswith(".index.json"):
+            size, digest = f.stat().st_size, hashlib.sha256()
+            with open(f, "rb") as fh:
+                digest.update(fh.read(1 << 20))
+                fh.seek(max(0, size - (1 << 20)))
+                digest.update(fh.read(1 << 20))
+            files.append([f.name, size, digest.hexdigest()])
+    config = hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()
+    return {"path": str(model_dir.resolve()), "config_sha256": config, "weights": files}
+
+
+def base_problem(saved: dict, model_dir: str | Path) -> str | None:
+    """Why `model_dir` is not the base a LoRA checkpoint's manifest names (`saved`: its "base"), or None."""
+    if not (Path(model_dir) / "config.json").is_file():
+        return f"its base model ({saved['path']}) is not at {model_dir}"
+    now = base_identity(model_dir)
+    differ = [k for k in ("config_sha256", "weights") if now[k] != saved[k]]
+    if not differ:
+        return None
+    return (
+        f"its adapters were trained on the base at {saved['path']}, and {now['path']} is another model "
+        f"({' and '.join('config.json' if k == 'config_sha256' else 'the weight files' for k in differ)} differ)"
+    )
+
+
 def is_complete(ckpt_dir: str | Path) -> bool:
     """Whether `ckpt_dir` (a `trainer/` directory) is a complete checkpoint."""
     return (Path(ckpt_dir) / MANIFEST).is_file()
@@ -141,13 +187,17 @@ def load(engine, ckpt_dir: str | Path) -> dict:
     ckpt_dir = Path(ckpt_dir)
     written = manifest(ckpt_dir)
     _check_same_model(written["arch"], engine.arch, ckpt_dir, engine.model_dir)
+    _check_same_adapters(written, engine, ckpt_dir)
     chain = engine.optimizer.chained_optimizers  # Megatron wraps even one optimizer in a chain
     if not any(
         opt.optimizer.state for opt in chain
     ):  # a fresh engine: the loading state dict comes from the live state
         engine.init_optimizer_state()
     loaded = dist_checkpointing.load(sharded_state_dict(engine, is_loading=True), str(ckpt_dir))
-    engine.stage.load_state_dict(loaded["model"])
+    if engine.lora:
+        lora.load_state_dict(engine.stage, loaded["model"])
+    else:
+        engine.stage.load_state_dict(loaded["model"])
     parts = [loaded["optimizer"]] if len(chain) == 1 else [loaded["optimizer"][i] for i in range(len(chain))]
     for opt, part in zip(chain, parts, strict=True):
         groups = dict(part)
@@ -182,14 +232,38 @@ def _check_same_model(saved: dict, arch: QwenArch, ckpt_dir: Path, model_dir: Pa
         raise ValueError(f"{ckpt_dir} holds another model: {changed} (checkpoint, this run)")
 
 
+def _check_same_adapters(written: dict, engine, ckpt_dir: Path) -> None:
+    """ValueError unless the checkpoint trains what `engine` trains: the whole model, or adapters of the same
+    rank and targets on the same base."""
+    saved, spec = written.get("lora"), engine.lora
+    ours = {"rank": spec.rank, "targets": list(spec.targets)} if spec else None
+    theirs = {"rank": saved["rank"], "targets": saved["targets"]} if saved else None
+    if ours != theirs:
+
+        def what(x):
+            return f"LoRA adapters {x}" if x else "the whole model"
+
+        raise ValueError(
+            f"checkpoint {ckpt_dir} trains {what(theirs)} but this run trains {what(ours)}: resume with the "
+            "lora.rank and lora.target_modules it was written with"
+        )
+    if saved and (problem := base_problem(written["base"], engine.model_dir)):
+        raise ValueError(f"checkpoint {ckpt_dir}: {problem}; resume with model.path the base it was trained on")
+
+
 def _describe(arch: QwenArch) -> str:
     return f"{arch.model_type} ({arch.num_experts} experts)" if arch.moe else arch.model_type
 
 
-def load_model(stage, ckpt_dir: str | Path) -> None:
+def load_model(stage, ckpt_dir: str | Path, with_adapters: bool = False) -> None:
     """Load only the model part of a checkpoint (written at any TP/PP/DP) into `stage`, a GPTModel of
-    this rank (its optimizer state is not read: no memory for it)."""
+    this rank (its optimizer state is not read: no memory for it); `with_adapters`: a LoRA checkpoint's
+    adapters, into a stage that has them (`trainer.lora.add_adapters`) on its base."""
     from megatron.core import dist_checkpointing
 
+    if with_adapters:
+        loaded = dist_checkpointing.load({"model": lora.sharded_state_dict(stage)}, str(ckpt_dir))
+        lora.load_state_dict(stage, loaded["model"])
+        return
     loaded = dist_checkpointing.load({"model": stage.sharded_state_dict()}, str(ckpt_dir))
     stage.load_state_dict(loaded["model"])

@@ -43,7 +43,7 @@ from areal_hpc.device import backend
 from areal_hpc.parallel import TrainerCoords, TrainerGrid, check_trainer
 from areal_hpc.trainer import cpu_compat
 from areal_hpc.trainer.convert import export_stage, load_hf_into
-from areal_hpc.trainer.lora import LoraSpec, add_adapters, base_only
+from areal_hpc.trainer.lora import LoraSpec, add_adapters, base_only, export_adapters
 from areal_hpc.trainer.model import build_stage, transformer_config
 
 
@@ -368,6 +368,17 @@ class Engine:
             experts=par.expert_source,
             ep_rank=par.expert_rank,
             ep=par.grid.ep,
+        )
+
+    def export_adapters(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """With LoRA, `export` of the adapters alone, under PEFT's names: TP-gathered within data-parallel
+        replica 0, yielded on the stage source (`trainer.lora.export_adapters`); other ranks yield nothing."""
+        from megatron.core import parallel_state as ps
+
+        if self.par.coords.dp != 0:
+            return iter(())
+        return export_adapters(
+            self.model, ps.get_tensor_model_parallel_group(), dst=ps.get_tensor_model_parallel_src_rank()
         )
 
     def export_full(self) -> dict[str, torch.Tensor] | None:

@@ -12,9 +12,9 @@ is one pair per Hugging Face module):
 | gate_proj, up_proj         | mlp.linear_fc1 ([gate; up])            | column | B's rows; A replicated  |
 | down_proj                  | mlp.linear_fc2                         | row    | A's columns; B replicated |
 
-A subset of a fused layer's targets is supported: the others' part of its output gets nothing. Mixture-of-
-experts MLPs have no such layers (their experts are not targets): naming gate_proj, up_proj or down_proj
-on one is an error.
+A subset of a fused layer's targets is supported: the others' part of its output gets nothing. Dense models
+only: a mixture of experts is refused (`QwenArch.lora_problem`, which the config's validation asks too: vLLM
+serves one with LoRA only through Triton kernels, which its CPU build lacks).
 
 Communication follows the base layer's: a column layer's input is the sequence shard under sequence
 parallelism (gathered for A, whose gradient Megatron then sums over TP: the parameter is marked
@@ -84,7 +84,7 @@ class Adapters(torch.nn.Module):
         self.layer = global_layer
         device, dtype = layer.weight.device, layer.weight.dtype
         for target in targets:
-            out, inp = full_shape(target, arch)
+            out, inp = arch.projection_shape(target)
             a, b = initial_pair(global_layer, target, rank, inp, out)
             pair = torch.nn.Module()
             if self.column:  # whole key/value groups of q, k, v (the fused QKV holds whole groups), rows of the others
@@ -93,11 +93,19 @@ class Adapters(torch.nn.Module):
                 a = a.chunk(self.tp, 1)[self.tp_rank]
             pair.lora_A = torch.nn.Parameter(a.to(device, dtype).contiguous())
             pair.lora_B = torch.nn.Parameter(b.to(device, dtype).contiguous())
-            split, whole = (pair.lora_B, pair.lora_A) if self.column else (pair.lora_A, pair.lora_B)
-            mark(split, True, 0 if self.column else 1, 1)
-            whole.sequence_parallel = self.sp  # its gradient is partial over TP under sequence parallelism
+            for matrix, axis in self.split_axes.items():
+                if axis is None:  # its gradient is partial over TP under sequence parallelism
+                    getattr(pair, matrix).sequence_parallel = self.sp
+                else:
+                    mark(getattr(pair, matrix), True, axis, 1)
             self.add_module(target, pair)
         layer.register_forward_hook(self._add)
+
+    @property
+    def split_axes(self) -> dict[str, int | None]:
+        """The axis of each matrix split over TP (None: replicated): a column layer's B by rows, a row
+        layer's A by columns."""
+        return {"lora_A": None, "lora_B": 0} if self.column else {"lora_A": 1, "lora_B": None}
 
     def _add(self, layer, args, output):
         if not self.enabled:
@@ -129,7 +137,9 @@ class Adapters(torch.nn.Module):
     def _fuse(self, parts: dict, lead: torch.Size, like: torch.Tensor) -> torch.Tensor:
         """The column layer's output shard from its targets' parts (zeros for the parts not targeted)."""
         fused = [
-            (part, full_shape(t, self.arch)[0] // self.tp) for t, (path, part) in TARGETS.items() if path == self.path
+            (part, self.arch.projection_shape(t)[0] // self.tp)
+            for t, (path, part) in TARGETS.items()
+            if path == self.path
         ]
         full = {k: parts.get(k, like.new_zeros(*lead, w)) for k, w in fused}
         if self.path.endswith("linear_fc1"):
@@ -145,20 +155,6 @@ def _tp() -> tuple[int, int]:
     return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
 
 
-def full_shape(target: str, arch) -> tuple[int, int]:
-    """(out, in) of a target's whole Hugging Face weight."""
-    h, d = arch.hidden_size, arch.head_dim
-    return {
-        "q_proj": (arch.num_attention_heads * d, h),
-        "k_proj": (arch.num_key_value_heads * d, h),
-        "v_proj": (arch.num_key_value_heads * d, h),
-        "o_proj": (h, arch.num_attention_heads * d),
-        "gate_proj": (arch.intermediate_size, h),
-        "up_proj": (arch.intermediate_size, h),
-        "down_proj": (h, arch.intermediate_size),
-    }[target]
-
-
 def initial_pair(layer: int, target: str, rank: int, inp: int, out: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A target's initial (A, B), whole: A as PEFT draws it (Kaiming uniform, a = sqrt(5)), B zero, so the
     adapted model starts as the base. Seeded by layer and target: the same at every parallel layout."""
@@ -172,30 +168,20 @@ def add_adapters(stage: torch.nn.Module, arch, spec: LoraSpec) -> list[Adapters]
     """Give every decoder layer of `stage` (before Float16Module and DDP wrap it) the adapters of `spec`,
     and freeze everything else. Raises LoraError naming a target that names no layer here."""
     rank, alpha, targets = spec.rank, spec.alpha, list(spec.targets)
-    unknown = [t for t in targets if t not in TARGETS]
-    if unknown:
-        raise LoraError(f"lora.target_modules: {unknown} name no layer of a Qwen model; its targets: {list(TARGETS)}")
+    if problem := arch.lora_problem(rank, targets):
+        raise LoraError(problem)
     stage.requires_grad_(False)
     if getattr(stage, "embedding", None) is not None:
         # The frozen embedding's output needs no gradient, so a layer recomputed by Megatron's checkpoint (a
         # reentrant autograd.Function) would return one that needs none either: its adapters would get none.
         stage.embedding.register_forward_hook(lambda module, args, output: output.requires_grad_(True))
-    too_small = [t for t in targets if rank > min(full_shape(t, arch))]
-    if too_small:
-        raise LoraError(f"lora.rank {rank} is larger than the smallest dimension of {too_small}")
     by_path: dict[str, list[str]] = {}
     for t in targets:
         by_path.setdefault(TARGETS[t][0], []).append(t)
     adapters = []
     for layer in stage.decoder.layers:
         for path, ts in by_path.items():
-            try:
-                linear = layer.get_submodule(path)
-            except AttributeError:
-                raise LoraError(
-                    f"lora.target_modules: {ts} name no layer of this model ({path} is missing: the MLP of a "
-                    "mixture of experts is its experts, which LoRA does not target here)"
-                ) from None
+            linear = layer.get_submodule(path)
             module = Adapters(linear, path, ts, arch, rank, alpha, layer.layer_number - 1)
             linear.lora = module
             adapters.append(module)
@@ -235,7 +221,7 @@ def export_adapters(model: torch.nn.Module, tp_group, dst: int) -> Iterator[tupl
     for m in adapters_of(model):
         for target in m.targets:
             pair = m.get_submodule(target)
-            for matrix, split in (("lora_A", None if m.column else 1), ("lora_B", 0 if m.column else None)):
+            for matrix, split in m.split_axes.items():
                 local = getattr(pair, matrix).detach().contiguous()
                 if split is not None and tp > 1:
                     shards = [torch.empty_like(local) for _ in range(tp)] if me == dst else None
@@ -243,3 +229,46 @@ def export_adapters(model: torch.nn.Module, tp_group, dst: int) -> Iterator[tupl
                     local = torch.cat(shards, split) if me == dst else None
                 if me == dst:
                     yield peft_name(m.layer, target, matrix), local
+
+
+def sharded_state_dict(model: torch.nn.Module) -> dict:
+    """The adapters as Megatron ShardedTensors (of the parameters themselves, by which the distributed
+    optimizer finds their state), each keyed by its global layer and target and split over TP as in
+    training: Megatron's `dist_checkpointing` loads them at any TP x PP x DP."""
+    from megatron.core.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
+
+    out = {}
+    for m in adapters_of(model):
+        for target in m.targets:
+            pair = m.get_submodule(target)
+            for matrix, axis in m.split_axes.items():
+                key = f"lora.layers.{m.layer}.{target}.{matrix}"
+                param = getattr(pair, matrix)
+                out[key] = (
+                    make_sharded_tensor_for_checkpoint(param, key)
+                    if axis is None
+                    else make_tp_sharded_tensor_for_checkpoint(param, key, axis)
+                )
+    return out
+
+
+def load_state_dict(model: torch.nn.Module, loaded: dict) -> None:
+    """Copy what `dist_checkpointing.load` returned for `sharded_state_dict(model)` into the adapters."""
+    with torch.no_grad():
+        for m in adapters_of(model):
+            for target in m.targets:
+                pair = m.get_submodule(target)
+                for matrix in m.split_axes:
+                    getattr(pair, matrix).copy_(loaded[f"lora.layers.{m.layer}.{target}.{matrix}"])
+
+
+def merge_into(weights: dict, adapters: dict, alpha: float, rank: int) -> None:
+    """Add (alpha / r) B A of each pair in `adapters` (PEFT's names) to the Hugging Face weight it adapts in
+    `weights`, in place: the merged model. The sum is taken in fp32 and stored in the weight's dtype."""
+    for name, a in adapters.items():
+        if ".lora_A." not in name:
+            continue
+        target = name.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+        b = adapters[name.replace(".lora_A.", ".lora_B.")]
+        w = weights[target]
+        weights[target] = (w.float() + alpha / rank * (b.float() @ a.float())).to(w.dtype)

@@ -9,7 +9,8 @@ batch's routing only for the peer's own pipeline stage's layers (`stage_routing`
     WeightSync(v)   -> every rank iterates its stage's export (the dense tensors' TP gathers); each
                        weight-sync source sends what the export yields on it, HF-named, through the
                        weight-sync handle: a stage's (tp 0, dp 0) rank the dense tensors (and its
-                       experts), with expert parallelism the first rank of each expert rank its experts
+                       experts), with expert parallelism the first rank of each expert rank its experts;
+                       with LoRA (lora.rank) the stage's adapters only, PEFT-named, from its (tp 0, dp 0)
     Save(v, path)   -> every rank writes its part under path/trainer/ (atomic) and replies Saved(v)
     Stop            -> leave the weight-sync group (a source), flush and exit
 
@@ -35,6 +36,7 @@ from areal_hpc.rank_context import CONTROLLER_RANK
 from areal_hpc.trainer import checkpoint as trainer_checkpoint
 from areal_hpc.trainer.convert import stage_layers
 from areal_hpc.trainer.engine import Engine, init_parallel, shutdown_parallel
+from areal_hpc.trainer.lora import LoraSpec
 from areal_hpc.trainer.step import StepConfig, ppo_step
 
 log = logging.getLogger("areal_hpc.trainer")
@@ -50,7 +52,9 @@ def build_engine(ctx) -> Engine:
     par = init_parallel(
         comm.Get_rank(), comm.Get_size(), a.train_tp, a.train_pp, store, ctx.device, timeout_s, a.train_ep
     )
-    engine = Engine(ctx.model_path, par, cfg.ppo, getattr(torch, cfg.model.dtype), cfg.train.total_steps)
+    lora = LoraSpec(cfg.lora.rank, cfg.lora.alpha, tuple(cfg.lora.target_modules)) if cfg.lora.rank else None
+    dtype = getattr(torch, cfg.model.dtype)
+    engine = Engine(ctx.model_path, par, cfg.ppo, dtype, cfg.train.total_steps, lora=lora)
     if ctx.resume_from is not None:
         was = trainer_checkpoint.load(engine, Path(ctx.resume_from) / "trainer")
         now = par.grid
@@ -63,8 +67,9 @@ def build_engine(ctx) -> Engine:
 
 def send_weights(engine: Engine, sync, bucket_bytes: int) -> dict | None:
     """Iterate this rank's export (collective in TP); a weight-sync source streams what it yields (HF
-    names, TP-gathered) into its group, to the generators (areal_hpc.weight_sync.broadcast: the order)."""
-    stream = engine.export()
+    names, TP-gathered; with LoRA the adapters only, PEFT's names) into its group, to the generators
+    (areal_hpc.weight_sync.broadcast: the order)."""
+    stream = engine.export_adapters() if engine.lora else engine.export()
     if sync is not None and sync.is_source:
         return sync.send(stream, bucket_bytes)
     for _ in stream:  # the others take part in the gathers

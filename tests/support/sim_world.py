@@ -102,10 +102,11 @@ class World:
             if dest in self.gen_version:
                 self.gen_version[dest] = msg.version
                 # the first generator loads slowest: 0.01 s x the generators from it on; each drains 0.03 s or
-                # 0.06 s, every other generator the slower one, from one version to the next
+                # 0.06 s, every other generator the slower one, from one version to the next; each receives
+                # 1000 bytes per version
                 i = list(self.gen_version).index(dest)
                 seconds, drain_s = 0.01 * (len(self.gen_version) - i), 0.03 * (1 + (msg.version + i) % 2)
-                self.later.append((1, Envelope(dest, SyncDone(msg.version, seconds, drain_s))))
+                self.later.append((1, Envelope(dest, SyncDone(msg.version, seconds, drain_s, 1000 * msg.version))))
         elif isinstance(msg, RewardRequest):
             self.reward_requests += 1
             response = response_text(self.tok, msg.answer_ids)  # as the reward worker decodes

@@ -78,16 +78,29 @@ def logits_and_export_rank(par, model_dirs: dict, optim) -> dict:
 
 
 def _logits_and_weights(engine, name: str) -> dict:
-    """`name/logits` (the probe sequences', on the last stage's ranks) and `name/weights` (the whole
-    model under Hugging Face names, on rank 0) of an engine; collective."""
+    """`name/logits` (the probe sequences', on the last stage's ranks) and `name/weights` (`trained`: the
+    whole model under Hugging Face names, or the adapters, on rank 0) of an engine; collective."""
     out = {}
     got = logits(engine, probe_sequences(engine.arch.vocab_size))
     if got is not None:
         out[f"{name}/logits"] = got
-    weights = engine.export_full()
+    weights = trained(engine)
     if weights is not None:
         out[f"{name}/weights"] = {k: v.cpu() for k, v in weights.items()}
     return out
+
+
+def trained(engine) -> dict | None:
+    """What the engine trains, whole, on rank 0 (None elsewhere): the model under Hugging Face names, or with
+    LoRA its adapters under PEFT's; collective."""
+    import torch.distributed as dist
+
+    if not engine.lora:
+        return engine.export_full()
+    stage = {k: v.cpu() for k, v in engine.export_adapters()}
+    stages = [None] * dist.get_world_size()
+    dist.all_gather_object(stages, stage)
+    return {k: v for s in stages for k, v in s.items()} if engine.par.rank == 0 else None
 
 
 def _steps(engine, seeds: list[int], step_cfg) -> list[dict]:
@@ -98,24 +111,27 @@ def _steps(engine, seeds: list[int], step_cfg) -> list[dict]:
     return [ppo_step(engine, random_batch(vocab, seed=100 * s + engine.par.coords.dp), step_cfg) for s in seeds]
 
 
-def resume_rank(par, model_dir, ckpt_dir, before: list[int], after: list[int], optim, dtype=torch.float32) -> dict:
+def resume_rank(
+    par, model_dir, ckpt_dir, before: list[int], after: list[int], optim, dtype=torch.float32, lora=None
+) -> dict:
     """`before` steps, save, `after` steps (uninterrupted); then a fresh engine loads the checkpoint and
     takes the same `after` steps (resumed). Batches come from the seeds; every rank returns the
-    largest difference of its own optimizer state between the two runs."""
+    largest difference of its own optimizer state between the two runs. `lora`: the engines' `LoraSpec`
+    (the weights compared are then the adapters)."""
     from areal_hpc.trainer import checkpoint as trainer_checkpoint
     from areal_hpc.trainer.engine import Engine
     from areal_hpc.trainer.step import StepConfig
 
     cfg = StepConfig()
-    engine = Engine(model_dir, par, optim, dtype)
+    engine = Engine(model_dir, par, optim, dtype, lora=lora)
     _steps(engine, before, cfg)
     trainer_checkpoint.save(engine, ckpt_dir)
     saved = optimizer_state(engine)
     uninterrupted = _steps(engine, after, cfg)
-    weights = engine.export_full()
+    weights = trained(engine)
     state = optimizer_state(engine)
 
-    resumed = Engine(model_dir, par, optim, dtype)
+    resumed = Engine(model_dir, par, optim, dtype, lora=lora)
     trainer_checkpoint.load(resumed, Path(ckpt_dir) / "trainer")
     loaded = optimizer_state(resumed)
     resumed_stats = _steps(resumed, after, cfg)
@@ -123,7 +139,7 @@ def resume_rank(par, model_dir, ckpt_dir, before: list[int], after: list[int], o
         "load_diff": max_diff(saved, loaded),
         "optimizer_diff": max_diff(state, optimizer_state(resumed)),
     }
-    resumed_weights = resumed.export_full()
+    resumed_weights = trained(resumed)
     if weights is not None:
         result.update(
             stats=uninterrupted,
@@ -134,13 +150,13 @@ def resume_rank(par, model_dir, ckpt_dir, before: list[int], after: list[int], o
     return result
 
 
-def save_rank(par, model_dir, ckpt_dir, before: list[int], after: list[int], optim) -> dict:
-    """`before` steps, the probe logits, save, then `after` steps: the weights at the end."""
+def save_rank(par, model_dir, ckpt_dir, before: list[int], after: list[int], optim, lora=None) -> dict:
+    """`before` steps, the probe logits, save, then `after` steps: the weights at the end (`trained`)."""
     from areal_hpc.trainer import checkpoint as trainer_checkpoint
     from areal_hpc.trainer.engine import Engine
     from areal_hpc.trainer.step import StepConfig
 
-    engine = Engine(model_dir, par, optim)
+    engine = Engine(model_dir, par, optim, lora=lora)
     _steps(engine, before, StepConfig())
     result = {}
     got = logits(engine, probe_sequences(engine.arch.vocab_size))
@@ -148,26 +164,26 @@ def save_rank(par, model_dir, ckpt_dir, before: list[int], after: list[int], opt
         result["logits"] = got
     trainer_checkpoint.save(engine, ckpt_dir)
     _steps(engine, after, StepConfig())
-    weights = engine.export_full()
+    weights = trained(engine)
     if weights is not None:
         result["weights"] = {k: v.float().cpu() for k, v in weights.items()}
     return result
 
 
-def load_rank(par, model_dir, ckpt_dir, after: list[int], optim) -> dict:
-    """Load a checkpoint (written at any TP/PP/DP): the probe logits, then `after` steps' weights."""
+def load_rank(par, model_dir, ckpt_dir, after: list[int], optim, lora=None) -> dict:
+    """Load a checkpoint (written at any TP/PP/DP): the probe logits, then `after` steps' weights (`trained`)."""
     from areal_hpc.trainer import checkpoint as trainer_checkpoint
     from areal_hpc.trainer.engine import Engine
     from areal_hpc.trainer.step import StepConfig
 
-    engine = Engine(model_dir, par, optim)
+    engine = Engine(model_dir, par, optim, lora=lora)
     trainer_checkpoint.load(engine, Path(ckpt_dir) / "trainer")
     result = {}
     got = logits(engine, probe_sequences(engine.arch.vocab_size))
     if got is not None:
         result["logits"] = got
     _steps(engine, after, StepConfig())
-    weights = engine.export_full()
+    weights = trained(engine)
     if weights is not None:
         result["weights"] = {k: v.float().cpu() for k, v in weights.items()}
     return result
@@ -197,10 +213,11 @@ def nonfinite_rank(par, model_dir, ckpt_dir, optim) -> dict:
     return {"message": message, "moved": max_diff(before, after)} if before is not None else {}
 
 
-def train_and_save_rank(par, models: dict, run_root, steps: int, optim) -> dict:
+def train_and_save_rank(par, models: dict, run_root, steps: int, optim, lora=None) -> dict:
     """Per model (name -> (model directory, dtype name)): `steps` PPO steps, then the probe logits, the
-    weights under Hugging Face names, and a complete checkpoint of version `steps` in the run
-    directory `run_root/<name>/` (`checkpoints/step_<steps>/`, as a run writes it: what export reads)."""
+    weights under Hugging Face names (`trained`: with `lora`, a `LoraSpec`, the adapters), and a complete
+    checkpoint of version `steps` in the run directory `run_root/<name>/` (`checkpoints/step_<steps>/`, as a
+    run writes it: what export reads)."""
     from areal_hpc.checkpoint.files import checkpoint_dir, mark_complete
     from areal_hpc.trainer import checkpoint as trainer_checkpoint
     from areal_hpc.trainer.engine import Engine
@@ -208,7 +225,7 @@ def train_and_save_rank(par, models: dict, run_root, steps: int, optim) -> dict:
 
     result = {}
     for name, (model_dir, dtype) in models.items():
-        engine = Engine(model_dir, par, optim, getattr(torch, dtype))
+        engine = Engine(model_dir, par, optim, getattr(torch, dtype), lora=lora)
         _steps(engine, list(range(steps)), StepConfig())
         result.update(_logits_and_weights(engine, name))
         step_dir = checkpoint_dir(Path(run_root) / name, steps)
