@@ -26,6 +26,7 @@ setup(
         "tensorboard",
         "wandb==0.31.0",  # logging.wandb: areal_hpc.wandb_log reads its credentials, the tests its offline files
         "math-verify",
+        "peft==0.21.2",  # the format of an exported LoRA adapter (areal_hpc.trainer.export: its adapter_config.json)
         "datasets",  # data sets saved with save_to_disk, and parquet (pyarrow) for areal_hpc.data.dataset
         "pyyaml",
         "psutil",  # areal_hpc.network: the node's interfaces (vLLM needs it too)

@@ -159,7 +159,7 @@ def cmd_export(args) -> int:
     from areal_hpc.trainer.export import ExportError, export_checkpoint
 
     try:
-        export_checkpoint(args.run_dir, args.step, args.output, args.max_shard_size)
+        export_checkpoint(args.run_dir, args.step, args.output, args.max_shard_size, args.adapter_only)
     except ExportError as e:
         print(f"areal-hpc export: {e}", file=sys.stderr)
         return 1
@@ -253,12 +253,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="a Hugging Face model directory from a run's checkpoint",
         description="Write a Hugging Face directory (sharded safetensors and their index, config.json, tokenizer, "
         "generation config) from a trainer checkpoint of a run, written at any TP/PP/DP, on this machine's CPU "
-        "from the checkpoint's files alone. transformers and vLLM load it as they load the initial model.",
+        "from the checkpoint's files alone. transformers and vLLM load it as they load the initial model. A LoRA "
+        "run's checkpoint (lora.rank > 0) exports merged, the adapters added to its base model, which must be where "
+        "the run found it; with --adapter-only, the adapters alone in PEFT's format.",
     )
     p.add_argument("run_dir", help="run directory (runs/<experiment>/<trial>)")
     p.add_argument("--step", type=int, help="the checkpoint's step (default: the latest complete one)")
     p.add_argument("-o", "--output", required=True, help="directory to write (must not exist, or be empty)")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB or 500MB (default: 5GB)")
+    p.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="a LoRA checkpoint's adapters alone, in PEFT's format (adapter_config.json, adapter_model.safetensors), "
+        "which peft.PeftModel.from_pretrained and vLLM's LoRARequest load on the base model",
+    )
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser(

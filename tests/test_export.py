@@ -88,20 +88,26 @@ def test_transformers_logits_equal_the_trainers(runs, case):
     assert max_diff(hf_logits(runs.initial[case[1]]), want) > 1e-2  # the steps moved the model
 
 
-def vllm_logprobs(model_dir, vocab: int) -> list[torch.Tensor]:
-    """vLLM's log-softmax over the whole vocabulary at each probe sequence's positions 1..n-1."""
+def vllm_logprobs(model_dir, vocab: int, adapter=None, rank: int = 0) -> list[torch.Tensor]:
+    """vLLM's log-softmax over the whole vocabulary at each probe sequence's positions 1..n-1; with `adapter`
+    (a PEFT adapter directory of `rank`), on the base `model_dir` with the adapter, as vLLM's LoRARequest
+    loads it."""
     from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
     from vllm.v1.engine.llm_engine import LLMEngine
 
     from areal_hpc.generator.engine import GenerationEngine
 
-    args = GenerationEngine.engine_args(model_dir, device="cpu", max_model_len=64, max_num_seqs=4, enforce_eager=True)
+    args = GenerationEngine.engine_args(
+        model_dir, device="cpu", max_model_len=64, max_num_seqs=4, enforce_eager=True, lora_rank=rank
+    )
     engine = LLMEngine.from_engine_args(dataclasses.replace(args, max_logprobs=-1))
+    request = LoRARequest("exported", 1, str(adapter)) if adapter else None
     try:
         seqs = probe_sequences(vocab)
         params = SamplingParams(max_tokens=1, prompt_logprobs=-1, detokenize=False)
         for i, s in enumerate(seqs):
-            engine.add_request(str(i), {"prompt_token_ids": s.tolist()}, params)
+            engine.add_request(str(i), {"prompt_token_ids": s.tolist()}, params, lora_request=request)
         done = {}
         while engine.has_unfinished_requests():
             done.update({o.request_id: o.prompt_logprobs for o in engine.step() if o.finished})

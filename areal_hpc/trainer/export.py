@@ -20,6 +20,13 @@ Why it is built this way:
   `hf/`): the run's initial model directory may be gone.
 - The directory is written under a temporary name and renamed into place when complete: an
   interrupted export leaves nothing that looks like a model.
+
+A LoRA checkpoint (`lora.rank` > 0) holds the adapters, and names its base (checkpoint.trainer's manifest):
+the base is loaded from there (checked to be the one it names), the adapters beside it, and the export is
+the merged model, each adapted weight plus (alpha / r) B A, in the same Hugging Face directory; or with
+`adapter_only` the adapters alone in PEFT's format (adapter_model.safetensors under PEFT's names, and
+adapter_config.json written by PEFT's own `LoraConfig`), which `peft.PeftModel.from_pretrained` and vLLM's
+`LoRARequest` load on the base.
 """
 
 from __future__ import annotations
@@ -43,10 +50,15 @@ class ExportError(ValueError):
 
 
 def export_checkpoint(
-    run_dir: str | Path, step: int | None, out_dir: str | Path, max_shard_size: int | str = "5GB"
+    run_dir: str | Path,
+    step: int | None,
+    out_dir: str | Path,
+    max_shard_size: int | str = "5GB",
+    adapter_only: bool = False,
 ) -> Path:
     """Write the Hugging Face directory of checkpoint `step` of `run_dir` (None: the latest complete
-    one) to `out_dir`, which must not exist or be empty; returns `out_dir`. Prints a line per shard."""
+    one) to `out_dir`, which must not exist or be empty; returns `out_dir`. Prints a line per shard.
+    `adapter_only`: a LoRA checkpoint's adapters alone, in PEFT's format."""
     from areal_hpc.trainer.spawn import run_ranks
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)
@@ -54,6 +66,7 @@ def export_checkpoint(
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ExportError(f"output directory {out_dir} exists and is not empty; choose another -o or remove it")
     saved = trainer_checkpoint.manifest(ckpt)
+    _check_lora(saved, ckpt, adapter_only)
     print(
         f"export: {ckpt.parent.name} of {run_dir} (written at TP {saved['tp']} x PP {saved['pp']} x "
         f"DP {saved['dp']}, {saved['dtype']}) -> {out_dir}",
@@ -63,8 +76,12 @@ def export_checkpoint(
     shutil.rmtree(partial, ignore_errors=True)  # an interrupted export's leftovers
     partial.mkdir(parents=True)
     try:
-        run_ranks(_export_rank, 1, 1, 1, str(ckpt), str(partial), max_shard_size, device="cpu", timeout_s=TIMEOUT_S)
-        _copy_hf_files(ckpt / trainer_checkpoint.HF_FILES, partial, saved["dtype"])
+        run_ranks(
+            _export_rank, 1, 1, 1, str(ckpt), str(partial), max_shard_size, adapter_only,
+            device="cpu", timeout_s=TIMEOUT_S,
+        )  # fmt: skip
+        if not adapter_only:
+            _copy_hf_files(ckpt / trainer_checkpoint.HF_FILES, partial, saved["dtype"])
         if out_dir.exists():
             out_dir.rmdir()
         partial.rename(out_dir)
@@ -73,6 +90,16 @@ def export_checkpoint(
         raise
     print(f"export: wrote {out_dir}", flush=True)
     return out_dir
+
+
+def _check_lora(saved: dict, ckpt: Path, adapter_only: bool) -> None:
+    """ExportError unless the checkpoint can be exported as asked: `adapter_only` needs adapters, and a LoRA
+    checkpoint its base where the manifest names it."""
+    if adapter_only and "lora" not in saved:
+        raise ExportError(f"{ckpt} trains the whole model, it has no adapters: export it without --adapter-only")
+    if "lora" in saved and not adapter_only:
+        if problem := trainer_checkpoint.base_problem(saved["base"], saved["base"]["path"]):
+            raise ExportError(f"{ckpt} holds LoRA adapters and {problem}: the merged export needs that base")
 
 
 def _find(run_dir: Path, step: int | None) -> Path:
@@ -119,13 +146,15 @@ def _copy_hf_files(src: Path, out_dir: Path, dtype: str) -> None:
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _export_rank(par, ckpt_dir: str, out_dir: str, max_shard_size: int | str) -> None:
-    """On the one export rank: load the checkpoint's model into a CPU stage and write its shards."""
+def _export_rank(par, ckpt_dir: str, out_dir: str, max_shard_size: int | str, adapter_only: bool) -> None:
+    """On the one export rank: load the checkpoint's model into a CPU stage and write its shards (with LoRA the
+    base's weights with the adapters merged, or the adapters alone)."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
     from areal_hpc.arch import QwenArch
-    from areal_hpc.trainer.convert import export_stage
+    from areal_hpc.trainer.convert import export_stage, load_hf_into
+    from areal_hpc.trainer.lora import LoraSpec, add_adapters, export_adapters, merge_into
     from areal_hpc.trainer.model import build_stage, transformer_config
 
     before = _peak_memory_gib()
@@ -134,9 +163,22 @@ def _export_rank(par, ckpt_dir: str, out_dir: str, max_shard_size: int | str) ->
     config = transformer_config(arch, 1, 1, par.device, dtype)
     config.perform_initialization = False  # every weight comes from the checkpoint
     stage = build_stage(arch, config, par.device)
+    spec = (
+        LoraSpec(saved["lora"]["rank"], saved["lora"]["alpha"], tuple(saved["lora"]["targets"]))
+        if "lora" in saved
+        else None
+    )
+    if spec:
+        load_hf_into(stage, saved["base"]["path"], arch, 0, 1, 0, 1)
+        add_adapters(stage, arch, spec)
     stage.to(dtype)  # as Engine's Float16Module does: every parameter (the norms too) in the checkpoint's dtype
-    trainer_checkpoint.load_model(stage, ckpt_dir)
+    trainer_checkpoint.load_model(stage, ckpt_dir, with_adapters=spec is not None)
+    if adapter_only:
+        _write_adapter(stage, spec, saved["base"]["path"], Path(out_dir))
+        return
     state = dict(export_stage(stage, arch, pp_rank=0, pp=1, tp_group=None, dst=0))
+    if spec:
+        merge_into(state, dict(export_adapters(stage, None, 0)), spec.alpha, spec.rank)
     split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
     out = Path(out_dir)
     n = len(split.filename_to_tensors)
@@ -154,6 +196,30 @@ def _export_rank(par, ckpt_dir: str, out_dir: str, max_shard_size: int | str) ->
         f"{before:.2f} GiB before loading",
         flush=True,
     )
+
+
+def _write_adapter(stage, spec, base: str, out: Path) -> None:
+    """The adapters of `stage` in PEFT's format: adapter_model.safetensors and PEFT's adapter_config.json."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    from areal_hpc.trainer.lora import export_adapters
+
+    tensors = {k: v.contiguous() for k, v in export_adapters(stage, None, 0)}
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = LoraConfig(
+        r=spec.rank,
+        lora_alpha=spec.alpha,
+        target_modules=list(spec.targets),
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base,
+        inference_mode=True,
+    )
+    config.save_pretrained(str(out))
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    print(f"export: adapter_model.safetensors ({len(tensors)} tensors, {size / 2**20:.1f} MiB), adapter_config.json")
 
 
 def _peak_memory_gib() -> float:
