@@ -10,10 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from areal_hpc import planner
+from areal_hpc.arch import PROJECTIONS, model_arch
 from areal_hpc.cli import main as cli_main
 from areal_hpc.config import ConfigError, load_config
 from areal_hpc.layout import Layout
-from areal_hpc.planner.cost import Hardware
+from areal_hpc.planner.cost import Hardware, ModelSize
 from areal_hpc.planner.predict import expert_alltoall_s, train_step_s, weight_sync_s
 from areal_hpc.planner.timeouts import check_timeouts, drain_s
 from tests.support.helpers import REPO
@@ -187,7 +188,7 @@ def test_cli_plan_prints_split_and_both_predictions():
     assert "steps/hour" in out and "effective tokens/s" in out and "--search would choose" in out
 
 
-@pytest.mark.parametrize("name", ["qwen1.5b", "qwen1.5b-1node", "qwen7b", "qwen32b", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("name", ["qwen1.5b", "qwen1.5b-1node", "qwen7b", "qwen32b", "qwen32b-lora", "qwen3-30b-a3b"])
 def test_shipped_configs_are_the_split_their_planner_prefers(name):
     cfg, _ = planner.resolve_split(load_config(CONFIGS / f"{name}.yaml"))
     assert cfg.allocation.gen_share == "auto"
@@ -195,6 +196,22 @@ def test_shipped_configs_are_the_split_their_planner_prefers(name):
     shipped = planner.predict(cfg)
     assert shipped.fits and best.tokens_per_s() <= shipped.tokens_per_s() * 1.005  # nothing that fits is faster
     assert "--search would keep this plan" in planner.search_hint(cfg, planner.predict(cfg))
+
+
+def test_lora_fits_one_node_where_full_training_of_the_same_model_does_not():
+    """configs/qwen32b-lora.yaml: the 32B model on one node of 8 GPUs. Its frozen base keeps no gradient and
+    no optimizer state, so the trainer fits; the same config trained whole fits no split of that node. A sync
+    sends the adapters (0.54 GB in bf16) instead of the model (65.5 GB), and the step trains faster (no
+    gradient of the frozen weights)."""
+    lora = load_config(CONFIGS / "qwen32b-lora.yaml")
+    full = load_config(CONFIGS / "qwen32b-lora.yaml", ["lora.rank=0"])
+    cfg = planner.resolve_split(lora)[0]
+    assert planner.predict(cfg).fits
+    with pytest.raises(ConfigError, match="no split of 1 nodes x 8 GPUs of 80 GB fits the model"):
+        planner.choose(full)
+    m_lora, m_full = ModelSize.from_config(lora), ModelSize.from_config(full)
+    assert m_lora.sync_bytes == model_arch(lora.model).lora_params(32, PROJECTIONS) * 2 < m_full.sync_bytes / 100
+    assert planner.predict(cfg).t_train < planner.predict(dataclasses.replace(cfg, lora=full.lora)).t_train
 
 
 def test_gen_share_auto_is_the_planners_split_on_any_node_count():

@@ -123,6 +123,9 @@ class ModelSize:
     """Routed experts per layer (0: dense)."""
     experts_per_token: int = 0
     """The router's top-k."""
+    lora_params: float = 0.0
+    """With LoRA (lora.rank > 0) the adapters' parameters, the only ones trained and synced (the rest frozen);
+    0: full training."""
 
     @classmethod
     def from_config(cls, cfg: Config) -> ModelSize:
@@ -132,6 +135,7 @@ class ModelSize:
         return cls(
             m.params, m.num_layers, m.hidden_size, m.vocab_size, dtype_bytes, mlp_values,
             m.kv_bytes_per_token(dtype_bytes), m.active_params, m.expert_params, m.num_experts, k,
+            m.lora_params(cfg.lora.rank, cfg.lora.target_modules) if cfg.lora.rank else 0.0,
         )  # fmt: skip
 
     @property
@@ -142,6 +146,11 @@ class ModelSize:
     @property
     def weight_bytes(self) -> float:
         return self.params * self.dtype_bytes
+
+    @property
+    def sync_bytes(self) -> float:
+        """What a weight sync sends: the whole model, or with LoRA the adapters."""
+        return (self.lora_params or self.params) * self.dtype_bytes
 
     def decode_weight_bytes(self, batch):
         """Weight bytes a decode step of `batch` trajectories reads: the dense weights, and of each layer's

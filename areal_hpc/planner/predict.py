@@ -164,8 +164,9 @@ def train_step_s(
     second_s = p * p + 2 * p * lengths.mean + lengths.second_moment
     tokens = trajectories * mean_s
     flops = 8 * m.active_params * tokens + 8 * m.layers * m.hidden * trajectories * second_s
-    # in forwards' worth of 2 P: 4 (forward, backward, prox forward), + recompute full, + reference forward
-    passes = 4 + (cfg.ppo.recompute == "full") + (cfg.ppo.kl_coef > 0)
+    # in forwards' worth of 2 P: 4 (forward, backward, prox forward), + recompute full, + reference forward;
+    # with LoRA the backward computes no gradient of the frozen weights: a forward's worth
+    passes = 4 - bool(m.lora_params) + (cfg.ppo.recompute == "full") + (cfg.ppo.kl_coef > 0)
     flops *= passes / 4
     minibatches = cfg.ppo.minibatches
     micro = max(1.0, math.ceil(tokens / (d * minibatches * cfg.ppo.max_tokens_per_mb)))
@@ -178,8 +179,9 @@ def train_step_s(
     forwards = passes - 2  # the backward moves as many tokens as a forward
     a2a = expert_alltoall_s(m, hw, tokens / (d * tp) * (forwards + 1), pp, ep, cfg.cluster.gpus_per_node, cost)
     dp_comm = 0.0
-    if d > 1:
-        dp_comm = minibatches * 2 * (d - 1) / d * 4 * m.dense_params / (tp * pp) / hw.network
+    if d > 1:  # the gradients' all-reduce: the adapters' alone with LoRA
+        reduced = m.lora_params / pp if m.lora_params else m.dense_params / (tp * pp)
+        dp_comm = minibatches * 2 * (d - 1) / d * 4 * reduced / hw.network
     e = tp * d // ep
     if m.experts and e > 1:
         dp_comm += minibatches * 2 * (e - 1) / e * 4 * m.expert_params / (ep * pp) / hw.network
@@ -200,9 +202,9 @@ def expert_alltoall_s(m, hw, tokens: float, pp: int, ep: int, gpus_per_node: int
 
 def weight_sync_s(m: ModelSize, hw: Hardware, pp: int, cost: CostModel = COST) -> float:
     """Each pipeline stage broadcasts its W / pp bytes (all parameters: a MoE's experts too, from its
-    expert-parallel ranks in turn) over the network (pipelined broadcast: about one link's time), plus the
-    fixed pause/load/resume cost."""
-    return m.weight_bytes / pp / hw.network + cost.weight_sync_fixed_s
+    expert-parallel ranks in turn; with LoRA the adapters alone) over the network (pipelined broadcast: about
+    one link's time), plus the fixed pause/load/resume cost."""
+    return m.sync_bytes / pp / hw.network + cost.weight_sync_fixed_s
 
 
 def gen_memory(m: ModelSize, hw: Hardware, tp: int, lengths: Lengths, cost: CostModel = COST) -> float:
@@ -230,7 +232,11 @@ def train_memory_parts(
                  backward) + the token logprobs' chunk temporaries. No micro-batch's whole logits: the
                  token logprobs come chunk by chunk.
     reference:   with ppo.kl_coef > 0, the frozen initial policy: P_dense / (tp pp) + P_experts / (ep pp)
-                 x dtype bytes (else 0)."""
+                 x dtype bytes (else 0).
+    With LoRA (P_lora adapter parameters, dense models only) the base is frozen: states are P / (tp pp) x
+    dtype bytes + P_lora / pp x (dtype + 4 + (master + 8) / dp) (adapters counted whole on every TP rank: some
+    are replicated, all are small); no embedding gradient among the transients; the reference is the base
+    itself (0)."""
     master = 0 if m.dtype_bytes == 4 else 4
     states = m.dense_params / (tp * pp) * (m.dtype_bytes + 4 + (master + 8) / dp)
     states += m.expert_params / (ep * pp) * (m.dtype_bytes + 4 + (master + 8) / (tp * dp / ep))
@@ -241,6 +247,9 @@ def train_memory_parts(
     transients = m.vocab / tp * m.hidden * m.dtype_bytes + chunks
     weights = m.dense_params / (tp * pp) + m.expert_params / (ep * pp)
     reference = weights * m.dtype_bytes if cfg.ppo.kl_coef > 0 else 0.0
+    if m.lora_params:
+        states = weights * m.dtype_bytes + m.lora_params / pp * (m.dtype_bytes + 4 + (master + 8) / dp)
+        transients, reference = chunks, 0.0
     return {"states": states, "activations": activations, "transients": transients, "reference": reference}
 
 
