@@ -32,9 +32,9 @@ from areal_hpc.errors import ConfigError
 ARCHITECTURES = ("qwen2", "qwen3", "qwen3_moe")
 """The Hugging Face `model_type`s the trainer builds."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""The values of `model.dtype`, and the bytes of one value of each."""
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The linear layers of a decoder layer as Hugging Face (and PEFT, and vLLM) name them: LoRA's targets."""
-"""The values of `model.dtype`, and the bytes of one value of each."""
 
 
 @dataclass
@@ -209,6 +209,8 @@ class QwenArch:
         """Why adapters of `rank` on `targets` do not fit this model (None: they do), naming the fix."""
         if not targets:
             return f"lora.target_modules is empty: name at least one of {list(PROJECTIONS)}"
+        if len(set(targets)) < len(targets):
+            return f"lora.target_modules {list(targets)} names a layer twice: name each once"
         unknown = [t for t in targets if t not in PROJECTIONS]
         if unknown:
             return (
@@ -226,7 +228,7 @@ class QwenArch:
             return (
                 f"lora.rank {rank} is larger than the smallest dimension of {too_small} ("
                 + ", ".join(f"{t}: {self.projection_shape(t)[1]} -> {self.projection_shape(t)[0]}" for t in too_small)
-                + ")"
+                + "): lower lora.rank or leave those out of lora.target_modules"
             )
         return None
 

@@ -96,6 +96,7 @@ def test_override_changes_a_field():
             "lora.target_modules ['q_proj', 'qkv_proj']: ['qkv_proj'] name no layer of a qwen2 model; its layers: ['q_proj',",
         ),
         (["lora.rank=8", "lora.target_modules=[]"], "lora.target_modules is empty: name at least one of"),
+        (["lora.rank=8", "lora.target_modules=[o_proj,o_proj]"], "names a layer twice: name each once"),
         (["lora.rank=8", "lora.alpha=0"], "lora.alpha must be > 0 (got 0.0)"),
         (
             ["lora.rank=8", "model.architecture=qwen3_moe", "lora.target_modules=[o_proj]"],

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areal_hpc.arch import model_arch
+from areal_hpc.arch import PROJECTIONS, model_arch
 from areal_hpc.data.tiny import build_tiny_model
 from areal_hpc.trainer.lora import TARGETS, LoraError, LoraSpec, add_adapters
 from areal_hpc.trainer.spawn import run_ranks
@@ -140,6 +140,10 @@ def _step_rank(par, model_dir, sequence_parallel, kl_coef=0.0, recompute="none")
 @pytest.fixture(scope="module")
 def tp1_step(model_dir):
     return run_ranks(_step_rank, 1, 1, 1, model_dir, False)[0]
+
+
+def test_the_targets_are_the_projections_as_hugging_face_names_them():
+    assert tuple(TARGETS) == PROJECTIONS == SPEC.targets
 
 
 def test_a_step_trains_the_adapters_alone(tp1_step):

@@ -87,3 +87,17 @@ def test_what_cannot_be_exported_is_refused_naming_the_fix(run, tmp_path):
         assert export_checkpoint(run.root / "runs" / "lora", None, tmp_path / "out3", adapter_only=True).is_dir()
     finally:
         weights.write_bytes(kept)
+    # the base gone: only the adapters can be exported, and they need no base
+    moved = run.root / "base-moved"
+    (run.root / "base").rename(moved)
+    try:
+        with pytest.raises(
+            ExportError, match="its base model is not at .* export the adapters alone with --adapter-only"
+        ):
+            export_checkpoint(run.root / "runs" / "lora", None, tmp_path / "out4")
+        out = export_checkpoint(run.root / "runs" / "lora", None, tmp_path / "out5", adapter_only=True)
+        assert (out / "adapter_model.safetensors").read_bytes() == (
+            run.adapter / "adapter_model.safetensors"
+        ).read_bytes()
+    finally:
+        moved.rename(run.root / "base")

@@ -212,6 +212,10 @@ def test_lora_fits_one_node_where_full_training_of_the_same_model_does_not():
     m_lora, m_full = ModelSize.from_config(lora), ModelSize.from_config(full)
     assert m_lora.sync_bytes == model_arch(lora.model).lora_params(32, PROJECTIONS) * 2 < m_full.sync_bytes / 100
     assert planner.predict(cfg).t_train < planner.predict(dataclasses.replace(cfg, lora=full.lora)).t_train
+    r = areal("plan", str(CONFIGS / "qwen32b-lora.yaml"))
+    assert r.returncode == 0, r.stderr
+    assert "LoRA rank 32 (lora.*): 268.4M adapter parameters trained, 0.82% of the model's 32.76B" in r.stdout
+    assert "a weight sync sends 536.9 MB instead of 65.53 GB" in r.stdout
 
 
 def test_gen_share_auto_is_the_planners_split_on_any_node_count():

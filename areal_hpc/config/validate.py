@@ -220,9 +220,8 @@ def validate(cfg: Config) -> None:
     )
     if lora.rank:
         need(lora.alpha > 0, f"lora.alpha must be > 0 (got {lora.alpha})")
-        need(
-            m.lora_problem(lora.rank, lora.target_modules) is None, str(m.lora_problem(lora.rank, lora.target_modules))
-        )
+        problem = m.lora_problem(lora.rank, lora.target_modules)
+        need(problem is None, str(problem))
 
 
 def _one_of(options: tuple[str, ...]) -> str:

@@ -16,7 +16,8 @@ syncs and checkpoints, writes the metrics. One thread, one event loop, no blocki
     TrainResult    -> version v+1: WeightSync(v+1) to trainers + generators, then every
                       eval.every_steps the eval prompts (GenerateRequest.eval: never buffered, not gated),
                       Save every save_every steps or save_interval_min minutes, the metrics row
-    SyncDone       -> generator g runs version v+1 (timing/weight_sync_s, timing/sync_drain_s)
+    SyncDone       -> generator g runs version v+1 (timing/weight_sync_s, timing/sync_drain_s,
+                      timing/weight_sync_bytes)
     Saved          -> all trainer ranks saved (timing/save_s): controller state, then the files'
                       sizes and checksums on the checkpoint thread (areal_hpc.checkpoint)
     Failure        -> end the run, naming the rank

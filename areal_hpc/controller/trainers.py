@@ -7,7 +7,8 @@ replica, the weight sync after it, a save; and what it measures of them.
                     trainer rank 0 owes the TrainResult
  trained(result)    the step's BatchInfo back (its metrics); how long it took (for the stop decision)
  sync(v)            WeightSync(v) to every replica and every generator; each generator owes a SyncDone
- synced(g, done)    generator g runs version v (timing/weight_sync_s, timing/sync_drain_s: the slowest of a sync)
+ synced(g, done)    generator g runs version v (timing/weight_sync_s, timing/sync_drain_s: the slowest of a sync;
+                    timing/weight_sync_bytes)
  save(v, path)      Save(v) to every replica; every trainer rank owes a Saved
 ```
 

@@ -20,6 +20,7 @@ the requests to the runner are the generator's eval requests (GenerateRequest.ev
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import time
@@ -125,7 +126,9 @@ def evaluate(cfg: Config, model_dir: Path, data: str | Path, samples: int, engin
     scoring = _Scoring(cfg, tokenizer, examples, samples)
     own_engine = engine is None
     if own_engine:
-        engine = GenerationEngine.from_config(cfg, model_dir, resolve_device(cfg.cluster.device))
+        # a LoRA run's checkpoint is evaluated as its merged export: an engine without vLLM's LoRA serves it
+        plain = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, rank=0))
+        engine = GenerationEngine.from_config(plain, model_dir, resolve_device(cfg.cluster.device))
     runner = EpisodeRunner.from_config(cfg, engine, model_dir, workflow=workflow)
     pool = ScorerPool(pool_size(cfg.reward.processes), timeout_s=cfg.reward.timeout_s)
     requests = [GenerateRequest(i, e.prompt_ids, e.row, samples, eval=True) for i, e in enumerate(examples)]

@@ -355,14 +355,15 @@ class GenerationEngine:
                 if received
                 else ("areal_load_adapter", ({k: t for b in buckets for k, t in b}, *args))
             )
-            # the path is never read while the worker holds the adapter; were it gone, this one fails at once
-            # (a relative path would be tried as a Hugging Face Hub repository)
-            self.lora_request = LoRARequest("areal-policy", ADAPTER_ID, "/nonexistent/areal-hpc-in-memory-adapter")
         else:
             rpc = ("areal_receive_weights", ()) if received else ("areal_load_weights", (buckets,))
 
         def load():
             self.synced_bytes = self.engine.collective_rpc(rpc[0], args=rpc[1])[0]
+            if self.lora:  # loaded: every request from now on runs with it
+                # the path is never read while the worker holds the adapter; were it gone, this one fails at
+                # once (a relative path would be tried as a Hugging Face Hub repository)
+                self.lora_request = LoRARequest("areal-policy", ADAPTER_ID, "/nonexistent/areal-hpc-in-memory-adapter")
 
         return self._reload(load, version)
 

@@ -7,11 +7,11 @@
         poll the controller (never blocks)
           GenerateRequest(group_id, prompt_ids, row, n, eval) -> start n episodes of the workflow on the (eval) row
           WeightSync(version) -> interrupt the turns in flight, receive + load the broadcast, resume them
-                                 -> SyncDone(version, s)
+                                 -> SyncDone(version, s, nbytes: what it received)
                                  rollout.interruptible false: hold new turns (engine.hold) and drain
           Stop                -> (a drain: load now, SyncDone) cancel the episodes, close the tool pool, flush, exit
         draining and no turn running in vLLM -> receive + load each version waiting, in order, start the held
-                                 turns -> SyncDone(version, s, drain_s) each
+                                 turns -> SyncDone(version, s, drain_s, nbytes) each
         advance the runner (areal_hpc.generator.episodes): step the engine if turns are running, poll the
         tool pool, let every episode whose turn or tool call came back run to its next await (IDLE_S sleep
         when nothing happened) -> each finished episode's reply (Trajectory; EvalTrajectory to an eval request)

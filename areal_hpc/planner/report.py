@@ -16,6 +16,8 @@ from areal_hpc.planner.search import choose
 if TYPE_CHECKING:
     from areal_hpc.config.schema import Config
 
+BYTES = ("GB", "MB", "kB")
+
 
 def report(cfg: Config, p: Prediction) -> str:
     """The prediction table (synchronous and asynchronous) and why, below the Layout table."""
@@ -60,6 +62,14 @@ def report(cfg: Config, p: Prediction) -> str:
             f"(top {m.experts_per_token} of {m.experts} experts); trainer expert parallel EP {ep} "
             f"(allocation.train_ep): {m.experts // ep} experts of each layer per GPU",
         )
+    if m.lora_params:
+        full = ModelSize.from_config(dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, rank=0)))
+        lines.insert(
+            -1,
+            f"LoRA rank {cfg.lora.rank} (lora.*): {_count(m.lora_params)} adapter parameters trained, "
+            f"{m.lora_params / m.params:.2%} of the model's {_count(m.params)}, the rest frozen; a weight sync "
+            f"sends {_count(m.sync_bytes, BYTES, ' ')} instead of {_count(full.sync_bytes, BYTES, ' ')}",
+        )
     if cfg.ppo.routing_replay and m.experts:
         plain = predict(dataclasses.replace(cfg, ppo=dataclasses.replace(cfg.ppo, routing_replay=False)), p.plan)
         lines.insert(
@@ -99,3 +109,11 @@ def search_hint(cfg: Config, p: Prediction) -> str:
         + (f" ({gain:.2f}x this plan)" if p.fits else "")
         + f", {best.bottleneck}-bound"
     )
+
+
+def _count(n: float, units=("B", "M", "k"), sep: str = "") -> str:
+    """268.4M, 32.76B, 45.1k parameters; with units ("GB", "MB", "kB") and sep " ", bytes."""
+    for unit, scale in zip(units, (1e9, 1e6, 1e3), strict=True):
+        if n >= scale:
+            return f"{n / scale:,.{2 if scale == 1e9 else 1}f}{sep}{unit}"
+    return f"{n:,.0f}"

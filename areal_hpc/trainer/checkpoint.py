@@ -3,8 +3,8 @@
 Layout of `<step dir>/trainer/`: what `dist_checkpointing.save` writes (`metadata.json`, `common.pt`,
 the torch_dist shard files), `hf/` (the model directory's files other than its weights: config.json,
 tokenizer, generation config; what `areal_hpc.trainer.export` needs beside the weights, so that a
-checkpoint exports without the run's initial model) and `manifest.json` (parallel sizes, dtype and
-architecture, written last).
+checkpoint of full training exports without the run's initial model) and `manifest.json` (parallel sizes,
+dtype and architecture, with LoRA the adapters and the base, below; written last).
 
 With experts (Qwen3-MoE) Megatron's optimizer is a chain of two distributed optimizers (dense and
 expert parameters); their states are saved side by side under `chained_0.` / `chained_1.` and each
@@ -106,7 +106,7 @@ def save(engine, step_dir: str | Path) -> Path:
         }
         if engine.lora:
             spec = engine.lora
-            manifest["lora"] = {"rank": spec.rank, "alpha": spec.alpha, "targets": list(spec.targets)}
+            manifest["lora"] = spec.as_dict()
             manifest["base"] = base_identity(engine.model_dir)
         _fsync_write(partial / MANIFEST, json.dumps(manifest, indent=1).encode())
         if final.exists():  # overwrite a complete checkpoint: move it aside first, drop it after
@@ -155,7 +155,8 @@ def base_identity(model_dir: str | Path) -> dict:
 def base_problem(saved: dict, model_dir: str | Path) -> str | None:
     """Why `model_dir` is not the base a LoRA checkpoint's manifest names (`saved`: its "base"), or None."""
     if not (Path(model_dir) / "config.json").is_file():
-        return f"its base model ({saved['path']}) is not at {model_dir}"
+        elsewhere = "" if str(Path(model_dir).resolve()) == saved["path"] else f", trained on {saved['path']},"
+        return f"its base model{elsewhere} is not at {model_dir} (no config.json there)"
     now = base_identity(model_dir)
     differ = [k for k in ("config_sha256", "weights") if now[k] != saved[k]]
     if not differ:
@@ -236,15 +237,14 @@ def _check_same_adapters(written: dict, engine, ckpt_dir: Path) -> None:
     """ValueError unless the checkpoint trains what `engine` trains: the whole model, or adapters of the same
     rank and targets on the same base."""
     saved, spec = written.get("lora"), engine.lora
-    ours = {"rank": spec.rank, "targets": list(spec.targets)} if spec else None
-    theirs = {"rank": saved["rank"], "targets": saved["targets"]} if saved else None
-    if ours != theirs:
+    theirs = lora.LoraSpec.of(saved) if saved else None
+    if (spec is None) != (theirs is None) or (spec and not spec.same_parameters(theirs)):
 
         def what(x):
-            return f"LoRA adapters {x}" if x else "the whole model"
+            return f"LoRA adapters of rank {x.rank} on {list(x.targets)}" if x else "the whole model"
 
         raise ValueError(
-            f"checkpoint {ckpt_dir} trains {what(theirs)} but this run trains {what(ours)}: resume with the "
+            f"checkpoint {ckpt_dir} trains {what(theirs)} but this run trains {what(spec)}: resume with the "
             "lora.rank and lora.target_modules it was written with"
         )
     if saved and (problem := base_problem(written["base"], engine.model_dir)):

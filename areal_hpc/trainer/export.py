@@ -17,7 +17,7 @@ Why it is built this way:
 - The load runs in a spawned process (`spawn.run_ranks`, one CPU rank): torch.distributed, Megatron's
   parallel state and `cpu_compat`'s CPU routes stay out of the caller (`areal-hpc eval` runs vLLM next).
 - Everything needed is inside the checkpoint (`checkpoint.trainer.save` keeps the model's small files in
-  `hf/`): the run's initial model directory may be gone.
+  `hf/`): the run's initial model directory may be gone (not so for a LoRA checkpoint's merged export, below).
 - The directory is written under a temporary name and renamed into place when complete: an
   interrupted export leaves nothing that looks like a model.
 
@@ -26,7 +26,8 @@ the base is loaded from there (checked to be the one it names), the adapters bes
 the merged model, each adapted weight plus (alpha / r) B A, in the same Hugging Face directory; or with
 `adapter_only` the adapters alone in PEFT's format (adapter_model.safetensors under PEFT's names, and
 adapter_config.json written by PEFT's own `LoraConfig`), which `peft.PeftModel.from_pretrained` and vLLM's
-`LoRARequest` load on the base.
+`LoRARequest` load on the base. The adapters alone need no base: its weights are never read (the stage's
+are left uninitialised, untouched memory).
 """
 
 from __future__ import annotations
@@ -99,7 +100,10 @@ def _check_lora(saved: dict, ckpt: Path, adapter_only: bool) -> None:
         raise ExportError(f"{ckpt} trains the whole model, it has no adapters: export it without --adapter-only")
     if "lora" in saved and not adapter_only:
         if problem := trainer_checkpoint.base_problem(saved["base"], saved["base"]["path"]):
-            raise ExportError(f"{ckpt} holds LoRA adapters and {problem}: the merged export needs that base")
+            raise ExportError(
+                f"{ckpt} holds LoRA adapters and {problem}: the merged export needs that base (put it back), or "
+                "export the adapters alone with --adapter-only"
+            )
 
 
 def _find(run_dir: Path, step: int | None) -> Path:
@@ -161,15 +165,12 @@ def _export_rank(par, ckpt_dir: str, out_dir: str, max_shard_size: int | str, ad
     saved = trainer_checkpoint.manifest(ckpt_dir)
     arch, dtype = QwenArch(**saved["arch"]), getattr(torch, saved["dtype"])
     config = transformer_config(arch, 1, 1, par.device, dtype)
-    config.perform_initialization = False  # every weight comes from the checkpoint
+    config.perform_initialization = False  # every weight comes from the checkpoint (or, with LoRA, its base)
     stage = build_stage(arch, config, par.device)
-    spec = (
-        LoraSpec(saved["lora"]["rank"], saved["lora"]["alpha"], tuple(saved["lora"]["targets"]))
-        if "lora" in saved
-        else None
-    )
+    spec = LoraSpec.of(saved["lora"]) if "lora" in saved else None
     if spec:
-        load_hf_into(stage, saved["base"]["path"], arch, 0, 1, 0, 1)
+        if not adapter_only:
+            load_hf_into(stage, saved["base"]["path"], arch, 0, 1, 0, 1)
         add_adapters(stage, arch, spec)
     stage.to(dtype)  # as Engine's Float16Module does: every parameter (the norms too) in the checkpoint's dtype
     trainer_checkpoint.load_model(stage, ckpt_dir, with_adapters=spec is not None)

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
+from areal_hpc.arch import PROJECTIONS
+
 TARGETS = {
     "q_proj": ("self_attention.linear_qkv", "q"),
     "k_proj": ("self_attention.linear_qkv", "k"),
@@ -48,7 +50,8 @@ TARGETS = {
     "up_proj": ("mlp.linear_fc1", "up"),
     "down_proj": ("mlp.linear_fc2", None),
 }
-"""Each target's Megatron layer and its part of the fused output (None: the whole output)."""
+"""Each target's Megatron layer and its part of the fused output (None: the whole output); the keys are
+`arch.PROJECTIONS`."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,23 @@ class LoraSpec:
 
     rank: int
     alpha: float
-    targets: tuple[str, ...] = tuple(TARGETS)
+    targets: tuple[str, ...] = PROJECTIONS
+
+    @classmethod
+    def of(cls, lora) -> LoraSpec | None:
+        """The adapters of a config's `lora` section (None when lora.rank is 0), or of a checkpoint's manifest
+        (`as_dict`)."""
+        if isinstance(lora, dict):
+            return cls(lora["rank"], lora["alpha"], tuple(lora["targets"]))
+        return cls(lora.rank, lora.alpha, tuple(lora.target_modules)) if lora.rank else None
+
+    def as_dict(self) -> dict:
+        """As a checkpoint's manifest keeps it."""
+        return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets)}
+
+    def same_parameters(self, other: LoraSpec | None) -> bool:
+        """Whether `other`'s adapters are these parameters (the same rank and targets; alpha may differ)."""
+        return other is not None and (self.rank, sorted(self.targets)) == (other.rank, sorted(other.targets))
 
 
 class LoraError(ValueError):
@@ -166,7 +185,7 @@ def initial_pair(layer: int, target: str, rank: int, inp: int, out: int) -> tupl
 
 def add_adapters(stage: torch.nn.Module, arch, spec: LoraSpec) -> list[Adapters]:
     """Give every decoder layer of `stage` (before Float16Module and DDP wrap it) the adapters of `spec`,
-    and freeze everything else. Raises LoraError naming a target that names no layer here."""
+    and freeze everything else. Raises LoraError with `QwenArch.lora_problem`'s reason when they do not fit."""
     rank, alpha, targets = spec.rank, spec.alpha, list(spec.targets)
     if problem := arch.lora_problem(rank, targets):
         raise LoraError(problem)

@@ -52,9 +52,8 @@ def build_engine(ctx) -> Engine:
     par = init_parallel(
         comm.Get_rank(), comm.Get_size(), a.train_tp, a.train_pp, store, ctx.device, timeout_s, a.train_ep
     )
-    lora = LoraSpec(cfg.lora.rank, cfg.lora.alpha, tuple(cfg.lora.target_modules)) if cfg.lora.rank else None
     dtype = getattr(torch, cfg.model.dtype)
-    engine = Engine(ctx.model_path, par, cfg.ppo, dtype, cfg.train.total_steps, lora=lora)
+    engine = Engine(ctx.model_path, par, cfg.ppo, dtype, cfg.train.total_steps, lora=LoraSpec.of(cfg.lora))
     if ctx.resume_from is not None:
         was = trainer_checkpoint.load(engine, Path(ctx.resume_from) / "trainer")
         now = par.grid
