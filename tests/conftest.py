@@ -4,7 +4,7 @@ Tests are marked by the real component they need (mpi, slurm, vllm, megatron, e2
 measured over 3 s here (`pytest --durations=0` on 2 cores; a module-scoped fixture counts for the tests
 that use it). In CI every component is installed and every test runs; a developer may deselect with
 `-m "not slurm"`. `--fast` (`tools/test.sh --fast`) runs the unit tier: no MPI world, no vLLM engine, no
-Slurm, nothing slow.
+Slurm, nothing slow; `--heavy` the rest (`tools/test.sh` runs the two tiers one after the other).
 """
 
 import os
@@ -26,14 +26,19 @@ def pytest_addoption(parser):
     parser.addoption(
         "--fast", action="store_true", help=f"the unit tier: leave out tests marked {', '.join(FAST_LEAVES_OUT)}"
     )
+    parser.addoption("--heavy", action="store_true", help="the tests --fast leaves out, only")
 
 
 def pytest_collection_modifyitems(config, items):
-    if not config.getoption("--fast"):
+    fast, heavy = config.getoption("--fast"), config.getoption("--heavy")
+    if fast and heavy:
+        raise pytest.UsageError("--fast and --heavy are the two halves of the suite: give one of them")
+    if not fast and not heavy:
         return
     kept, left = [], []
     for item in items:
-        (left if any(item.get_closest_marker(m) for m in FAST_LEAVES_OUT) else kept).append(item)
+        out = any(item.get_closest_marker(m) for m in FAST_LEAVES_OUT)
+        (left if out == fast else kept).append(item)
     if left:
         config.hook.pytest_deselected(items=left)
         items[:] = kept
