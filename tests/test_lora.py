@@ -23,7 +23,7 @@ from tests.support.compare import max_diff
 from tests.support.inputs import probe_sequences, random_batch
 from tests.support.shapes import QWEN2, TINY_MOE
 
-pytestmark = pytest.mark.megatron
+pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
 VOCAB = model_arch(QWEN2).vocab_size
 SPEC = LoraSpec(rank=4, alpha=8.0)

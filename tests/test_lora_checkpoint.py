@@ -17,7 +17,7 @@ from tests.support.compare import max_diff, pick, resume_problems
 from tests.support.shapes import QWEN2
 from tests.support.trainer_runs import load_rank, resume_rank
 
-pytestmark = pytest.mark.megatron
+pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
 OPTIM = PPOConfig(lr=1e-2, weight_decay=0.01)
 SPEC = LoraSpec(rank=4, alpha=8.0)

@@ -152,6 +152,7 @@ def test_the_receiving_thread_works_on_the_stream_of_the_thread_that_loads(monke
     assert len(read_in) == 1
 
 
+@pytest.mark.slow
 def test_a_receiver_holds_three_payloads_at_most_whatever_the_stages():
     """Five stages' groups into one receiver whose caller loads slowly: every payload alive is counted (weak
     references) as each bucket is taken. One being loaded, one waiting, one arriving: a stage's stream paused
