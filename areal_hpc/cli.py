@@ -150,8 +150,10 @@ def cmd_cancel(args) -> int:
 def cmd_eval(args) -> int:
     from areal_hpc.eval.command import run
 
-    if args.steps is not None and not args.submit:
-        raise ConfigError("--steps names the checkpoints of a --submit array; evaluate one here with --step N")
+    if args.steps is not None and args.step is not None:
+        raise ConfigError("give --step N (one checkpoint) or --steps A,B,... (several), not both")
+    if args.steps is not None and args.output and not args.submit and len(args.steps) > 1:
+        raise ConfigError("-o names one report; --steps writes one per step (RUN_DIR/eval/step_N-DATA.json)")
     return run(args)
 
 
@@ -315,7 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--steps",
         type=lambda s: [int(x) for x in s.split(",")],
-        help="with --submit: checkpoints to evaluate, one Slurm array task each (e.g. 100,200,300)",
+        help="checkpoints to evaluate (e.g. 0,100,200): here one after the other on one engine, its weights "
+        "loaded for each; with --submit one Slurm array task each",
     )
     p.add_argument("--data", help="held-out prompts, the formats of data.train_path (default: eval.data)")
     p.add_argument("--samples", type=int, help="trajectories per prompt, K (default: eval.samples)")

@@ -188,11 +188,13 @@ def test_the_tiny_agent_learns_to_call_the_calculator(runs_root):
     assert last >= first + 0.2, f"reward/mean of the first fifth {first:.3f}, of the last {last:.3f}"
     assert calls_last > calls_first, f"rollout/tool_calls_mean {calls_first:.3f} -> {calls_last:.3f}"
     assert all(r["rollout/workflow_errors"] == 0 for r in rows)
+    # both checkpoints on one engine, the second's weights loaded into it (a weight left unloaded would keep
+    # step 0's pass@1)
+    cmd = [sys.executable, "-m", "areal_hpc.cli", "eval", str(agent.run_dir), "--steps", "0,150", "--samples", "4"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout + out.stderr
     pass_at_1 = {}
     for step in (0, 150):
-        cmd = [sys.executable, "-m", "areal_hpc.cli", "eval", str(agent.run_dir), "--step", str(step), "--samples", "4"]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        assert out.returncode == 0, out.stdout + out.stderr
         report = json.loads(next((agent.run_dir / "eval").glob(f"step_{step}-*.json")).read_text())
         assert report["workflow"] == "areal_hpc.workflow.builtin:CalculatorAgent" and report["prompts"] == 500
         pass_at_1[step] = report["pass@k"]["1"]

@@ -254,6 +254,15 @@ def eval_args(*argv):
     return build_parser().parse_args(["eval", *argv])
 
 
+def test_steps_and_step_or_one_output_for_several_steps_are_refused():
+    from areal_hpc.cli import cmd_eval
+
+    with pytest.raises(ConfigError, match=r"give --step N \(one checkpoint\) or --steps A,B,... \(several\), not both"):
+        cmd_eval(eval_args("runs/x/trial0", "--step", "3", "--steps", "1,2"))
+    with pytest.raises(ConfigError, match="-o names one report; --steps writes one per step"):
+        cmd_eval(eval_args("runs/x/trial0", "--steps", "1,2", "-o", "r.json"))
+
+
 def test_eval_array_script(tmp_path):
     from areal_hpc.launch.eval_array import eval_array_script
     from areal_hpc.planner import resolve_split

@@ -2,7 +2,8 @@
 
 ```
  MODEL_DIR | RUN_DIR --step N -> Hugging Face directory (step 0: the run's initial model; step N: its
-                                  checkpoint, exported once to RUN_DIR/hf/step_N)
+                                  checkpoint, exported once to RUN_DIR/hf/step_N); --steps A,B,...: each
+                                  in turn on one engine, the next one's weights loaded into it
  --data FILE -> areal_hpc.data.dataset.load_prompts (the run's prompt format and length filter)
  K episodes per prompt of the run's workflow (rollout.workflow, its tools and limits), run by the
    generator's EpisodeRunner on the generator's vLLM engine (allocation.gen_tp, rollout.temperature)
@@ -114,8 +115,6 @@ def evaluate(cfg: Config, model_dir: Path, data: str | Path, samples: int, engin
     episodes' counts, and what was evaluated)."""
     from transformers import AutoTokenizer
 
-    from areal_hpc.device import resolve_device
-    from areal_hpc.generator.engine import GenerationEngine
     from areal_hpc.generator.episodes import EpisodeRunner
     from areal_hpc.reward.pool import ScorerPool, pool_size
     from areal_hpc.workflow import load_workflow
@@ -126,9 +125,7 @@ def evaluate(cfg: Config, model_dir: Path, data: str | Path, samples: int, engin
     scoring = _Scoring(cfg, tokenizer, examples, samples)
     own_engine = engine is None
     if own_engine:
-        # a LoRA run's checkpoint is evaluated as its merged export: an engine without vLLM's LoRA serves it
-        plain = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, rank=0))
-        engine = GenerationEngine.from_config(plain, model_dir, resolve_device(cfg.cluster.device))
+        engine = _engine(cfg, model_dir)
     runner = EpisodeRunner.from_config(cfg, engine, model_dir, workflow=workflow)
     pool = ScorerPool(pool_size(cfg.reward.processes), timeout_s=cfg.reward.timeout_s)
     requests = [GenerateRequest(i, e.prompt_ids, e.row, samples, eval=True) for i, e in enumerate(examples)]
@@ -211,23 +208,46 @@ class _Scoring:
 
 
 def run(args) -> int:
-    """`areal-hpc eval`: one model (or `--submit`: a Slurm array, one task per step)."""
+    """`areal-hpc eval`: one model, or a run's `--steps` one after the other on one engine (`--submit`: a Slurm
+    array, one task per step)."""
     if args.submit:
         from areal_hpc.launch.eval_array import submit_eval_array
 
         return submit_eval_array(args)
-    cfg, model_dir, step = resolve(args.target, args.step, list(args.overrides), args.config)
-    data = args.data or eval_path(cfg)
-    samples = cfg.eval.samples if args.samples is None else args.samples
-    if samples < 1:
-        raise ConfigError(f"--samples must be at least 1 (got {samples})")
-    report = {"step": step, **evaluate(cfg, model_dir, data, samples)}
-    out = Path(args.output) if args.output else default_output(args.target, step, data)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    print(table(report))
-    print(f"report: {out}")
+    engine = None
+    try:
+        for step in args.steps or [args.step]:
+            cfg, model_dir, step = resolve(args.target, step, list(args.overrides), args.config)
+            data = args.data or eval_path(cfg)
+            samples = cfg.eval.samples if args.samples is None else args.samples
+            if samples < 1:
+                raise ConfigError(f"--samples must be at least 1 (got {samples})")
+            if engine is None:
+                engine = _engine(cfg, model_dir)
+            else:  # the next checkpoint's weights, loaded as a weight sync loads them
+                from areal_hpc.trainer.convert import read_hf
+
+                engine.load_weights(read_hf(model_dir).items(), version=engine.version + 1)
+            report = {"step": step, **evaluate(cfg, model_dir, data, samples, engine=engine)}
+            out = Path(args.output) if args.output else default_output(args.target, step, data)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(report, indent=1) + "\n")
+            print(table(report))
+            print(f"report: {out}")
+    finally:
+        if engine is not None:
+            engine.close()
     return 0
+
+
+def _engine(cfg: Config, model_dir: Path):
+    """The generator's engine for `model_dir`. A LoRA run's checkpoint is evaluated as its merged export: an
+    engine without vLLM's LoRA serves it."""
+    from areal_hpc.device import resolve_device
+    from areal_hpc.generator.engine import GenerationEngine
+
+    plain = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, rank=0))
+    return GenerationEngine.from_config(plain, model_dir, resolve_device(cfg.cluster.device))
 
 
 def default_output(target: str | Path, step: int | None, data: str | Path) -> Path:
