@@ -288,7 +288,8 @@ class LoraConfig:
     largest); the generators serve the adapter with vLLM's LoRA, at a rank vLLM allows (the next of 1, 8, 16, 32,
     64, 128, 256, 320, 512: a smaller adapter is padded)."""
     alpha: float = training(32.0)
-    """LoRA's alpha: the adapters' update B A x is scaled by alpha / rank."""
+    """LoRA's alpha: the adapters' update B A x is scaled by alpha / rank (no dropout: the adapters train as
+    vLLM serves them)."""
     target_modules: list[str] = identity(factory=lambda: list(PROJECTIONS))
     """The layers that get adapters, named as Hugging Face and PEFT name them: q_proj, k_proj, v_proj, o_proj,
     gate_proj, up_proj, down_proj (default: all of them). Megatron fuses q/k/v and gate/up into one layer each;
