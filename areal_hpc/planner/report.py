@@ -63,12 +63,11 @@ def report(cfg: Config, p: Prediction) -> str:
             f"(allocation.train_ep): {m.experts // ep} experts of each layer per GPU",
         )
     if m.lora_params:
-        full = ModelSize.from_config(dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, rank=0)))
         lines.insert(
             -1,
             f"LoRA rank {cfg.lora.rank} (lora.*): {_count(m.lora_params)} adapter parameters trained, "
             f"{m.lora_params / m.params:.2%} of the model's {_count(m.params)}, the rest frozen; a weight sync "
-            f"sends {_count(m.sync_bytes, BYTES, ' ')} instead of {_count(full.sync_bytes, BYTES, ' ')}",
+            f"sends {_count(m.sync_bytes, BYTES, ' ')} instead of {_count(m.weight_bytes, BYTES, ' ')}",
         )
     if cfg.ppo.routing_replay and m.experts:
         plain = predict(dataclasses.replace(cfg, ppo=dataclasses.replace(cfg.ppo, routing_replay=False)), p.plan)

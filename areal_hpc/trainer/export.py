@@ -174,12 +174,13 @@ def _export_rank(par, ckpt_dir: str, out_dir: str, max_shard_size: int | str, ad
         add_adapters(stage, arch, spec)
     stage.to(dtype)  # as Engine's Float16Module does: every parameter (the norms too) in the checkpoint's dtype
     trainer_checkpoint.load_model(stage, ckpt_dir, with_adapters=spec is not None)
+    adapters = {k: v.contiguous() for k, v in export_adapters(stage, None, 0)} if spec else {}
     if adapter_only:
-        _write_adapter(stage, spec, saved["base"]["path"], Path(out_dir))
+        _write_adapter(adapters, spec, saved["base"]["path"], Path(out_dir))
         return
     state = dict(export_stage(stage, arch, pp_rank=0, pp=1, tp_group=None, dst=0))
     if spec:
-        merge_into(state, dict(export_adapters(stage, None, 0)), spec.alpha, spec.rank)
+        merge_into(state, adapters, spec.alpha, spec.rank)
     split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
     out = Path(out_dir)
     n = len(split.filename_to_tensors)
@@ -199,14 +200,12 @@ def _export_rank(par, ckpt_dir: str, out_dir: str, max_shard_size: int | str, ad
     )
 
 
-def _write_adapter(stage, spec, base: str, out: Path) -> None:
-    """The adapters of `stage` in PEFT's format: adapter_model.safetensors and PEFT's adapter_config.json."""
+def _write_adapter(tensors: dict, spec, base: str, out: Path) -> None:
+    """The adapters (`tensors`, PEFT's names) in PEFT's format: adapter_model.safetensors and PEFT's
+    adapter_config.json."""
     from peft import LoraConfig
     from safetensors.torch import save_file
 
-    from areal_hpc.trainer.lora import export_adapters
-
-    tensors = {k: v.contiguous() for k, v in export_adapters(stage, None, 0)}
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = LoraConfig(
         r=spec.rank,

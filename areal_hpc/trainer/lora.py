@@ -230,6 +230,16 @@ def peft_name(layer: int, target: str, matrix: str) -> str:
     return f"base_model.model.model.layers.{layer}.{module}.{target}.{matrix}.weight"
 
 
+def _matrices(model: torch.nn.Module) -> Iterator[tuple[Adapters, str, str, torch.nn.Parameter, int | None]]:
+    """Every adapter matrix of `model`, in a fixed order: (its `Adapters`, target, lora_A or lora_B, the
+    parameter, the axis it is split on over TP or None)."""
+    for m in adapters_of(model):
+        for target in m.targets:
+            pair = m.get_submodule(target)
+            for matrix, axis in m.split_axes.items():
+                yield m, target, matrix, getattr(pair, matrix), axis
+
+
 def export_adapters(model: torch.nn.Module, tp_group, dst: int) -> Iterator[tuple[str, torch.Tensor]]:
     """This stage's adapters under PEFT's names, whole (TP-gathered) tensors, one at a time: collective over
     `tp_group`, whose every rank iterates them to the end; yielded on global rank `dst` (its TP rank 0)."""
@@ -237,17 +247,18 @@ def export_adapters(model: torch.nn.Module, tp_group, dst: int) -> Iterator[tupl
 
     tp = dist.get_world_size(tp_group) if tp_group is not None else 1
     me = dist.get_rank() if dist.is_initialized() else dst
-    for m in adapters_of(model):
-        for target in m.targets:
-            pair = m.get_submodule(target)
-            for matrix, split in m.split_axes.items():
-                local = getattr(pair, matrix).detach().contiguous()
-                if split is not None and tp > 1:
-                    shards = [torch.empty_like(local) for _ in range(tp)] if me == dst else None
-                    dist.gather(local, shards, dst=dst, group=tp_group)
-                    local = torch.cat(shards, split) if me == dst else None
-                if me == dst:
-                    yield peft_name(m.layer, target, matrix), local
+    for m, target, matrix, param, split in _matrices(model):
+        local = param.detach().contiguous()
+        if split is not None and tp > 1:
+            shards = [torch.empty_like(local) for _ in range(tp)] if me == dst else None
+            dist.gather(local, shards, dst=dst, group=tp_group)
+            local = torch.cat(shards, split) if me == dst else None
+        if me == dst:
+            yield peft_name(m.layer, target, matrix), local
+
+
+def _checkpoint_key(m: Adapters, target: str, matrix: str) -> str:
+    return f"lora.layers.{m.layer}.{target}.{matrix}"
 
 
 def sharded_state_dict(model: torch.nn.Module) -> dict:
@@ -257,28 +268,21 @@ def sharded_state_dict(model: torch.nn.Module) -> dict:
     from megatron.core.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
 
     out = {}
-    for m in adapters_of(model):
-        for target in m.targets:
-            pair = m.get_submodule(target)
-            for matrix, axis in m.split_axes.items():
-                key = f"lora.layers.{m.layer}.{target}.{matrix}"
-                param = getattr(pair, matrix)
-                out[key] = (
-                    make_sharded_tensor_for_checkpoint(param, key)
-                    if axis is None
-                    else make_tp_sharded_tensor_for_checkpoint(param, key, axis)
-                )
+    for m, target, matrix, param, axis in _matrices(model):
+        key = _checkpoint_key(m, target, matrix)
+        out[key] = (
+            make_sharded_tensor_for_checkpoint(param, key)
+            if axis is None
+            else make_tp_sharded_tensor_for_checkpoint(param, key, axis)
+        )
     return out
 
 
 def load_state_dict(model: torch.nn.Module, loaded: dict) -> None:
     """Copy what `dist_checkpointing.load` returned for `sharded_state_dict(model)` into the adapters."""
     with torch.no_grad():
-        for m in adapters_of(model):
-            for target in m.targets:
-                pair = m.get_submodule(target)
-                for matrix in m.split_axes:
-                    getattr(pair, matrix).copy_(loaded[f"lora.layers.{m.layer}.{target}.{matrix}"])
+        for m, target, matrix, param, _ in _matrices(model):
+            param.copy_(loaded[_checkpoint_key(m, target, matrix)])
 
 
 def merge_into(weights: dict, adapters: dict, alpha: float, rank: int) -> None:
