@@ -1,12 +1,14 @@
 """The controller's loop with episodes whose workflow raised (lost) or scored them itself, against the
 simulated world of tests/support/sim_world.py: a group trains on the episodes that came back, a group with none is
 left out and another prompt takes its place, more than half of a step's episodes lost ends the run with the
-first traceback, and a workflow's own reward wins over `reward.kind` (no reward request is sent for it), in
+first traceback (its exception on the console's line), and a workflow's own reward wins over `reward.kind` (no reward request is sent for it), in
 training and in the evaluation between steps.
 """
 
+import io
 import json
 import re
+import traceback
 from collections import Counter
 from types import SimpleNamespace
 
@@ -20,6 +22,7 @@ from areal_hpc.data.dataset import Example
 from areal_hpc.data.tiny import build_tokenizer
 from areal_hpc.exit_codes import EXIT_DONE
 from areal_hpc.layout import Role
+from areal_hpc.main import _fail
 from areal_hpc.protocol import Envelope, EvalTrajectory, RewardRequest, RewardResult, Trajectory
 from areal_hpc.rank_context import RankContext
 from tests.support.sim_world import Prompts, World, lost, make, metrics, run
@@ -100,6 +103,36 @@ def test_lost_episodes_are_counted_a_steps_worth_at_a_time():
     assert rollouts.take_metrics()["rollout/lost_groups"] == 1  # group 2
     with pytest.raises(EpisodesLost, match="3 of the last 4 episodes were lost.*\n(?s:.*)C$"):
         rollouts.add_trajectory(lost(3, 1, "E"))
+
+
+def test_the_console_line_of_lost_episodes_says_what_the_first_one_raised(tmp_path):
+    """A failed rank's console line is its error's first line (areal_hpc.main._fail): for lost episodes it
+    names the first one's exception, a message of two lines on one, not only the log to open; the error
+    keeps its traceback for the log."""
+
+    def arun_episode():
+        raise ValueError("temperature=0.5 differs from rollout.temperature 1.0:\nset it in the config")
+
+    try:
+        arun_episode()
+    except ValueError:
+        error = traceback.format_exc()
+    gate = StalenessGate(prompts_per_step=1, max_staleness=3, max_concurrent=2, version=lambda: 0)
+    rollouts = Rollouts(gate, group_size=2)
+    example = Example(0, "p", "1", "math", prompt_ids=np.array([5], np.int32))
+    rollouts.admit(SimpleNamespace(next=lambda: example))
+    rollouts.add_trajectory(lost(0, 0, error))
+    with pytest.raises(EpisodesLost) as e:
+        rollouts.add_trajectory(lost(0, 1, "Traceback ...\nKeyError: 'x'"))
+    console, aborted = io.StringIO(), []
+    _fail(SimpleNamespace(Abort=aborted.append), "controller 0", e.value, console, tmp_path / "controller-0.log")
+    assert aborted == [1] and console.getvalue().count("\n") == 1
+    assert console.getvalue().startswith("areal-hpc: controller 0 failed: EpisodesLost: 2 of the last 2 episodes")
+    assert (
+        "The first one raised ValueError: temperature=0.5 differs from rollout.temperature 1.0: set it in the "
+        "config (traceback in "
+    ) in console.getvalue()
+    assert str(e.value).endswith(error)
 
 
 def episode(group_id: int, index: int) -> Trajectory:

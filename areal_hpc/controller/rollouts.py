@@ -50,10 +50,27 @@ RENAMED = {"sample_idx": "index"}
 REMOVED = "prompt_ids"
 """What older controller checkpoints saved in each group and each trajectory besides its Example's own copy
 (the prompt's token ids): read and left out."""
+RAISED_CHARS = 300
+"""The most of a lost episode's exception that EpisodesLost's first line (the console's) shows: a
+validation error's message runs to many lines; all of it is in the traceback below."""
 
 
 class EpisodesLost(RuntimeError):
     """More than half of a step's worth of episodes were lost: the workflow is broken, the run stops."""
+
+
+def raised(traceback: str) -> str:
+    """What a formatted traceback says was raised, on one line of at most RAISED_CHARS: the exception's
+    lines after its last frame (`ValueError: ...`, a message of several lines joined), else its last line.
+    EpisodesLost's first line carries it: the console shows that line only (areal_hpc.main), and a user
+    should learn what went wrong there, not only which log to open."""
+    lines = traceback.strip().splitlines()
+    frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
+    start = frames[-1] + 1 if frames else len(lines) - 1
+    while start < len(lines) - 1 and lines[start].startswith("    "):  # the frame's source line and its ^^^
+        start += 1
+    text = " ".join(line.strip() for line in lines[start:])
+    return text if len(text) <= RAISED_CHARS else text[: RAISED_CHARS - 3] + "..."
 
 
 def single_turn(group_id: int, index: int, prompt_ids, output_ids, behav_logprobs, versions, finish_reason: str):
@@ -214,7 +231,7 @@ class Rollouts:
     def add_trajectory(self, traj: Trajectory) -> Group:
         """Record an episode. A lost one (`Trajectory.error`) gets no reward, and may be the group's last.
         When more than half of a step's worth of episodes (`prompts_per_step` x `group_size`, counted as
-        they arrive) are lost, raises EpisodesLost with the first one's traceback."""
+        they arrive) are lost, raises EpisodesLost with the first one's exception (`raised`) and traceback."""
         group = self.running[traj.group_id]
         if group.trajectories[traj.index] is not None:
             raise RuntimeError(f"group {traj.group_id} trajectory {traj.index} arrived twice")
@@ -234,8 +251,8 @@ class Rollouts:
         if 2 * w[1] > w[0]:
             raise EpisodesLost(
                 f"{w[1]} of the last {w[0]} episodes were lost: their workflow (rollout.workflow) raised, "
-                f"more than half of a step's episodes, so the run stops; fix the workflow. The first "
-                f"traceback (every one is in its generator's log):\n{w[2]}"
+                f"more than half of a step's episodes, so the run stops; fix the workflow. The first one "
+                f"raised {raised(w[2])}\nIts traceback (every one is in its generator's log):\n{w[2]}"
             )
         self.window = [0, 0, ""]
 
