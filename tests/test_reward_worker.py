@@ -148,3 +148,19 @@ def test_reward_worker_rank_answers_every_request(run_mpi):
     assert "CONTROLLER OK" in r.stdout, r.stdout + r.stderr
     assert "WORKER CLEAN [] 0" in r.stdout, r.stdout + r.stderr
     print(next(line for line in r.stdout.splitlines() if line.startswith("BATCH")))
+
+
+def test_pool_answers_in_a_process_with_more_than_1024_open_files():
+    """A generator whose agents call over HTTP holds a socket per call: the pool's children get descriptors
+    past 1024, which select() cannot watch."""
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        pool = ScorerPool(1, timeout_s=30.0)
+        try:
+            pool.submit(0, "math", "\\boxed{4}", "4")
+            assert drain(pool) == {0: (1.0, "ok")}
+        finally:
+            pool.close()
+    finally:
+        for fd in held:
+            os.close(fd)

@@ -131,8 +131,10 @@ class TaskPool:
         self._dispatch(results)
         by_fd = {c.fd: c for c in self.children}
         if by_fd:
-            ready, _, _ = select.select(list(by_fd), [], [], wait_s)
-            for fd in ready:
+            poller = select.poll()  # not select.select: a rank with many sockets (agents' calls) has fds past 1024
+            for fd in by_fd:
+                poller.register(fd, select.POLLIN)
+            for fd, _ in poller.poll(wait_s * 1000):  # readable, or the child's end closed: both are read
                 if by_fd[fd] in self.children:  # not replaced earlier in this loop
                     self._read(by_fd[fd], results)
         elif wait_s > 0:
