@@ -201,6 +201,11 @@ class RolloutConfig:
     """Processes on each generator's node that run tool calls (0: one per CPU the rank may run on)."""
     tool_output_chars: int = training(2000)
     """A tool's output is cut to this many characters before it reaches the model."""
+    openai_endpoint: str = operational("loopback")
+    """Where each generator serves its episodes' OpenAI-compatible HTTP endpoint (`client.base_url`, one key
+    per episode: areal_hpc.workflow.endpoint): loopback (agents on the generator's node), cluster (also from
+    other hosts and containers: `cluster.network_interface`'s address, or every interface when that is
+    empty) or off."""
 
     @property
     def engine_seqs(self) -> int:

@@ -16,6 +16,7 @@ from areal_hpc.config.schema import SINGLE_TURN, Config
 from areal_hpc.device import CHOICES as DEVICES
 from areal_hpc.errors import ConfigError
 from areal_hpc.reward import REWARD_KINDS
+from areal_hpc.workflow.endpoint import SETTINGS as OPENAI_ENDPOINTS
 from areal_hpc.workflow.tool_calls import FORMATS as TOOL_FORMATS
 
 CHOICES = {
@@ -27,6 +28,7 @@ CHOICES = {
     "ppo.lr_decay": LR_DECAYS,
     "data.synthetic_task": SYNTHETIC_TASKS,
     "rollout.tool_format": TOOL_FORMATS,
+    "rollout.openai_endpoint": OPENAI_ENDPOINTS,
 }
 """Fields with a fixed set of values: `validate` refuses any other, `describe_config` lists them."""
 

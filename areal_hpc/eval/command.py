@@ -115,6 +115,7 @@ def evaluate(cfg: Config, model_dir: Path, data: str | Path, samples: int, engin
     episodes' counts, and what was evaluated)."""
     from transformers import AutoTokenizer
 
+    from areal_hpc.generator import loop_watch
     from areal_hpc.generator.episodes import EpisodeRunner
     from areal_hpc.reward.pool import ScorerPool, pool_size
     from areal_hpc.workflow import load_workflow
@@ -132,22 +133,27 @@ def evaluate(cfg: Config, model_dir: Path, data: str | Path, samples: int, engin
     started = time.monotonic()
 
     async def episodes() -> None:
+        loop_watch.install(workflow, cfg.rollout.workflow)
+        await runner.open_endpoint()
         for request in requests:
             runner.start(request)
         shown = time.monotonic()
-        while runner.episodes or pool.pending:
-            for episode in await runner.advance() if runner.episodes else []:
-                scoring.arrived(episode, pool)
-            for (i, j), reward, reason in pool.poll(0 if runner.episodes else 0.01):
-                scoring.round.scored(i, j, reward, reason)
-            if time.monotonic() - shown > 10:
-                shown = time.monotonic()
-                progress(f"eval: {scoring.episodes}/{len(requests) * samples} episodes ({shown - started:.0f} s)")
+        try:
+            while runner.episodes or pool.pending:
+                for episode in await runner.advance() if runner.episodes else []:
+                    scoring.arrived(episode, pool)
+                for (i, j), reward, reason in pool.poll(0 if runner.episodes else 0.01):
+                    scoring.round.scored(i, j, reward, reason)
+                if time.monotonic() - shown > 10:
+                    shown = time.monotonic()
+                    progress(f"eval: {scoring.episodes}/{len(requests) * samples} episodes ({shown - started:.0f} s)")
+        finally:
+            runner.close()
+            await runner.close_endpoint()
 
     try:
         asyncio.run(episodes())
     finally:
-        runner.close()
         pool.close()
         if own_engine:
             engine.close()

@@ -49,12 +49,14 @@ class EpisodeRunner:
 
     `workflow`: a built `areal_hpc.workflow.Workflow`; `tokenizer`: the model's (the one the engine's
     tokens are ids of); `rollout`: the RolloutConfig; `tool_pool`: builds the `ToolPool` tool calls go
-    to, called at the first tool call.
+    to, called at the first tool call; `endpoint`: the episodes' `EpisodeEndpoint` (None: no HTTP), which
+    `open_endpoint` starts in the running event loop.
     """
 
-    def __init__(self, engine, workflow, tokenizer, rollout, tool_pool):
+    def __init__(self, engine, workflow, tokenizer, rollout, tool_pool, endpoint=None):
         self.engine, self.workflow, self.tokenizer, self.rollout = engine, workflow, tokenizer, rollout
         self._new_pool, self._pool = tool_pool, None
+        self.endpoint = endpoint
         self._turns: dict[str, asyncio.Future] = {}  # turn key -> what its episode awaits
         self._calls: dict[str, asyncio.Future] = {}  # tool call key -> what its episode awaits
         self._tasks: set[asyncio.Task] = set()  # each episode's, until it is done (however it ended)
@@ -67,6 +69,8 @@ class EpisodeRunner:
         from transformers import AutoTokenizer
 
         from areal_hpc.workflow import load_workflow
+        from areal_hpc.workflow.client import served_model
+        from areal_hpc.workflow.endpoint import EpisodeEndpoint
 
         workflow = workflow if workflow is not None else load_workflow(cfg.rollout.workflow)()
         tokenizer = AutoTokenizer.from_pretrained(str(model_path))
@@ -76,7 +80,19 @@ class EpisodeRunner:
 
             return ToolPool.from_config(cfg.rollout)
 
-        return cls(engine, workflow, tokenizer, cfg.rollout, tool_pool)
+        where = cfg.rollout.openai_endpoint
+        endpoint = None
+        if where != "off":
+            endpoint = EpisodeEndpoint(where, served_model(tokenizer), cfg.cluster.network_interface)
+        return cls(engine, workflow, tokenizer, cfg.rollout, tool_pool, endpoint)
+
+    async def open_endpoint(self) -> str | None:
+        """Start the episodes' HTTP endpoint (none: None); its base URL (EndpointError: it cannot listen)."""
+        return None if self.endpoint is None else await self.endpoint.start()
+
+    async def close_endpoint(self) -> None:
+        if self.endpoint is not None:
+            await self.endpoint.close()
 
     # --- inside the generator's event loop ---
     def start(self, request: GenerateRequest) -> None:
@@ -86,7 +102,7 @@ class EpisodeRunner:
         loop = asyncio.get_running_loop()
         for i in range(request.n):
             row = dict(request.row, prompt_ids=list(prompt_ids))
-            task = loop.create_task(self._episode(request, i, f"{name}.{i}", row))
+            task = loop.create_task(self._episode(request, i, f"{name}.{i}", row), name=f"{name}.{i}")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -119,6 +135,8 @@ class EpisodeRunner:
         for task in self._tasks:
             task.cancel()
         self._tasks.clear()
+        for future in self._turns.values():  # an HTTP call awaiting one ends too
+            future.cancel()
         if self._pool is not None:
             self._pool.close()  # the calls' answers go nowhere: their episodes are cancelled
             self._pool = None
@@ -130,7 +148,12 @@ class EpisodeRunner:
         from areal_hpc.workflow.client import EpisodeClient
 
         client = EpisodeClient(
-            self.tokenizer, self.rollout, self.engine.max_model_len, self._sampler(name), self._caller(name)
+            self.tokenizer,
+            self.rollout,
+            self.engine.max_model_len,
+            self._sampler(name),
+            self._caller(name),
+            self.endpoint,
         )
         try:
             reward = _reward(await self.workflow.arun_episode(client, row))
@@ -144,6 +167,8 @@ class EpisodeRunner:
             error = traceback.format_exc()
             log.error("episode %s lost: %s", name, error)
             fields, reward = _lost(), math.nan
+        finally:
+            client.close()
         self._replies.append(_reply(request, index, fields, reward, error))
 
     def _sampler(self, name: str):

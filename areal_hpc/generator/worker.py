@@ -2,7 +2,8 @@
 
 ```
  start: the workflow (rollout.workflow: a bad one fails here, before vLLM starts), the vLLM engine, then
-        every stage's weight-sync group joined inside its workers (start-up check), the episode runner
+        every stage's weight-sync group joined inside its workers (start-up check), the episode runner and
+        its OpenAI endpoint (rollout.openai_endpoint: its URL logged)
  loop (asyncio, one thread):
         poll the controller (never blocks)
           GenerateRequest(group_id, prompt_ids, row, n, eval) -> start n episodes of the workflow on the (eval) row
@@ -50,6 +51,7 @@ def serve(ctx, sync) -> None:
 
 
 async def _serve(ctx, sync) -> None:
+    from areal_hpc.generator import loop_watch
     from areal_hpc.generator.engine import GenerationEngine
     from areal_hpc.generator.episodes import EpisodeRunner
     from areal_hpc.protocol import Failure, GenerateRequest, Mailbox, Stop, SyncDone, WeightSync
@@ -73,6 +75,7 @@ async def _serve(ctx, sync) -> None:
 
     try:
         workflow = load_workflow(ctx.cfg.rollout.workflow)()
+        loop_watch.install(workflow, ctx.cfg.rollout.workflow)  # a workflow that blocks the loop is named in the log
         engine = GenerationEngine.from_config(ctx.cfg, ctx.model_path, ctx.device, seed_offset=ctx.rank)
         settings = " ".join(f"{k}={v}" for k, v in engine.settings().items())
         log.info("%s vLLM engine: %s", ctx.layout.describe_rank(ctx.rank), settings)
@@ -85,6 +88,13 @@ async def _serve(ctx, sync) -> None:
         for line in engine.join_weight_sync(sync, sync.startup_left_s()):
             log.info("%s", line)
         runner = EpisodeRunner.from_config(ctx.cfg, engine, ctx.model_path, workflow)
+        url = await runner.open_endpoint()
+        if url:
+            log.info(
+                "%s OpenAI endpoint of its episodes: %s (rollout.openai_endpoint)",
+                ctx.layout.describe_rank(ctx.rank),
+                url,
+            )
         while True:
             for envelope in mailbox.poll(source=CONTROLLER_RANK):
                 msg = envelope.msg
@@ -98,6 +108,7 @@ async def _serve(ctx, sync) -> None:
                 elif isinstance(msg, Stop):
                     load_drained()
                     runner.close()
+                    await runner.close_endpoint()
                     engine.leave_weight_sync()
                     engine.close()
                     mailbox.flush()

@@ -35,10 +35,21 @@ class Workflow(abc.ABC):
         code written for that client trains as is. `extra_body={"chat_template_kwargs": {...}}` reaches
         the chat template, the same on every call of an episode. Sampling is the run's: a `temperature`
         or `top_p` other than `rollout.temperature` and `rollout.top_p`, or `n` != 1, raises ValueError
-        (the trainer recomputes each sampled token's logprob at the run's settings); so do the arguments
-        the engine would not apply, rather than being ignored: `stop`, `logit_bias`, the penalties,
-        `stream=True` (a turn comes back whole) and a forced `tool_choice` ("auto" and "none" are
-        accepted).
+        (the trainer recomputes each sampled token's logprob at the run's settings); so does any argument
+        given a value that the engine would not apply, rather than being ignored (`stop`, `seed`,
+        `logit_bias`, the penalties, `response_format`, `stream=True`: a turn comes back whole, a forced
+        `tool_choice`), while what frameworks send without changing the sampling is accepted (`model`,
+        `parallel_tool_calls`, `stream_options`, `user`, `metadata`, `store`, `max_completion_tokens` as
+        `max_tokens`, an empty `stop`): areal_hpc.workflow.client.ACCEPTED.
+      - `client.base_url` and `client.api_key` make the same chat call over HTTP, for agent code that
+        takes a base URL (`openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key)`, any
+        framework, a program in another process): the rank's OpenAI-compatible endpoint
+        (areal_hpc.workflow.endpoint, `rollout.openai_endpoint`), where the key makes a request a call
+        of this episode, with the same record, limits and refusals (HTTP 400; 409 for a second call in
+        flight) and `stream=true` answered. The key expires when the episode ends.
+      - `await client.run_command(args, time_limit_s)` runs a program with OPENAI_BASE_URL and
+        OPENAI_API_KEY set to those two, without blocking the loop, and returns its exit status and
+        output (`CommandResult`); past the limit its process group is killed and TimeoutError raised.
       - `await client.generate(context_ids, max_tokens=None)` is the token-level call for a workflow that
         builds its tokens itself: one turn after `context_ids`, returned as `token_ids`,
         `behav_logprobs`, `versions` and `finish_reason`; ids that extend the sequence so far continue it.

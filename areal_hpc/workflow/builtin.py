@@ -3,13 +3,17 @@
     SingleTurn           the default: one answer to the formatted prompt (token level)
     CalculatorAgent      the tiny agent task (configs/tiny-agent-cpu.yaml): the calculator in the tiny
                          model's compact syntax (`rollout.tool_format: tiny`)
+    CalculatorAgentHTTP  the same loop as agent code that takes a base URL: `openai.AsyncOpenAI` on the
+                         episode's endpoint (`rollout.openai_endpoint`)
     CodeInterpreterMath  a Qwen2.5 / Qwen3 model with a Python interpreter on math problems
                          (`rollout.tool_format: hermes`, `data.chat_template: true`)
 
-All three return None: `reward.kind` scores the final assistant turn.
+All four return None: `reward.kind` scores the final assistant turn.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from areal_hpc.workflow import Workflow, tools
 
@@ -22,19 +26,20 @@ class SingleTurn(Workflow):
         await client.generate(row["prompt_ids"])
 
 
-async def _tool_loop(client, messages: list, tool_schemas: list[dict]) -> None:
-    """Chat until an answer without a tool call: each call is run and its output appended as a tool
-    message. The client's limits end the loop (`rollout.max_turns`, `rollout.max_episode_tokens`): past
-    them it answers an empty turn without calls."""
+async def _tool_loop(chat, run_tool, messages: list, tool_schemas: list[dict], **call) -> None:
+    """Chat until an answer without a tool call: each call is run (`run_tool(name, arguments)`) and its output
+    appended as a tool message. `chat`: the episode's client, or an `openai` client on its endpoint (`call`:
+    what that one needs, its `model`). The episode's limits end the loop (`rollout.max_turns`,
+    `rollout.max_episode_tokens`): past them it answers an empty turn without calls."""
     while True:
-        response = await client.chat.completions.create(messages=messages, tools=tool_schemas)
+        response = await chat.chat.completions.create(messages=messages, tools=tool_schemas, **call)
         message = response.choices[0].message
         if not message.tool_calls:
             return
         messages.append(message)
-        for call in message.tool_calls:
-            output = await client.run_tool(call.function.name, call.function.arguments)
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
+        for tool_call in message.tool_calls:
+            output = await run_tool(tool_call.function.name, tool_call.function.arguments)
+            messages.append({"role": "tool", "tool_call_id": tool_call.id, "content": output})
 
 
 class CalculatorAgent(Workflow):
@@ -46,7 +51,30 @@ class CalculatorAgent(Workflow):
     """
 
     async def arun_episode(self, client, row: dict) -> None:
-        await _tool_loop(client, [{"role": "user", "content": row["prompt"]}], [tools.CALCULATOR_SCHEMA])
+        messages = [{"role": "user", "content": row["prompt"]}]
+        await _tool_loop(client, client.run_tool, messages, [tools.CALCULATOR_SCHEMA])
+
+
+class CalculatorAgentHTTP(Workflow):
+    """CalculatorAgent's loop through `openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key)`:
+    what an agent that takes a base URL does (docs/agents.md, "Agents over HTTP"). The same episode, turn for
+    turn and token for token; the calculator still runs in the tool pool (`client.run_tool`).
+
+    One `AsyncOpenAI` per event loop, each episode's a copy with its URL and key: building one costs about
+    25 ms of CPU (its HTTP client), which the generator's thread would pay for every episode."""
+
+    def __init__(self):
+        self._api = None  # (event loop, AsyncOpenAI)
+
+    async def arun_episode(self, client, row: dict) -> None:
+        from openai import AsyncOpenAI
+
+        loop = asyncio.get_running_loop()
+        if self._api is None or self._api[0] is not loop:
+            self._api = (loop, AsyncOpenAI(api_key="unused", max_retries=0, timeout=3600))
+        api = self._api[1].with_options(base_url=client.base_url, api_key=client.api_key)
+        messages = [{"role": "user", "content": row["prompt"]}]
+        await _tool_loop(api, client.run_tool, messages, [tools.CALCULATOR_SCHEMA], model="policy")
 
 
 CODE_INTERPRETER_PROMPT = (
@@ -67,4 +95,4 @@ class CodeInterpreterMath(Workflow):
             {"role": "system", "content": CODE_INTERPRETER_PROMPT},
             {"role": "user", "content": row["prompt"]},
         ]
-        await _tool_loop(client, messages, [tools.TOOLS["python"]])
+        await _tool_loop(client, client.run_tool, messages, [tools.TOOLS["python"]])

@@ -6,12 +6,13 @@ and counts what the episode did. What a workflow may call and what each call doe
     client.chat.completions.create(messages=..., tools=...)   OpenAI-style, tool calls parsed, + token_ids
     client.generate(context_ids, max_tokens)                 token level: the workflow builds the tokens
     client.run_tool(name, arguments)                         a tool call through the system's tool pool
+    client.base_url, client.api_key                          the same chat call over HTTP (workflow.endpoint)
+    client.run_command(args, time_limit_s)                   a program with those two in its environment
 
 A call past a limit returns an empty "length" turn instead of raising, so user code that catches
-exceptions cannot loop on it; sampling arguments other than the run's raise, since the trainer
-recomputes logprobs at the run's settings. The OpenAI types are built by hand (not the `openai` client
-over HTTP): the episode runs next to the engine, in the same event loop, and a server round trip would
-re-tokenize what was sampled.
+exceptions cannot loop on it; arguments that would change what is sampled raise, naming the argument,
+since the trainer recomputes logprobs at the run's settings. The OpenAI types are built here, in the
+episode's event loop next to the engine: the turn's tokens are recorded as sampled, never re-tokenized.
 """
 
 from __future__ import annotations
@@ -41,9 +42,22 @@ class Turn:
     routing: np.ndarray | None = None  # [context + output, L, K] when the engine records it (ppo.routing_replay)
 
 
-_REFUSED = ("stop", "logit_bias", "presence_penalty", "frequency_penalty", "stream")
-"""OpenAI arguments that change what is sampled or how it comes back, and that the engine does not apply:
-refused rather than ignored (the other unknown arguments, `model` among them, are ignored)."""
+ACCEPTED = frozenset(
+    ("messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n")
+    + ("model", "parallel_tool_calls", "stream_options", "user", "metadata", "store", "chat_template_kwargs")
+)
+"""The chat call's arguments: those it applies (the first line; `temperature`, `top_p`, `n` and `tool_choice`
+only at the run's values) and those that agent frameworks send without changing what is sampled (ignored).
+Any other argument given a value (not None, False, empty) is refused with its name: it would change what is
+sampled or how it comes back (`stop`, `seed`, `response_format`, `logit_bias`, ...)."""
+
+CLIENT_OPTIONS = ("extra_body", "extra_headers", "extra_query", "timeout")
+"""The `openai` client's own arguments: `extra_body` is merged into the call as it is on the wire, the rest
+concern HTTP and are ignored."""
+
+
+class CallInFlight(RuntimeError):
+    """A second call to the policy while one of the same episode is in flight (HTTP: 409)."""
 
 
 class EpisodeClient:
@@ -51,7 +65,7 @@ class EpisodeClient:
     `tool(name, arguments) -> (text, ok, seconds)` (async) runs one tool call and never raises for the
     tool's failure. Both are the generator's (areal_hpc.generator.episodes)."""
 
-    def __init__(self, tokenizer, rollout, max_model_len: int, sample, tool):
+    def __init__(self, tokenizer, rollout, max_model_len: int, sample, tool, endpoint=None):
         self.tokenizer = tokenizer
         self.rollout = rollout
         self.max_model_len = max_model_len
@@ -61,6 +75,8 @@ class EpisodeClient:
         self.conversation: Conversation | None = None  # built at the first chat call (its template kwargs)
         self._sample = sample
         self._tool = tool
+        self._endpoint = endpoint  # the rank's EpisodeEndpoint (areal_hpc.workflow.endpoint), None when off
+        self._key: str | None = None  # this episode's key on it, made at the first use; "" once the episode ended
         self._limited = False  # a call was refused by a limit: the episode ends as "length"
         self._calling = False  # a call to the policy is in flight
         self._last_finish = "stop"
@@ -105,6 +121,44 @@ class EpisodeClient:
         self.tool_errors += not ok
         return text
 
+    @property
+    def base_url(self) -> str:
+        """The rank's OpenAI-compatible endpoint (`http://host:port/v1`): with `api_key`, an `openai` client
+        (or any framework's) whose calls are this episode's chat calls."""
+        return self._http()[0]
+
+    @property
+    def api_key(self) -> str:
+        """This episode's key on the endpoint, valid until the episode ends."""
+        return self._http()[1]
+
+    async def run_command(self, args, time_limit_s: float, **options):
+        """Run the program `args` for this episode, with OPENAI_BASE_URL and OPENAI_API_KEY set to the
+        episode's; its CommandResult (exit status, output), or TimeoutError past `time_limit_s` (the process
+        group killed). `options`: areal_hpc.workflow.command.run_command's."""
+        from areal_hpc.workflow.command import run_command
+
+        env = {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.api_key, **(options.pop("env", None) or {})}
+        return await run_command(args, time_limit_s, env=env, **options)
+
+    def close(self) -> None:
+        """The episode ended: its key no longer opens the endpoint."""
+        if self._key:
+            self._endpoint.revoke(self._key)
+        self._key = ""
+
+    def _http(self) -> tuple[str, str]:
+        if self._endpoint is None:
+            raise RuntimeError(
+                "this episode has no HTTP endpoint: rollout.openai_endpoint is off (set loopback, or cluster for "
+                "agents on other hosts)"
+            )
+        if self._key == "":
+            raise RuntimeError("the episode has ended: its endpoint key is no longer valid")
+        if self._key is None:
+            self._key = self._endpoint.admit(self)
+        return self._endpoint.base_url, self._key
+
     def trajectory_fields(self) -> dict:
         """What a reply (`protocol.Trajectory`) carries of the episode: `tokens`, `seq_lens`, `loss_mask`,
         `behav_logprobs`, `versions`, `answer_ids`, `routing` (EpisodeTokens.arrays), `finish_reason` ("length"
@@ -126,26 +180,20 @@ class EpisodeClient:
 
     # --- the chat call (client.chat.completions.create) ---
 
-    async def _create(
-        self,
-        *,
-        messages,
-        tools=None,
-        tool_choice="auto",
-        max_tokens=None,
-        max_completion_tokens=None,
-        temperature=None,
-        top_p=None,
-        n=1,
-        model=None,
-        extra_body=None,
-        **others,
-    ):
+    async def _create(self, **kwargs):
         with self._one_call():
-            self._check_sampling(temperature, top_p, n, tool_choice, others)
-            max_tokens = max_completion_tokens if max_completion_tokens is not None else max_tokens
+            args = {k: v for k, v in kwargs.items() if k not in CLIENT_OPTIONS}
+            args.update(kwargs.get("extra_body") or {})
+            self._check_arguments(args)
+            messages, tools = args.get("messages"), args.get("tools")
+            if messages is None:
+                raise ValueError("messages is missing: a chat call needs the conversation's messages")
+            tool_choice = args.get("tool_choice") or "auto"
+            max_tokens = args.get("max_completion_tokens")
+            max_tokens = args.get("max_tokens") if max_tokens is None else max_tokens
             _check_max_tokens(max_tokens)
-            conversation = self._conversation((extra_body or {}).get("chat_template_kwargs") or {})
+            model = args.get("model")
+            conversation = self._conversation(args.get("chat_template_kwargs") or {})
             if self._out_of_turns():
                 return self._completion(model, _message(""), "length", 0, [])
             context = conversation.prompt_ids(messages, tools)
@@ -172,27 +220,35 @@ class EpisodeClient:
             )
         return self.conversation
 
-    def _check_sampling(self, temperature, top_p, n, tool_choice, others: dict) -> None:
+    def _check_arguments(self, args: dict) -> None:
         r = self.rollout
-        for name, asked, run in (("temperature", temperature, r.temperature), ("top_p", top_p, r.top_p)):
-            if asked is not None and asked != run:
+        for name, run in (("temperature", r.temperature), ("top_p", r.top_p)):
+            if args.get(name) is not None and args[name] != run:
                 raise ValueError(
-                    f"{name}={asked} differs from rollout.{name} ({run}): the trainer computes the sampled tokens' "
-                    f"logprobs at rollout.{name}; leave {name} unset in the call, or change rollout.{name}"
+                    f"{name}={args[name]} differs from rollout.{name} ({run}): the trainer computes the sampled "
+                    f"tokens' logprobs at rollout.{name}; leave {name} unset in the call, or change rollout.{name}"
                 )
-        if n not in (None, 1):
+        if args.get("n") not in (None, 1):
             raise ValueError(
-                f"n={n}: an episode samples one answer per call (the group's episodes are the n samples, "
+                f"n={args['n']}: an episode samples one answer per call (the group's episodes are the n samples, "
                 "rollout.group_size); leave n unset"
             )
-        if tool_choice not in (None, "auto", "none"):
+        if args.get("tool_choice") not in (None, "auto", "none"):
             raise ValueError(
-                f"tool_choice={tool_choice!r}: the rollout engine does not force tool calls; leave tool_choice "
-                'unset ("auto") or "none", and let the prompt ask for the call'
+                f"tool_choice={args['tool_choice']!r}: the rollout engine does not force tool calls; leave "
+                'tool_choice unset ("auto") or "none", and let the prompt ask for the call'
             )
-        refused = sorted(k for k in _REFUSED if others.get(k))
+        if args.get("stream"):
+            raise ValueError(
+                "stream=True: this client answers each turn whole; leave stream unset (the HTTP endpoint, "
+                "client.base_url, answers a stream)"
+            )
+        refused = sorted(k for k, v in args.items() if k not in ACCEPTED and not _unset(v))
         if refused:
-            raise ValueError(f"{', '.join(refused)}: not supported by the rollout engine; leave them unset")
+            raise ValueError(
+                f"{', '.join(refused)}: not applied by the rollout engine, which samples every turn as the run's "
+                "rollout settings say (what it would change is not what the trainer scores); leave them unset"
+            )
 
     # --- shared by both calls ---
 
@@ -201,7 +257,7 @@ class EpisodeClient:
         """Refuses a call while another is in flight: both would extend the same sequence (and the
         conversation's pending call), interleaving two turns into one record."""
         if self._calling:
-            raise RuntimeError(
+            raise CallInFlight(
                 "one call to the policy at a time per episode (generate or chat.completions.create): await "
                 "each before the next; sample in parallel as separate episodes (rollout.group_size)"
             )
@@ -243,7 +299,7 @@ class EpisodeClient:
             id=f"chatcmpl-{uuid.uuid4().hex}",
             object="chat.completion",
             created=int(time.time()),
-            model=model or self.tokenizer.name_or_path or "policy",
+            model=model or served_model(self.tokenizer),
             choices=[Choice(index=0, message=message, finish_reason=finish_reason)],
             usage=CompletionUsage(
                 prompt_tokens=prompt_tokens,
@@ -271,6 +327,11 @@ class _Chat:
         self.completions = _Completions(client)
 
 
+def served_model(tokenizer) -> str:
+    """The policy's name in answers and on the endpoint's /v1/models: its model directory."""
+    return tokenizer.name_or_path or "policy"
+
+
 def _message(content: str | None, tool_calls=None):
     from openai.types.chat import ChatCompletionMessage
 
@@ -281,6 +342,11 @@ def _strip_turn_end(ids: list[int], conversation: Conversation) -> list[int]:
     """The turn's ids without the token that ended it (the parsers read the text before it)."""
     ends = {conversation.turn_end_id, conversation.tokenizer.eos_token_id}
     return ids[:-1] if ids and ids[-1] in ends else ids
+
+
+def _unset(value) -> bool:
+    """An argument sent with no effect: None, False or empty (`stop: []`, `logit_bias: {}`)."""
+    return value is None or value is False or (isinstance(value, (str, list, tuple, dict)) and not value)
 
 
 def _check_max_tokens(max_tokens) -> None:
