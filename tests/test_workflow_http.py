@@ -181,6 +181,7 @@ def test_arguments_frameworks_send_are_accepted_and_those_that_change_sampling_n
                     await a.chat.completions.create(model="m", messages=messages, **extra)
                 errors[name] = (e.value.status_code, e.value.message)
             sent = dict(parallel_tool_calls=True, stop=[], user="u", temperature=1.0, max_completion_tokens=4)
+            sent.update(presence_penalty=0, frequency_penalty=0, response_format={"type": "text"})
             ok = await a.chat.completions.create(model="m", messages=messages, tools=[CALCULATOR_SCHEMA], **sent)
             gate.clear()
             first = asyncio.ensure_future(a.chat.completions.create(model="m", messages=messages))
@@ -230,6 +231,33 @@ def test_a_program_with_the_synchronous_client_calls_its_episode():
     assert result.stdout.strip() == "\\boxed{5}"
     f = client.trajectory_fields()
     assert f["stats"]["turns"] == 1 and tok.decode(f["answer_ids"]) == "\\boxed{5}<|endoftext|>"
+
+
+def test_a_program_that_exits_ends_with_what_it_left_running_and_a_cancelled_one_too(tmp_path):
+    """The program's exit, not the end of its output, ends the call: a child left in the background (holding
+    the pipes) is killed with the group; a program whose episode is cancelled (at Stop) is killed too."""
+    from areal_hpc.workflow.command import run_command
+
+    pid_file = tmp_path / "child"
+
+    async def programs():
+        began = time.monotonic()
+        done = await run_command(f"sleep 300 & echo $! > {pid_file}; echo done", 60)
+        exited_in = time.monotonic() - began
+        background = int(pid_file.read_text())
+        script = f"import subprocess, time; p = subprocess.Popen(['sleep', '300']); open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(300)"
+        task = asyncio.ensure_future(run_command([sys.executable, "-c", script], 60))
+        while not pid_file.exists() or int(pid_file.read_text() or 0) == background:
+            await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return done, exited_in, background, int(pid_file.read_text())
+
+    done, exited_in, background, cancelled_child = run(programs())
+    assert (done.returncode, done.stdout) == (0, "done\n") and exited_in < 10
+    for pid in (background, cancelled_child):
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
 def test_a_program_past_its_limit_is_killed_with_its_children(tmp_path):

@@ -48,7 +48,7 @@ ACCEPTED = frozenset(
 )
 """The chat call's arguments: those it applies (the first line; `temperature`, `top_p`, `n` and `tool_choice`
 only at the run's values) and those that agent frameworks send without changing what is sampled (ignored).
-Any other argument given a value (not None, False, empty) is refused with its name: it would change what is
+Any other argument given a value (not None, False, empty, or its NEUTRAL value) is refused with its name: it would change what is
 sampled or how it comes back (`stop`, `seed`, `response_format`, `logit_bias`, ...)."""
 
 CLIENT_OPTIONS = ("extra_body", "extra_headers", "extra_query", "timeout")
@@ -243,7 +243,7 @@ class EpisodeClient:
                 "stream=True: this client answers each turn whole; leave stream unset (the HTTP endpoint, "
                 "client.base_url, answers a stream)"
             )
-        refused = sorted(k for k, v in args.items() if k not in ACCEPTED and not _unset(v))
+        refused = sorted(k for k, v in args.items() if k not in ACCEPTED and not _unset(k, v))
         if refused:
             raise ValueError(
                 f"{', '.join(refused)}: not applied by the rollout engine, which samples every turn as the run's "
@@ -344,9 +344,20 @@ def _strip_turn_end(ids: list[int], conversation: Conversation) -> list[int]:
     return ids[:-1] if ids and ids[-1] in ends else ids
 
 
-def _unset(value) -> bool:
-    """An argument sent with no effect: None, False or empty (`stop: []`, `logit_bias: {}`)."""
-    return value is None or value is False or (isinstance(value, (str, list, tuple, dict)) and not value)
+NEUTRAL = {
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "top_logprobs": 0,
+    "response_format": {"type": "text"},
+}
+"""Values of refused arguments that change nothing, which some frameworks send on every call."""
+
+
+def _unset(name: str, value) -> bool:
+    """An argument sent with no effect: None, False, empty (`stop: []`, `logit_bias: {}`) or NEUTRAL's."""
+    if value is None or value is False or (isinstance(value, (str, list, tuple, dict)) and not value):
+        return True
+    return name in NEUTRAL and value is not True and value == NEUTRAL[name]
 
 
 def _check_max_tokens(max_tokens) -> None:

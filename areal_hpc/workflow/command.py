@@ -5,7 +5,8 @@ The program runs in a process group of its own, awaited without blocking the gen
 time limit and when its episode is cancelled: a child it left running in the background goes with it. Only
 a process that leaves the group on purpose (setsid, a daemon) escapes; a sandbox's own runtime is the place
 to contain those. Written here because the standard library's `asyncio.wait_for(proc.communicate())` kills
-the program alone and leaves its children.
+the program alone and leaves its children, and waits for the end of its output, which a child left in the
+background holds open.
 """
 
 from __future__ import annotations
@@ -15,6 +16,12 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+
+EXIT_POLL_S = 0.05
+"""How often a running program's exit is looked for: a program call lasts seconds at least."""
+OUTPUT_S = 5.0
+"""How long the end of the program's output is awaited once its group is killed (only a process that left
+the group can hold it open)."""
 
 
 @dataclass
@@ -46,20 +53,43 @@ async def run_command(
         proc = await asyncio.create_subprocess_shell(args, **options)
     else:
         proc = await asyncio.create_subprocess_exec(*[str(a) for a in args], **options)
+    # The pipes are read beside the wait for its exit, not by communicate() or wait() (which, before Python
+    # 3.12, also waits for the pipes): a child left in the background would hold them open, and the
+    # program's exit, not their end, is what ends it.
+    out, err = asyncio.ensure_future(proc.stdout.read()), asyncio.ensure_future(proc.stderr.read())
     try:
-        out, err = await asyncio.wait_for(
-            proc.communicate(None if input is None else input.encode()), timeout=time_limit_s
-        )
-    except TimeoutError:
-        raise TimeoutError(
-            f"{_name(args)} ran past its time limit of {time_limit_s:g} s: killed, with its process group"
-        ) from None
+        if input is not None:
+            proc.stdin.write(input.encode())
+            proc.stdin.close()
+        if not await _exit(proc, time_limit_s):
+            raise TimeoutError(
+                f"{_name(args)} ran past its time limit of {time_limit_s:g} s: killed, with its process group"
+            )
+        seconds = time.monotonic() - started
+        _kill_group(proc.pid)  # what it left running ends with it, and so do the pipes
+        await asyncio.wait([out, err], timeout=OUTPUT_S)
+        return CommandResult(proc.returncode, _text(out), _text(err), seconds)
     finally:
         _kill_group(proc.pid)
-        if proc.returncode is None:
-            await proc.wait()
-    seconds = time.monotonic() - started
-    return CommandResult(proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"), seconds)
+        await _exit(proc, OUTPUT_S)  # reaped by asyncio's child watcher
+        out.cancel()
+        err.cancel()
+
+
+async def _exit(proc, limit_s: float) -> bool:
+    """Whether the program exited within `limit_s` (its exit status is read by asyncio's child watcher)."""
+    deadline = time.monotonic() + limit_s
+    while proc.returncode is None:
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(EXIT_POLL_S)
+    return True
+
+
+def _text(reader: asyncio.Future) -> str:
+    if not reader.done():
+        return "(not read: a process outside the program's group holds the pipe open)"
+    return reader.result().decode(errors="replace")
 
 
 def _kill_group(pgid: int) -> None:

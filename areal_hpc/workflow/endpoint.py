@@ -77,7 +77,9 @@ class EpisodeEndpoint:
         app = web.Application(client_max_size=MAX_BODY)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_S)
+        self._runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_S, handler_cancellation=True
+        )  # a caller that hangs up (a program killed at its limit, a client's timeout) ends its call
         await self._runner.setup()
         try:
             await web.TCPSite(self._runner, bind, 0).start()
@@ -135,6 +137,7 @@ class EpisodeEndpoint:
         )
 
     async def _chat(self, request):
+        from jinja2 import TemplateError
         from pydantic import ValidationError
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
@@ -151,8 +154,11 @@ class EpisodeEndpoint:
         if not isinstance(body, dict):
             self._refuse("not a JSON object", request)
             return _error(400, f"the body must be a JSON object, got {type(body).__name__}")
-        stream = bool(body.pop("stream", False))
-        usage = bool((body.pop("stream_options", None) or {}).get("include_usage"))
+        stream, options = body.pop("stream", False), body.pop("stream_options", None)
+        if not isinstance(stream, bool) or not isinstance(options, dict | None):
+            self._refuse("not a chat request", request)
+            return _error(400, f"stream must be a boolean and stream_options an object, got {stream!r}, {options!r}")
+        usage = bool((options or {}).get("include_usage"))
         known = {k: v for k, v in body.items() if k in ChatCompletionRequest.model_fields}  # the rest: the client's
         try:  # the shape only: what is called is the body as sent (tools are rendered in their keys' order)
             ChatCompletionRequest.model_validate(known)
@@ -163,12 +169,15 @@ class EpisodeEndpoint:
             completion = await client.chat.completions.create(**body)
         except CallInFlight as e:
             return _error(409, str(e))
-        except ValueError as e:
-            return _error(400, str(e))
+        except (ValueError, TemplateError) as e:  # the call's arguments, or messages its chat template refuses
+            return _error(400, f"{type(e).__name__}: {e}" if isinstance(e, TemplateError) else str(e))
+        except Exception as e:
+            log.exception("OpenAI endpoint: a call failed")
+            return _error(500, f"the call failed inside the generator: {type(e).__name__}: {e}")
         if not stream:
             from aiohttp import web
 
-            return web.json_response(text=completion.model_dump_json(exclude_none=True))
+            return web.json_response(text=completion.model_dump_json())
         return await _stream(request, completion, usage)
 
 
@@ -198,7 +207,7 @@ async def _stream(request, completion, usage: bool):
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     for chunk in chunks:
-        await response.write(f"data: {chunk.model_dump_json(exclude_none=True)}\n\n".encode())
+        await response.write(f"data: {chunk.model_dump_json()}\n\n".encode())
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
@@ -208,7 +217,9 @@ def _error(status: int, message: str):
     from aiohttp import web
     from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
 
-    kind = {400: "BadRequestError", 401: "AuthenticationError", 409: "ConflictError"}[status]
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 409: "ConflictError", 500: "InternalServerError"}[
+        status
+    ]
     body = ErrorResponse(error=ErrorInfo(message=message, type=kind, code=status))
     return web.json_response(text=body.model_dump_json(), status=status)
 
