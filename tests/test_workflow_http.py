@@ -286,3 +286,22 @@ def test_an_address_the_endpoint_cannot_listen_on_is_named(monkeypatch):
     endpoint = EpisodeEndpoint("cluster", "tiny-policy", interface="eth9")
     with pytest.raises(EndpointError, match=r"rollout.openai_endpoint=cluster: cannot listen on 192.0.2.1 \("):
         run(endpoint.start())
+
+
+def test_a_thousand_episodes_calling_at_once_all_get_in():
+    """As an eval starts its episodes: each agent connects before the loop accepts any connection (the listen
+    backlog must hold them; at aiohttp's 128 a third of a thousand calls failed with a connection error)."""
+    tok = build_tokenizer()
+    row = {"prompt": "2+3=", "prompt_ids": encode(tok, "2+3=")}
+
+    async def episodes():
+        endpoint = await started(tok)
+        workflow = CalculatorAgentHTTP()
+        clients = [http_client(tok, endpoint, Engine(tok, ["\\boxed{5}"])) for _ in range(1000)]
+        try:
+            return await asyncio.gather(*(workflow.arun_episode(c, row) for c in clients), return_exceptions=True)
+        finally:
+            await endpoint.close()
+
+    failed = [r for r in run(episodes()) if r is not None]
+    assert not failed, f"{len(failed)} of 1000 episodes failed, the first: {failed[0]!r}"

@@ -39,6 +39,10 @@ SETTING = "rollout.openai_endpoint"
 SETTINGS = ("loopback", "cluster", "off")
 MAX_BODY = 64 << 20
 """Largest request body, in bytes: a long agent conversation with its tool outputs, well past aiohttp's 1 MiB."""
+BACKLOG = 4096
+"""Connections the kernel holds until the loop accepts them (capped by net.core.somaxconn): an eval starts
+thousands of episodes whose agents connect before the loop accepts any; at aiohttp's 128 the kernel reset
+a third of a thousand."""
 SHUTDOWN_S = 1.0
 """How long `close` waits for open connections (aiohttp's default, 60 s, waits for every agent's keep-alive
 connection, past the controller's limit on a rank's stop); the episodes are cancelled by then."""
@@ -82,7 +86,7 @@ class EpisodeEndpoint:
         )  # a caller that hangs up (a program killed at its limit, a client's timeout) ends its call
         await self._runner.setup()
         try:
-            await web.TCPSite(self._runner, bind, 0).start()
+            await web.TCPSite(self._runner, bind, 0, backlog=BACKLOG).start()
         except OSError as e:
             await self._runner.cleanup()
             raise EndpointError(f"{SETTING}={self.where}: cannot listen on {bind} ({e})") from e
