@@ -208,6 +208,7 @@ def test_the_tiny_agent_learns_to_call_the_calculator_over_http(runs_root):
     for step in (0, 100):
         report = json.loads(next((agent.run_dir / "eval").glob(f"step_{step}-*.json")).read_text())
         assert report["workflow"] == HTTP_AGENT and report["prompts"] == 500
+        assert report["workflow_errors"] == 0, "an eval's episodes all connect at once: none may be refused"
         pass_at_1[step] = report["pass@k"]["1"]
     assert pass_at_1[100] >= pass_at_1[0] + 0.2, f"held-out pass@1 {pass_at_1}"
     log = (agent.run_dir / "logs" / "generator-0.log").read_text()
