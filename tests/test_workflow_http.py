@@ -34,7 +34,7 @@ def http_client(tok, endpoint, engine, **rollout) -> EpisodeClient:
     return EpisodeClient(tok, cfg, 512, engine, Tools(), endpoint)
 
 
-async def started(tok) -> EpisodeEndpoint:
+async def started() -> EpisodeEndpoint:
     endpoint = EpisodeEndpoint("loopback", "tiny-policy")
     await endpoint.start()
     return endpoint
@@ -58,7 +58,7 @@ def test_an_agent_over_http_trains_the_same_tokens_as_the_in_process_one():
     workflow = CalculatorAgentHTTP()  # kept, with its connection, while the endpoint closes
 
     async def over_http():
-        endpoint = await started(tok)
+        endpoint = await started()
         client = http_client(tok, endpoint, http_engine)
         try:
             await workflow.arun_episode(client, row)
@@ -83,7 +83,7 @@ def test_a_stream_sends_the_turn_a_plain_call_returns():
     tok = build_tokenizer()
 
     async def both():
-        endpoint = await started(tok)
+        endpoint = await started()
         plain_client, stream_client = (http_client(tok, endpoint, Engine(tok, ["<calc>2+3"])) for _ in range(2))
         messages = [{"role": "user", "content": "2+3="}]
         try:
@@ -125,7 +125,7 @@ def test_only_a_running_episodes_key_gets_in_and_bad_requests_touch_nothing(capl
     caplog.set_level(logging.INFO, "areal_hpc.generator")
 
     async def requests():
-        endpoint, other = await started(tok), await started(tok)
+        endpoint, other = await started(), await started()
         engine = Engine(tok, ["\\boxed{5}", "\\boxed{6}"])
         client, ended = http_client(tok, endpoint, engine), http_client(tok, endpoint, Engine(tok, []))
         stranger = http_client(tok, other, Engine(tok, []))
@@ -164,7 +164,7 @@ def test_arguments_frameworks_send_are_accepted_and_those_that_change_sampling_n
     async def calls():
         from openai import BadRequestError, ConflictError
 
-        endpoint = await started(tok)
+        endpoint = await started()
         engine, gate = Engine(tok, ["a", "b", "c"]), asyncio.Event()
         gate.set()
 
@@ -218,7 +218,7 @@ def test_a_program_with_the_synchronous_client_calls_its_episode():
     tok = build_tokenizer()
 
     async def episode():
-        endpoint = await started(tok)
+        endpoint = await started()
         engine = Engine(tok, ["\\boxed{5}"])
         client = http_client(tok, endpoint, engine)
         try:
@@ -295,7 +295,7 @@ def test_a_thousand_episodes_calling_at_once_all_get_in():
     row = {"prompt": "2+3=", "prompt_ids": encode(tok, "2+3=")}
 
     async def episodes():
-        endpoint = await started(tok)
+        endpoint = await started()
         workflow = CalculatorAgentHTTP()
         clients = [http_client(tok, endpoint, Engine(tok, ["\\boxed{5}"])) for _ in range(1000)]
         try:

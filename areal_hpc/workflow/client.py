@@ -357,7 +357,7 @@ def _unset(name: str, value) -> bool:
     """An argument sent with no effect: None, False, empty (`stop: []`, `logit_bias: {}`) or NEUTRAL's."""
     if value is None or value is False or (isinstance(value, (str, list, tuple, dict)) and not value):
         return True
-    return name in NEUTRAL and value is not True and value == NEUTRAL[name]
+    return name in NEUTRAL and value == NEUTRAL[name]
 
 
 def _check_max_tokens(max_tokens) -> None:

@@ -229,14 +229,17 @@ def _error(status: int, message: str):
 
 
 def _raise_open_files() -> None:
-    """Raise this process's limit on open files to its hard limit, as vLLM's server does: every episode's call
-    holds a connection (two descriptors when the agent runs in the rank), and clusters often set 1,024."""
+    """Raise this process's limit on open files to its hard limit (vLLM's `set_ulimit`, which its server
+    calls): every episode's call holds a connection (two descriptors when the agent runs in the rank), and
+    clusters often set 1,024."""
     import resource
+
+    from vllm.utils.system_utils import set_ulimit
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = hard if hard != resource.RLIM_INFINITY else 1 << 16
     if soft != resource.RLIM_INFINITY and soft < target:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        set_ulimit(target)
         log.info("OpenAI endpoint: open files limit raised from %d to %d (the hard limit)", soft, target)
 
 
