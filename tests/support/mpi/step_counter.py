@@ -13,12 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-from mpi4py import MPI
-
-from areal_hpc.exit_codes import EXIT_STOPPED
-
-run_dir, total, delay = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-world = MPI.COMM_WORLD
 stop = False
 
 
@@ -27,8 +21,17 @@ def on_stop(signum, frame):
     stop = True
 
 
-if world.Get_rank() == 0:
+# Rank 0 takes the signal before MPI starts (seconds under load), which leaves a signal that comes first
+# only the interpreter's start to kill the program in.
+if os.environ.get("SLURM_PROCID", "0") == "0":
     signal.signal(signal.SIGUSR2, on_stop)
+
+from mpi4py import MPI  # noqa: E402
+
+from areal_hpc.exit_codes import EXIT_STOPPED  # noqa: E402
+
+run_dir, total, delay = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+world = MPI.COMM_WORLD
 ckpt = run_dir / "counter.json"
 step = world.bcast(json.loads(ckpt.read_text())["step"] if ckpt.exists() else 0)
 attempt = int(os.environ.get("SLURM_RESTART_COUNT", 0))
