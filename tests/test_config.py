@@ -44,6 +44,8 @@ def test_shipped_configs_name_a_workflow_that_loads(path):
 def test_override_changes_a_field():
     cfg = load_config(TINY, ["rollout.max_staleness=5", "ppo.eps_clip_high=0.28"])
     assert cfg.rollout.max_staleness == 5 and cfg.ppo.eps_clip_high == 0.28
+    cfg = load_config(TINY, ["ppo.behav_weight_cap=[0.5,2]", "ppo.policy_loss=gspo", "ppo.loss_agg=seq_mean_token_sum"])
+    assert list(cfg.ppo.behav_weight_cap) == [0.5, 2] and cfg.ppo.policy_loss == "gspo"
 
 
 @pytest.mark.parametrize(
@@ -98,6 +100,11 @@ def test_override_changes_a_field():
         (["lora.rank=8", "lora.target_modules=[]"], "lora.target_modules is empty: name at least one of"),
         (["lora.rank=8", "lora.target_modules=[o_proj,o_proj]"], "names a layer twice: name each once"),
         (["lora.rank=8", "lora.alpha=0"], "lora.alpha must be > 0 (got 0.0)"),
+        (["ppo.policy_loss=grpo"], "ppo.policy_loss must be decoupled, gspo or cispo (got 'grpo')"),
+        (["ppo.loss_agg=sum"], "ppo.loss_agg must be token_mean, seq_mean_token_mean or seq_mean_token_sum"),
+        (["ppo.behav_weight_cap=0.9"], "ppo.behav_weight_cap must be a number > 1 or a pair [lo, hi] with 0 <= lo"),
+        (["ppo.behav_weight_cap=[2,3]"], "with 0 <= lo < 1 < hi (got [2, 3])"),
+        (["ppo.behav_weight_cap=[0.5]"], "with 0 <= lo < 1 < hi (got [0.5])"),
         (
             ["lora.rank=8", "model.architecture=qwen3_moe", "lora.target_modules=[o_proj]"],
             "LoRA (lora.rank) is for dense models (qwen2, qwen3); model.path is a qwen3_moe",

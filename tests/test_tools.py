@@ -38,6 +38,7 @@ def _load(name: str):
 
 bench_sync = _load("bench_async_vs_sync")
 bench_trl = _load("bench_vs_trl")
+bench_losses = _load("bench_policy_losses")
 
 
 def _row(step, tok_s, step_s, gen_idle, train_idle, staleness=0, reward=0.5, dropped=0):
@@ -362,3 +363,23 @@ def test_bench_trainer_steps_train_the_step_ppo_step_trains(tmp_path):
     got = run_ranks(_bench_steps_rank, 1, 1, 1, str(model_dir))[0]
     assert_same_step(got["padded"], got["packed"])
     assert_same_step(got["recompute-1-pass"], got["recompute-1"])
+
+
+# --- bench_policy_losses ------------------------------------------------------------------------
+
+
+def test_policy_loss_benchmark_variants_are_valid_configs_and_its_fifths():
+    from areal_hpc.config import load_config
+
+    chosen = {name: load_config(bench_losses.CONFIG, o).ppo for name, o in bench_losses.VARIANTS.items()}
+    assert {c.policy_loss for c in chosen.values()} == {"decoupled", "gspo", "cispo"}
+    assert {c.loss_agg for c in chosen.values()} == {"token_mean", "seq_mean_token_mean", "seq_mean_token_sum"}
+    assert list(chosen["behav_range"].behav_weight_cap) == [0.5, 2.0]
+    rows = [{"reward/mean": r} for r in [0.1] * 4 + [0.2] * 4 + [0.2] * 4 + [0.3] * 4 + [0.4] * 5]
+    by_fifth = bench_losses.fifths(rows, "reward/mean")
+    assert by_fifth == pytest.approx([0.1, 0.2, 0.2, 0.3, 0.4])  # the last fifth takes the 21st row
+    assert bench_losses.learned(by_fifth)
+    assert not bench_losses.learned([0.1, 0.2, 0.05, 0.3, 0.4])  # a fifth below the first
+    assert not bench_losses.learned([0.1, 0.12, 0.12, 0.13, 0.14])  # less than RISE
+    with pytest.raises(ValueError, match="fewer than five"):
+        bench_losses.fifths(rows[:4], "reward/mean")

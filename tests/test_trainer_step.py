@@ -66,6 +66,18 @@ def model_dir(tmp_path_factory):
     return str(build_tiny_model(QWEN2, tmp_path_factory.mktemp("model"), seed=5))
 
 
+LOSS_VARIANTS = {
+    "gspo": {"policy_loss": "gspo", "loss_agg": "seq_mean_token_mean", "eps_clip": 0.01},
+    "cispo": {
+        "policy_loss": "cispo",
+        "loss_agg": "seq_mean_token_sum",
+        "seq_tokens": 16,
+        "behav_weight_cap": (0.5, 40),
+    },
+}
+"""Policy losses and aggregations the trainer must run as `algo.ppo` computes them, whatever the packing."""
+
+
 @pytest.fixture(scope="module")
 def reference(model_dir):
     batch = random_batch(VOCAB)
@@ -80,6 +92,9 @@ def reference(model_dir):
         "recompute-selective": ([batch], {}, {"recompute": "selective"}),
         "recompute-full": ([batch], {}, {"recompute": "full"}),
     }
+    for name, settings in LOSS_VARIANTS.items():
+        variants[name] = ([batch], settings)
+        variants[f"{name}-regrouped"] = ([regrouped], settings)
     return run_ranks(_train, 1, 1, 1, model_dir, variants, True)[0]
 
 
@@ -107,6 +122,19 @@ def test_regrouping_gives_the_same_step(reference):
     assert_same_step(reference["regrouped"], reference["packed"])
 
 
+@pytest.mark.parametrize("name", LOSS_VARIANTS)
+def test_policy_losses_and_aggregations_do_not_depend_on_the_packing(reference, name):
+    """Sequence-level ratios and means over sequences, per micro-batch as Megatron sums them: the step of
+    one packing is the step of another; and each variant is a different step from the default."""
+    assert_same_step(reference[f"{name}-regrouped"], reference[name])
+    got, default = reference[name]["stats"], reference["packed"]["stats"]
+    assert got["ppo/loss"] != pytest.approx(default["ppo/loss"], rel=1e-3)
+    if "behav_weight_cap" in LOSS_VARIANTS[name]:  # the random behaviour logprobs put some weights out of range
+        assert 0 < got["ppo/behav_masked_frac"] < 1
+    else:
+        assert "ppo/behav_masked_frac" not in got
+
+
 def test_loglinear_prox_is_exact_on_the_first_minibatch_only(reference):
     """With one minibatch the interpolated prox is the recomputed one; with two it is an approximation."""
     assert_same_step(reference["loglinear-1"], reference["recompute-1"])
@@ -130,9 +158,10 @@ def test_tensor_and_pipeline_parallel_step_equals_single_rank(reference, model_d
         "no-sequence-parallel": ([batch], {}, {"sequence_parallel": False}),
         "recompute-full": ([batch], {}, {"recompute": "full"}),
     }
+    variants |= {name: ([batch], settings) for name, settings in LOSS_VARIANTS.items()}
     got = run_ranks(_train, tp * pp, tp, pp, model_dir, variants)[0]
     for name in variants:
-        assert_same_step(got[name], reference["packed"])
+        assert_same_step(got[name], reference[name if name in LOSS_VARIANTS else "packed"])
 
 
 @pytest.mark.slow
@@ -140,8 +169,10 @@ def test_data_parallel_step_equals_single_rank(reference, model_dir):
     """Two DP ranks with half the sequences each: every token still weighs the same."""
     batch = random_batch(VOCAB)
     shards = [shard(batch, [0, 1, 3], [[[0, 1]], [[3]]]), shard(batch, [2, 4, 5], [[[2]], [[4, 5]]])]
-    got = run_ranks(_train, 2, 1, 1, model_dir, {"packed": (shards, {})})[0]
-    assert_same_step(got["packed"], reference["packed"])
+    variants = {"packed": (shards, {})} | {name: (shards, settings) for name, settings in LOSS_VARIANTS.items()}
+    got = run_ranks(_train, 2, 1, 1, model_dir, variants)[0]
+    for name in variants:  # means over sequences too: each rank's count of them is summed with the others'
+        assert_same_step(got[name], reference[name])
 
 
 def _overlap_rank(par, model_dirs):

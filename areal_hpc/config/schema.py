@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from areal_hpc.arch import PROJECTIONS, ModelConfig  # the `model` section, defined beside the architecture it gives
 from areal_hpc.config.kinds import declared_kinds, identity, operational, training
@@ -220,9 +221,18 @@ class PPOConfig:
     """PPO clip range eps: the ratio is clipped to [1 - eps, 1 + eps_high]."""
     eps_clip_high: float | None = training(None)
     """Upper clip eps_high (null: equal to eps_clip)."""
-    behav_weight_cap: float | None = training(None)
-    """Tokens whose behaviour weight exp(prox_logp - behav_logp) exceeds this contribute zero
-    (null: no cap)."""
+    behav_weight_cap: Any = training(None)
+    """The behaviour weights w = exp(prox_logp - behav_logp) a token may have and count: a number c masks
+    tokens with w > c, a pair [lo, hi] those with w outside it (IcePop's mask, e.g. [0.5, 2.0]); a masked
+    token's loss is 0 (ppo/behav_masked_frac). null: every token counts."""
+    policy_loss: str = training("decoupled")
+    """The policy loss, each in its decoupled form: decoupled (the AReaL paper's PPO), gspo (a
+    sequence-level ratio, the mean of its tokens' log-ratios; GSPO's eps is ~1e-3) or cispo (a clipped,
+    stop-gradient weight on every token's policy gradient). Formulas: docs/design.md."""
+    loss_agg: str = training("token_mean")
+    """How token losses are averaged: token_mean (every token weighs the same), seq_mean_token_mean (every
+    sequence the same) or seq_mean_token_sum (each sequence's token sum over rollout.max_new_tokens,
+    Dr. GRPO's)."""
     adv_norm: str = training("group")
     """Advantage normalisation: group (GRPO), mean (centre only) or batch (normalise over the batch)."""
     lr: float = training(2e-5)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from areal_hpc import parallel
 from areal_hpc.algo.advantages import ADV_NORMS
+from areal_hpc.algo.losses import LOSS_AGGS, POLICY_LOSSES
 from areal_hpc.arch import DTYPE_BYTES, model_arch
 from areal_hpc.config.choices import LR_DECAYS, PROX_LOGPS, RECOMPUTES, SYNTHETIC_TASKS, VLLM_LORA_RANKS
 from areal_hpc.config.schema import SINGLE_TURN, Config
@@ -24,6 +25,8 @@ CHOICES = {
     "reward.kind": REWARD_KINDS,
     "ppo.adv_norm": ADV_NORMS,
     "ppo.prox_logp": PROX_LOGPS,
+    "ppo.policy_loss": POLICY_LOSSES,
+    "ppo.loss_agg": LOSS_AGGS,
     "ppo.recompute": RECOMPUTES,
     "ppo.lr_decay": LR_DECAYS,
     "data.synthetic_task": SYNTHETIC_TASKS,
@@ -31,6 +34,18 @@ CHOICES = {
     "rollout.openai_endpoint": OPENAI_ENDPOINTS,
 }
 """Fields with a fixed set of values: `validate` refuses any other, `describe_config` lists them."""
+
+
+def _behav_weight_cap_ok(cap) -> bool:
+    """`ppo.behav_weight_cap`: null, a number > 1 or a pair [lo, hi] with 0 <= lo < 1 < hi."""
+
+    def number(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    if cap is None or number(cap):
+        return cap is None or cap > 1
+    pair = list(cap) if isinstance(cap, (list, tuple)) else []
+    return len(pair) == 2 and all(number(x) for x in pair) and 0 <= pair[0] < 1 < pair[1]
 
 
 def validate(cfg: Config) -> None:
@@ -112,8 +127,9 @@ def validate(cfg: Config) -> None:
     need(p.eps_clip > 0, f"ppo.eps_clip must be > 0 (got {p.eps_clip})")
     need(p.eps_clip_high is None or p.eps_clip_high > 0, f"ppo.eps_clip_high must be > 0 (got {p.eps_clip_high})")
     need(
-        p.behav_weight_cap is None or p.behav_weight_cap > 1,
-        f"ppo.behav_weight_cap must be > 1 (got {p.behav_weight_cap}); null disables the cap",
+        _behav_weight_cap_ok(p.behav_weight_cap),
+        f"ppo.behav_weight_cap must be a number > 1 or a pair [lo, hi] with 0 <= lo < 1 < hi (got "
+        f"{p.behav_weight_cap!r}); null keeps every token",
     )
     need(p.lr > 0, f"ppo.lr must be > 0 (got {p.lr})")
     need(p.kl_coef >= 0, f"ppo.kl_coef must be >= 0 (got {p.kl_coef}); 0 is off")

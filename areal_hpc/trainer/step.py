@@ -7,9 +7,10 @@ minibatch, each over its packed micro-batches with the decoupled loss.
         for each micro-batch j of k (Megatron's schedule, 1F1B across pipeline stages):
             logp      = log_softmax(h W^T / T)[next token]                   (T = rollout.temperature)
             entropy   = H(softmax(h W^T / T))                  (no gradient; ppo/entropy, over the mask)
-            loss_sum += sum_t loss_t(logp, prox_logp, behav_logp, A)          (decoupled_ppo_loss)
-                      + kl_coef * sum_t kl_t(logp, ref_logp)                   (kl_penalty; ppo/kl)
-        grads /= tokens of minibatch k over all data-parallel ranks          (Megatron, per-token loss)
+            loss_t    = policy loss (logp, prox_logp, behav_logp, A)   (ppo.policy_loss; algo.ppo)
+                      + kl_coef * kl_t(logp, ref_logp)                         (kl_tokens; ppo/kl)
+            loss_sum += the micro-batch's aggregate of loss_t, count += its count   (ppo.loss_agg)
+        grads /= count of minibatch k over all data-parallel ranks     (Megatron's per-token loss)
         clip grad norm, Adam step
 
 Memory: the prox pass keeps no autograd graph, and token logprobs come from the last stage's hidden
@@ -17,10 +18,11 @@ states h and the output weight W a chunk of positions at a time (`logprobs.token
 micro-batch's logits never exist whole. `ppo.recompute` (Megatron's) trades compute for the layers'
 activations.
 
-Token weighting: every micro-batch returns the *sum* of its token losses and its token count;
-Megatron's schedule adds the counts and `finalize_model_grads` divides the gradients by the total over
-the data-parallel ranks. Gradient accumulation over micro-batches therefore gives the gradient of one
-big batch, whatever the packing.
+Weighting: every micro-batch returns the *sum* of its losses and their count (`algo.ppo.aggregate`: its
+tokens for token_mean, its sequences for the others); Megatron's schedule adds the counts and
+`finalize_model_grads` divides the gradients by the total over the data-parallel ranks. Gradient
+accumulation over micro-batches therefore gives the gradient of one big batch, whatever the packing (a
+micro-batch holds whole sequences).
 
 Routing replay (`ppo.routing_replay`, MoE models): a micro-batch carries the experts the generator chose
 for each of its tokens in each MoE layer of this stage (`MicroBatch.routing`), and every forward pass
@@ -52,7 +54,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.utils import unwrap_model
 
-from areal_hpc.algo.ppo import decoupled_ppo_loss, kl_penalty
+from areal_hpc.algo.losses import LOSS_AGGS, POLICY_LOSSES
+from areal_hpc.algo.ppo import aggregate, behav_weight_bounds, kl_tokens, policy_token_losses
 from areal_hpc.config.choices import PROX_LOGPS
 from areal_hpc.protocol import routing_unknown
 from areal_hpc.trainer import moe
@@ -68,13 +71,24 @@ class StepConfig:
     """Logprobs are log_softmax(logits / temperature), the generator's sampling convention."""
     eps_clip: float = 0.2
     eps_clip_high: float | None = None
-    behav_weight_cap: float | None = None
+    behav_weight_cap: float | tuple[float, float] | None = None
+    """A number c or a pair (lo, hi): `algo.ppo.behav_weight_bounds`."""
+    policy_loss: str = "decoupled"
+    loss_agg: str = "token_mean"
+    seq_tokens: int = 1
+    """seq_mean_token_sum's constant: rollout.max_new_tokens."""
     prox_logp: str = "recompute"
     """recompute (a forward pass with the step's starting weights; exact) or loglinear (no extra pass)."""
     kl_coef: float = 0.0
     """Weight of the KL penalty to the engine's reference policy (`ppo.kl_coef`; 0: off)."""
 
     def __post_init__(self):
+        if self.policy_loss not in POLICY_LOSSES:
+            raise ValueError(f"ppo.policy_loss must be one of {', '.join(POLICY_LOSSES)} (got {self.policy_loss!r})")
+        if self.loss_agg not in LOSS_AGGS:
+            raise ValueError(f"ppo.loss_agg must be one of {', '.join(LOSS_AGGS)} (got {self.loss_agg!r})")
+        if self.behav_weight_cap is not None and not isinstance(self.behav_weight_cap, (int, float)):
+            self.behav_weight_cap = behav_weight_bounds(self.behav_weight_cap)  # a config's list, as a pair
         if self.prox_logp not in PROX_LOGPS:
             raise ValueError(f"ppo.prox_logp must be one of {', '.join(PROX_LOGPS)} (got {self.prox_logp!r})")
         if self.kl_coef < 0:
@@ -88,6 +102,9 @@ class StepConfig:
             eps_clip=p.eps_clip,
             eps_clip_high=p.eps_clip_high,
             behav_weight_cap=p.behav_weight_cap,
+            policy_loss=p.policy_loss,
+            loss_agg=p.loss_agg,
+            seq_tokens=cfg.rollout.max_new_tokens,
             prox_logp=p.prox_logp,
             kl_coef=p.kl_coef,
         )
@@ -101,6 +118,7 @@ class MicroBatch:
     where: tuple[torch.Tensor, torch.Tensor]  # ([n], [n]): (row, column) of the position predicting each token
     targets: torch.Tensor  # [n] the token each of those positions predicts
     loss_mask: torch.Tensor  # [n] bool; never on a sequence's first token (nothing predicts it)
+    seq_ids: torch.Tensor  # [n] int64: the sequence of each token, 0, 1, ... in the micro-batch's order
     behav_logprobs: torch.Tensor  # [n]
     advantages: torch.Tensor  # [n]
     versions: torch.Tensor  # [n] int64
@@ -159,6 +177,7 @@ def make_microbatch(
         (where[0].to(device), where[1].to(device)),
         torch.roll(rows.tokens, -1, dims=1)[where].to(device),
         mask.to(device),
+        torch.repeat_interleave(torch.arange(len(spans)), torch.tensor([b - a for a, b in spans])).to(device),
         arr(batch.behav_logprobs, np.float32).to(device),
         arr(batch.advantages, np.float32).to(device),
         arr(batch.versions, np.int64).to(device),
@@ -219,36 +238,40 @@ def _ppo_loss(
         alpha = torch.where(denom > 0, (version - v_behav) / denom.clamp(min=1e-9), torch.ones_like(denom))
         prox = mb.behav_logprobs + alpha * (logp.detach() - mb.behav_logprobs)
     mask = mb.loss_mask
-    loss, stats = decoupled_ppo_loss(
+    losses, stats = policy_token_losses(
         logp,
         prox,
         mb.behav_logprobs,
         mb.advantages,
         mask,
+        mb.seq_ids,
+        policy_loss=cfg.policy_loss,
         eps_clip=cfg.eps_clip,
         eps_clip_high=cfg.eps_clip_high,
         behav_weight_cap=cfg.behav_weight_cap,
     )
     if cfg.kl_coef > 0:
-        kl = kl_penalty(logp, mb.ref_logprobs, mask)
-        loss = loss + cfg.kl_coef * kl
+        kl = kl_tokens(logp, mb.ref_logprobs, mask)
+        losses = losses + cfg.kl_coef * kl
+    loss_sum, count = aggregate(losses, mask, mb.seq_ids, cfg.loss_agg, cfg.seq_tokens)  # Megatron divides by count
     n = mask.sum()
-    loss_sum = loss * n  # the loss is the mean over the mask; Megatron divides by the total count
     with torch.no_grad():
         current = mask & (mb.versions == version)
         if cfg.prox_logp != "recompute" and alpha_step > 0:
             current = torch.zeros_like(current)  # the approximate prox says nothing about the mismatch
         report = {
             "loss_sum": loss_sum.detach().double(),
+            "loss_count": count.double(),
             "n": n.double(),
             "clip_sum": (stats["clip_frac"] * n).double(),
             "behav_weight_sum": (stats["behav_weight_mean"] * n).double(),
+            "behav_masked_sum": (stats["behav_masked_frac"] * n).double(),
             "mismatch_sum": ((mb.behav_logprobs - prox).abs() * current).sum().double(),
             "mismatch_n": current.sum().double(),
             "entropy_sum": (entropy * mask).sum().double(),
-            "kl_sum": (kl * n).double() if cfg.kl_coef > 0 else torch.zeros_like(n, dtype=torch.float64),
+            "kl_sum": (kl * mask).sum().double() if cfg.kl_coef > 0 else torch.zeros_like(n, dtype=torch.float64),
         }
-    return loss_sum, n.int(), report
+    return loss_sum, count.int(), report
 
 
 def compute_logprobs(engine, mbs: list[MicroBatch], temperature: float, model=None) -> list[torch.Tensor] | None:
@@ -268,7 +291,18 @@ def compute_logprobs(engine, mbs: list[MicroBatch], temperature: float, model=No
     return [o["logprobs"] for o in out] if engine.is_last_stage else None
 
 
-_LOSS_KEYS = ("loss_sum", "n", "clip_sum", "behav_weight_sum", "mismatch_sum", "mismatch_n", "entropy_sum", "kl_sum")
+_LOSS_KEYS = (
+    "loss_sum",
+    "loss_count",
+    "n",
+    "clip_sum",
+    "behav_masked_sum",
+    "behav_weight_sum",
+    "mismatch_sum",
+    "mismatch_n",
+    "entropy_sum",
+    "kl_sum",
+)
 _STAT_KEYS = _LOSS_KEYS + moe.STAT_KEYS
 
 
@@ -350,12 +384,14 @@ def train_minibatches(engine, version: int, minibatches: list[list[MicroBatch]],
                 part[: len(_LOSS_KEYS)] += torch.stack([o[key] for key in _LOSS_KEYS])
         part[len(_LOSS_KEYS) :] = moe.take_stats(engine.model, len(mbs), sp, tp_rank)
         dist.all_reduce(part)
-        engine.check_finite(part[0].item() / max(part[1].item(), 1.0), "the loss", what)
+        engine.check_finite(part[0].item() / max(part[1].item(), 1.0), "the loss", what)  # loss_sum / loss_count
         grad_norms.append(engine.optimizer_step(what))
         totals += part
     s = dict(zip(_STAT_KEYS, totals.tolist()))
     n = max(s["n"], 1.0)
     optional = {"ppo/kl": s["kl_sum"] / n} if cfg.kl_coef > 0 else {}
+    if cfg.behav_weight_cap is not None:
+        optional["ppo/behav_masked_frac"] = s["behav_masked_sum"] / n
     if s["routing_compared"] > 0:  # ppo.routing_replay
         optional["ppo/routing_agreement"] = s["routing_agree"] / s["routing_compared"]
     if s["load_balancing_n"] > 0:  # an MoE model with a load-balancing coefficient > 0
@@ -363,7 +399,7 @@ def train_minibatches(engine, version: int, minibatches: list[list[MicroBatch]],
     if engine.device.type == "cuda":  # a CPU process's max RSS counts everything else it holds: another quantity
         optional["memory/peak_gib"] = torch.cuda.max_memory_allocated(engine.device) / 2**30
     return optional | {
-        "ppo/loss": s["loss_sum"] / n,
+        "ppo/loss": s["loss_sum"] / max(s["loss_count"], 1.0),
         "ppo/clip_frac": s["clip_sum"] / n,
         "ppo/grad_norm": sum(grad_norms) / len(grad_norms),
         "ppo/behav_weight_mean": s["behav_weight_sum"] / n,
