@@ -5,6 +5,7 @@ first traceback (its exception on the console's line), and a workflow's own rewa
 training and in the evaluation between steps.
 """
 
+import asyncio
 import io
 import json
 import re
@@ -17,7 +18,7 @@ import pytest
 
 from areal_hpc.algo.staleness import StalenessGate
 from areal_hpc.controller import Controller
-from areal_hpc.controller.rollouts import EpisodesLost, Rollouts, single_turn
+from areal_hpc.controller.rollouts import EpisodesLost, Rollouts, raised, single_turn
 from areal_hpc.data.dataset import Example
 from areal_hpc.data.tiny import build_tokenizer
 from areal_hpc.exit_codes import EXIT_DONE
@@ -133,6 +134,31 @@ def test_the_console_line_of_lost_episodes_says_what_the_first_one_raised(tmp_pa
         "config (traceback in "
     ) in console.getvalue()
     assert str(e.value).endswith(error)
+
+
+def test_what_an_exception_group_raised_is_its_innermost_exception():
+    """A workflow's asyncio.TaskGroup raises an ExceptionGroup, whose traceback draws the sub-exception's
+    inside "  | " prefixes: the console line names the sub-exception, its message on one line."""
+
+    async def tool():
+        raise ValueError("tool 'calc' failed:\nbad input")
+
+    async def arun_episode():
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(tool())
+
+    try:
+        asyncio.run(arun_episode())
+    except ExceptionGroup:
+        error = traceback.format_exc()
+    assert "  |   File" in error  # the group's drawing, which hid the exception before
+    assert raised(error) == "ValueError: tool 'calc' failed: bad input"
+    try:
+        raise ExceptionGroup("two tools", [KeyError("x"), TypeError("y")])
+    except ExceptionGroup:
+        assert (
+            raised(traceback.format_exc()) == "ExceptionGroup: two tools (2 sub-exceptions) KeyError: 'x' TypeError: y"
+        )
 
 
 def episode(group_id: int, index: int) -> Trajectory:

@@ -27,6 +27,7 @@ Pure bookkeeping over numpy arrays, no MPI: the controller drives it, tests driv
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -53,6 +54,8 @@ REMOVED = "prompt_ids"
 RAISED_CHARS = 300
 """The most of a lost episode's exception that EpisodesLost's first line (the console's) shows: a
 validation error's message runs to many lines; all of it is in the traceback below."""
+_GROUP_PREFIX = re.compile(r"^ *\| ?")
+_GROUP_RULE = re.compile(r"^ *\+[-+ ]")
 
 
 class EpisodesLost(RuntimeError):
@@ -64,7 +67,9 @@ def raised(traceback: str) -> str:
     lines after its last frame (`ValueError: ...`, a message of several lines joined), else its last line.
     EpisodesLost's first line carries it: the console shows that line only (areal_hpc.main), and a user
     should learn what went wrong there, not only which log to open."""
-    lines = traceback.strip().splitlines()
+    # An exception group (asyncio.TaskGroup's) draws its sub-exceptions' tracebacks inside a frame of
+    # "  | " prefixes and "+---" rules: without them, the last frame is the innermost exception's.
+    lines = [_GROUP_PREFIX.sub("", line) for line in traceback.strip().splitlines() if not _GROUP_RULE.match(line)]
     frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
     start = frames[-1] + 1 if frames else len(lines) - 1
     while start < len(lines) - 1 and lines[start].startswith("    "):  # the frame's source line and its ^^^
