@@ -187,12 +187,11 @@ def _export_rank(par, ckpt_dir: str, out_dir: str, max_shard_size: int | str, ad
     for i, (filename, names) in enumerate(split.filename_to_tensors.items(), 1):
         shard = {name: state[name].contiguous() for name in names}
         save_file(shard, str(out / filename), metadata={"format": "pt"})
-        size = sum(t.numel() * t.element_size() for t in shard.values())
-        print(f"export: {filename} ({i}/{n}, {len(names)} tensors, {size / 2**20:.1f} MiB)", flush=True)
+        print(f"export: {filename} ({i}/{n}, {len(names)} tensors, {_nbytes(shard) / 2**20:.1f} MiB)", flush=True)
     if split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    weights = sum(t.numel() * t.element_size() for t in state.values()) / 2**30
+    weights = _nbytes(state) / 2**30
     print(
         f"export: {weights:.2f} GiB of weights; memory of the export process: peak {_peak_memory_gib():.2f} GiB, "
         f"{before:.2f} GiB before loading",
@@ -218,8 +217,13 @@ def _write_adapter(tensors: dict, spec, base: str, out: Path) -> None:
         inference_mode=True,
     )
     config.save_pretrained(str(out))
-    size = sum(t.numel() * t.element_size() for t in tensors.values())
-    print(f"export: adapter_model.safetensors ({len(tensors)} tensors, {size / 2**20:.1f} MiB), adapter_config.json")
+    size = _nbytes(tensors) / 2**20
+    print(f"export: adapter_model.safetensors ({len(tensors)} tensors, {size:.1f} MiB), adapter_config.json")
+
+
+def _nbytes(tensors: dict) -> int:
+    """The bytes of a state dict's tensors."""
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _peak_memory_gib() -> float:
