@@ -204,6 +204,7 @@ def test_the_tiny_agent_learns_to_call_the_calculator_over_http(runs_root):
     cmd = [sys.executable, "-m", "areal_hpc.cli", "eval", str(agent.run_dir), "--steps", "0,100", "--samples", "2"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout + out.stderr
+    assert re.search(r"eval: the episodes' OpenAI endpoint: http://127\.0\.0\.1:\d+/v1", out.stdout), out.stdout
     pass_at_1 = {}
     for step in (0, 100):
         report = json.loads(next((agent.run_dir / "eval").glob(f"step_{step}-*.json")).read_text())

@@ -3,6 +3,7 @@ the evaluation between training steps (the simulated world of tests/support/sim_
 real vLLM engine and the reward workers' scorer pool on the tiny model."""
 
 import json
+import re
 from math import comb
 from pathlib import Path
 
@@ -210,7 +211,9 @@ def test_evaluate_with_the_generator_engine_and_scorer_pool(tmp_path):
     model = initial_model(cfg)
     engine = GenerationEngine.from_config(cfg, model, "cpu")
     try:
-        report = evaluate(cfg, model, eval_path(cfg), samples=4, engine=engine, progress=lambda line: None)
+        shown = []
+        report = evaluate(cfg, model, eval_path(cfg), samples=4, engine=engine, progress=shown.append)
+        assert re.fullmatch(r"eval: the episodes' OpenAI endpoint: http://127\.0\.0\.1:\d+/v1 \S+", shown[0]), shown
         n = len(load_prompts(cfg, build_tokenizer(), eval_path(cfg)))
         assert report["prompts"] == n == 40 and report["samples"] == 4
         assert [p["correct"] for p in report["per_prompt"]] and all(

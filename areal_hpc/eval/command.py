@@ -134,7 +134,9 @@ def evaluate(cfg: Config, model_dir: Path, data: str | Path, samples: int, engin
 
     async def episodes() -> None:
         loop_watch.install(workflow, cfg.rollout.workflow)
-        await runner.open_endpoint()
+        url = await runner.open_endpoint()
+        if url:
+            progress(f"eval: the episodes' OpenAI endpoint: {url} (rollout.openai_endpoint)")
         for request in requests:
             runner.start(request)
         shown = time.monotonic()
