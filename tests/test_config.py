@@ -100,6 +100,10 @@ def test_override_changes_a_field():
         (["lora.rank=8", "lora.target_modules=[]"], "lora.target_modules is empty: name at least one of"),
         (["lora.rank=8", "lora.target_modules=[o_proj,o_proj]"], "names a layer twice: name each once"),
         (["lora.rank=8", "lora.alpha=0"], "lora.alpha must be > 0 (got 0.0)"),
+        (
+            ["model.architecture=qwen3_moe", "ppo.loss_agg=seq_mean_token_mean"],
+            "ppo.loss_agg seq_mean_token_mean averages over sequences, but Megatron weights a mixture of experts'",
+        ),
         (["ppo.policy_loss=grpo"], "ppo.policy_loss must be decoupled, gspo or cispo (got 'grpo')"),
         (["ppo.loss_agg=sum"], "ppo.loss_agg must be token_mean, seq_mean_token_mean or seq_mean_token_sum"),
         (["ppo.behav_weight_cap=0.9"], "ppo.behav_weight_cap must be a number > 1 or a pair [lo, hi] with 0 <= lo"),

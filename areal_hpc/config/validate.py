@@ -229,6 +229,13 @@ def validate(cfg: Config) -> None:
         p.load_balancing_coef is None or p.load_balancing_coef >= 0,
         f"ppo.load_balancing_coef must be >= 0 or null (got {p.load_balancing_coef})",
     )
+    balancing = m.router_aux_loss_coef if p.load_balancing_coef is None else p.load_balancing_coef
+    need(
+        not m.moe or p.loss_agg == "token_mean" or not balancing,
+        f"ppo.loss_agg {p.loss_agg} averages over sequences, but Megatron weights a mixture of experts' "
+        "load-balancing loss by tokens: its coefficient would grow by a sequence's tokens. Set "
+        "ppo.loss_agg=token_mean or ppo.load_balancing_coef=0",
+    )
 
     lora = cfg.lora
     need(

@@ -17,8 +17,9 @@ grouped GEMM: no TransformerEngine). Experts are split over the expert-parallel 
 their experts' ranks by Megatron's all-to-all dispatcher. The load-balancing loss is Megatron's
 `aux_loss` with `ppo.load_balancing_coef` (null: config.json's `router_aux_loss_coef`), computed per
 micro-batch over all its rows' tokens, padding and untrained (prompt) tokens included, and weighted
-by that count over the step's trained tokens (the loss's denominator): the effective coefficient is
-the configured one times rows / trained tokens. The router class is
+by that count over the step's trained tokens (the loss's denominator, `ppo.loss_agg: token_mean`, the
+only aggregation the config allows with a load-balancing loss): the effective coefficient is the
+configured one times rows / trained tokens. The router class is
 `areal_hpc.trainer.moe.ReplayRouter` (routing replay; without targets a plain TopKRouter).
 
 Three pieces replace Megatron's own, because the local spec runs on the CPU and on a bare GPU machine

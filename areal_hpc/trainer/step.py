@@ -75,8 +75,8 @@ class StepConfig:
     """A number c or a pair (lo, hi): `algo.ppo.behav_weight_bounds`."""
     policy_loss: str = "decoupled"
     loss_agg: str = "token_mean"
-    seq_tokens: int = 1
-    """seq_mean_token_sum's constant: rollout.max_new_tokens."""
+    seq_tokens: int | None = None
+    """seq_mean_token_sum's constant: rollout.max_new_tokens (`algo.ppo.aggregate` refuses it unset)."""
     prox_logp: str = "recompute"
     """recompute (a forward pass with the step's starting weights; exact) or loglinear (no extra pass)."""
     kl_coef: float = 0.0
