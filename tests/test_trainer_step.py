@@ -66,6 +66,8 @@ def model_dir(tmp_path_factory):
     return str(build_tiny_model(QWEN2, tmp_path_factory.mktemp("model"), seed=5))
 
 
+EQUAL = 3
+"""Trained tokens of every sequence of the `equal` batch (the shortest answer of `random_batch(VOCAB)`)."""
 LOSS_VARIANTS = {
     "gspo": {"policy_loss": "gspo", "loss_agg": "seq_mean_token_mean", "eps_clip": 0.01},
     "cispo": {
@@ -95,6 +97,16 @@ def reference(model_dir):
     for name, settings in LOSS_VARIANTS.items():
         variants[name] = ([batch], settings)
         variants[f"{name}-regrouped"] = ([regrouped], settings)
+    # Every sequence trains EQUAL tokens: a mean over sequences of token means, or of token sums over EQUAL,
+    # is the token mean, which pins the count the trainer hands Megatron (sequences) independently.
+    cu, mask = batch.cu_seqlens, batch.loss_mask.copy()
+    for a, b in zip(cu[:-1], cu[1:]):
+        mask[a : b - EQUAL] = 0
+    assert [int(mask[a:b].sum()) for a, b in zip(cu[:-1], cu[1:])] == [EQUAL] * (len(cu) - 1)
+    equal = TrainBatch(**{**batch.__dict__, "loss_mask": mask})
+    variants["equal"] = ([equal], {})
+    variants["equal-seq_mean_token_mean"] = ([equal], {"loss_agg": "seq_mean_token_mean"})
+    variants["equal-seq_mean_token_sum"] = ([equal], {"loss_agg": "seq_mean_token_sum", "seq_tokens": EQUAL})
     return run_ranks(_train, 1, 1, 1, model_dir, variants, True)[0]
 
 
@@ -133,6 +145,13 @@ def test_policy_losses_and_aggregations_do_not_depend_on_the_packing(reference, 
         assert 0 < got["ppo/behav_masked_frac"] < 1
     else:
         assert "ppo/behav_masked_frac" not in got
+
+
+def test_means_over_sequences_of_equal_answers_are_the_token_mean(reference):
+    """With every answer EQUAL tokens long, both per-sequence aggregations are the token mean: the trainer
+    divides by the sequences it counts, not by their tokens."""
+    assert_same_step(reference["equal-seq_mean_token_mean"], reference["equal"])
+    assert_same_step(reference["equal-seq_mean_token_sum"], reference["equal"])
 
 
 def test_loglinear_prox_is_exact_on_the_first_minibatch_only(reference):
