@@ -83,8 +83,8 @@ def policy_token_losses(
     behaviour weight is out of `behav_weight_cap`'s range.
 
     The five tensors have the same shape (a packed micro-batch is a flat [N]); `seq_ids` ([N] int64, the
-    sequence of each token, numbered from 0, each number below N) is needed by gspo. `prox_logprobs`, `behav_logprobs` and
-    `advantages` are constants. Values outside the mask (prompt tokens, padding) are ignored entirely,
+    sequence of each token, numbered from 0, each number below N) is needed by gspo. `prox_logprobs`,
+    `behav_logprobs` and `advantages` are constants. Values outside the mask (prompt tokens, padding) are ignored entirely,
     whatever they hold: they are zeroed before any exp, where an overflow would turn into NaN (inf * 0).
     Computed in at least float32 (half-precision logprobs lose too much in exp(difference)).
 

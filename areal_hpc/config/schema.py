@@ -227,8 +227,8 @@ class PPOConfig:
     token's loss is 0 (ppo/behav_masked_frac). null: every token counts."""
     policy_loss: str = training("decoupled")
     """The policy loss, each in its decoupled form: decoupled (the AReaL paper's PPO), gspo (a
-    sequence-level ratio, the mean of its tokens' log-ratios; its paper's eps 3e-4, eps_high 4e-4) or cispo (a clipped,
-    stop-gradient weight on every token's policy gradient). Formulas: docs/design.md."""
+    sequence-level ratio, the mean of its tokens' log-ratios; its paper's eps 3e-4, eps_high 4e-4) or
+    cispo (a clipped, stop-gradient weight on every token's policy gradient). Formulas: docs/design.md."""
     loss_agg: str = training("token_mean")
     """How token losses are averaged: token_mean (every token weighs the same), seq_mean_token_mean (every
     sequence the same) or seq_mean_token_sum (each sequence's token sum over rollout.max_new_tokens,

@@ -55,7 +55,7 @@ import torch.distributed as dist
 from megatron.core.utils import unwrap_model
 
 from areal_hpc.algo.losses import LOSS_AGGS, POLICY_LOSSES
-from areal_hpc.algo.ppo import aggregate, behav_weight_bounds, kl_tokens, policy_token_losses
+from areal_hpc.algo.ppo import aggregate, kl_tokens, policy_token_losses
 from areal_hpc.config.choices import PROX_LOGPS
 from areal_hpc.protocol import routing_unknown
 from areal_hpc.trainer import moe
@@ -71,8 +71,8 @@ class StepConfig:
     """Logprobs are log_softmax(logits / temperature), the generator's sampling convention."""
     eps_clip: float = 0.2
     eps_clip_high: float | None = None
-    behav_weight_cap: float | tuple[float, float] | None = None
-    """A number c or a pair (lo, hi): `algo.ppo.behav_weight_bounds`."""
+    behav_weight_cap: float | tuple[float, float] | list[float] | None = None
+    """A number c or a pair [lo, hi], as the config gives it: `algo.ppo.behav_weight_bounds` reads both."""
     policy_loss: str = "decoupled"
     loss_agg: str = "token_mean"
     seq_tokens: int | None = None
@@ -87,8 +87,6 @@ class StepConfig:
             raise ValueError(f"ppo.policy_loss must be one of {', '.join(POLICY_LOSSES)} (got {self.policy_loss!r})")
         if self.loss_agg not in LOSS_AGGS:
             raise ValueError(f"ppo.loss_agg must be one of {', '.join(LOSS_AGGS)} (got {self.loss_agg!r})")
-        if self.behav_weight_cap is not None and not isinstance(self.behav_weight_cap, (int, float)):
-            self.behav_weight_cap = behav_weight_bounds(self.behav_weight_cap)  # a config's list, as a pair
         if self.prox_logp not in PROX_LOGPS:
             raise ValueError(f"ppo.prox_logp must be one of {', '.join(PROX_LOGPS)} (got {self.prox_logp!r})")
         if self.kl_coef < 0:
