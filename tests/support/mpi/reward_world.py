@@ -28,6 +28,22 @@ def comm(pid):
         return ""
 
 
+def leftovers():
+    """The worker's children (but its shell) and the sandboxes still running anywhere."""
+    children = [p for p in children_of(os.getpid()) if comm(p) != "sh"]
+    bwraps = 0
+    for p in Path("/proc").iterdir():
+        try:
+            bwraps += (
+                p.name.isdigit()
+                and comm(int(p.name)) == "bwrap"
+                and b"/sandbox/solution.py" in (p / "cmdline").read_bytes()
+            )
+        except OSError:  # it ended while we looked
+            pass
+    return children, bwraps
+
+
 def main():
     from mpi4py import MPI
 
@@ -51,16 +67,12 @@ def main():
         model = Path(tempfile.mkdtemp())
         tok.save_pretrained(model)
         assert serve(RankContext(cfg, layout, world, None, Path("."), model)) == 0
-        time.sleep(0.2)
-        left = [p for p in children_of(os.getpid()) if comm(p) != "sh"]
-        bwraps = [
-            p
-            for p in Path("/proc").iterdir()
-            if p.name.isdigit()
-            and comm(int(p.name)) == "bwrap"
-            and b"/sandbox/solution.py" in (p / "cmdline").read_bytes()
-        ]
-        print("WORKER CLEAN", left, len(bwraps), flush=True)
+        # Every process was sent SIGKILL before `serve` returned; the kernel ends them a moment later, a
+        # longer moment on a loaded machine: what is still there after 10 s was left behind.
+        give_up = time.monotonic() + 10.0
+        while (left := leftovers()) != ([], 0) and time.monotonic() < give_up:
+            time.sleep(0.05)
+        print("WORKER CLEAN", *left, flush=True)
         return
 
     box = Mailbox(world)
