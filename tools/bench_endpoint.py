@@ -1,12 +1,14 @@
 """What a call over the episodes' HTTP endpoint costs the generator's thread, against the in-process call.
 
-    python tools/bench_endpoint.py [--episodes 300] [--rounds 3]
+    python tools/bench_endpoint.py [--episodes 300] [--concurrent 1] [--rounds 3]
 
 The tiny agent's episode (two chat calls and a calculator call) on a scripted engine that answers at once,
 so what is timed is everything but sampling: `CalculatorAgent` through the episode's client, and
 `CalculatorAgentHTTP` through `openai.AsyncOpenAI` on the endpoint, both on one event loop as on a
-generator (the agent's client and the server share the thread). Rounds alternate the two (the machine's
-speed drifts). Prints each round's milliseconds per episode, then the headline: the extra per call.
+generator (the agent's client and the server share the thread). `--concurrent N` runs N episodes at a
+time, as a generator does (configs/tiny-agent-cpu.yaml: up to 384), so that their calls hold N connections
+at once. Rounds alternate the two (the machine's speed drifts). Prints each round's milliseconds per
+episode, then the headline: the extra per call.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ TURNS = ["<calc>37*48", "\\boxed{1776}"]
 CALLS = len(TURNS)
 
 
-async def timed(episodes: int, over_http: bool, endpoint, tok, row) -> float:
-    """Milliseconds per episode."""
+async def timed(episodes: int, concurrent: int, over_http: bool, endpoint, tok, row) -> float:
+    """Milliseconds per episode, `concurrent` at a time."""
     workflow = CalculatorAgentHTTP() if over_http else CalculatorAgent()
 
     def client():
@@ -40,15 +42,19 @@ async def timed(episodes: int, over_http: bool, endpoint, tok, row) -> float:
         return client_for(tok, Engine(tok, TURNS), max_turns=3, max_episode_tokens=64)
 
     await workflow.arun_episode(client(), row)  # warm: the first call builds the HTTP client and connection
-    start = time.perf_counter()
-    for _ in range(episodes):
+
+    async def episode():
         c = client()
         await workflow.arun_episode(c, row)
         c.close()
+
+    start = time.perf_counter()
+    for first in range(0, episodes, concurrent):
+        await asyncio.gather(*(episode() for _ in range(min(concurrent, episodes - first))))
     return (time.perf_counter() - start) / episodes * 1e3
 
 
-async def main(episodes: int, rounds: int) -> None:
+async def main(episodes: int, concurrent: int, rounds: int) -> None:
     tok = build_tokenizer()
     row = {"prompt": "37*48=", "prompt_ids": encode(tok, "37*48=")}
     endpoint = EpisodeEndpoint("loopback", "tiny-policy")
@@ -57,7 +63,7 @@ async def main(episodes: int, rounds: int) -> None:
     try:
         for r in range(rounds):
             for over_http in (r % 2 == 0, r % 2 == 1):
-                ms = await timed(episodes, over_http, endpoint, tok, row)
+                ms = await timed(episodes, concurrent, over_http, endpoint, tok, row)
                 (http if over_http else local).append(ms)
                 print(f"round {r + 1}: {'http' if over_http else 'in-process'} {ms:.2f} ms per episode", flush=True)
     finally:
@@ -70,6 +76,7 @@ async def main(episodes: int, rounds: int) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--episodes", type=int, default=300)
+    parser.add_argument("--concurrent", type=int, default=1, help="episodes at a time (default 1)")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    asyncio.run(main(args.episodes, args.rounds))
+    asyncio.run(main(args.episodes, args.concurrent, args.rounds))
