@@ -334,10 +334,12 @@ def test_eval_array_runs_on_slurm(tmp_path, slurm_cluster):
     assert got["step"] == 0 and got["prompts"] == 2 and got["samples"] == 2 and set(got["pass@k"]) == {"1", "2"}
 
 
-def test_bad_eval_data_is_one_line_before_any_engine(tmp_path, capsys):
+def test_bad_eval_data_is_one_line_before_any_engine(tmp_path, capsys, monkeypatch):
     from areal_hpc.cli import main
     from areal_hpc.data.tiny import build_tiny_model
+    from areal_hpc.eval import command
 
+    monkeypatch.setattr(command, "_engine", lambda *args: pytest.fail("an engine was started"))
     model = build_tiny_model(load_config().model, tmp_path, seed=1)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": null}\n')

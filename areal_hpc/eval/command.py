@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -112,7 +113,8 @@ def export(run_dir: Path, step: int) -> Path:
 def evaluate(cfg: Config, model_dir: Path, data: str | Path, samples: int, engine=None, progress=print) -> dict:
     """Run `samples` episodes of the run's workflow on every prompt of `data`, as a generator rank runs them
     (its `EpisodeRunner` on its engine), score them as training does, and report (`EvalRound.report`, the
-    episodes' counts, and what was evaluated)."""
+    episodes' counts, and what was evaluated). `engine`: the engine to use, a function that returns it (called
+    once the data and the workflow are known to be good), or None for an engine of its own."""
     from transformers import AutoTokenizer
 
     from areal_hpc.generator import loop_watch
@@ -127,6 +129,8 @@ def evaluate(cfg: Config, model_dir: Path, data: str | Path, samples: int, engin
     own_engine = engine is None
     if own_engine:
         engine = _engine(cfg, model_dir)
+    elif callable(engine):
+        engine = engine()
     runner = EpisodeRunner.from_config(cfg, engine, model_dir, workflow=workflow)
     pool = ScorerPool(pool_size(cfg.reward.processes), timeout_s=cfg.reward.timeout_s)
     requests = [GenerateRequest(i, e.prompt_ids, e.row, samples, eval=True) for i, e in enumerate(examples)]
@@ -223,6 +227,19 @@ def run(args) -> int:
 
         return submit_eval_array(args)
     engine = None
+
+    def engine_for(cfg: Config, model_dir: Path):
+        """The engine with `model_dir`'s weights: started for the first checkpoint, the next ones' weights
+        loaded into it as a weight sync loads them."""
+        nonlocal engine
+        if engine is None:
+            engine = _engine(cfg, model_dir)
+        else:
+            from areal_hpc.trainer.convert import read_hf
+
+            engine.load_weights(read_hf(model_dir).items(), version=engine.version + 1)
+        return engine
+
     try:
         for step in args.steps or [args.step]:
             cfg, model_dir, step = resolve(args.target, step, list(args.overrides), args.config)
@@ -230,13 +247,8 @@ def run(args) -> int:
             samples = cfg.eval.samples if args.samples is None else args.samples
             if samples < 1:
                 raise ConfigError(f"--samples must be at least 1 (got {samples})")
-            if engine is None:
-                engine = _engine(cfg, model_dir)
-            else:  # the next checkpoint's weights, loaded as a weight sync loads them
-                from areal_hpc.trainer.convert import read_hf
-
-                engine.load_weights(read_hf(model_dir).items(), version=engine.version + 1)
-            report = {"step": step, **evaluate(cfg, model_dir, data, samples, engine=engine)}
+            at_step = functools.partial(engine_for, cfg, model_dir)
+            report = {"step": step, **evaluate(cfg, model_dir, data, samples, engine=at_step)}
             out = Path(args.output) if args.output else default_output(args.target, step, data)
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(report, indent=1) + "\n")
