@@ -185,9 +185,9 @@ def test_the_tiny_agent_learns_to_call_the_calculator_and_is_evaluated_over_http
     HTTP (CalculatorAgentHTTP: `openai.AsyncOpenAI` on each episode's endpoint, its tokens the in-process
     loop's, tests/test_workflow_http.py; 1,000 agents connecting at once). Training over HTTP is
     test_an_agent_in_its_own_process_trains's: on this machine each call through the `openai` client costs
-    the generator's thread about 10 ms, which would make this run several times longer (docs/benchmarks.md).
-    Measured: reward 0.47 -> 0.97 by fifths, tool calls per episode 0.47 -> 1.0, held-out pass@1 0.27 -> 0.97
-    over 150 steps."""
+    the generator's thread 7 to 11 ms, which would make this run several times longer (docs/benchmarks.md).
+    Measured (60 steps): reward 0.35 -> 0.93 by fifths, tool calls per episode 0.34 -> 0.96, held-out pass@1
+    0.29 -> 0.95."""
     agent = RunProcess(AGENT, f"experiment.root={runs_root}", "experiment.trial=agent", "train.total_steps=60")
     assert agent.wait(timeout=1800) == 0, agent.output
     rows = agent.rows()

@@ -212,7 +212,7 @@ def test_evaluate_with_the_generator_engine_and_scorer_pool(tmp_path):
     engine = GenerationEngine.from_config(cfg, model, "cpu")
     try:
         shown = []
-        report = evaluate(cfg, model, eval_path(cfg), samples=4, engine=engine, progress=shown.append)
+        report = evaluate(cfg, model, eval_path(cfg), samples=4, engine=lambda: engine, progress=shown.append)
         assert re.fullmatch(r"eval: the episodes' OpenAI endpoint: http://127\.0\.0\.1:\d+/v1 \S+", shown[0]), shown
         n = len(load_prompts(cfg, build_tokenizer(), eval_path(cfg)))
         assert report["prompts"] == n == 40 and report["samples"] == 4
@@ -238,7 +238,7 @@ def test_evaluate_with_the_generator_engine_and_scorer_pool(tmp_path):
         prompts = ["1+1=", "2+5=", "13+4=", "7-3="]
         data.write_text("".join(json.dumps({"prompt": p, "answer": "0"}) + "\n" for p in prompts))
         cfg = load_config("configs/tiny-cpu.yaml", [*overrides, f"rollout.workflow={workflow}:TwoTurns"])
-        report = evaluate(cfg, model, data, samples=3, engine=engine, progress=lambda line: None)
+        report = evaluate(cfg, model, data, samples=3, engine=lambda: engine, progress=lambda line: None)
     finally:
         engine.close()
     lost = [p.startswith("1") for p in prompts]

@@ -79,4 +79,6 @@ if __name__ == "__main__":
     parser.add_argument("--concurrent", type=int, default=1, help="episodes at a time (default 1)")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    if min(args.episodes, args.concurrent, args.rounds) < 1:
+        parser.error("--episodes, --concurrent and --rounds must be at least 1")
     asyncio.run(main(args.episodes, args.concurrent, args.rounds))

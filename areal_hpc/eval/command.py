@@ -113,8 +113,8 @@ def export(run_dir: Path, step: int) -> Path:
 def evaluate(cfg: Config, model_dir: Path, data: str | Path, samples: int, engine=None, progress=print) -> dict:
     """Run `samples` episodes of the run's workflow on every prompt of `data`, as a generator rank runs them
     (its `EpisodeRunner` on its engine), score them as training does, and report (`EvalRound.report`, the
-    episodes' counts, and what was evaluated). `engine`: the engine to use, a function that returns it (called
-    once the data and the workflow are known to be good), or None for an engine of its own."""
+    episodes' counts, and what was evaluated). `engine`: a function that returns the engine to use, called once
+    the data and the workflow are known to be good; None for an engine of its own."""
     from transformers import AutoTokenizer
 
     from areal_hpc.generator import loop_watch
@@ -127,10 +127,7 @@ def evaluate(cfg: Config, model_dir: Path, data: str | Path, samples: int, engin
     workflow = load_workflow(cfg.rollout.workflow)()  # a bad one is refused before the engine starts
     scoring = _Scoring(cfg, tokenizer, examples, samples)
     own_engine = engine is None
-    if own_engine:
-        engine = _engine(cfg, model_dir)
-    elif callable(engine):
-        engine = engine()
+    engine = _engine(cfg, model_dir) if own_engine else engine()
     runner = EpisodeRunner.from_config(cfg, engine, model_dir, workflow=workflow)
     pool = ScorerPool(pool_size(cfg.reward.processes), timeout_s=cfg.reward.timeout_s)
     requests = [GenerateRequest(i, e.prompt_ids, e.row, samples, eval=True) for i, e in enumerate(examples)]
