@@ -42,12 +42,39 @@ class GenerateRequest:
     row: dict  # what the workflow gets besides `prompt_ids`: areal_hpc.data.dataset.Example.row (prompt, target, kind, others)
     n: int
     eval: bool = False
+    indices: list | None = None
+    """The episodes to run, by index among the n (None: all): a group resumed from a checkpoint runs only those
+    that had not come back (areal_hpc.checkpoint.in_flight)."""
+    resume: dict | None = None
+    """Index -> the `SavedTurn`s its episode had sampled when the checkpoint was taken, which the episode meets
+    again (areal_hpc.generator.resume); None: none."""
 
 
-EPISODE_STATS = ("turns", "tool_calls", "tool_errors", "tool_s", "template_rewrites")
+@dataclass
+class SavedTurn:
+    """One turn of an episode in flight at a checkpoint, as a generator saved it: the digest of the context it was
+    sampled after (`context_digest`), what it sampled by then, and its finish reason ("" while it was in flight)."""
+
+    context: bytes
+    token_ids: np.ndarray  # int32
+    behav_logprobs: np.ndarray  # float32
+    versions: np.ndarray  # int32
+    finish_reason: str = ""
+    routing: np.ndarray | None = None  # a finished turn's, when the engine records routing
+
+
+def context_digest(token_ids) -> bytes:
+    """What identifies a turn's context: a 16-byte BLAKE2 digest of its token ids as int32."""
+    import hashlib
+
+    return hashlib.blake2b(np.asarray(token_ids, np.int32).tobytes(), digest_size=16).digest()
+
+
+EPISODE_STATS = ("turns", "tool_calls", "tool_errors", "tool_s", "template_rewrites", "resumed_tokens")
 """The counters every episode reports (`Trajectory.stats`, `EvalTrajectory.stats`): sampled turns, tool calls,
 tool calls that failed or timed out, seconds in tools, tool or user messages whose tokens came from a chat template
-that rewrites earlier turns (areal_hpc.workflow.conversation)."""
+that rewrites earlier turns (areal_hpc.workflow.conversation), sampled tokens carried over from before a checkpoint it
+was resumed from (areal_hpc.generator.resume)."""
 
 
 @dataclass
@@ -203,7 +230,8 @@ class SyncDone:
 
 @dataclass
 class Save:
-    """Controller -> trainers: checkpoint to `path` (the controller writes its own state beside it)."""
+    """Controller -> trainers and generators: checkpoint to `path` (a generator its episodes in flight:
+    areal_hpc.checkpoint.in_flight; the controller writes its own state beside them)."""
 
     version: int
     path: str

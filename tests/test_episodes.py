@@ -10,6 +10,7 @@ what is tested: an episode waiting on a tool holds no vLLM request and holds up 
 """
 
 import asyncio
+import logging
 import math
 
 import numpy as np
@@ -398,3 +399,72 @@ def test_the_single_turn_default_is_the_single_turn_rollout(setup):
     for t in evals:
         assert 1 <= t.answer_ids.size <= MAX_NEW and t.num_tokens == len(prompts[1]) + t.answer_ids.size
         assert t.finish_reason in ("stop", "length") and math.isnan(t.reward) and not t.error
+
+
+def test_episodes_saved_at_a_checkpoint_go_on_from_their_turns_on_another_runner(setup, tmp_path, caplog):
+    """A checkpoint while group 0's episodes wait between their turns and group 1's are mid turn 1
+    (`save_in_flight`); a fresh runner (as after the resume, here under other weights) starts them from their
+    rows with the saved turns: a finished turn 1 comes back as sampled (tokens, logprobs, version) and the tool
+    runs again; a turn in flight goes on from its tokens, the new ones of the new version and weights. An
+    episode whose context differs from its saved turn's (another prompt) samples anew, counted and logged."""
+    from areal_hpc.checkpoint.in_flight import read_in_flight
+
+    engine, tokenizer, model_a, model_b = setup
+    v0 = engine.version + 1
+    load(engine, model_a, v0)
+    workflow = Scripted()
+    runner = runner_of(engine, tokenizer, workflow)
+    prompts = {0: [9, 10, 11], 1: [12, 13, 14]}
+
+    async def before_the_stop():
+        replies = []
+        workflow.gate = asyncio.Event()  # never set: group 0 waits after turn 1
+        runner.start(request(0, prompts[0], n=2, wait=True))
+        await pump(runner, replies, lambda: workflow.waiting == 2)
+        runner.start(request(1, prompts[1], n=3))
+        for _ in range(4):  # group 1's first turns a few tokens in
+            replies += await runner.advance()
+        return runner.save_in_flight(tmp_path, 0, v0), replies
+
+    (episodes, tokens, nbytes), replies = asyncio.run(before_the_stop())
+    runner.close()
+    engine.interrupt()  # the stop: its turns in vLLM go with the process
+    assert not replies and episodes == 5 and nbytes > 0
+    saved = read_in_flight(tmp_path, v0)
+    assert sum(len(t.token_ids) for turns in saved.values() for t in turns) == tokens
+    assert all(saved[(0, i)][0].finish_reason for i in range(2)), "group 0's turn 1 had finished"
+    assert any(0 < len(saved[(1, i)][0].token_ids) for i in range(3)) and not any(
+        saved[(1, i)][0].finish_reason for i in range(3)
+    )
+
+    load(engine, model_b, v0 + 1)
+    resumed = Scripted()
+    resumed.gate = None
+    again = runner_of(engine, tokenizer, resumed)
+    requests = [request(g, prompts[g], n=n) for g, n in ((0, 2), (1, 3))]
+    for r in requests:
+        r.resume = {i: turns for (g, i), turns in saved.items() if g == r.group_id}
+    other = request(2, [15, 16, 17], n=1)  # group 1's episode 0 saved turns, met with another context
+    other.resume = {0: saved[(1, 0)]}
+    with caplog.at_level(logging.INFO, logger="areal_hpc.generator"):
+        replies = run_episodes(again, [*requests, other])
+    by = {(t.group_id, t.index): t for t in replies}
+    assert sorted(by) == [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2), (2, 0)]
+    for (g, i), turns in saved.items():
+        t, turn = by[(g, i)], turns[0]
+        check_scripted(t, prompts[g])
+        (s1, e1), (s2, e2) = sampled_runs(t)
+        k = len(turn.token_ids)
+        assert t.tokens[s1 : s1 + k].tolist() == turn.token_ids.tolist()
+        assert t.behav_logprobs[s1 : s1 + k].tolist() == turn.behav_logprobs.tolist()
+        assert t.versions[s1 : s1 + k].tolist() == [v0] * k
+        assert t.stats["resumed_tokens"] == k
+        if turn.finish_reason:
+            assert e1 - s1 == k  # came back whole, not sampled again
+        check_logprobs(t, s1 + k, e1, model_b)
+        assert set(t.versions[s2:e2].tolist()) == {v0 + 1}
+        check_logprobs(t, s2, e2, model_b)
+    fresh = by[(2, 0)]
+    assert fresh.stats["resumed_tokens"] == 0 and set(fresh.versions[fresh.loss_mask == 1].tolist()) == {v0 + 1}
+    if len(saved[(1, 0)][0].token_ids):
+        assert f"episode group2.0: {len(saved[(1, 0)][0].token_ids)} saved tokens did not meet" in caplog.text

@@ -125,7 +125,14 @@ def test_a_chat_answers_like_openai_and_trains_exactly_the_sampled_tokens():
     assert not f["behav_logprobs"][[i for i in range(len(f["tokens"])) if not f["loss_mask"][i]]].any()
     assert f["answer_ids"].tolist() == s2 and f["finish_reason"] == "stop"
     assert list(f["stats"]) == list(EPISODE_STATS)
-    assert f["stats"] == {"turns": 2, "tool_calls": 1, "tool_errors": 0, "tool_s": 0.25, "template_rewrites": 0}
+    assert f["stats"] == {
+        "turns": 2,
+        "tool_calls": 1,
+        "tool_errors": 0,
+        "tool_s": 0.25,
+        "template_rewrites": 0,
+        "resumed_tokens": 0,
+    }
 
 
 def test_without_tools_the_text_is_the_content_and_nothing_is_parsed():

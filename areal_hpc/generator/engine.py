@@ -240,14 +240,22 @@ class GenerationEngine:
         return self.engine.model_config.max_model_len
 
     # --- serving ---
-    def submit(self, key: str, token_ids: list[int], max_tokens: int) -> None:
+    def submit(self, key: str, token_ids: list[int], max_tokens: int, prefix: Turn | None = None) -> None:
         """Queue a turn: sample at most `max_tokens` tokens after `token_ids`. `key` names it among the
-        turns in flight (the finished turn carries it)."""
+        turns in flight (the finished turn carries it). `prefix`: what the turn had sampled before a
+        checkpoint (areal_hpc.generator.resume): it goes on from there, as after a weight update."""
         if max_tokens < 1:
             raise ValueError(f"turn {key!r}: max_tokens must be at least 1, got {max_tokens}")
         if key in self._running or key in (self._held or {}):
             raise ValueError(f"turn {key!r} is already in flight")
         turn = EngineTurn(key, [int(t) for t in token_ids], max_tokens)
+        if prefix is not None:
+            if len(prefix.token_ids) >= max_tokens:
+                raise ValueError(
+                    f"turn {key!r}: a prefix of {len(prefix.token_ids)} tokens leaves none of {max_tokens}"
+                )
+            turn.sampled = Turn(list(prefix.token_ids), list(prefix.behav_logprobs), list(prefix.versions), "")
+            turn.attempt = 1
         if self._held is None:
             self._submit(turn)
         else:

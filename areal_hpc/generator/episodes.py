@@ -18,6 +18,10 @@ stays on the engine of the rank that got its request, so its turns reuse that en
 Names: an episode is `group{g}.{i}` (`eval{p}.{i}` for an eval row), its turns `<episode>.t{k}` (the
 engine's keys), its tool calls `<episode>.c{k}` (the pool's keys).
 
+At a checkpoint (`save_in_flight`, the generator's Save) every training episode's turns so far go into the
+checkpoint; a request carried over one (`GenerateRequest.resume`) starts its episodes with the turns they
+had, which they meet again in order (areal_hpc.generator.resume).
+
 What an episode may do, and what a failure costs it, is the contract in `areal_hpc.workflow.Workflow`'s
 docstring. Here: a lost episode (its workflow raised, sampled nothing, or returned neither a finite float
 nor None) still replies, with the traceback (`error`, also logged) and no tokens, since its group waits
@@ -33,10 +37,12 @@ import logging
 import math
 import numbers
 import traceback
+from dataclasses import dataclass
 
 import numpy as np
 
-from areal_hpc.protocol import EPISODE_STATS, EvalTrajectory, GenerateRequest, Trajectory
+from areal_hpc.generator.resume import EpisodeResume, saved_turn
+from areal_hpc.protocol import EPISODE_STATS, EvalTrajectory, GenerateRequest, SavedTurn, Trajectory
 
 log = logging.getLogger("areal_hpc.generator")
 
@@ -60,6 +66,7 @@ class EpisodeRunner:
         self._turns: dict[str, asyncio.Future] = {}  # turn key -> what its episode awaits
         self._calls: dict[str, asyncio.Future] = {}  # tool call key -> what its episode awaits
         self._tasks: set[asyncio.Task] = set()  # each episode's, until it is done (however it ended)
+        self._live: dict[str, _Live] = {}  # each training episode's, until it ends: what a checkpoint saves of it
         self._replies: list[Trajectory | EvalTrajectory] = []
 
     @classmethod
@@ -100,8 +107,11 @@ class EpisodeRunner:
         name = f"{'eval' if request.eval else 'group'}{request.group_id}"
         prompt_ids = [int(t) for t in request.prompt_ids]
         loop = asyncio.get_running_loop()
-        for i in range(request.n):
+        resume = request.resume or {}
+        for i in range(request.n) if request.indices is None else request.indices:
             row = dict(request.row, prompt_ids=list(prompt_ids))
+            if not request.eval:
+                self._live[f"{name}.{i}"] = _Live(request.group_id, i, [], EpisodeResume(resume.get(i, [])))
             task = loop.create_task(self._episode(request, i, f"{name}.{i}", row), name=f"{name}.{i}")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -129,12 +139,30 @@ class EpisodeRunner:
         replies, self._replies = self._replies, []
         return replies
 
+    def save_in_flight(self, path, rank: int, version: int) -> tuple[int, int, int]:
+        """Write every training episode's turns so far into the checkpoint at `path`
+        (areal_hpc.checkpoint.in_flight): its finished turns, and the one in flight as vLLM has sampled it
+        (read without stopping it), or, before it meets them, the turns it was resumed with. Returns
+        (episodes, sampled tokens, bytes written)."""
+        from areal_hpc.checkpoint.in_flight import sampled_tokens, write_in_flight
+
+        in_flight = {turn.key.rpartition(".t")[0]: turn for turn in self.engine.partial()}
+        episodes = {}
+        for name, live in self._live.items():
+            turn = in_flight.get(name)
+            now = [saved_turn(turn.context_ids, turn.sampled, finished=False)] if turn else live.resume.saved
+            if live.turns or now:
+                episodes[(live.group_id, live.index)] = [*live.turns, *now]
+        nbytes = write_in_flight(path, rank, version, episodes)
+        return len(episodes), sum(sampled_tokens(t) for t in episodes.values()), nbytes
+
     def close(self) -> None:
-        """Cancel every episode (at Stop: their groups are generated again elsewhere or after a resume) and
-        stop the tool pool. The runner can start episodes again afterwards."""
+        """Cancel every episode (at Stop: their groups go on after a resume, from the turns the checkpoint holds)
+        and stop the tool pool. The runner can start episodes again afterwards."""
         for task in self._tasks:
             task.cancel()
         self._tasks.clear()
+        self._live.clear()
         for future in self._turns.values():  # an HTTP call awaiting one ends too
             future.cancel()
         if self._pool is not None:
@@ -147,16 +175,18 @@ class EpisodeRunner:
     async def _episode(self, request: GenerateRequest, index: int, name: str, row: dict) -> None:
         from areal_hpc.workflow.client import EpisodeClient
 
+        live = self._live.get(name)
         client = EpisodeClient(
             self.tokenizer,
             self.rollout,
             self.engine.max_model_len,
-            self._sampler(name),
+            self._sampler(name, live),
             self._caller(name),
             self.endpoint,
         )
         try:
             reward = _reward(await self.workflow.arun_episode(client, row))
+            client.resumed_tokens = live.resume.kept if live else 0
             fields = client.trajectory_fields()
             if not len(fields["seq_lens"]):
                 raise RuntimeError("the episode sampled no token (no turn, or none within its limits)")
@@ -169,20 +199,33 @@ class EpisodeRunner:
             fields, reward = _lost(), math.nan
         finally:
             client.close()
+            self._live.pop(name, None)
+            if live and live.resume.discarded:
+                log.info(
+                    "episode %s: %d saved tokens did not meet its turns and were sampled again",
+                    name,
+                    live.resume.discarded,
+                )
         self._replies.append(_reply(request, index, fields, reward, error))
 
-    def _sampler(self, name: str):
-        """The episode's `sample`: one turn on the engine, awaited."""
+    def _sampler(self, name: str, live: _Live | None):
+        """The episode's `sample`: one turn on the engine, awaited. A training episode's (`live`) meets the turns
+        it was resumed with first, and records each finished turn for the next checkpoint."""
         from areal_hpc.workflow.client import Turn
 
         count = itertools.count()
 
         async def sample(token_ids: list[int], max_tokens: int) -> Turn:
             key = f"{name}.t{next(count)}"
-            future = asyncio.get_running_loop().create_future()
-            self.engine.submit(key, token_ids, max_tokens)
-            self._turns[key] = future
-            return await future  # the engine turn's `sampled` record (advance)
+            finished, prefix = live.resume.meet(token_ids, max_tokens) if live else (None, None)
+            if finished is None:
+                future = asyncio.get_running_loop().create_future()
+                self.engine.submit(key, token_ids, max_tokens, prefix)
+                self._turns[key] = future
+                finished = await future  # the engine turn's `sampled` record (advance)
+            if live is not None:
+                live.turns.append(saved_turn(token_ids, finished))
+            return finished
 
         return sample
 
@@ -200,6 +243,16 @@ class EpisodeRunner:
             return await future
 
         return tool
+
+
+@dataclass
+class _Live:
+    """A training episode as a checkpoint sees it: its place, its finished turns, the turns it was resumed with."""
+
+    group_id: int
+    index: int
+    turns: list[SavedTurn]
+    resume: EpisodeResume
 
 
 def _reward(value) -> float:

@@ -10,6 +10,7 @@
           WeightSync(version) -> interrupt the turns in flight, receive + load the broadcast, resume them
                                  -> SyncDone(version, s, nbytes: what it received)
                                  rollout.interruptible false: hold new turns (engine.hold) and drain
+          Save(version, path) -> the training episodes' turns so far into the checkpoint -> Saved(version)
           Stop                -> (a drain: load now, SyncDone) cancel the episodes, close the tool pool, flush, exit
         draining and no turn running in vLLM -> receive + load each version waiting, in order, start the held
                                  turns -> SyncDone(version, s, drain_s, nbytes) each
@@ -54,7 +55,7 @@ async def _serve(ctx, sync) -> None:
     from areal_hpc.generator import loop_watch
     from areal_hpc.generator.engine import GenerationEngine
     from areal_hpc.generator.episodes import EpisodeRunner
-    from areal_hpc.protocol import Failure, GenerateRequest, Mailbox, Stop, SyncDone, WeightSync
+    from areal_hpc.protocol import Failure, GenerateRequest, Mailbox, Save, Saved, Stop, SyncDone, WeightSync
     from areal_hpc.rank_context import CONTROLLER_RANK
     from areal_hpc.workflow import load_workflow
 
@@ -105,6 +106,14 @@ async def _serve(ctx, sync) -> None:
                 elif isinstance(msg, WeightSync):
                     engine.hold()
                     draining.append((msg.version, time.perf_counter()))
+                elif isinstance(msg, Save):
+                    t0 = time.perf_counter()
+                    episodes, tokens, nbytes = runner.save_in_flight(msg.path, ctx.rank, msg.version)
+                    log.info(
+                        "checkpoint of version %d: %d episodes in flight saved, %d sampled tokens, %.1f MB in %.2f s",
+                        msg.version, episodes, tokens, nbytes / 1e6, time.perf_counter() - t0,
+                    )  # fmt: skip
+                    mailbox.send(CONTROLLER_RANK, Saved(msg.version))
                 elif isinstance(msg, Stop):
                     load_drained()
                     runner.close()

@@ -81,6 +81,7 @@ class EpisodeClient:
         self._calling = False  # a call to the policy is in flight
         self._last_finish = "stop"
         self.turns = 0
+        self.resumed_tokens = 0  # sampled before a checkpoint this episode resumed from (set by its generator)
         self.tool_calls = 0
         self.tool_errors = 0
         self.tool_s = 0.0
@@ -171,6 +172,7 @@ class EpisodeClient:
             "tool_errors": self.tool_errors,
             "tool_s": self.tool_s,
             "template_rewrites": rewrites,
+            "resumed_tokens": self.resumed_tokens,
         }
         return {
             **self.episode.arrays(),

@@ -1,0 +1,51 @@
+"""The answers in flight at a checkpoint: what each generator writes beside the trainers' files, and what a
+resumed controller reads back.
+
+At a Save, every generator writes `in-flight-<rank>.pkl`: for each training episode it is running, by (group
+id, index), the turns it has sampled so far (`protocol.SavedTurn`: the finished ones and the one in flight,
+read from vLLM without stopping it). The controller's state (areal_hpc.checkpoint.controller) holds the
+groups that were running and the episodes of theirs that had already come back; together they are every
+token generated for those groups. The files are part of the checkpoint: recorded in FILES.json and checked
+with the rest before it counts. The controller reads all of them, whatever the number of generators now,
+and hands each running group's saved turns to the generator that runs it next (areal_hpc.generator.resume).
+
+Written by the generators themselves, each its own share in parallel: at the scale of the qwen configs an
+answer in flight averages a few thousand tokens, 12 bytes each (id, logprob, version), some 0.2 to 1 GB a
+run, which through the controller's one loop would stall every role while it is written.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+from areal_hpc.protocol import SavedTurn
+
+FILE = "in-flight-{rank}.pkl"
+
+
+def write_in_flight(path: Path, rank: int, version: int, episodes: dict[tuple[int, int], list[SavedTurn]]) -> int:
+    """Write a generator's episodes in flight into the checkpoint directory `path`; returns the file's bytes."""
+    target = Path(path) / FILE.format(rank=rank)
+    tmp = target.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump({"version": version, "episodes": episodes}, f, protocol=pickle.HIGHEST_PROTOCOL)
+    tmp.rename(target)
+    return target.stat().st_size
+
+
+def read_in_flight(path: Path, version: int) -> dict[tuple[int, int], list[SavedTurn]]:
+    """Every generator's episodes in flight in the checkpoint at `path` (of `version`), by (group id, index);
+    none for a checkpoint written before they were saved."""
+    episodes = {}
+    for file in sorted(Path(path).glob(FILE.format(rank="*"))):
+        with open(file, "rb") as f:
+            saved = pickle.load(f)
+        if saved["version"] != version:
+            raise RuntimeError(f"{file}: answers in flight of version {saved['version']}, in a checkpoint of {version}")
+        episodes.update(saved["episodes"])
+    return episodes
+
+
+def sampled_tokens(turns: list[SavedTurn]) -> int:
+    return sum(len(t.token_ids) for t in turns)
