@@ -21,7 +21,8 @@ the step's episodes; rollout/answer_tokens_mean, _median, _p90, _max: the tokens
 episodes, all its turns; rollout/generated_tokens_p90 and rollout/trained_tokens_p90: the p90 of the
 same over the last ten steps' worth of training episodes generated (trained or not; 0 before any came)
 and trained, which differ when staleness drops long answers; rollout/workflow_errors, rollout/tool_errors, rollout/template_rewrites,
-rollout/lost_groups: counts since the previous step; areal_hpc.controller.step_metrics), and after an
+rollout/lost_groups: counts since the previous step; rollout/resumed_tokens: the step's sampled tokens carried
+over from before the checkpoint the run resumed from, areal_hpc.generator.resume; areal_hpc.controller.step_metrics), and after an
 evaluation between steps eval/pass@1 ... (areal_hpc.eval.training). Each line also has `step`, the policy
 version after the step.
 """

@@ -8,9 +8,11 @@ prompt trained on at most once, a stop checkpoints and a resumed controller cont
 without training on the same prompts again, and a rank that stops answering ends the run naming it.
 """
 
+import copy
 import json
 import logging
 import pickle
+import re
 from collections import Counter
 
 import numpy as np
@@ -18,6 +20,7 @@ import pytest
 
 from areal_hpc.checkpoint.controller import read_state
 from areal_hpc.checkpoint.files import latest_checkpoint, record_files
+from areal_hpc.checkpoint.in_flight import read_in_flight
 from areal_hpc.config import load_config
 from areal_hpc.controller import Controller
 from areal_hpc.controller.rollouts import Group
@@ -148,9 +151,55 @@ def test_stop_checkpoints_and_resume_continues_without_reusing_data(tmp_path, ol
     assert g.accepted + g.running <= (cfg.rollout.max_staleness + 12 + 1) * 4
 
 
+@pytest.mark.parametrize("eta_at_resume", [2, 0])
+def test_answers_in_flight_at_a_stop_go_on_from_their_tokens_after_the_resume(tmp_path, caplog, eta_at_resume):
+    """Long answers (up to 40 ticks, a token each) stopped at version 7: the generators' answers in flight are in
+    the checkpoint, and after the resume, on 2 generators instead of 1, each goes on from the tokens and versions it had (the trajectory's sampled
+    versions begin with them), counted in rollout/resumed_tokens of the steps that train them; every step once,
+    every prompt trained once, the bound kept on every step (the simulated trainer checks it). Resumed at
+    max_staleness 0, what was sampled before version 7 is too old for the next step: dropped, counted, sampled
+    again."""
+    cfg, layout, run_dir, tok_dir = make(tmp_path, "rollout.max_staleness=2")
+    tok = build_tokenizer()
+    first = World(layout, tok, seed=3, max_ticks=40)
+    _, code = run(cfg, layout, run_dir, tok_dir, first, Prompts(), stop_at=7)
+    assert code == EXIT_STOPPED
+    checkpoint = latest_checkpoint(run_dir)
+    saved = read_in_flight(checkpoint, 7)
+    assert saved and all(len(turns[0].token_ids) for turns in saved.values())
+    assert {f"in-flight-{g}.pkl" for g in layout.ranks(Role.GENERATOR)} <= set(
+        json.loads((checkpoint / "FILES.json").read_text())["files"]
+    )
+
+    resume_cfg = copy.deepcopy(cfg)
+    resume_cfg.rollout.max_staleness = eta_at_resume
+    resume_cfg.cluster.gpus_per_node, resume_cfg.allocation.gen_gpus = 2, 2  # and 2 generators, not 1
+    second = World(Layout.from_config(resume_cfg), tok, seed=4, max_ticks=40)
+    second.trainer_version = 7
+    with caplog.at_level(logging.INFO, logger="areal_hpc.controller"):
+        _, code = run(resume_cfg, second.layout, run_dir, tok_dir, second, Prompts())
+    assert code == EXIT_DONE
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, 13))
+    trained = Counter(first.trained_prompts + second.trained_prompts)
+    assert set(trained.values()) == {cfg.rollout.group_size}, "every prompt trained once, each of its episodes"
+    carried = re.search(r"(\d+) answers in flight \((\d+) tokens\).*: (\d+) answers \((\d+) tokens\)", caplog.text)
+    kept, dropped = int(carried[2]), int(carried[4])
+    assert kept + dropped == sum(len(turns[0].token_ids) for turns in saved.values())
+    if eta_at_resume == 0:
+        assert kept == 0 and dropped > 0 and not second.resumed
+        return
+    assert kept > 0 and dropped == 0 and len(second.resumed) == int(carried[1])
+    for (prompt, index), (_, versions) in second.resumed.items():
+        assert versions and max(versions) < 7  # sampled before the stop
+        traj = next(t for t in second.episodes[prompt] if t.index == index)
+        assert traj.versions[traj.loss_mask == 1][: len(versions)].tolist() == versions
+    resumed_rows = [r["rollout/resumed_tokens"] for r in metrics(run_dir) if r["step"] > 7]
+    assert sum(resumed_rows) == kept, "every carried token is trained once, in the row of its step"
+
+
 def test_a_data_rows_other_fields_reach_the_generators_and_survive_a_resume(tmp_path):
     """A JSONL row's own fields (here an agent task's environment) are in every GenerateRequest.row for it
-    (the controller's own prompt stream reads the file), and in the controller checkpoint: the prompts
+    (the controller's own prompt stream reads the file), and in the controller checkpoint: the groups
     running at a stop are asked for again after the resume with them."""
     path = tmp_path / "agent.jsonl"
     path.write_text(
@@ -172,15 +221,16 @@ def test_a_data_rows_other_fields_reach_the_generators_and_survive_a_resume(tmp_
     assert code == EXIT_STOPPED and len(requests) >= 7 * 4
     assert all(r == row(int(r["prompt"].split("+")[0])) for r in requests)
     state = read_state(latest_checkpoint(run_dir))
-    assert state["requeued"], "the test means a stop with groups running"
-    for example in state["requeued"] + [g["example"] for g in state["buffer"]]:
+    assert state["running"], "the test means a stop with groups running"
+    for example in [g["example"] for g in state["running"] + state["buffer"]]:
         assert example.row == row(int(example.prompt.split("+")[0]))
     requests.clear()
     second = Recording(layout, build_tokenizer(), seed=2)
     second.trainer_version = 7  # the trainers load step_7
     _, code = run(cfg, layout, run_dir, tok_dir, second, None)
     assert code == EXIT_DONE
-    assert requests[: len(state["requeued"])] == [e.row for e in state["requeued"]]
+    asked = [g["example"].row for g in state["running"] if None in g["trajectories"]]  # some episode to run
+    assert asked and requests[: len(asked)] == asked
 
 
 def rewrite_as_before_the_prompt_was_held_once(path):

@@ -123,6 +123,8 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(stopped_twice):
     steps = [(int(s), json.loads(p)) for s, p in re.findall(r"step (\d+) trains prompts (\[.*\])", stopped_twice.log)]
     prompts = [i for _, indices in steps for i in indices]
     assert len(prompts) == len(set(prompts)), "no prompt trained twice across the requeues"
+    for resumed in stopped_twice.attempts[1:]:  # each with the groups running at its checkpoint and their answers
+        assert re.search(r"carried over from the running groups \(\d+\): \d+ answers in flight", resumed), resumed
 
 
 def test_preempted_run_requeues_resumes_and_finishes(stopped_twice):

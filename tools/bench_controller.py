@@ -17,7 +17,8 @@ and the token rate the cluster produces: its generators at full load, the fastes
              them: the real reward worker decodes them, rank 0 no longer does) at once; tells the
              generator what rank 0 took
  generator   simulated: for each GenerateRequest its n Trajectory messages (precomputed token ids,
-             behaviour logprobs, per-token versions), at most --window trajectories ahead of rank 0; SyncDone
+             behaviour logprobs, per-token versions), at most --window trajectories ahead of rank 0; SyncDone,
+             Saved (its answers in flight are not simulated)
  trainers    simulated: each data-parallel replica (--tp-pp ranks) gets the controller's messages as a
              real one does (protocol.ReplicaRelay: rank 0 sends its first rank, which passes them on);
              checks each TrainBatch (the step's version, the staleness bound), replies TrainResult, Saved

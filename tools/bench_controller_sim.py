@@ -119,7 +119,7 @@ def sim_generator(world, side, payloads: Payloads, window: int) -> dict:
     from mpi4py import MPI
 
     from areal_hpc.controller.rollouts import single_turn
-    from areal_hpc.protocol import GenerateRequest, Mailbox, Stop, SyncDone, WeightSync
+    from areal_hpc.protocol import GenerateRequest, Mailbox, Save, Saved, Stop, SyncDone, WeightSync
 
     box, received = Mailbox(world), Counter()
     queue: deque = deque()  # (group_id, prompt index, prompt ids, trajectory index)
@@ -139,6 +139,8 @@ def sim_generator(world, side, payloads: Payloads, window: int) -> dict:
             elif isinstance(msg, WeightSync):
                 versions = np.full(payloads.cap, msg.version, np.int32)
                 box.send(0, SyncDone(msg.version, 0.0))
+            elif isinstance(msg, Save):  # its answers in flight are not simulated: none to write
+                box.send(0, Saved(msg.version))
             elif isinstance(msg, Stop):
                 box.flush()
                 return {"received": _plain(received), "generated": generated}

@@ -2,9 +2,11 @@
 state in the checkpoint (`controller.pkl`, summarised in `controller.json`).
 
 ```
- begin(v, state, trainers)  the directory of version v is made ready (a damaged one of that version stops
-                            counting); the controller sends Save(v) to every trainer rank
- trainer_saved(v, rank)     the last trainer rank's Saved: the controller's state at v goes beside theirs,
+ begin(v, state, ranks)     the directory of version v is made ready (a damaged one of that version stops
+                            counting); the controller sends Save(v) to every trainer rank and generator
+ arrived(src, traj)         an episode of a group running at the save, back from a generator that has not
+                            saved yet: into the saved state (the generator's file holds only those in flight)
+ rank_saved(v, rank)        the last rank's Saved: the controller's state at v goes beside theirs,
                             then FILES.json (every file read back for its CRC-32) on the checkpoint thread
  finish()                   on the loop, in version order: a save whose files are recorded gets COMPLETE,
                             then the checkpoints beyond train.keep_checkpoints go (on the thread)
@@ -24,7 +26,7 @@ import os
 import pickle
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from areal_hpc.checkpoint.files import checkpoint_dir, clear_complete, mark_complete, prune_checkpoints, record_files
@@ -34,10 +36,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Save:
-    waiting: set[int]  # trainer ranks still writing
+    waiting: set[int]  # trainer and generator ranks still writing
     state: dict  # the controller's, at the version saved
     started: float
-    record: Future | None = None  # record_files, once every trainer rank has saved
+    record: Future | None = None  # record_files, once every rank has saved
+    running: dict = field(default_factory=dict)  # group id -> its saved state, among `state`'s running groups
 
 
 class Checkpoints:
@@ -50,15 +53,26 @@ class Checkpoints:
         self.stall_s = 0.0  # trainers busy saving since the last step
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
 
-    def begin(self, version: int, state: dict, trainers: list[int]) -> Path:
+    def begin(self, version: int, state: dict, ranks: list[int]) -> Path:
+        """A save of `state` at `version`, complete once every rank of `ranks` (trainers, generators) saved."""
         path = checkpoint_dir(self.run_dir, version)
         path.mkdir(parents=True, exist_ok=True)
         clear_complete(path)  # a damaged checkpoint of this version, skipped on resume
         self.last_start = time.monotonic()
-        self.saving[version] = _Save(set(trainers), state, self.last_start)
+        running = {g["group_id"]: g for g in state.get("running", [])}
+        self.saving[version] = _Save(set(ranks), state, self.last_start, running=running)
         return path
 
-    def trainer_saved(self, version: int, rank: int) -> None:
+    def arrived(self, src: int, traj) -> None:
+        """A trajectory from generator `src`: if a save waits for that generator's answers in flight and its
+        group was running at the save, it goes into the saved state (it finished before the generator saved,
+        so its file does not hold it)."""
+        for save in self.saving.values():
+            group = save.running.get(traj.group_id) if src in save.waiting else None
+            if group is not None:
+                group["trajectories"][traj.index] = vars(traj).copy()
+
+    def rank_saved(self, version: int, rank: int) -> None:
         save = self.saving[version]
         save.waiting.discard(rank)
         if save.waiting:
@@ -107,11 +121,12 @@ def write_state(path: Path, state: dict) -> None:
 def state_summary(state: dict) -> dict:
     """What `controller.json` shows of a state, and a resumed controller logs as carried over: the version,
     the gate's counts, the next group id, how many groups are buffered and how many prompts are to be
-    generated again, and the layout it was written at (`Layout.summary`). None of it depends on the
-    layout: buffered groups are whole, running ones are prompts again, so a run resumes at any number of
-    generators and trainer ranks."""
+    generated again, how many groups were running, and the layout it was written at (`Layout.summary`). None
+    of it depends on the layout: groups are whole, their answers in flight are by group and episode
+    (areal_hpc.checkpoint.in_flight), so a run resumes at any number of generators and trainer ranks."""
     summary = {k: state[k] for k in ("version", "gate", "next_group_id")}
     summary["buffered_groups"], summary["requeued_prompts"] = len(state["buffer"]), len(state["requeued"])
+    summary["running_groups"] = len(state.get("running", []))
     summary["layout"] = state.get("layout", "not recorded")  # checkpoints from before it was
     return summary
 

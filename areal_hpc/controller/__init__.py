@@ -18,7 +18,7 @@ syncs and checkpoints, writes the metrics. One thread, one event loop, no blocki
                       Save every save_every steps or save_interval_min minutes, the metrics row
     SyncDone       -> generator g runs version v+1 (timing/weight_sync_s, timing/sync_drain_s,
                       timing/weight_sync_bytes)
-    Saved          -> all trainer ranks saved (timing/save_s): controller state, then the files'
+    Saved          -> all trainer ranks and generators saved (timing/save_s): controller state, then the files'
                       sizes and checksums on the checkpoint thread (areal_hpc.checkpoint)
     Failure        -> end the run, naming the rank
    saves    the checkpoint thread is done with a save -> COMPLETE, then old checkpoints go
@@ -94,6 +94,7 @@ import numpy as np
 
 from areal_hpc.checkpoint.controller import Checkpoints, read_state, state_summary
 from areal_hpc.checkpoint.files import checkpoint_version
+from areal_hpc.checkpoint.in_flight import read_in_flight
 from areal_hpc.controller.dispatch import Dispatch
 from areal_hpc.controller.liveness import Liveness
 from areal_hpc.controller.rollouts import Rollouts
@@ -216,7 +217,7 @@ class Controller:
             self.trainers.synced(src, msg)
         elif isinstance(msg, Saved):
             self.liveness.done(src)
-            self.ckpt.trainer_saved(msg.version, src)
+            self.ckpt.rank_saved(msg.version, src)
         elif isinstance(msg, Failure):
             log.error("%s reports a failure:\n%s", self.layout.describe_rank(msg.rank), msg.error)
             last = msg.error.strip().splitlines()[-1] if msg.error.strip() else "(no message)"
@@ -235,7 +236,15 @@ class Controller:
             prompt_ids = np.asarray(
                 group.example.prompt_ids, np.int32
             )  # formatted and tokenized by areal_hpc.data.dataset
-            self.dispatch.generate(GenerateRequest(group.group_id, prompt_ids, group.example.row, group.n))
+            missing = [i for i, t in enumerate(group.trajectories) if t is None]  # carried over: some came back
+            if missing:
+                indices = None if len(missing) == group.n else missing
+                request = GenerateRequest(group.group_id, prompt_ids, group.example.row, group.n, indices=indices)
+                request.resume, group.resume = group.resume or None, {}  # the answers in flight at the checkpoint
+                self.dispatch.generate(request)
+            for t, reward in zip(group.trajectories, group.rewards):
+                if t is not None and not t.error and reward is None:  # came back before the checkpoint, unscored
+                    self.reward_for(t, group)
         return bool(groups)
 
     def start_eval(self) -> None:
@@ -251,12 +260,17 @@ class Controller:
         group = self.rollouts.add_trajectory(traj)  # lost: recorded, and may finish its group
         if group.generated:  # the generator is done with this group
             self.dispatch.generated(src, traj)
+        self.ckpt.arrived(src, traj)  # a save waiting for src's answers in flight keeps it
         if traj.error:
             last = traj.error.strip().splitlines()[-1] if traj.error.strip() else "(no message)"
             log.warning(
                 "episode %d of group %d lost: %s (its traceback: the generator's log)", traj.index, traj.group_id, last
             )
             return
+        self.reward_for(traj, group)
+
+    def reward_for(self, traj: Trajectory, group) -> None:
+        """The workflow's own finite reward, or `reward.kind`'s score of its final answer."""
         if math.isfinite(traj.reward):
             self.rollouts.add_reward(
                 traj.group_id, traj.index, traj.reward + self.overlong_penalty(len(traj.answer_ids))
@@ -328,8 +342,9 @@ class Controller:
     def save(self) -> None:
         """Ask every trainer rank to save version v, and snapshot the controller's state now (the
         trainers save exactly this version: a later TrainBatch queues behind the Save)."""
-        path = self.ckpt.begin(self.version, self.state(), self.trainers.ranks)
+        path = self.ckpt.begin(self.version, self.state(), self.trainers.ranks + self.dispatch.generator_ranks)
         self.trainers.save(self.version, path)
+        self.dispatch.save(self.version, path)  # the generators' answers in flight
 
     def state(self) -> dict:
         """Everything a resumed controller needs to go on as if uninterrupted."""
@@ -350,7 +365,7 @@ class Controller:
             raise RuntimeError(f"{path}: controller state is of version {state['version']}")
         self.version = self.ckpt.saved_version = state["version"]
         self.prompts.load_state_dict(state["prompts"])
-        self.rollouts.load_state_dict(state)
+        carried_over = self.rollouts.load_state_dict(state, read_in_flight(path, self.version))
         if self.version < self.cfg.train.total_steps:
             self.trainers.sync(self.version)  # the generators start from the initial weights
         carried = state_summary(state)
@@ -362,6 +377,14 @@ class Controller:
             self.layout.summary(),
         )
         log.info("carried over: %s", json.dumps(carried))
+        c = carried_over
+        log.info(
+            "carried over from the running groups (%d): %d answers in flight (%d tokens) and %d episodes that had come "
+            "back; dropped as too old to train at the next step (rollout.max_staleness): %d answers (%d tokens), "
+            "%d episodes",
+            c["groups"], c["answers"], c["tokens"], c["episodes"], c["answers_dropped"], c["tokens_dropped"],
+            c["episodes_dropped"],
+        )  # fmt: skip
         changed = changes_at(self.ctx.run_dir, self.version)
         if changed:
             log.info("settings changed since this checkpoint:\n  %s", "\n  ".join(changed))

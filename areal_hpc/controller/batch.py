@@ -47,6 +47,8 @@ class BatchInfo:
     """Seconds per tool call (0 without calls)."""
     episode_tokens_mean: float = 0.0
     """Tokens of an episode, all its sequences."""
+    resumed_tokens: int = 0
+    """Sampled tokens carried over from before a checkpoint the run resumed from (areal_hpc.generator.resume)."""
     answer_lengths: list = field(default_factory=list)
     """The tokens sampled in each episode, all its turns (loss mask 1 before `ppo.mask_truncated`): the
     lengths of the answers the policy wrote."""
@@ -177,5 +179,6 @@ def _info(episodes: list[Trajectory], rewards: list[float], lost: list[bool], se
         tool_calls_mean=float(stat("tool_calls").mean()),
         tool_s_mean=float(stat("tool_s").sum() / calls) if calls else 0.0,
         episode_tokens_mean=float(np.mean([len(t.tokens) for t in episodes])),
+        resumed_tokens=int(stat("resumed_tokens").sum()),
         answer_lengths=[int(t.loss_mask.sum()) for t in episodes],
     )

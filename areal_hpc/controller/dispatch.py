@@ -6,6 +6,7 @@ answer is for.
                      requests in flight (ties: the lowest rank); it owes a generation (liveness) and is busy
                      (its idle clock)
  generated(src, t)   t was the last trajectory of its request: src owes one generation less
+ save(v, path)       Save(v, path) to every generator: each writes its answers in flight there and owes a Saved
  score(t, target)    RewardRequest(a fresh request id, t's final answer's token ids, target) -> the
                      reward worker with the fewest requests open; the id -> t, the episode the result is for
  scored(result)      -> that trajectory (a Trajectory: a prompt group's; an EvalTrajectory: an eval prompt's)
@@ -23,7 +24,15 @@ from areal_hpc.controller.liveness import Liveness
 from areal_hpc.controller.timeline import Timeline
 from areal_hpc.layout import Layout, Role
 from areal_hpc.metrics import IdleClock
-from areal_hpc.protocol import EvalTrajectory, GenerateRequest, Mailbox, RewardRequest, RewardResult, Trajectory
+from areal_hpc.protocol import (
+    EvalTrajectory,
+    GenerateRequest,
+    Mailbox,
+    RewardRequest,
+    RewardResult,
+    Save,
+    Trajectory,
+)
 
 
 class Dispatch:
@@ -58,6 +67,12 @@ class Dispatch:
         self.liveness.done(src)
         if self.gen_load[src] == 0:
             self.idle.busy(self.generator_ranks.index(src), False)
+
+    def save(self, version: int, path) -> None:
+        """Every generator writes its answers in flight into the checkpoint at `path` (each answers Saved)."""
+        for rank in self.generator_ranks:
+            self.box.send(rank, Save(version, str(path)))
+            self.liveness.expect(rank, time.monotonic(), f"the checkpoint of version {version}")
 
     def score(self, traj: Trajectory | EvalTrajectory, target) -> None:
         """Score one episode's final answer (`answer_ids`) against `target` (its Example's) on the

@@ -5,7 +5,8 @@ the one owner of the groups and of the gate's counters over them (the controller
 
 ```
  prompts.next() --admit, while the gate has room (gate.admit)--> running[group_id]
- requeued: prompts of the groups running at the restored checkpoint --admit first (the gate counts them)--^
+ carried: the groups running at the restored checkpoint, with what they had generated --admit first--^
+          (the gate counts them already; their requests carry the answers in flight: load_state_dict)
  running   each episode as it comes back from a generator (add_trajectory), each reward (add_reward);
            a lost episode (its workflow raised: `Trajectory.error`) gets no reward and drops out
    the last one in --gate.finish(accepted=True)---> buffer, by group id: oldest first
@@ -37,6 +38,7 @@ from functools import cached_property
 import numpy as np
 
 from areal_hpc.algo.staleness import StalenessGate, oldest_version
+from areal_hpc.checkpoint.in_flight import sampled_tokens
 from areal_hpc.data.dataset import Example
 from areal_hpc.protocol import EPISODE_STATS, Trajectory
 
@@ -110,6 +112,9 @@ class Group:
     admitted: int = 0
     """The policy version when it was admitted (or requeued after a restore): its tokens are that
     version's or later ones; its key in the staleness schedule."""
+    resume: dict = field(default_factory=dict)
+    """Index -> the turns its episode had sampled at the checkpoint this group was carried over from
+    (`protocol.SavedTurn`s), until its request takes them to a generator."""
 
     def __post_init__(self):
         if not self.trajectories:
@@ -151,7 +156,7 @@ class Group:
             "n": self.n,
             "admitted": self.admitted,
             "rewards": list(self.rewards),
-            "trajectories": [vars(t).copy() for t in self.trajectories],
+            "trajectories": [None if t is None else vars(t).copy() for t in self.trajectories],
         }
 
     @classmethod
@@ -161,11 +166,17 @@ class Group:
             group_id=s["group_id"],
             example=s["example"],
             n=s["n"],
-            trajectories=[_trajectory(t, s["example"].prompt_ids) for t in s["trajectories"]],
+            trajectories=[None if t is None else _trajectory(t, s["example"].prompt_ids) for t in s["trajectories"]],
             rewards=list(s["rewards"]),
         )
         group.admitted = s["admitted"] if "admitted" in s else group.oldest_version or 0
         return group
+
+
+def _older(versions, floor: int) -> bool:
+    """Some sampled token (version >= 0) of `versions` (per-token arrays) is of a version below `floor`."""
+    oldest = oldest_version(versions)
+    return oldest is not None and oldest < floor
 
 
 def _trajectory(saved: dict, prompt_ids) -> Trajectory:
@@ -197,7 +208,11 @@ class Rollouts:
         """Running groups by `Group.admitted`: what the staleness schedule reads."""
         self.buffer: list[Group] = []
         self.requeued: list[Example] = []
-        """Prompts of the groups running at the restored checkpoint: the gate counts them as running already."""
+        """Prompts of the groups running at a restored checkpoint that saved no more of them (written before
+        answers in flight were kept): the gate counts them as running already."""
+        self.carried: list[Group] = []
+        """The groups running at the restored checkpoint, with what they had generated (`load_state_dict`):
+        counted as running by the gate, admitted first."""
         self.next_group_id = 0
         self.filtered = 0
         """Groups left out by rollout.filter_uniform_groups since the last `take_metrics`."""
@@ -220,7 +235,13 @@ class Rollouts:
         """The groups to start now, running from here: the requeued ones first (already counted), then one
         for each next prompt of `prompts` while the gate has room."""
         started = []
-        while self.requeued or self.gate.can_admit():
+        while self.carried or self.requeued or self.gate.can_admit():
+            if self.carried:
+                group = self.carried.pop(0)  # its own id and key
+                self.running[group.group_id] = group
+                self.running_keys[group.admitted] += 1
+                started.append(group)
+                continue
             if self.requeued:
                 example = self.requeued.pop(0)
             else:
@@ -330,22 +351,53 @@ class Rollouts:
     # --- checkpoints ------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """The gate's counters, the buffered groups, and the prompts of the running ones (generated again
-        after a restore: still counted as running, they finish as usual)."""
-        running = sorted(self.running.values(), key=lambda g: g.group_id)
+        """The gate's counters, the buffered groups, and the running ones with the episodes of theirs that came
+        back (their answers in flight are the generators' to save: areal_hpc.checkpoint.in_flight)."""
+        running = sorted([*self.running.values(), *self.carried], key=lambda g: g.group_id)
         return {
             "gate": self.gate.state_dict(),
-            "requeued": [g.example for g in running] + list(self.requeued),
+            "requeued": list(self.requeued),
+            "running": [g.to_state() for g in running],
             "buffer": [g.to_state() for g in self.buffer],
             "next_group_id": self.next_group_id,
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        """A checkpoint's groups into a Rollouts with none running; the requeued are admitted (`admit`) at
-        the version then, their key from then on."""
+    def load_state_dict(self, state: dict, in_flight: dict | None = None) -> Counter:
+        """A checkpoint's groups into a Rollouts with none running. The running ones are carried over with their
+        episodes that had come back and, from `in_flight` ((group id, index) -> saved turns), the turns of
+        the others; whatever holds a token too old to be trained at the next step (version < v - eta: a
+        resume with a smaller max_staleness) is dropped and sampled again. A carried group's key is its oldest
+        token's version (v without one). A checkpoint written before running groups were kept gives their
+        prompts (`requeued`), admitted at v. Returns what was carried over and dropped, for the log."""
         if self.running:
             raise RuntimeError("load_state_dict() into Rollouts with groups running")
         self.gate.load_state_dict(state["gate"])
         self.requeued = list(state["requeued"])
         self.buffer = [Group.from_state(g) for g in state["buffer"]]
         self.next_group_id = state["next_group_id"]
+        self.carried, in_flight = [], in_flight or {}
+        v, floor = self.gate.version(), self.gate.version() - self.gate.max_staleness
+        counts = Counter()
+        for saved in state.get("running", []):
+            group = Group.from_state(saved)
+            for i, t in enumerate(group.trajectories):
+                if t is None:
+                    turns = in_flight.get((group.group_id, i), [])
+                    tokens = sampled_tokens(turns)
+                    too_old = _older([t.versions for t in turns], floor)
+                    counts["answers_dropped" if too_old else "answers"] += bool(tokens)
+                    counts["tokens_dropped" if too_old else "tokens"] += tokens
+                    if tokens and not too_old:
+                        group.resume[i] = turns
+                elif not t.error and _older([t.versions], floor):
+                    group.trajectories[i], group.rewards[i] = None, None
+                    counts["episodes_dropped"] += 1
+                else:
+                    counts["episodes"] += 1
+            kept = [t.versions for t in group.trajectories if t is not None and not t.error]
+            kept += [t.versions for turns in group.resume.values() for t in turns]
+            oldest = oldest_version(kept)
+            group.admitted = v if oldest is None else min(v, oldest)
+            self.carried.append(group)
+        counts["groups"] = len(self.carried)
+        return counts

@@ -99,6 +99,7 @@ class StepMetrics:
             "rollout/tool_calls_mean": info.tool_calls_mean,
             "rollout/tool_s_mean": info.tool_s_mean,
             "rollout/episode_tokens_mean": info.episode_tokens_mean,
+            "rollout/resumed_tokens": info.resumed_tokens,
             **{f"rollout/answer_tokens_{k}": v for k, v in info.answer_tokens.items()},
             "rollout/generated_tokens_p90": p90(self.generated_tokens),
             "rollout/trained_tokens_p90": p90(self.trained_tokens),

@@ -15,6 +15,7 @@ from collections import deque
 import numpy as np
 
 from areal_hpc.checkpoint.files import latest_checkpoint
+from areal_hpc.checkpoint.in_flight import write_in_flight
 from areal_hpc.config import load_config
 from areal_hpc.controller import Controller
 from areal_hpc.data.dataset import Example
@@ -28,12 +29,14 @@ from areal_hpc.protocol import (
     RewardResult,
     Save,
     Saved,
+    SavedTurn,
     Stop,
     SyncDone,
     TrainBatch,
     TrainResult,
     Trajectory,
     WeightSync,
+    context_digest,
 )
 from areal_hpc.rank_context import RankContext
 from areal_hpc.reward import response_text
@@ -86,6 +89,9 @@ class World:
         self.trainer_version = 0
         self.batch_dests: list[tuple[int, int]] = []  # (version, rank) of each TrainBatch
         self.stopped: set[int] = set()
+        self.resumed: dict[
+            tuple[str, int], tuple[list, list]
+        ] = {}  # (prompt, index) -> the ids, versions it resumed with
 
     # Mailbox interface
     def send(self, dest: int, msg) -> None:
@@ -96,8 +102,12 @@ class World:
             replica = self.layout.replica_ranks(self.layout.replica_of(dest))
             assert dest == replica[0], f"{msg} sent to trainer {dest}, not its replica's first rank"
         if isinstance(msg, GenerateRequest):
-            for i in range(msg.n):
-                self.generating.append([dest, msg, i, self.rng.randint(1, self.max_ticks), [], []])
+            for i in range(msg.n) if msg.indices is None else msg.indices:
+                saved = (msg.resume or {}).get(i)  # one turn in flight at the checkpoint: it goes on from there
+                ids, versions = ([], []) if saved is None else (saved[0].token_ids.tolist(), saved[0].versions.tolist())
+                if saved:
+                    self.resumed[(msg.row["prompt"], i)] = (list(ids), list(versions))
+                self.generating.append([dest, msg, i, self.rng.randint(1, self.max_ticks), ids, versions])
         elif isinstance(msg, WeightSync):
             if dest in self.gen_version:
                 self.gen_version[dest] = msg.version
@@ -119,6 +129,16 @@ class World:
             self.batch_dests.append((msg.version, dest))
             self.on_train_batch(dest, msg)
         elif isinstance(msg, Save):
+            if dest in self.gen_version:  # its answers in flight, as a generator saves them
+                in_flight = {
+                    (req.group_id, i): [
+                        SavedTurn(context_digest(req.prompt_ids), np.array(ids, np.int32), -np.ones(len(ids), np.float32),
+                                  np.array(versions, np.int32))
+                    ]
+                    for gen, req, i, _, ids, versions in self.generating
+                    if gen == dest and ids and not req.eval
+                }  # fmt: skip
+                write_in_flight(msg.path, dest, msg.version, in_flight)
             for rank in replica:
                 self.later.append((1, Envelope(rank, Saved(msg.version))))
         elif isinstance(msg, Stop):
@@ -192,6 +212,8 @@ class World:
                 trajectory = Trajectory(
                     req.group_id, index, **episode, reward=float("nan") if reward is None else reward
                 )
+                carried = self.resumed.get((req.row["prompt"], index))
+                trajectory.stats["resumed_tokens"] = len(carried[0]) if carried else 0
             self.episodes.setdefault(req.row["prompt"], []).append(trajectory)
             self.out.append(Envelope(gen, trajectory))
         self.generating = going
