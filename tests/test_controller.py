@@ -18,21 +18,21 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from areal_hpc.checkpoint.controller import read_state
-from areal_hpc.checkpoint.files import latest_checkpoint, record_files
-from areal_hpc.checkpoint.in_flight import read_in_flight
+from areal_hpc.checkpoint.controller import Checkpoints, read_state
+from areal_hpc.checkpoint.files import checkpoint_dir, latest_checkpoint, record_files
+from areal_hpc.checkpoint.in_flight import read_in_flight, write_in_flight
 from areal_hpc.config import load_config
 from areal_hpc.controller import Controller
-from areal_hpc.controller.rollouts import Group
+from areal_hpc.controller.rollouts import Group, Rollouts, single_turn
 from areal_hpc.data.dataset import Example
 from areal_hpc.data.tiny import build_tokenizer
 from areal_hpc.errors import RankFailure
 from areal_hpc.exit_codes import EXIT_DONE, EXIT_STOPPED, STOP_REASON_ENV
 from areal_hpc.layout import Layout, Role
 from areal_hpc.metrics import REQUIRED
-from areal_hpc.protocol import GenerateRequest
+from areal_hpc.protocol import GenerateRequest, SavedTurn, context_digest
 from areal_hpc.rank_context import RankContext
-from tests.support.sim_world import Prompts, World, make, metrics, run
+from tests.support.sim_world import Prompts, World, lost, make, metrics, run
 
 
 @pytest.mark.parametrize("eta", [0, 1, 3])
@@ -197,6 +197,39 @@ def test_answers_in_flight_at_a_stop_go_on_from_their_tokens_after_the_resume(tm
     assert sum(resumed_rows) == kept, "every carried token is trained once, in the row of its step"
 
 
+def test_a_carried_group_whose_last_episodes_came_back_lost_as_it_was_saved_finishes_when_admitted():
+    """A running group saved with every episode back (two scored, the last one lost while the generator saved):
+    nothing is left to generate or score, so its admission after the resume finishes it into the buffer, rather
+    than leaving it running, holding its gate slot and the schedule for ever."""
+    cfg = load_config("configs/tiny-cpu.yaml", ["rollout.group_size=3", "rollout.prompts_per_step=1"])
+    example = Prompts().next()
+    ids = np.asarray(example.prompt_ids, np.int32)
+    episodes = [single_turn(5, i, ids, [7, 8], [-1.0, -1.0], [2, 2], "stop") for i in range(2)]
+    group = Group(5, example, 3, [*episodes, lost(5, 2, "Traceback ...\nValueError")], [1.0, 0.0, None], admitted=2)
+    rollouts = Rollouts.from_config(cfg.rollout, version=lambda: 3)
+    gate = {"running": 1, "accepted": 3, "consumed": 3, "rejected": 0, "dropped": 0, "dropped_trajectories": 0}
+    state = {"gate": gate, "requeued": [], "running": [group.to_state()], "buffer": [], "next_group_id": 6}
+    carried = rollouts.load_state_dict(state, {})
+    assert carried["groups"] == 1 and carried["episodes"] == 3
+    started = rollouts.admit(Prompts())  # group 5, then new prompts in the room it leaves
+    assert started[0].group_id == 5 and started[0].complete
+    assert 5 not in rollouts.running and [g.group_id for g in rollouts.buffer] == [5]
+    assert rollouts.gate.state.accepted == 4 and rollouts.gate.state.running == len(started) - 1
+
+
+def test_a_version_saved_again_keeps_no_answers_of_its_unfinished_save(tmp_path):
+    """A save of version 4 died before COMPLETE, written by generator ranks the run no longer has; the run resumed
+    from an earlier checkpoint and saves version 4 again: the old save's answers in flight (and a half-written
+    file) go at the start, so the new checkpoint holds and records only its own generators'."""
+    path = checkpoint_dir(tmp_path, 4)
+    path.mkdir(parents=True)
+    turn = SavedTurn(context_digest([1, 2]), np.array([3], np.int32), np.zeros(1, np.float32), np.array([4], np.int32))
+    write_in_flight(path, 7, 4, {(1, 0): [turn]})
+    (path / "in-flight-3.tmp").write_bytes(b"half")
+    Checkpoints(tmp_path, keep=0, resume_from=None).begin(4, {"running": []}, [2])
+    assert not list(path.glob("in-flight-*")) and read_in_flight(path, 4) == {}
+
+
 def test_a_data_rows_other_fields_reach_the_generators_and_survive_a_resume(tmp_path):
     """A JSONL row's own fields (here an agent task's environment) are in every GenerateRequest.row for it
     (the controller's own prompt stream reads the file), and in the controller checkpoint: the groups
@@ -236,10 +269,14 @@ def test_a_data_rows_other_fields_reach_the_generators_and_survive_a_resume(tmp_
 def rewrite_as_before_the_prompt_was_held_once(path):
     """The controller state of checkpoint `path` as the code before the prompt was held once wrote it: the
     prompt's token ids in every group and trajectory, a trajectory its sampled tokens only (`output_ids`:
-    before episodes), and Examples without `extra` (before rows kept their other fields)."""
+    before episodes), Examples without `extra` (before rows kept their other fields), and the running
+    groups as their prompts only, without the generators' answers in flight (before those were kept)."""
     with open(path / "controller.pkl", "rb") as f:
         state = pickle.load(f)
-    assert state["buffer"], "the test means a checkpoint with buffered groups"
+    assert state["buffer"] and state["running"], "the test means a checkpoint with buffered and running groups"
+    state["requeued"] = [group["example"] for group in state.pop("running")]
+    for file in path.glob("in-flight-*.pkl"):
+        file.unlink()
     for example in state["requeued"] + [group["example"] for group in state["buffer"]]:
         del example.__dict__["extra"]
     for group in state["buffer"]:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from areal_hpc.checkpoint.files import checkpoint_dir, clear_complete, mark_complete, prune_checkpoints, record_files
+from areal_hpc.checkpoint.in_flight import IN_FLIGHT_FILES
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,8 @@ class Checkpoints:
         path = checkpoint_dir(self.run_dir, version)
         path.mkdir(parents=True, exist_ok=True)
         clear_complete(path)  # a damaged checkpoint of this version, skipped on resume
+        for old in path.glob(IN_FLIGHT_FILES):  # an unfinished save's, perhaps by other generator ranks
+            old.unlink()
         self.last_start = time.monotonic()
         running = {g["group_id"]: g for g in state.get("running", [])}
         self.saving[version] = _Save(set(ranks), state, self.last_start, running=running)

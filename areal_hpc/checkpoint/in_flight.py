@@ -11,7 +11,9 @@ and hands each running group's saved turns to the generator that runs it next (a
 
 Written by the generators themselves, each its own share in parallel: at the scale of the qwen configs an
 answer in flight averages a few thousand tokens, 12 bytes each (id, logprob, version), some 0.2 to 1 GB a
-run, which through the controller's one loop would stall every role while it is written.
+run, which through the controller's one loop would stall every role while it is written. With
+`ppo.routing_replay` a finished turn also keeps its routing (L x K bytes a position of its context and
+output), so a multi-turn MoE episode's file is larger.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from pathlib import Path
 from areal_hpc.protocol import SavedTurn
 
 FILE = "in-flight-{rank}.pkl"
+IN_FLIGHT_FILES = "in-flight-*"
+"""Every generator's file of a checkpoint directory, and what an interrupted write left (`.tmp`)."""
 
 
 def write_in_flight(path: Path, rank: int, version: int, episodes: dict[tuple[int, int], list[SavedTurn]]) -> int:
@@ -38,7 +42,7 @@ def read_in_flight(path: Path, version: int) -> dict[tuple[int, int], list[Saved
     """Every generator's episodes in flight in the checkpoint at `path` (of `version`), by (group id, index);
     none for a checkpoint written before they were saved."""
     episodes = {}
-    for file in sorted(Path(path).glob(FILE.format(rank="*"))):
+    for file in sorted(Path(path).glob(FILE.format(rank="*"))):  # written at this save only (Checkpoints.begin)
         with open(file, "rb") as f:
             saved = pickle.load(f)
         if saved["version"] != version:

@@ -241,6 +241,7 @@ class Rollouts:
                 self.running[group.group_id] = group
                 self.running_keys[group.admitted] += 1
                 started.append(group)
+                self._finish(group)  # complete already: its last episodes came back lost as it was saved
                 continue
             if self.requeued:
                 example = self.requeued.pop(0)

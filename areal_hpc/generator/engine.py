@@ -28,7 +28,8 @@ Interruption (`update_weights`), nothing lost or duplicated:
 
 Without interruption (`rollout.interruptible` false): `hold` first, so turns submitted from then on wait
 outside vLLM; the caller steps until no turn is `running`, then `update_weights` has nothing to interrupt,
-and it submits the waiting turns under the new weights. Every token of a turn then carries one version.
+and it submits the waiting turns under the new weights. Every token of a turn then carries one version
+(but for a turn resumed from a checkpoint: `submit`'s `prefix`).
 
 Routing (a MoE model with `record_routing`, i.e. `ppo.routing_replay`): each finished turn also carries, for
 its context and output positions, the experts every MoE layer chose in its final attempt, read from vLLM's
@@ -301,7 +302,8 @@ class GenerationEngine:
         return len(self._running)
 
     def partial(self) -> list[EngineTurn]:
-        """A copy of each in-flight turn with everything it sampled so far (a held turn: nothing)."""
+        """A copy of each in-flight turn with everything it sampled so far (a held turn: what it was submitted
+        with, nothing unless it resumed a checkpoint's turn)."""
         out = []
         for turn in [*self._running.values(), *(self._held or {}).values()]:
             sampled = turn.sampled

@@ -103,6 +103,13 @@ class Workflow(abc.ABC):
     are computed over the other episodes (a group with none left is counted in `rollout/lost_groups` and
     another prompt takes its place). When more than half of a step's episodes fail, the run stops with
     the first traceback. A tool that fails is not an exception: the model reads `error: ...`.
+
+    Checkpoints. An episode running at a checkpoint is saved as its turns, not its Python state: after the
+    resume `arun_episode` runs again from the start on the same row, and each call to the policy made after
+    the same context as before gets the saved turn back (the one in flight goes on from its tokens);
+    tools run again. A workflow whose steps between turns are deterministic thus resumes where it was; one
+    that draws at random, or whose tools answer otherwise the second time, samples anew from the first
+    call whose context differs (areal_hpc.generator.resume).
     """
 
     @abc.abstractmethod

@@ -139,8 +139,8 @@ class World:
                     if gen == dest and ids and not req.eval
                 }  # fmt: skip
                 write_in_flight(msg.path, dest, msg.version, in_flight)
-            for rank in replica:
-                self.later.append((1, Envelope(rank, Saved(msg.version))))
+            for rank in replica:  # a generator answers at once, as the real one does after writing its file
+                self.later.append((0 if dest in self.gen_version else 1, Envelope(rank, Saved(msg.version))))
         elif isinstance(msg, Stop):
             self.stopped.update(replica)
 
