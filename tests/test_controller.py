@@ -476,3 +476,36 @@ def test_a_resume_with_other_operational_settings_goes_on_and_the_controller_say
     for change in ("train.save_every: 5 -> 4", "logging.progress_every: 10 -> 3", "cluster.time: 00:30:00 -> 02:00:00"):
         assert f"{change}  (operational)" in said[0]
     assert (run_dir / "checkpoints" / "step_8" / "COMPLETE").exists()  # saved at the new cadence
+
+
+@pytest.mark.parametrize("harm", ["damaged", "missing", "unreadable"])
+def test_a_checkpoint_whose_answers_in_flight_are_bad_resumes_without_them(tmp_path, caplog, harm):
+    """A generator's in-flight file damaged (its CRC-32 no longer the recorded one), gone, or not a pickle
+    (recorded as such): the checkpoint still counts, the resume leaves the file out with a warning naming
+    it, and those episodes run again from their rows: every step and prompt once."""
+    cfg, layout, run_dir, tok_dir = make(tmp_path, "rollout.max_staleness=2")
+    tok = build_tokenizer()
+    first = World(layout, tok, seed=3, max_ticks=40)
+    assert run(cfg, layout, run_dir, tok_dir, first, Prompts(), stop_at=7)[1] == EXIT_STOPPED
+    checkpoint = latest_checkpoint(run_dir)
+    (file,) = checkpoint.glob("in-flight-*.pkl")
+    assert read_in_flight(checkpoint, 7), "the test means answers in flight"
+    if harm == "damaged":
+        data = bytearray(file.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        file.write_bytes(bytes(data))
+    elif harm == "missing":
+        file.unlink()
+    else:
+        file.write_bytes(b"not a pickle")
+        record_files(checkpoint)
+    assert latest_checkpoint(run_dir) == checkpoint, "the checkpoint counts without its answers in flight"
+    second = World(layout, tok, seed=4, max_ticks=40)
+    second.trainer_version = 7
+    with caplog.at_level(logging.WARNING):
+        assert run(cfg, layout, run_dir, tok_dir, second, Prompts())[1] == EXIT_DONE
+    assert f"{file.name} " in caplog.text and "its answers in flight are left out and run again" in caplog.text
+    assert not second.resumed
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, 13))
+    trained = Counter(first.trained_prompts + second.trained_prompts)
+    assert set(trained.values()) == {cfg.rollout.group_size}

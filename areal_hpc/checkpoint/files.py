@@ -39,6 +39,9 @@ COMPLETE = "COMPLETE"
 FILES = "FILES.json"
 RESUME_CHECKSUM_BYTES = 64 << 20
 """On resume, files up to this size are checked against their CRC-32 (the rest by size)."""
+OPTIONAL = "in-flight-"
+"""Files a resume can do without, whose damage does not make the checkpoint damaged: the generators' answers
+in flight (areal_hpc.checkpoint.in_flight checks each one and leaves a bad one out)."""
 _CHUNK = 16 << 20
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -92,23 +95,36 @@ def record_files(path: str | Path, threads: int = 8) -> dict:
 def checkpoint_damage(path: str | Path, checksums_up_to: int | None = RESUME_CHECKSUM_BYTES) -> str | None:
     """What is wrong with the files of checkpoint `path` against its FILES.json, or None: a file missing,
     another size than recorded, or another CRC-32 (checked for files up to `checksums_up_to` bytes;
-    None: all). A checkpoint from before files were recorded has nothing to check against."""
+    None: all), the OPTIONAL ones aside. A checkpoint from before files were recorded has nothing to check
+    against."""
     path = Path(path)
     try:
-        record = json.loads((path / FILES).read_text())["files"]
+        record = recorded_files(path)
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError) as e:
         return f"{FILES} is unreadable ({e})"
     for name, want in record.items():
-        try:
-            size = (path / name).stat().st_size
-        except FileNotFoundError:
-            return f"{name} is missing"
-        if size != want["size"]:
-            return f"{name} has {size} bytes, {want['size']} recorded"
-        if (checksums_up_to is None or size <= checksums_up_to) and _crc32(path / name)[1] != want["crc32"]:
-            return f"{name} does not match its recorded CRC-32"
+        if not name.startswith(OPTIONAL) and (damage := file_damage(path, name, want, checksums_up_to)):
+            return damage
+    return None
+
+
+def recorded_files(path: str | Path) -> dict:
+    """FILES.json's record of checkpoint `path`: file name -> {"size", "crc32"}."""
+    return json.loads((Path(path) / FILES).read_text())["files"]
+
+
+def file_damage(path: Path, name: str, want: dict, checksums_up_to: int | None = RESUME_CHECKSUM_BYTES) -> str | None:
+    """What is wrong with file `name` of checkpoint `path` against its record `want`, or None."""
+    try:
+        size = (path / name).stat().st_size
+    except FileNotFoundError:
+        return f"{name} is missing"
+    if size != want["size"]:
+        return f"{name} has {size} bytes, {want['size']} recorded"
+    if (checksums_up_to is None or size <= checksums_up_to) and _crc32(path / name)[1] != want["crc32"]:
+        return f"{name} does not match its recorded CRC-32"
     return None
 
 
