@@ -241,11 +241,12 @@ def test_runs_stops_on_ctrl_c_after_a_checkpoint_and_resumes(runs_root):
     """Judged as the GPU check judges its stop and resume (tests.support.runs.stop_resume_problems),
     then what only this machine's layout fixes: the log files. The model without its warm start writes
     long answers (up to LONG tokens), so the stop comes in the middle of some: the answers in flight at the
-    checkpoint go on after the resume from the tokens they had, every one of those tokens trained
-    (rollout/resumed_tokens), those of the checkpoint's version agreeing with the trainer's logprobs
-    (ppo/logp_mismatch, judged above)."""
+    checkpoint go on after the resume, on 2 generators instead of 1, from the tokens they had, every one of
+    those tokens trained (rollout/resumed_tokens), those of the checkpoint's version agreeing with the
+    trainer's logprobs (ppo/logp_mismatch, judged above)."""
     long = ("sft.examples=0", f"rollout.max_new_tokens={LONG}")
-    resumed = stop_and_resume(TINY, *tiny(runs_root, "resume"), *long, after=3, timeout=300)
+    two_generators = ("cluster.nodes=3", "allocation.gen_gpus=2")
+    resumed = stop_and_resume(TINY, *tiny(runs_root, "resume"), *long, after=3, timeout=300, resume_on=two_generators)
     assert not stop_resume_problems(resumed, MISMATCH_TOL), resumed.first.output + resumed.second.output
     run_dir = resumed.run_dir
     log = (run_dir / "logs" / "controller-0.log").read_text()
@@ -263,6 +264,7 @@ def test_runs_stops_on_ctrl_c_after_a_checkpoint_and_resumes(runs_root):
     assert sorted(p.name for p in (run_dir / "logs").glob("*.log")) == [
         "controller-0.log",
         "generator-0.log",
+        "generator-1.log",  # the resumed run's second
         "reward-0.log",
         "trainer-0.log",
     ]

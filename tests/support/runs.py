@@ -194,9 +194,12 @@ class StopResume:
     """The resumed run's train.total_steps: the stop's checkpoint version + the steps asked after it."""
 
 
-def stop_and_resume(config, *overrides: str, after: int = 3, stop_after_rows: int = 2, timeout: float = 300):
+def stop_and_resume(
+    config, *overrides: str, after: int = 3, stop_after_rows: int = 2, timeout: float = 300, resume_on=()
+):
     """`areal-hpc run CONFIG` with many steps, Ctrl-C (SIGINT) once `stop_after_rows` steps are written,
-    then the same command with train.total_steps `after` steps past the checkpoint the stop wrote."""
+    then the same command with train.total_steps `after` steps past the checkpoint the stop wrote (and the
+    overrides `resume_on`: another layout)."""
     first = RunProcess(config, *overrides, "train.total_steps=1000")
     try:
         first.wait_rows(stop_after_rows, timeout)
@@ -209,7 +212,7 @@ def stop_and_resume(config, *overrides: str, after: int = 3, stop_after_rows: in
     ckpt = latest_checkpoint(first.run_dir)
     stopped_rows, left_after_stop = first.rows(), left_running(first.run_dir)
     total = (checkpoint_version(ckpt) if ckpt else 0) + after
-    second = RunProcess(config, *overrides, f"train.total_steps={total}")
+    second = RunProcess(config, *overrides, *resume_on, f"train.total_steps={total}")
     second_code = second.wait(timeout + 60 * after)
     return StopResume(first.run_dir, first, first_code, ckpt, stopped_rows, left_after_stop, second, second_code, total)
 
