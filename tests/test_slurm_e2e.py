@@ -48,9 +48,12 @@ def submit(root: Path, trial: str, *overrides: str, nodes: int = 3) -> Path:
     return root / "tiny-cpu" / trial
 
 
-STOPPED_TWICE_STEPS = 120
-"""A step of SMALL takes 0.1 to 0.2 s here: a stop must come while steps remain, the preemption seconds after
-the two steps of the second attempt it waits for."""
+STOPPED_TWICE_STEPS = 40
+"""A step of this job takes 0.5 to 3 s here (LONG answers): a stop must come while steps remain, the preemption
+seconds after the two steps of the second attempt it waits for."""
+LONG = ["sft.examples=0", "rollout.max_new_tokens=480"]
+"""The stopped job's answers: its model, not warm-started, writes up to 480 tokens (its context is 512), one
+answer in 50 past 256, so each stop comes in the middle of some (tests/test_e2e.py's Ctrl-C run likewise)."""
 TWO_REQUEUES = [*ONE_REQUEUE, (1, "requeue"), (2, "start"), (2, "end")]
 """(attempt, event) of the job stopped by the time-limit signal and then preempted."""
 
@@ -68,6 +71,7 @@ def stopped_twice(slurm_cluster, runs_root, tmp_path_factory) -> SimpleNamespace
         runs_root,
         "stopped-twice",
         f"train.total_steps={STOPPED_TWICE_STEPS}",
+        *LONG,
         "cluster.partition=low",
         "cluster.grace_s=30",
     )
@@ -123,8 +127,15 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(stopped_twice):
     steps = [(int(s), json.loads(p)) for s, p in re.findall(r"step (\d+) trains prompts (\[.*\])", stopped_twice.log)]
     prompts = [i for _, indices in steps for i in indices]
     assert len(prompts) == len(set(prompts)), "no prompt trained twice across the requeues"
-    for resumed in stopped_twice.attempts[1:]:  # each with the groups running at its checkpoint and their answers
-        assert re.search(r"carried over from the running groups \(\d+\): \d+ answers in flight", resumed), resumed
+    # each resumed attempt goes on with the answers in flight at its checkpoint; their tokens are trained (an answer
+    # carried twice counts twice in the logs, once when trained: tests/test_e2e.py's Ctrl-C run checks equality)
+    found = [
+        re.search(r"running groups \(\d+\): (\d+) answers in flight \((\d+) tokens\)", a)
+        for a in stopped_twice.attempts[1:]
+    ]
+    assert all(found) and sum(int(f[1]) for f in found) > 0, stopped_twice.log
+    trained = sum(r["rollout/resumed_tokens"] for r in stopped_twice.rows)
+    assert 0 < trained <= sum(int(f[2]) for f in found), (trained, [f[0] for f in found])
 
 
 def test_preempted_run_requeues_resumes_and_finishes(stopped_twice):
