@@ -385,7 +385,7 @@ class Rollouts:
                 if t is None:
                     turns = in_flight.get((group.group_id, i), [])
                     tokens = sampled_tokens(turns)
-                    too_old = _older([t.versions for t in turns], floor)
+                    too_old = _older([turn.versions for turn in turns], floor)
                     counts["answers_dropped" if too_old else "answers"] += bool(tokens)
                     counts["tokens_dropped" if too_old else "tokens"] += tokens
                     if tokens and not too_old:
@@ -396,7 +396,7 @@ class Rollouts:
                 else:
                     counts["episodes"] += 1
             kept = [t.versions for t in group.trajectories if t is not None and not t.error]
-            kept += [t.versions for turns in group.resume.values() for t in turns]
+            kept += [turn.versions for turns in group.resume.values() for turn in turns]
             oldest = oldest_version(kept)
             group.admitted = v if oldest is None else min(v, oldest)
             self.carried.append(group)
