@@ -261,16 +261,17 @@ SHAPE_FIELDS = tuple(TINY) + MOE_FIELDS
 """The `model.*` fields that describe the architecture (all of them null by default)."""
 
 
-def model_arch(m: ModelConfig) -> QwenArch:
+def model_arch(m: ModelConfig, name: str = "model") -> QwenArch:
     """The architecture of `m` (the table in the module docstring); ConfigError when the config's shape
-    fields contradict the model's config.json, or cannot stand in for it."""
+    fields contradict the model's config.json, or cannot stand in for it. `name`: the section, in the errors
+    (`distill.teacher` is a model too)."""
     given = {k: getattr(m, k) for k in SHAPE_FIELDS if getattr(m, k) is not None}
     config_json = Path(m.path) / "config.json"
     if m.path != "tiny" and config_json.is_file():
         try:
             arch = hf_arch(m.path)
         except (ValueError, KeyError) as e:
-            raise ConfigError(f"model.path {m.path}: {e}") from None
+            raise ConfigError(f"{name}.path {m.path}: {e}") from None
         have = _shape(arch)
         if given.get("head_dim") == 0:  # hidden_size / num_attention_heads
             given["head_dim"] = given.get("hidden_size", arch.hidden_size) // given.get(
@@ -283,52 +284,52 @@ def model_arch(m: ModelConfig) -> QwenArch:
             given["max_position_embeddings"] = context
         if wrong:
             raise ConfigError(
-                "; ".join(f"model.{k} is {given[k]!r} but {config_json} has {have[k]!r}" for k in wrong)
+                "; ".join(f"{name}.{k} is {given[k]!r} but {config_json} has {have[k]!r}" for k in wrong)
                 + " (the architecture of a Hugging Face model comes from its config.json: remove those fields "
-                "from the config or correct them, e.g. " + " ".join(f"model.{k}=null" for k in wrong) + ")"
+                "from the config or correct them, e.g. " + " ".join(f"{name}.{k}=null" for k in wrong) + ")"
             )
         return dataclasses.replace(arch, max_position_embeddings=context)
     architecture = given.get("architecture", TINY["architecture"])
     needed = SHAPE_FIELDS if architecture == "qwen3_moe" else tuple(TINY)
     if m.path != "tiny":
-        missing = [f"model.{k}" for k in needed if k not in given and k not in ("head_dim", "architecture")]
+        missing = [f"{name}.{k}" for k in needed if k not in given and k not in ("head_dim", "architecture")]
         if missing:
             raise ConfigError(
-                f"model.path {m.path} is not a Hugging Face model directory here (no config.json), so the config "
+                f"{name}.path {m.path} is not a Hugging Face model directory here (no config.json), so the config "
                 f"must give its architecture: set {', '.join(missing)}"
             )
     if architecture not in ARCHITECTURES:
-        raise ConfigError(f"model.architecture must be one of {', '.join(ARCHITECTURES)} (got '{architecture}')")
+        raise ConfigError(f"{name}.architecture must be one of {', '.join(ARCHITECTURES)} (got '{architecture}')")
     if architecture != "qwen3_moe":
-        stray = [f"model.{k}" for k in MOE_FIELDS if k in given]
+        stray = [f"{name}.{k}" for k in MOE_FIELDS if k in given]
         if stray:
             raise ConfigError(
-                f"{', '.join(stray)} apply to model.architecture qwen3_moe only (it is {architecture}): "
-                "remove them, or set model.architecture=qwen3_moe"
+                f"{', '.join(stray)} apply to {name}.architecture qwen3_moe only (it is {architecture}): "
+                f"remove them, or set {name}.architecture=qwen3_moe"
             )
     s = TINY | (TINY_MOE if architecture == "qwen3_moe" else {}) | given
     if s["head_dim"] < 0:
-        raise ConfigError(f"model.head_dim must be >= 0 (got {s['head_dim']}); 0 is hidden_size / num_attention_heads")
+        raise ConfigError(f"{name}.head_dim must be >= 0 (got {s['head_dim']}); 0 is hidden_size / num_attention_heads")
     for k in ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"):
         if s[k] < 1:
-            raise ConfigError(f"model.{k} must be at least 1 (got {s[k]})")
+            raise ConfigError(f"{name}.{k} must be at least 1 (got {s[k]})")
     if s["num_attention_heads"] % s["num_key_value_heads"]:
         raise ConfigError(
-            f"model.num_key_value_heads ({s['num_key_value_heads']}) must divide model.num_attention_heads "
+            f"{name}.num_key_value_heads ({s['num_key_value_heads']}) must divide {name}.num_attention_heads "
             f"({s['num_attention_heads']})"
         )
     if not s["head_dim"] and s["hidden_size"] % s["num_attention_heads"]:
         raise ConfigError(
-            f"model.num_attention_heads ({s['num_attention_heads']}) must divide model.hidden_size "
-            f"({s['hidden_size']}), or set model.head_dim"
+            f"{name}.num_attention_heads ({s['num_attention_heads']}) must divide {name}.hidden_size "
+            f"({s['hidden_size']}), or set {name}.head_dim"
         )
     if architecture == "qwen3_moe":
         for k in ("num_experts", "moe_intermediate_size"):
             if s[k] < 1:
-                raise ConfigError(f"model.{k} must be at least 1 (got {s[k]})")
+                raise ConfigError(f"{name}.{k} must be at least 1 (got {s[k]})")
         if not 1 <= s["num_experts_per_tok"] <= s["num_experts"]:
             raise ConfigError(
-                f"model.num_experts_per_tok ({s['num_experts_per_tok']}) must be between 1 and model.num_experts "
+                f"{name}.num_experts_per_tok ({s['num_experts_per_tok']}) must be between 1 and {name}.num_experts "
                 f"({s['num_experts']})"
             )
         s["router_aux_loss_coef"] = QWEN3_MOE_AUX_LOSS_COEF
@@ -367,6 +368,16 @@ def _hf_moe(c: dict, model_dir: str | Path) -> dict:
         "norm_topk_prob": c.get("norm_topk_prob", False),
         "router_aux_loss_coef": c.get("router_aux_loss_coef", QWEN3_MOE_AUX_LOSS_COEF),
     }
+
+
+def teacher_arch(teacher: ModelConfig) -> QwenArch | None:
+    """The architecture of `distill.teacher` (None: its path empty, off), by `model_arch`'s rules: its
+    config.json, or for a path not on this machine yet its shape fields."""
+    if not teacher.path:
+        return None
+    if teacher.path == "tiny":
+        raise ConfigError("distill.teacher.path is tiny: a teacher is a trained model's directory")
+    return model_arch(teacher, "distill.teacher")
 
 
 def _shape(arch: QwenArch) -> dict:

@@ -117,9 +117,11 @@ def main(argv: list[str] | None = None) -> int:
         role_comm = layout.split(world)
         found = None
         if rank == 0:
-            from areal_hpc.data.initial_model import initial_model
+            from areal_hpc.data.initial_model import check_teacher, initial_model
 
-            found = (str(initial_model(cfg)), latest_checkpoint(run_dir))
+            model = initial_model(cfg)
+            check_teacher(cfg, model)
+            found = (str(model), latest_checkpoint(run_dir))
         model_path, resume_from = world.bcast(found, root=0)
         from areal_hpc.rank_context import RankContext
 

@@ -12,7 +12,8 @@ timing/train_idle_frac, timing/save_s (the trainers' time in checkpoint saves si
 the trainer's ppo/* statistics (ppo/entropy: the mean over trained tokens of the entropy of the
 policy's next-token distribution; ppo/kl with ppo.kl_coef > 0: the mean k3 estimate of the KL to the
 initial policy; with a mixture-of-experts model ppo/load_balancing_loss and, with ppo.routing_replay,
-ppo/routing_agreement: areal_hpc.trainer.moe), memory/peak_gib (GPU only: trainer rank 0's peak of allocated GPU memory since it
+ppo/routing_agreement: areal_hpc.trainer.moe), with distill.teacher distill/reverse_kl and timing/teacher_s
+(areal_hpc.trainer.step), memory/peak_gib (GPU only: trainer rank 0's peak of allocated GPU memory since it
 started), reward/errors (rewards scored 0 for a timeout or an error since the
 previous step), rollout/filtered (prompt groups left out by rollout.filter_uniform_groups since the
 previous step), rollout/truncated (episodes of the step cut at a token limit), the episode figures

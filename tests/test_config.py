@@ -113,6 +113,12 @@ def test_override_changes_a_field():
             ["lora.rank=8", "model.architecture=qwen3_moe", "lora.target_modules=[o_proj]"],
             "LoRA (lora.rank) is for dense models (qwen2, qwen3); model.path is a qwen3_moe",
         ),
+        (["reward.kind=none"], "reward.kind none scores every episode 0: the run learns only from a teacher"),
+        (
+            ["distill.teacher.path=/nowhere/qwen"],
+            "distill.teacher.path /nowhere/qwen is not a Hugging Face model directory here (no config.json), so the config must give its architecture: set distill.teacher.hidden_size",
+        ),
+        (["distill.kl_coef=-1"], "distill.kl_coef must be >= 0 (got -1.0)"),
     ],
 )
 def test_config_errors_name_the_key(overrides, message):
@@ -321,3 +327,20 @@ def test_a_model_directory_gives_the_shape_and_the_config_must_agree(tmp_path):
 def test_a_model_not_here_needs_its_whole_shape_in_the_config(tmp_path):
     with pytest.raises(ConfigError, match=r"no config.json\), so the config must give its architecture: set "):
         load_config(QWEN15B, [f"model.path={tmp_path / 'absent'}", "model.vocab_size=null"])
+
+
+def test_a_teacher_is_read_from_its_config_json_and_must_fit_the_run(tmp_path):
+    """distill.teacher: its config.json is enough to plan (the weights come later), its context must cover
+    the model's, and reward.kind none learns from it alone, without leaving uniform groups out."""
+    teacher = f"distill.teacher.path={_hf_dir(tmp_path / 'teacher')}"
+    cfg = load_config(TINY, [teacher, "reward.kind=none"])
+    assert cfg.distill.kl_coef == 1.0
+    with pytest.raises(ConfigError, match="rollout.filter_uniform_groups would leave every one out"):
+        load_config(TINY, [teacher, "reward.kind=none", "rollout.filter_uniform_groups=true"])
+    short = f"distill.teacher.path={_hf_dir(tmp_path / 'short', max_position_embeddings=256)}"
+    with pytest.raises(ConfigError, match=r"reads 256 positions, the model's context is 512: set model.max_position"):
+        load_config(TINY, [short])
+    with pytest.raises(ConfigError, match=r"distill.teacher.hidden_size is 64 but .*config.json has 1536"):
+        load_config(TINY, [teacher, "distill.teacher.hidden_size=64"])
+    with pytest.raises(ConfigError, match="distill.teacher.path is tiny: a teacher is a trained model's directory"):
+        load_config(TINY, ["distill.teacher.path=tiny"])

@@ -312,6 +312,15 @@ class LoraConfig:
 
 
 @dataclass
+class DistillConfig:
+    teacher: ModelConfig = identity(factory=lambda: ModelConfig(path=""))  # another teacher: another experiment
+    """On-policy distillation's teacher, a model section as `model` (dense, the model's tokenizer); empty path:
+    off. The trainer ranks hold it; each sampled token's advantage gains kl_coef x (teacher - behav logp)."""
+    kl_coef: float = training(1.0)
+    """Weight of the teacher's term in the advantage (with reward.kind none the only one)."""
+
+
+@dataclass
 class TrainConfig:
     total_steps: int = 20
     """Training steps of the run."""
@@ -344,7 +353,7 @@ class TrainConfig:
 @dataclass
 class RewardConfig:
     kind: str = identity("math")
-    """Reward function: math (boxed-answer equivalence) or code (tests in a sandbox)."""
+    """Reward function: math (boxed-answer equivalence), code (tests in a sandbox) or none (0: distillation)."""
     timeout_s: float = operational(10.0)
     """Time limit of one reward call; a call over it scores 0."""
     processes: int = operational(0)
@@ -395,9 +404,8 @@ class DataConfig:
 @dataclass
 class EvalConfig:
     data: str = ""
-    """Held-out prompts to evaluate on (the formats of `data.train_path`, the rows of `reward.kind`),
-    for `areal-hpc eval` (its `--data`) and `every_steps`; empty: the synthetic task's test split
-    (when `data.train_path` is empty too)."""
+    """Held-out prompts to evaluate on (the formats of `data.train_path`, the rows of `reward.kind`), for
+    `areal-hpc eval` (`--data`) and `every_steps`; empty: the synthetic task's test split (no train_path)."""
     every_steps: int = 0
     """During training, evaluate the policy on the generators after every this many steps (and
     before the first; not after the last, which `areal-hpc eval RUN_DIR` evaluates), between the
@@ -467,6 +475,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     train: TrainConfig = operational(factory=TrainConfig)  # the length (a finished run is extended), saves, timeouts
     reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = identity(factory=DataConfig)

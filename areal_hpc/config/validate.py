@@ -11,7 +11,7 @@ from __future__ import annotations
 from areal_hpc import parallel
 from areal_hpc.algo.advantages import ADV_NORMS
 from areal_hpc.algo.losses import LOSS_AGGS, POLICY_LOSSES
-from areal_hpc.arch import DTYPE_BYTES, model_arch
+from areal_hpc.arch import DTYPE_BYTES, model_arch, teacher_arch
 from areal_hpc.config.choices import LR_DECAYS, PROX_LOGPS, RECOMPUTES, SYNTHETIC_TASKS, VLLM_LORA_RANKS
 from areal_hpc.config.schema import SINGLE_TURN, Config
 from areal_hpc.device import CHOICES as DEVICES
@@ -202,8 +202,19 @@ def validate(cfg: Config) -> None:
     )
     need(cfg.eval.every_steps >= 0, f"eval.every_steps must be >= 0 (got {cfg.eval.every_steps}); 0 is off")
     need(cfg.eval.samples >= 1, f"eval.samples must be at least 1 (got {cfg.eval.samples})")
+    need(cfg.distill.kl_coef >= 0, f"distill.kl_coef must be >= 0 (got {cfg.distill.kl_coef})")
     need(
-        cfg.sft.examples <= 0 or cfg.reward.kind == "math",
+        cfg.reward.kind != "none" or (cfg.distill.teacher.path and cfg.distill.kl_coef > 0),
+        "reward.kind none scores every episode 0: the run learns only from a teacher; set distill.teacher.path "
+        "(and distill.kl_coef > 0)",
+    )
+    need(
+        cfg.reward.kind != "none" or not r.filter_uniform_groups,
+        "reward.kind none gives every group equal rewards: rollout.filter_uniform_groups would leave every one "
+        "out; set it false",
+    )
+    need(
+        cfg.sft.examples <= 0 or cfg.reward.kind in ("math", "none"),
         "sft.examples > 0 needs math rows (the warm start learns 'prompt -> \\boxed{answer}'); "
         f"reward.kind is {cfg.reward.kind}: set sft.examples=0",
     )
@@ -236,6 +247,22 @@ def validate(cfg: Config) -> None:
         "load-balancing loss by tokens: its coefficient would grow by a sequence's tokens. Set "
         "ppo.loss_agg=token_mean or ppo.load_balancing_coef=0",
     )
+    teacher = teacher_arch(cfg.distill.teacher)
+    if teacher is not None:
+        name = f"distill.teacher ({cfg.distill.teacher.path})"
+        need(
+            cfg.distill.teacher.dtype in DTYPE_BYTES,
+            f"distill.teacher.dtype must be {_one_of(tuple(DTYPE_BYTES))} (got '{cfg.distill.teacher.dtype}')",
+        )
+        need(not teacher.moe, f"{name} is a mixture of experts: a teacher is dense (qwen2, qwen3) for now")
+        need(
+            teacher.max_position_embeddings >= m.max_position_embeddings,
+            f"{name} reads {teacher.max_position_embeddings} positions, the model's context is "
+            f"{m.max_position_embeddings}: set model.max_position_embeddings={teacher.max_position_embeddings} "
+            "(a cap on the context the run serves)",
+        )
+        for problem in (parallel.train_tp_problem(teacher, a.train_tp), parallel.train_pp_problem(teacher, a.train_pp)):
+            need(problem is None, f"{name}, split as the model is: {problem}")
 
     lora = cfg.lora
     need(

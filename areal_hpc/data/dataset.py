@@ -94,6 +94,9 @@ def _check_row(row, where: str, kind: str) -> tuple[str, str | list[dict], dict]
             f"{where}: field '{clash[0]}' is a name the system gives the row a workflow gets "
             f"({', '.join(ROW_KEYS)}); rename it in the data set"
         )
+    if kind == "none":  # nothing scores it: an answer is kept for `areal-hpc eval ... reward.kind=math`
+        answer = row.get("answer")
+        return prompt, "" if answer is None else str(answer), extra
     if kind == "math":
         answer = row.get("answer")
         if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or str(answer).strip() == "":
@@ -105,7 +108,7 @@ def _check_row(row, where: str, kind: str) -> tuple[str, str | list[dict], dict]
         raise ConfigError(f"{where}: field {e}") from None
 
 
-_TARGET = {"math": "answer", "code": "tests"}
+_TARGET = {"math": "answer", "code": "tests", "none": "answer"}
 
 
 def read_rows(path: str | Path, setting: str = "data.train_path") -> Iterator[tuple[str, object]]:
@@ -273,7 +276,7 @@ def train_path(cfg: Config) -> Path:
     """`data.train_path`, or the synthetic task's training split built under the run root."""
     if cfg.data.train_path:
         return Path(cfg.data.train_path)
-    if cfg.reward.kind != "math":
+    if cfg.reward.kind not in ("math", "none"):
         raise ConfigError(f"reward.kind {cfg.reward.kind} needs data.train_path (the synthetic task is math)")
 
     return _synthetic(cfg) / "train.jsonl"

@@ -93,7 +93,7 @@ def run_local(cfg: Config, fresh: bool = False, allow_change: Sequence[str] = ()
 
 
 def _run(cfg: Config, fresh: bool, allow_change: Sequence[str]) -> int:
-    from areal_hpc.data.initial_model import initial_model
+    from areal_hpc.data.initial_model import check_teacher, initial_model
 
     cfg, why = planner.resolve_split(cfg)  # the run directory's config.yaml records the split
     layout = Layout.from_config(cfg)
@@ -115,6 +115,7 @@ def _run(cfg: Config, fresh: bool, allow_change: Sequence[str]) -> int:
         print(f"resuming from {resume}" + ("" if written == layout.summary() else f", written on {written}"))
     t0 = time.monotonic()
     model = initial_model(cfg)
+    check_teacher(cfg, model)
     print(f"initial model: {model} ({time.monotonic() - t0:.1f} s)", flush=True)
 
     token = uuid.uuid4().hex

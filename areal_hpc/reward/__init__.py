@@ -8,7 +8,7 @@ cluster's trajectories, the reward workers have many.
 
 from __future__ import annotations
 
-REWARD_KINDS = ("math", "code")
+REWARD_KINDS = ("math", "code", "none")
 """The values of `reward.kind`: what `score` dispatches on (the config imports this list)."""
 
 
@@ -21,9 +21,11 @@ def response_text(tokenizer, answer_ids) -> str:
 
 def score(kind: str, response: str, target, timeout_s: float | None) -> tuple[float, str]:
     """(reward, reason) of one request; `target` is the answer (math) or the tests, a list of
-    {"input", "output"} (code): an `areal_hpc.data.dataset.Example`'s target.
+    {"input", "output"} (code): an `areal_hpc.data.dataset.Example`'s target. none scores 0.
 
     reason: "ok" (the reward is the verdict), "timeout" (scored 0) or "error: ..." (scored 0)."""
+    if kind == "none":
+        return 0.0, "ok"
     if kind == "math":
         from areal_hpc.reward.math import math_score
 

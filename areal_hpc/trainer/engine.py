@@ -153,12 +153,15 @@ class Engine:
         total_steps: int = 1,
         overlap_grad_reduce: bool = True,
         lora: LoraSpec | None = None,
+        teacher: str | Path = "",
+        teacher_dtype: torch.dtype | None = None,
     ):
         """The stage of the model in `model_dir` for this rank; `ppo` (the config section) gives Adam's
         settings and learning-rate schedule (over `total_steps` training steps), the recompute setting
         and sequence parallelism. `overlap_grad_reduce` False reduces the gradients after the backward
         pass instead of during it (for comparison: the step is the same). `lora`: LoRA adapters on the
-        frozen base (`trainer.lora`), the only weights trained."""
+        frozen base (`trainer.lora`), the only weights trained. `teacher`: the Hugging Face directory of
+        `distill.teacher` (empty: none), run in `teacher_dtype` (None: `dtype`)."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -187,7 +190,7 @@ class Engine:
         )
         # Micro-batches differ in length: the pipeline sends each activation's shape before it.
         self.config.variable_seq_lengths = True
-        stage = self._initial_stage(dtype)
+        stage = self._load_stage(self.model_dir, self.arch, self.config, dtype)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce, use_distributed_optimizer=True
         )
@@ -199,7 +202,25 @@ class Engine:
         whatever checkpoint the engine loads later), same sharding, no gradient, no optimizer; with LoRA the
         model itself, its adapters off during the pass (`reference_pass`): the base is the initial policy."""
         if ppo.kl_coef > 0:
-            self.reference = self.model if lora else self._initial_stage(dtype).requires_grad_(False).eval()
+            if lora:
+                self.reference = self.model
+            else:
+                self.reference = self._load_stage(self.model_dir, self.arch, self.config, dtype)
+                self.reference.requires_grad_(False).eval()
+        self.teacher: torch.nn.Module | None = None
+        """With distill.teacher: the teacher's stage, split over TP and PP as the policy is (its own layers
+        per stage), frozen: no gradient, no optimizer, no adapters, never saved (its directory is read
+        again on a resume)."""
+        if teacher:
+            arch = QwenArch.from_hf(teacher)
+            check_trainer(arch, grid.tp, grid.pp, grid.ep, grid.dp)
+            teacher_dtype = teacher_dtype or dtype
+            config = transformer_config(
+                arch, grid.tp, grid.pp, self.device, teacher_dtype, "none", self.config.sequence_parallel, grid.ep
+            )
+            config.variable_seq_lengths = True
+            self.teacher = self._load_stage(Path(teacher), arch, config, teacher_dtype, adapters=False)
+            self.teacher.requires_grad_(False).eval()
         self.grad_clip = ppo.grad_clip
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
@@ -241,21 +262,22 @@ class Engine:
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.grad_scale_func = self.optimizer.scale_loss if dtype == torch.float16 else None
 
-    def _initial_stage(self, dtype: torch.dtype) -> torch.nn.Module:
-        """This rank's stage with the weights of `model_dir` (wrapped in Float16Module in bf16/fp16)."""
+    def _load_stage(
+        self, model_dir: Path, arch: QwenArch, config, dtype: torch.dtype, adapters: bool = True
+    ) -> torch.nn.Module:
+        """This rank's stage of the model in `model_dir` with its weights, the engine's LoRA adapters added
+        unless `adapters` is False (wrapped in Float16Module in bf16/fp16)."""
         from megatron.core.transformer.module import Float16Module
 
         grid, coords = self.par.grid, self.par.coords
-        stage = build_stage(self.arch, self.config, self.device)
-        load_hf_into(
-            stage, self.model_dir, self.arch, coords.tp, grid.tp, coords.pp, grid.pp, self.par.expert_rank, grid.ep
-        )
-        if self.lora:
-            add_adapters(stage, self.arch, self.lora)
+        stage = build_stage(arch, config, self.device)
+        load_hf_into(stage, model_dir, arch, coords.tp, grid.tp, coords.pp, grid.pp, self.par.expert_rank, grid.ep)
+        if self.lora and adapters:
+            add_adapters(stage, arch, self.lora)
         if dtype != torch.float32:
             # As Megatron's own training does: every parameter in the 16-bit dtype (the local layer
             # spec makes its norms fp32; the distributed optimizer needs one dtype per gradient buffer).
-            stage = Float16Module(self.config, stage)
+            stage = Float16Module(config, stage)
         return stage
 
     def reference_pass(self):

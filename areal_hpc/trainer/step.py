@@ -3,6 +3,9 @@ minibatch, each over its packed micro-batches with the decoupled loss.
 
     prox_logp <- logprobs of every token under the weights at the start of the step (forward only)
     ref_logp  <- logprobs of every token under the initial policy (forward only; ppo.kl_coef > 0)
+    teach_logp <- logprobs of every token under the teacher (forward only; distill.teacher)
+    A          <- A + distill_coef * (teach_logp - behav_logp)  (on-policy distillation; distill/reverse_kl
+                  is the mean of behav_logp - teach_logp over trained tokens)
     for each minibatch k:
         for each micro-batch j of k (Megatron's schedule, 1F1B across pipeline stages):
             logp      = log_softmax(h W^T / T)[next token]                   (T = rollout.temperature)
@@ -46,6 +49,7 @@ gets alpha = 0 at k > 0 (prox = behav, exact when generator and trainer agree).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from functools import partial
 
@@ -81,6 +85,9 @@ class StepConfig:
     """recompute (a forward pass with the step's starting weights; exact) or loglinear (no extra pass)."""
     kl_coef: float = 0.0
     """Weight of the KL penalty to the engine's reference policy (`ppo.kl_coef`; 0: off)."""
+    distill_coef: float = 0.0
+    """Weight of the teacher's term in each token's advantage (`distill.kl_coef` with a `distill.teacher`;
+    0: off)."""
 
     def __post_init__(self):
         if self.policy_loss not in POLICY_LOSSES:
@@ -105,6 +112,7 @@ class StepConfig:
             seq_tokens=cfg.rollout.max_new_tokens,
             prox_logp=p.prox_logp,
             kl_coef=p.kl_coef,
+            distill_coef=cfg.distill.kl_coef if cfg.distill.teacher.path else 0.0,
         )
 
 
@@ -122,6 +130,7 @@ class MicroBatch:
     versions: torch.Tensor  # [n] int64
     prox_logprobs: torch.Tensor | None = None  # [n], filled on the last stage
     ref_logprobs: torch.Tensor | None = None  # [n] under the reference policy (ppo.kl_coef > 0), last stage
+    teacher_logprobs: torch.Tensor | None = None  # [n] under the teacher (distill.teacher), last stage
     routing: torch.Tensor | None = None
     """[L_stage, T, K] int64: the experts each MoE layer of this stage replays (`trainer.moe`), per token in
     the router's order (row s_idx * b + b_idx of the [s, b] rows; this TP rank's s / TP slice under
@@ -198,13 +207,14 @@ def _router_order(routing: np.ndarray, rows: PackedRows, sp_size: int, sp_rank: 
     return grid[sp_rank * width : (sp_rank + 1) * width].permute(2, 0, 1, 3).reshape(layers, -1, k)
 
 
-def _forward_step(loss_of):
+def _forward_step(loss_of, replay: bool = True):
     """Megatron's forward_step_func: the next micro-batch's forward, and its loss function, which gets
-    the micro-batch, the stage's output weight (last stage) and whether the sequence is TP-split."""
+    the micro-batch, the stage's output weight (last stage) and whether the sequence is TP-split.
+    `replay` False: the micro-batch's routing is not the model's (the teacher's pass)."""
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        moe.set_targets(model, mb.routing)
+        moe.set_targets(model, mb.routing if replay else None)
         stage = unwrap_model(model)
         weight = stage.output_weight() if stage.post_process else None
         return mb.rows.forward(model), partial(loss_of, mb, weight, stage.config.sequence_parallel)
@@ -236,11 +246,14 @@ def _ppo_loss(
         alpha = torch.where(denom > 0, (version - v_behav) / denom.clamp(min=1e-9), torch.ones_like(denom))
         prox = mb.behav_logprobs + alpha * (logp.detach() - mb.behav_logprobs)
     mask = mb.loss_mask
+    advantages = mb.advantages
+    if cfg.distill_coef > 0:  # minus the reverse KL, per sampled token, from the policy that sampled it
+        advantages = advantages + cfg.distill_coef * (mb.teacher_logprobs - mb.behav_logprobs)
     losses, stats = policy_token_losses(
         logp,
         prox,
         mb.behav_logprobs,
-        mb.advantages,
+        advantages,
         mask,
         mb.seq_ids,
         policy_loss=cfg.policy_loss,
@@ -268,20 +281,23 @@ def _ppo_loss(
             "mismatch_n": current.sum().double(),
             "entropy_sum": (entropy * mask).sum().double(),
             "kl_sum": (kl * mask).sum().double() if cfg.kl_coef > 0 else torch.zeros_like(n, dtype=torch.float64),
+            "reverse_kl_sum": ((mb.behav_logprobs - mb.teacher_logprobs) * mask).sum().double()
+            if cfg.distill_coef > 0
+            else torch.zeros_like(n, dtype=torch.float64),
         }
     return loss_sum, count.int(), report
 
 
 def compute_logprobs(engine, mbs: list[MicroBatch], temperature: float, model=None) -> list[torch.Tensor] | None:
     """[n] logprobs of each micro-batch's tokens under the current weights, or those of `model` (the
-    engine's reference), on the last stage; else None.
+    engine's reference or teacher; the teacher replays no routing), on the last stage; else None.
 
     No autograd graph: Megatron's forward-only schedule does not turn gradients off by itself.
     """
     with torch.no_grad():
         out = engine.forward_backward(
             mbs,
-            _forward_step(partial(_logprob_loss, temperature)),
+            _forward_step(partial(_logprob_loss, temperature), replay=model is None or model is not engine.teacher),
             forward_only=True,
             seq_length=max(mb.width for mb in mbs),
             model=model,
@@ -300,6 +316,7 @@ _LOSS_KEYS = (
     "mismatch_n",
     "entropy_sum",
     "kl_sum",
+    "reverse_kl_sum",
 )
 _STAT_KEYS = _LOSS_KEYS + moe.STAT_KEYS
 
@@ -349,6 +366,21 @@ def prox_pass(engine, minibatches: list[list[MicroBatch]], temperature: float) -
             mb.prox_logprobs = lp
 
 
+def _teacher_pass(engine, minibatches: list[list[MicroBatch]], cfg: StepConfig) -> float:
+    """Every micro-batch's logprobs under the teacher (on the last stage); the pass's seconds."""
+    if engine.teacher is None:
+        raise ValueError("distill.teacher needs an Engine built with it (it keeps the teacher)")
+    start = time.perf_counter()
+    flat = [mb for k in minibatches for mb in k]
+    teacher = compute_logprobs(engine, flat, cfg.temperature, model=engine.teacher)
+    if teacher is not None:
+        for mb, lp in zip(flat, teacher):
+            mb.teacher_logprobs = lp
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    return time.perf_counter() - start
+
+
 def train_minibatches(engine, version: int, minibatches: list[list[MicroBatch]], cfg: StepConfig) -> dict[str, float]:
     """The step after any prox pass: the reference pass (ppo.kl_coef > 0), then one optimizer step per
     minibatch; the step's stats (`ppo_step`'s)."""
@@ -363,6 +395,7 @@ def train_minibatches(engine, version: int, minibatches: list[list[MicroBatch]],
         if ref is not None:
             for mb, lp in zip(flat, ref):
                 mb.ref_logprobs = lp
+    teacher_s = _teacher_pass(engine, minibatches, cfg) if cfg.distill_coef > 0 else None
     totals = torch.zeros(len(_STAT_KEYS), dtype=torch.float64, device=engine.device)
     grad_norms = []
     K = len(minibatches)
@@ -388,6 +421,8 @@ def train_minibatches(engine, version: int, minibatches: list[list[MicroBatch]],
     s = dict(zip(_STAT_KEYS, totals.tolist()))
     n = max(s["n"], 1.0)
     optional = {"ppo/kl": s["kl_sum"] / n} if cfg.kl_coef > 0 else {}
+    if teacher_s is not None:
+        optional |= {"distill/reverse_kl": s["reverse_kl_sum"] / n, "timing/teacher_s": teacher_s}
     if cfg.behav_weight_cap is not None:
         optional["ppo/behav_masked_frac"] = s["behav_masked_sum"] / n
     if s["routing_compared"] > 0:  # ppo.routing_replay

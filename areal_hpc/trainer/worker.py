@@ -53,7 +53,16 @@ def build_engine(ctx) -> Engine:
         comm.Get_rank(), comm.Get_size(), a.train_tp, a.train_pp, store, ctx.device, timeout_s, a.train_ep
     )
     dtype = getattr(torch, cfg.model.dtype)
-    engine = Engine(ctx.model_path, par, cfg.ppo, dtype, cfg.train.total_steps, lora=LoraSpec.of(cfg.lora))
+    engine = Engine(
+        ctx.model_path,
+        par,
+        cfg.ppo,
+        dtype,
+        cfg.train.total_steps,
+        lora=LoraSpec.of(cfg.lora),
+        teacher=cfg.distill.teacher.path,
+        teacher_dtype=getattr(torch, cfg.distill.teacher.dtype),
+    )
     if ctx.resume_from is not None:
         was = trainer_checkpoint.load(engine, Path(ctx.resume_from) / "trainer")
         now = par.grid
