@@ -188,7 +188,9 @@ def test_cli_plan_prints_split_and_both_predictions():
     assert "steps/hour" in out and "effective tokens/s" in out and "--search would choose" in out
 
 
-@pytest.mark.parametrize("name", ["qwen1.5b", "qwen1.5b-1node", "qwen7b", "qwen32b", "qwen32b-lora", "qwen3-30b-a3b"])
+@pytest.mark.parametrize(
+    "name", ["qwen1.5b", "qwen1.5b-1node", "qwen7b", "qwen32b", "qwen32b-lora", "qwen3-30b-a3b", "qwen-distill"]
+)
 def test_shipped_configs_are_the_split_their_planner_prefers(name):
     cfg, _ = planner.resolve_split(load_config(CONFIGS / f"{name}.yaml"))
     assert cfg.allocation.gen_share == "auto"
@@ -483,3 +485,36 @@ def test_a_generator_gpu_the_additions_would_leave_too_little_of_does_not_fit():
     p = planner.predict(cfg, planner.Plan.of(planner.resolve_split(load_config(CONFIGS / "qwen32b.yaml"))[0]))
     assert p.gen_budget.utilization < 0.5 and not p.fits
     assert "vLLM would get 0.43 of the generator GPU's 10.0 GB" in planner.memory_advice(cfg, p)
+
+
+R1_DISTILL_7B_JSON = {  # DeepSeek-R1-Distill-Qwen-7B's config.json, the fields the planner reads
+    "model_type": "qwen2",
+    "vocab_size": 152064,
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 131072,
+    "rope_theta": 10000,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+
+
+def test_a_teacher_costs_the_trainer_its_forward_and_its_weights(tmp_path):
+    """distill.teacher (a 7B teacher of the 1.5B model, its config.json alone): each trainer GPU holds its
+    share of the teacher's weights and runs its forward every step, so the planner gives the trainers more
+    of the 16 nodes' GPUs."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(R1_DISTILL_7B_JSON))
+    base, taught = cfg_of("qwen1.5b"), cfg_of("qwen1.5b", 16, f"distill.teacher.path={tmp_path}")
+    m = planner.ModelSize.from_config(taught)
+    assert m.teacher.params == pytest.approx(7.6e9, rel=0.02) and planner.ModelSize.from_config(base).teacher is None
+    parts = planner.train_memory_parts(m, 2, 1, 28, taught)
+    assert parts["teacher"] == pytest.approx(m.teacher.params / 2 * m.dtype_bytes)
+    assert planner.train_memory_parts(planner.ModelSize.from_config(base), 2, 1, 28, base)["teacher"] == 0
+    same_split = planner.predict(taught, planner.Plan.of(base))
+    assert same_split.t_train > 1.5 * planner.predict(base).t_train  # a 7B forward against a 1.5B step's 4 passes
+    assert Layout.from_config(taught).trainers > Layout.from_config(base).trainers

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from areal_hpc.arch import DTYPE_BYTES, model_arch
+from areal_hpc.arch import DTYPE_BYTES, QwenArch, model_arch, teacher_arch
 from areal_hpc.layout import Layout
 
 if TYPE_CHECKING:
@@ -126,16 +126,26 @@ class ModelSize:
     lora_params: float = 0.0
     """With LoRA (lora.rank > 0) the adapters' parameters, the only ones trained and synced (the rest frozen);
     0: full training."""
+    teacher: ModelSize | None = None
+    """With distill.teacher, the teacher (dense, in its own dtype), which the trainer ranks hold and run
+    forward once per step; None: none."""
 
     @classmethod
     def from_config(cls, cfg: Config) -> ModelSize:
-        m, dtype_bytes = model_arch(cfg.model), DTYPE_BYTES[cfg.model.dtype]
+        arch, dtype_bytes = model_arch(cfg.model), DTYPE_BYTES[cfg.model.dtype]
+        lora = arch.lora_params(cfg.lora.rank, cfg.lora.target_modules) if cfg.lora.rank else 0.0
+        teacher = teacher_arch(cfg.distill.teacher)
+        teacher = teacher and cls.of(teacher, DTYPE_BYTES[cfg.distill.teacher.dtype])
+        return cls.of(arch, dtype_bytes, lora, teacher)
+
+    @classmethod
+    def of(cls, m: QwenArch, dtype_bytes: int, lora_params: float = 0.0, teacher: ModelSize | None = None) -> ModelSize:
         k = m.num_experts_per_tok
         mlp_values = k * (4 * m.moe_intermediate_size + 2 * m.hidden_size) if m.moe else 4 * m.intermediate_size
         return cls(
             m.params, m.num_layers, m.hidden_size, m.vocab_size, dtype_bytes, mlp_values,
-            m.kv_bytes_per_token(dtype_bytes), m.active_params, m.expert_params, m.num_experts, k,
-            m.lora_params(cfg.lora.rank, cfg.lora.target_modules) if cfg.lora.rank else 0.0,
+            m.kv_bytes_per_token(dtype_bytes), m.active_params, m.expert_params, m.num_experts, k, lora_params,
+            teacher,
         )  # fmt: skip
 
     @property

@@ -151,6 +151,7 @@ def train_step_s(
               the forward that recomputes prox_logprobs = 2 P_active; causal attention 2 h s^2 per layer
               and pass; x (8 + 2 + 2) / 8 with ppo.recompute full (the forward again in the backward) and
               ppo.kl_coef > 0 (the reference policy's forward), each counted when on)
+              + 2 P_teacher N E[s] + 2 layers_t h_t N E[s^2] with distill.teacher (the teacher's forward)
       compute = FLOPs / (gpus * flops * mfu) * (m + pp - 1) / m   (1F1B bubble, m micro-batches per
               DP rank and minibatch, each ppo.max_tokens_per_mb tokens)
       + TP all-reduces (6 per layer and token, h * dtype bytes each) over NVLink
@@ -168,6 +169,9 @@ def train_step_s(
     # with LoRA the backward computes no gradient of the frozen weights: a forward's worth
     passes = 4 - bool(m.lora_params) + (cfg.ppo.recompute == "full") + (cfg.ppo.kl_coef > 0)
     flops *= passes / 4
+    if m.teacher:
+        t = m.teacher
+        flops += 2 * t.active_params * tokens + 2 * t.layers * t.hidden * trajectories * second_s
     minibatches = cfg.ppo.minibatches
     micro = max(1.0, math.ceil(tokens / (d * minibatches * cfg.ppo.max_tokens_per_mb)))
     bubble = (micro + pp - 1) / micro
@@ -233,6 +237,8 @@ def train_memory_parts(
                  token logprobs come chunk by chunk.
     reference:   with ppo.kl_coef > 0, the frozen initial policy: P_dense / (tp pp) + P_experts / (ep pp)
                  x dtype bytes (else 0).
+    teacher:     with distill.teacher, its weights: P_teacher / (tp pp) x dtype bytes (else 0; its forward
+                 keeps no activations, and its logprobs come chunk by chunk as the policy's).
     With LoRA (P_lora adapter parameters, dense models only) the base is frozen: states are P / (tp pp) x
     dtype bytes + P_lora / pp x (dtype + 4 + (master + 8) / dp) (adapters counted whole on every TP rank: some
     are replicated, all are small); no embedding gradient among the transients; the reference is the base
@@ -250,7 +256,14 @@ def train_memory_parts(
     if m.lora_params:
         states = weights * m.dtype_bytes + m.lora_params / pp * (m.dtype_bytes + 4 + (master + 8) / dp)
         transients, reference = chunks, 0.0
-    return {"states": states, "activations": activations, "transients": transients, "reference": reference}
+    teacher = m.teacher.params / (tp * pp) * m.dtype_bytes if m.teacher else 0.0
+    return {
+        "states": states,
+        "activations": activations,
+        "transients": transients,
+        "reference": reference,
+        "teacher": teacher,
+    }
 
 
 def train_memory(m: ModelSize, tp: int, pp: int, dp: int, cfg: Config, cost: CostModel = COST, *, ep: int = 1) -> float:
