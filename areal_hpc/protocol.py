@@ -127,7 +127,7 @@ class RewardRequest:
     """Score one episode's final answer: the reward worker decodes `answer_ids` (`reward.response_text`)."""
 
     request_id: int  # the controller's, unique among its requests in flight; the result carries it back
-    kind: str  # "math" or "code"
+    kind: str  # reward.kind: "math", "code" or "none"
     answer_ids: np.ndarray  # [A] int32, the final turn's sampled tokens (Trajectory.answer_ids)
     target: str | list  # an areal_hpc.data.dataset.Example's target: the answer (math), the tests (code)
 

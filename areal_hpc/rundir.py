@@ -154,13 +154,18 @@ def changes_at(run_dir: str | Path, step: int) -> list[str]:
 def config_changes(previous: Config, cfg: Config) -> list[Change]:
     """Every field that differs between two configs. The `model.*` shape fields count through the
     architecture they give (`arch.model_arch`): a run directory whose config wrote them out (or left them
-    to config.json) resumes while the model is the same."""
-    from areal_hpc.arch import SHAPE_FIELDS, model_arch
+    to config.json) resumes while the model is the same; so do `distill.teacher.*`'s."""
+    from areal_hpc.arch import SHAPE_FIELDS, model_arch, teacher_arch
 
     old = _flat(OmegaConf.to_container(OmegaConf.structured(previous)))
     new = _flat(OmegaConf.to_container(OmegaConf.structured(cfg)))
     if model_arch(previous.model) == model_arch(cfg.model):
         for key in (f"model.{f}" for f in SHAPE_FIELDS):
+            old.pop(key, None), new.pop(key, None)
+    if previous.distill.teacher.path == cfg.distill.teacher.path and teacher_arch(
+        previous.distill.teacher
+    ) == teacher_arch(cfg.distill.teacher):
+        for key in (f"distill.teacher.{f}" for f in SHAPE_FIELDS):
             old.pop(key, None), new.pop(key, None)
     return [
         Change(key, old.get(key), new.get(key)) for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)

@@ -344,3 +344,25 @@ def test_a_teacher_is_read_from_its_config_json_and_must_fit_the_run(tmp_path):
         load_config(TINY, [teacher, "distill.teacher.hidden_size=64"])
     with pytest.raises(ConfigError, match="distill.teacher.path is tiny: a teacher is a trained model's directory"):
         load_config(TINY, ["distill.teacher.path=tiny"])
+    with pytest.raises(ConfigError, match="distill.kl_coef is 0 with distill.teacher .* loaded and never used"):
+        load_config(TINY, [teacher, "distill.kl_coef=0"])
+    small = f"distill.teacher.path={_hf_dir(tmp_path / 'small', vocab_size=100)}"
+    with pytest.raises(ConfigError, match="has 100 embeddings, fewer than the model's 128"):
+        load_config(TINY, [small])
+    assert load_config(TINY, [teacher, "reward.kind=none", "rollout.group_size=1"]).rollout.group_size == 1
+
+
+def test_a_resume_compares_the_teachers_shape_through_its_architecture(tmp_path):
+    """distill.teacher's shape fields written out or left to config.json: the same teacher, no change; another
+    path or `--allow-change distill.teacher.path`: an identity change, named as such."""
+    from areal_hpc.config.resume import allowed_fields
+    from areal_hpc.rundir import config_changes
+
+    teacher = _hf_dir(tmp_path / "teacher")
+    plain = load_config(TINY, [f"distill.teacher.path={teacher}"])
+    spelled = load_config(TINY, [f"distill.teacher.path={teacher}", "distill.teacher.hidden_size=1536"])
+    assert config_changes(plain, spelled) == []
+    other = load_config(TINY, [f"distill.teacher.path={_hf_dir(tmp_path / 'other')}"])
+    assert [c.field for c in config_changes(plain, other)] == ["distill.teacher.path"]
+    with pytest.raises(ConfigError, match="distill.teacher.path is identity"):
+        allowed_fields(["distill.teacher.path"])

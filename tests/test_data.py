@@ -368,3 +368,14 @@ def test_warm_start_calls_the_calculator_in_the_tool_share(tmp_path):
         load_config(None, [f"experiment.root={tmp_path}", *overrides, "sft.tool_share=1.5"])
     with pytest.raises(ConfigError, match="data.synthetic_task must be arithmetic, multiplication or chain"):
         load_config(None, [f"experiment.root={tmp_path}", "data.synthetic_task=division"])
+
+
+def test_rows_for_no_reward_need_a_prompt_only_and_keep_an_answer(tmp_path):
+    """reward.kind none (distillation alone): nothing is scored, so a row needs its prompt only; an answer it
+    has is kept, for `areal-hpc eval RUN_DIR reward.kind=math`."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"prompt": "1+1=", "answer": 2}) + "\n" + json.dumps({"prompt": "2+2="}) + "\n")
+    assert [(e.prompt, e.target) for e in load_dataset(path, "none")] == [("1+1=", "2"), ("2+2=", "")]
+    with pytest.raises(ConfigError, match="field 'prompt' must be a non-empty string"):
+        path.write_text(json.dumps({"answer": 2}) + "\n")
+        load_dataset(path, "none")

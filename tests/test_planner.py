@@ -513,7 +513,12 @@ def test_a_teacher_costs_the_trainer_its_forward_and_its_weights(tmp_path):
     m = planner.ModelSize.from_config(taught)
     assert m.teacher.params == pytest.approx(7.6e9, rel=0.02) and planner.ModelSize.from_config(base).teacher is None
     parts = planner.train_memory_parts(m, 2, 1, 28, taught)
-    assert parts["teacher"] == pytest.approx(m.teacher.params / 2 * m.dtype_bytes)
+    assert parts["teacher"] == pytest.approx(m.teacher.params / 2 * 2)  # in the model's bf16, as its dtype is empty
+    fp32 = cfg_of("qwen1.5b", 16, f"distill.teacher.path={tmp_path}", "distill.teacher.dtype=float32")
+    assert (
+        planner.train_memory_parts(planner.ModelSize.from_config(fp32), 2, 1, 28, fp32)["teacher"]
+        == 2 * parts["teacher"]
+    )
     assert planner.train_memory_parts(planner.ModelSize.from_config(base), 2, 1, 28, base)["teacher"] == 0
     same_split = planner.predict(taught, planner.Plan.of(base))
     assert same_split.t_train > 1.5 * planner.predict(base).t_train  # a 7B forward against a 1.5B step's 4 passes

@@ -45,9 +45,22 @@ def describe_config() -> str:
         docs = field_docs(cls)
         for f in dataclasses.fields(cls):
             value = getattr(getattr(defaults, section.name), f.name)
-            lines.append(f"  {f.name} = {value!r}  [{kind_of(f'{section.name}.{f.name}')}]")
+            kind = kind_of(f"{section.name}.{f.name}")
             doc = docs.get(f.name, "")
             if f"{section.name}.{f.name}" in CHOICES:
                 doc += f" One of: {', '.join(CHOICES[f'{section.name}.{f.name}'])}."
-            lines.append(textwrap.fill(doc, width=96, initial_indent="      ", subsequent_indent="      "))
+            if dataclasses.is_dataclass(value):  # a section inside the section (distill.teacher): its fields
+                lines.append(f"  {f.name}:  [{kind}]")
+                lines.append(_fill(doc, "      "))
+                inner = field_docs(type(value))
+                for g in dataclasses.fields(value):
+                    lines.append(f"    {g.name} = {getattr(value, g.name)!r}")
+                    lines.append(_fill(inner.get(g.name, ""), "        "))
+                continue
+            lines.append(f"  {f.name} = {value!r}  [{kind}]")
+            lines.append(_fill(doc, "      "))
     return "\n".join(lines)
+
+
+def _fill(doc: str, indent: str) -> str:
+    return textwrap.fill(doc, width=96, initial_indent=indent, subsequent_indent=indent)

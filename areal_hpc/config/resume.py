@@ -27,7 +27,7 @@ def allowed_fields(allow_change: list[str]) -> dict[str, str]:
     fields = config_fields()
     allowed = {}
     for name in allow_change:
-        covered = [f for f in fields if f == name or f.startswith(f"{name}.")]
+        covered = [f for f in fields if f == name or f.startswith(f"{name}.") or name.startswith(f"{f}.")]
         if not covered:
             raise ConfigError(f"--allow-change {name}: no such config field or section (see areal-hpc --config-help)")
         if all(kind_of(f) == IDENTITY for f in covered):

@@ -313,9 +313,9 @@ class LoraConfig:
 
 @dataclass
 class DistillConfig:
-    teacher: ModelConfig = identity(factory=lambda: ModelConfig(path=""))  # another teacher: another experiment
-    """On-policy distillation's teacher, a model section as `model` (dense, the model's tokenizer); empty path:
-    off. The trainer ranks hold it; each sampled token's advantage gains kl_coef x (teacher - behav logp)."""
+    teacher: ModelConfig = identity(factory=lambda: ModelConfig(path="", dtype=""))  # another teacher: another run
+    """On-policy distillation's teacher, a model section as `model` (dense, the model's tokenizer; dtype empty: the
+    model's); empty path: off. Each sampled token's advantage gains kl_coef x (teacher - behav logprob)."""
     kl_coef: float = training(1.0)
     """Weight of the teacher's term in the advantage (with reward.kind none the only one)."""
 

@@ -117,7 +117,7 @@ def validate(cfg: Config) -> None:
         f"(1 + allocation.reward_workers = {1 + a.reward_workers}): every node gets one",
     )
     need(
-        r.group_size >= 2,
+        r.group_size >= 2 or cfg.distill.teacher.path,
         f"rollout.group_size is {r.group_size}: every advantage is 0 (each ppo.adv_norm centres a reward on its "
         "group's mean), so the run would learn nothing; set rollout.group_size >= 2",
     )
@@ -214,7 +214,7 @@ def validate(cfg: Config) -> None:
         "out; set it false",
     )
     need(
-        cfg.sft.examples <= 0 or cfg.reward.kind in ("math", "none"),
+        cfg.sft.examples <= 0 or cfg.reward.kind == "math" or (cfg.reward.kind == "none" and not cfg.data.train_path),
         "sft.examples > 0 needs math rows (the warm start learns 'prompt -> \\boxed{answer}'); "
         f"reward.kind is {cfg.reward.kind}: set sft.examples=0",
     )
@@ -251,8 +251,19 @@ def validate(cfg: Config) -> None:
     if teacher is not None:
         name = f"distill.teacher ({cfg.distill.teacher.path})"
         need(
-            cfg.distill.teacher.dtype in DTYPE_BYTES,
-            f"distill.teacher.dtype must be {_one_of(tuple(DTYPE_BYTES))} (got '{cfg.distill.teacher.dtype}')",
+            cfg.distill.teacher.dtype in ("", *DTYPE_BYTES),
+            f"distill.teacher.dtype must be {_one_of(tuple(DTYPE_BYTES))} or empty, the model's "
+            f"(got '{cfg.distill.teacher.dtype}')",
+        )
+        need(
+            cfg.distill.kl_coef > 0,
+            f"distill.kl_coef is 0 with {name}: the teacher would be loaded and never used; set distill.kl_coef > 0 "
+            "or leave distill.teacher.path empty",
+        )
+        need(
+            teacher.vocab_size >= m.vocab_size,
+            f"{name} has {teacher.vocab_size} embeddings, fewer than the model's {m.vocab_size}: a token the model "
+            "samples past them has no teacher logprob",
         )
         need(not teacher.moe, f"{name} is a mixture of experts: a teacher is dense (qwen2, qwen3) for now")
         need(
@@ -262,7 +273,9 @@ def validate(cfg: Config) -> None:
             "(a cap on the context the run serves)",
         )
         for problem in (parallel.train_tp_problem(teacher, a.train_tp), parallel.train_pp_problem(teacher, a.train_pp)):
-            need(problem is None, f"{name}, split as the model is: {problem}")
+            need(
+                problem is None, f"{name}, split as the model is: {str(problem).replace('model.', 'distill.teacher.')}"
+            )
 
     lora = cfg.lora
     need(

@@ -135,7 +135,7 @@ class ModelSize:
         arch, dtype_bytes = model_arch(cfg.model), DTYPE_BYTES[cfg.model.dtype]
         lora = arch.lora_params(cfg.lora.rank, cfg.lora.target_modules) if cfg.lora.rank else 0.0
         teacher = teacher_arch(cfg.distill.teacher)
-        teacher = teacher and cls.of(teacher, DTYPE_BYTES[cfg.distill.teacher.dtype])
+        teacher = teacher and cls.of(teacher, DTYPE_BYTES[cfg.distill.teacher.dtype or cfg.model.dtype])
         return cls.of(arch, dtype_bytes, lora, teacher)
 
     @classmethod

@@ -256,7 +256,7 @@ def train_memory_parts(
     if m.lora_params:
         states = weights * m.dtype_bytes + m.lora_params / pp * (m.dtype_bytes + 4 + (master + 8) / dp)
         transients, reference = chunks, 0.0
-    teacher = m.teacher.params / (tp * pp) * m.dtype_bytes if m.teacher else 0.0
+    teacher = m.teacher.params / (tp * pp) * m.teacher.dtype_bytes if m.teacher else 0.0
     return {
         "states": states,
         "activations": activations,

@@ -213,7 +213,7 @@ class Engine:
         again on a resume)."""
         if teacher:
             arch = QwenArch.from_hf(teacher)
-            check_trainer(arch, grid.tp, grid.pp, grid.ep, grid.dp)
+            check_trainer(arch, grid.tp, grid.pp)  # dense: replicated over any expert-parallel ranks
             teacher_dtype = teacher_dtype or dtype
             config = transformer_config(
                 arch, grid.tp, grid.pp, self.device, teacher_dtype, "none", self.config.sequence_parallel, grid.ep

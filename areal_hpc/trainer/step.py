@@ -370,6 +370,8 @@ def _teacher_pass(engine, minibatches: list[list[MicroBatch]], cfg: StepConfig) 
     """Every micro-batch's logprobs under the teacher (on the last stage); the pass's seconds."""
     if engine.teacher is None:
         raise ValueError("distill.teacher needs an Engine built with it (it keeps the teacher)")
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)  # the passes before it out of its time
     start = time.perf_counter()
     flat = [mb for k in minibatches for mb in k]
     teacher = compute_logprobs(engine, flat, cfg.temperature, model=engine.teacher)

@@ -61,7 +61,7 @@ def build_engine(ctx) -> Engine:
         cfg.train.total_steps,
         lora=LoraSpec.of(cfg.lora),
         teacher=cfg.distill.teacher.path,
-        teacher_dtype=getattr(torch, cfg.distill.teacher.dtype),
+        teacher_dtype=getattr(torch, cfg.distill.teacher.dtype or cfg.model.dtype),
     )
     if ctx.resume_from is not None:
         was = trainer_checkpoint.load(engine, Path(ctx.resume_from) / "trainer")
