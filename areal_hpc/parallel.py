@@ -49,18 +49,23 @@ def gen_tp_problem(arch: QwenArch, gpus_per_node: int, tp: int) -> str | None:
     return _divides(tp, "allocation.gen_tp", _heads(arch))
 
 
-def train_tp_problem(arch: QwenArch, tp: int) -> str | None:
-    """The trainer's tensor-parallel size: Megatron splits the heads, the MLP and the vocabulary evenly."""
+def train_tp_problem(arch: QwenArch, tp: int, name: str = "model") -> str | None:
+    """The trainer's tensor-parallel size: Megatron splits the heads, the MLP and the vocabulary evenly.
+    `name`: the config section of `arch`, in the problem (`distill.teacher` is split as the model is)."""
     return _divides(
         tp,
         "allocation.train_tp",
-        [*_heads(arch), ("model.intermediate_size", arch.intermediate_size), ("model.vocab_size", arch.vocab_size)],
+        [
+            *_heads(arch, name),
+            (f"{name}.intermediate_size", arch.intermediate_size),
+            (f"{name}.vocab_size", arch.vocab_size),
+        ],
     )
 
 
-def train_pp_problem(arch: QwenArch, pp: int) -> str | None:
-    """The trainer's pipeline-parallel size: stages of equal depth."""
-    return _divides(pp, "allocation.train_pp", [("model.num_layers", arch.num_layers)])
+def train_pp_problem(arch: QwenArch, pp: int, name: str = "model") -> str | None:
+    """The trainer's pipeline-parallel size: stages of equal depth (`name` as train_tp_problem's)."""
+    return _divides(pp, "allocation.train_pp", [(f"{name}.num_layers", arch.num_layers)])
 
 
 def train_ep_problem(arch: QwenArch, ep: int, dp: int | None = None) -> str | None:
@@ -242,8 +247,8 @@ class TrainerGrid:
         return self.rank(expert_rank % self.tp, stage, expert_rank // self.tp)
 
 
-def _heads(arch: QwenArch) -> list[tuple[str, int]]:
+def _heads(arch: QwenArch, name: str = "model") -> list[tuple[str, int]]:
     return [
-        ("model.num_attention_heads", arch.num_attention_heads),
-        ("model.num_key_value_heads", arch.num_key_value_heads),
+        (f"{name}.num_attention_heads", arch.num_attention_heads),
+        (f"{name}.num_key_value_heads", arch.num_key_value_heads),
     ]

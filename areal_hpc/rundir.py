@@ -159,14 +159,13 @@ def config_changes(previous: Config, cfg: Config) -> list[Change]:
 
     old = _flat(OmegaConf.to_container(OmegaConf.structured(previous)))
     new = _flat(OmegaConf.to_container(OmegaConf.structured(cfg)))
-    if model_arch(previous.model) == model_arch(cfg.model):
-        for key in (f"model.{f}" for f in SHAPE_FIELDS):
-            old.pop(key, None), new.pop(key, None)
-    if previous.distill.teacher.path == cfg.distill.teacher.path and teacher_arch(
-        previous.distill.teacher
-    ) == teacher_arch(cfg.distill.teacher):
-        for key in (f"distill.teacher.{f}" for f in SHAPE_FIELDS):
-            old.pop(key, None), new.pop(key, None)
+    for section, arch in (
+        ("model", lambda c: model_arch(c.model)),
+        ("distill.teacher", lambda c: teacher_arch(c.distill.teacher)),
+    ):
+        if arch(previous) == arch(cfg):  # another path, if any, is a change of its own
+            for key in (f"{section}.{f}" for f in SHAPE_FIELDS):
+                old.pop(key, None), new.pop(key, None)
     return [
         Change(key, old.get(key), new.get(key)) for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)
     ]

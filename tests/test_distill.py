@@ -20,6 +20,7 @@ from areal_hpc.data.initial_model import check_teacher
 from areal_hpc.data.tiny import build_tiny_model
 from areal_hpc.errors import ConfigError
 from areal_hpc.trainer.spawn import run_ranks
+from tests.support.compare import max_diff
 from tests.support.inputs import random_batch
 from tests.support.shapes import QWEN2, QWEN2_DEEP_UNTIED
 
@@ -71,11 +72,6 @@ def _step_rank(par, student, teacher):
     return out
 
 
-def _diff(a: dict, b: dict) -> float:
-    assert sorted(a) == sorted(b)
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-
-
 def _pp_rank(par, student, teacher):
     from areal_hpc.trainer.engine import Engine
     from areal_hpc.trainer.step import StepConfig, ppo_step
@@ -89,8 +85,8 @@ def test_the_teachers_term_is_added_to_each_tokens_advantage(models):
     student, teacher = models
     got = run_ranks(_step_rank, 1, 1, 1, student, teacher)[0]
     with_teacher, shifted, plain = got["teacher"], got["shifted"], got["plain"]
-    assert _diff(with_teacher["weights"], shifted["weights"]) < 1e-6
-    assert _diff(with_teacher["weights"], plain["weights"]) > 1e-3  # the teacher's term moved the weights
+    assert max_diff(with_teacher["weights"], shifted["weights"]) < 1e-6
+    assert max_diff(with_teacher["weights"], plain["weights"]) > 1e-3  # the teacher's term moved the weights
     assert with_teacher["stats"]["ppo/loss"] == pytest.approx(shifted["stats"]["ppo/loss"], rel=1e-5)
     kl = with_teacher["stats"]["distill/reverse_kl"]
     assert kl == pytest.approx(got["expected_kl"], rel=1e-5)

@@ -204,9 +204,8 @@ def validate(cfg: Config) -> None:
     need(cfg.eval.samples >= 1, f"eval.samples must be at least 1 (got {cfg.eval.samples})")
     need(cfg.distill.kl_coef >= 0, f"distill.kl_coef must be >= 0 (got {cfg.distill.kl_coef})")
     need(
-        cfg.reward.kind != "none" or (cfg.distill.teacher.path and cfg.distill.kl_coef > 0),
-        "reward.kind none scores every episode 0: the run learns only from a teacher; set distill.teacher.path "
-        "(and distill.kl_coef > 0)",
+        cfg.reward.kind != "none" or cfg.distill.teacher.path,
+        "reward.kind none scores every episode 0: the run learns only from a teacher; set distill.teacher.path",
     )
     need(
         cfg.reward.kind != "none" or not r.filter_uniform_groups,
@@ -272,10 +271,11 @@ def validate(cfg: Config) -> None:
             f"{m.max_position_embeddings}: set model.max_position_embeddings={teacher.max_position_embeddings} "
             "(a cap on the context the run serves)",
         )
-        for problem in (parallel.train_tp_problem(teacher, a.train_tp), parallel.train_pp_problem(teacher, a.train_pp)):
-            need(
-                problem is None, f"{name}, split as the model is: {str(problem).replace('model.', 'distill.teacher.')}"
-            )
+        for problem in (
+            parallel.train_tp_problem(teacher, a.train_tp, "distill.teacher"),
+            parallel.train_pp_problem(teacher, a.train_pp, "distill.teacher"),
+        ):
+            need(problem is None, f"{name}, split as the model is: {problem}")
 
     lora = cfg.lora
     need(

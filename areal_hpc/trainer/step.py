@@ -359,11 +359,17 @@ def needs_prox_pass(cfg: StepConfig, minibatches: list[list[MicroBatch]]) -> boo
 def prox_pass(engine, minibatches: list[list[MicroBatch]], temperature: float) -> None:
     """The recompute pass: every micro-batch's prox logprobs under the weights at the start of the step
     (on the last stage; forward only)."""
+    _logprob_pass(engine, minibatches, temperature, "prox_logprobs")
+
+
+def _logprob_pass(engine, minibatches: list[list[MicroBatch]], temperature: float, field: str, model=None) -> None:
+    """Every micro-batch's logprobs under the current weights or `model` (`compute_logprobs`) into its
+    `field`, on the last stage."""
     flat = [mb for k in minibatches for mb in k]
-    prox = compute_logprobs(engine, flat, temperature)
-    if prox is not None:
-        for mb, lp in zip(flat, prox):
-            mb.prox_logprobs = lp
+    logprobs = compute_logprobs(engine, flat, temperature, model=model)
+    if logprobs is not None:
+        for mb, lp in zip(flat, logprobs):
+            setattr(mb, field, lp)
 
 
 def _teacher_pass(engine, minibatches: list[list[MicroBatch]], cfg: StepConfig) -> float:
@@ -373,11 +379,7 @@ def _teacher_pass(engine, minibatches: list[list[MicroBatch]], cfg: StepConfig) 
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)  # the passes before it out of its time
     start = time.perf_counter()
-    flat = [mb for k in minibatches for mb in k]
-    teacher = compute_logprobs(engine, flat, cfg.temperature, model=engine.teacher)
-    if teacher is not None:
-        for mb, lp in zip(flat, teacher):
-            mb.teacher_logprobs = lp
+    _logprob_pass(engine, minibatches, cfg.temperature, "teacher_logprobs", model=engine.teacher)
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
     return time.perf_counter() - start
@@ -391,12 +393,8 @@ def train_minibatches(engine, version: int, minibatches: list[list[MicroBatch]],
     if cfg.kl_coef > 0:
         if engine.reference is None:
             raise ValueError("ppo.kl_coef > 0 needs an Engine built with it (it keeps the reference policy)")
-        flat = [mb for k in minibatches for mb in k]
         with engine.reference_pass():
-            ref = compute_logprobs(engine, flat, cfg.temperature, model=engine.reference)
-        if ref is not None:
-            for mb, lp in zip(flat, ref):
-                mb.ref_logprobs = lp
+            _logprob_pass(engine, minibatches, cfg.temperature, "ref_logprobs", model=engine.reference)
     teacher_s = _teacher_pass(engine, minibatches, cfg) if cfg.distill_coef > 0 else None
     totals = torch.zeros(len(_STAT_KEYS), dtype=torch.float64, device=engine.device)
     grad_norms = []
