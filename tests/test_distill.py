@@ -21,7 +21,7 @@ from areal_hpc.data.tiny import build_tiny_model
 from areal_hpc.errors import ConfigError
 from areal_hpc.trainer.spawn import run_ranks
 from tests.support.compare import max_diff
-from tests.support.inputs import random_batch
+from tests.support.inputs import random_batch, revealing_optim
 from tests.support.shapes import QWEN2, QWEN2_DEEP_UNTIED
 
 VOCAB = model_arch(QWEN2).vocab_size
@@ -32,11 +32,6 @@ COEF, TEMPERATURE = 0.5, 0.7
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     return str(build_tiny_model(QWEN2, root, seed=5)), str(build_tiny_model(QWEN2_DEEP_UNTIED, root, seed=9))
-
-
-def _ppo() -> PPOConfig:
-    # Adam with eps = 1 makes the update ~ lr * gradient: the weights after a step show any gradient error.
-    return PPOConfig(lr=1.0, weight_decay=0.0, adam_eps=1.0, grad_clip=1.0)
 
 
 def _teacher_logprobs(par, teacher, batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,9 +57,9 @@ def _step_rank(par, student, teacher):
     shifted.advantages = (batch.advantages + COEF * (teacher_logp.numpy() - batch.behav_logprobs)).astype(np.float32)
     out = {"expected_kl": ((batch.behav_logprobs - teacher_logp.numpy()) * mask.numpy()).sum() / mask.sum().item()}
     runs = {
-        "teacher": (Engine(student, par, _ppo(), teacher=teacher), batch, COEF),
-        "shifted": (Engine(student, par, _ppo()), shifted, 0.0),
-        "plain": (Engine(student, par, _ppo()), batch, 0.0),
+        "teacher": (Engine(student, par, revealing_optim(), teacher=teacher), batch, COEF),
+        "shifted": (Engine(student, par, revealing_optim()), shifted, 0.0),
+        "plain": (Engine(student, par, revealing_optim()), batch, 0.0),
     }
     for name, (engine, b, coef) in runs.items():
         stats = ppo_step(engine, b, StepConfig(temperature=TEMPERATURE, distill_coef=coef))
@@ -76,7 +71,7 @@ def _pp_rank(par, student, teacher):
     from areal_hpc.trainer.engine import Engine
     from areal_hpc.trainer.step import StepConfig, ppo_step
 
-    engine = Engine(student, par, _ppo(), teacher=teacher)
+    engine = Engine(student, par, revealing_optim(), teacher=teacher)
     return ppo_step(engine, random_batch(VOCAB), StepConfig(temperature=TEMPERATURE, distill_coef=COEF))
 
 

@@ -17,7 +17,7 @@ from areal_hpc.data.tiny import build_tiny_model
 from areal_hpc.trainer.convert import read_hf
 from areal_hpc.trainer.spawn import run_ranks
 from tests.support.compare import export_problems, logits_problems, max_diff, pick, resume_problems
-from tests.support.inputs import random_norms
+from tests.support.inputs import random_norms, revealing_optim
 from tests.support.shapes import TRAINER_MOE
 from tests.support.trainer_runs import hf_logits, logits_and_export_rank
 
@@ -70,11 +70,6 @@ def test_logits_match_transformers_and_export_round_trips(moe_models, tp, pp, ep
         assert export_problems(pick(results, f"{name}/weights"), read_hf(model_dir)) == [], name
 
 
-def _optim(coef: float | None = None) -> PPOConfig:
-    # Adam with eps = 1: the update ~ lr * gradient, so the weights after a step show any gradient error
-    return PPOConfig(lr=1.0, weight_decay=0.0, adam_eps=1.0, grad_clip=1.0, load_balancing_coef=coef)
-
-
 def _ppo_rank(par, model_dir: str, steps: int, coefs: list) -> dict:
     """Per load-balancing coefficient (fresh weights each): `steps` PPO steps (each data-parallel rank its
     own batches), their stats and the weights after them."""
@@ -87,7 +82,7 @@ def _ppo_rank(par, model_dir: str, steps: int, coefs: list) -> dict:
     out = {}
     for coef in coefs:
         clear_aux_losses_tracker()
-        engine = Engine(model_dir, par, _optim(coef))
+        engine = Engine(model_dir, par, revealing_optim(load_balancing_coef=coef))
         assert len(engine.adams) == 2  # Megatron's chain at every ep: dense and expert parameters
         vocab = engine.arch.vocab_size
         stats, weights = [], []

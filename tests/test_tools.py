@@ -13,13 +13,12 @@ from pathlib import Path
 import pytest
 
 from areal_hpc.arch import model_arch
-from areal_hpc.config import PPOConfig
 from areal_hpc.controller.timeline import Timeline, read_events
 from areal_hpc.data.tiny import build_tiny_model
 from areal_hpc.metrics import read_metrics
 from areal_hpc.trainer.spawn import run_ranks
 from tests.support.compare import assert_same_step
-from tests.support.inputs import random_batch
+from tests.support.inputs import random_batch, revealing_optim
 from tests.support.shapes import QWEN2
 from tools import bench_vs_trl_grpo as trl_grpo
 from tools import bench_vs_trl_summary as trl_summary
@@ -346,8 +345,7 @@ def _bench_steps_rank(par, model_dir):
     }
     out = {}
     for name, (step, step_batch) in steps.items():
-        # Adam with eps = 1 makes the update ~ lr * gradient, so the weights after a step show any gradient error.
-        engine = Engine(model_dir, par, PPOConfig(lr=1.0, weight_decay=0.0, adam_eps=1.0, grad_clip=1.0))
+        engine = Engine(model_dir, par, revealing_optim())
         stats = step(engine, step_batch, StepConfig())
         out[name] = {"stats": stats, "weights": {k: v.cpu() for k, v in engine.export_full().items()}}
     return out

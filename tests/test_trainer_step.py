@@ -15,19 +15,12 @@ from areal_hpc.data.tiny import build_tiny_model
 from areal_hpc.protocol import TrainBatch
 from areal_hpc.trainer.spawn import run_ranks
 from tests.support.compare import assert_same_step
-from tests.support.inputs import random_batch, shard
+from tests.support.inputs import random_batch, revealing_optim, shard
 from tests.support.shapes import QWEN2
 
 VOCAB = model_arch(QWEN2).vocab_size
 
 pytestmark = pytest.mark.megatron
-
-
-# Adam with eps = 1 makes the update ~ lr * gradient, so the weights after a step show any gradient error.
-def _optim(**settings):
-    from areal_hpc.config import PPOConfig
-
-    return PPOConfig(lr=1.0, weight_decay=0.0, adam_eps=1.0, grad_clip=1.0, **settings)
 
 
 def _train(par, model_dir, variants, logprobs=False):
@@ -39,7 +32,7 @@ def _train(par, model_dir, variants, logprobs=False):
 
     out = {}
     for name, (batches, step_cfg, *ppo) in variants.items():
-        engine = Engine(model_dir, par, _optim(**(ppo[0] if ppo else {})))
+        engine = Engine(model_dir, par, revealing_optim(**(ppo[0] if ppo else {})))
         batch = batches[par.coords.dp]
         stats = ppo_step(engine, batch, StepConfig(**step_cfg))
         weights = engine.export_full()
@@ -54,7 +47,7 @@ def _logprobs(par, model_dir, batch):
     from areal_hpc.trainer.engine import Engine
     from areal_hpc.trainer.step import compute_logprobs, make_microbatch
 
-    engine = Engine(model_dir, par, _optim())
+    engine = Engine(model_dir, par, revealing_optim())
     packed = compute_logprobs(engine, [make_microbatch(batch, [0, 1, 2], device=par.device)], 0.7)
     alone = compute_logprobs(engine, [make_microbatch(batch, [i], device=par.device) for i in range(3)], 0.7)
     mask = make_microbatch(batch, [0, 1, 2]).loss_mask
@@ -204,7 +197,7 @@ def _overlap_rank(par, model_dirs):
     out = {}
     for name, model_dir in model_dirs.items():
         for overlap in (False, True):
-            engine = Engine(model_dir, par, _optim(), overlap_grad_reduce=overlap)
+            engine = Engine(model_dir, par, revealing_optim(), overlap_grad_reduce=overlap)
             batches = [random_batch(VOCAB, seed=10 * s + par.coords.dp) for s in range(2)]
             stats = [ppo_step(engine, batch, StepConfig()) for batch in batches][-1]
             weights = engine.export_full()
@@ -270,7 +263,7 @@ def _entropy_rank(par, model_dir, temperature):
     from areal_hpc.trainer.step import StepConfig, _logprobs, make_microbatch, ppo_step
     from tests.support.trainer_runs import full_logits
 
-    engine = Engine(model_dir, par, _optim())
+    engine = Engine(model_dir, par, revealing_optim())
     sp = engine.config.sequence_parallel
     batch = random_batch(VOCAB, microbatches=[[[0, 1, 2], [3, 4, 5]]])
     mb = make_microbatch(batch, list(range(6)), device=par.device, multiple=par.grid.tp if sp else 1)

@@ -1,7 +1,7 @@
 """The trainer checks' inputs (their models: tests/support/shapes.py): random TrainBatches with the
 fields a PPO step reads, one data-parallel rank's shard of a batch, the probe sequences whose logits
-the checks compare, and `random_norms`, which makes a built model's norms (and router) tell their
-tensors apart.
+the checks compare, `random_norms`, which makes a built model's norms (and router) tell their
+tensors apart, and `revealing_optim`, the optimizer settings under which a step's weights show its gradient.
 """
 
 from __future__ import annotations
@@ -14,6 +14,16 @@ import torch
 from areal_hpc.protocol import TrainBatch
 
 VERSION = 3
+
+
+def revealing_optim(**settings):
+    """PPOConfig for the step checks (and `settings`): Adam with eps = 1 makes the update ~ lr x the gradient,
+    so the weights after a step show any gradient error."""
+    from areal_hpc.config import PPOConfig
+
+    return PPOConfig(lr=1.0, weight_decay=0.0, adam_eps=1.0, grad_clip=1.0, **settings)
+
+
 MICROBATCHES = [[[0, 1], [2]], [[3], [4, 5]]]
 """Two PPO minibatches of two micro-batches each, over six sequences."""
 PROBE_LENGTHS = (7, 13, 4)
