@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,9 @@ from areal_hpc.config.schema import Config, section_class
 from areal_hpc.config.validate import validate
 from areal_hpc.errors import ConfigError
 
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+"""yaml.safe_load's loader, libyaml's when PyYAML has it (a tenth of the time)."""
+
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Read a YAML config, apply `section.field=value` overrides, validate, and return it."""
@@ -26,7 +30,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.load(path.read_text(), Loader=_YAML_LOADER) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
         if not isinstance(data, dict):
@@ -40,13 +44,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         _check_key_path(key.strip().split("."), Config, where="override")
         dotlist.append(item)
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(Config), data, OmegaConf.from_dotlist(dotlist))
+        merged = OmegaConf.merge(_schema(), data, OmegaConf.from_dotlist(dotlist))
         cfg: Config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(_omegaconf_message(e)) from None
     _split_in_gpus(cfg)
     validate(cfg)
     return cfg
+
+
+@functools.cache
+def _schema():
+    """The `Config` schema as OmegaConf builds it (most of a load's time; `merge` copies it, never changes it)."""
+    return OmegaConf.structured(Config)
 
 
 def _split_in_gpus(cfg: Config) -> None:
