@@ -2,6 +2,8 @@
 node belongs to one rank (a node may hold generators and trainers), a split of any GPU count, the trainers' TP x PP x DP grid is Megatron's order, the weight-sync groups'
 ranks are distinct, and on one machine generator and trainer ranks get disjoint cores."""
 
+import functools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -299,10 +301,15 @@ def test_generator_and_trainer_get_disjoint_cores_controller_and_reward_float():
     assert lay.core_plan([0]) == {2: ([0], 1), 3: ([0], 1)}
 
 
+@functools.cache
+def _tiny_layout(nodes: int, gpus: int) -> Layout:
+    return Layout.from_config(load_config(TINY, [f"cluster.nodes={nodes}", f"cluster.gpus_per_node={gpus}"]))
+
+
 @settings(max_examples=100, deadline=None)
 @given(nodes=st.integers(2, 6), gpus=st.sampled_from([1, 2, 4]), cores=st.integers(1, 64))
 def test_core_plan_shares_are_disjoint_and_equal(nodes, gpus, cores):
-    lay = Layout.from_config(load_config(TINY, [f"cluster.nodes={nodes}", f"cluster.gpus_per_node={gpus}"]))
+    lay = _tiny_layout(nodes, gpus)
     plan = lay.core_plan(list(range(cores)))
     assert set(plan) == {*lay.ranks(Role.GENERATOR), *lay.ranks(Role.TRAINER)}
     if cores < len(plan):
