@@ -142,6 +142,9 @@ class WandbLog:
         self.run.log(row)
 
     def close(self) -> None:
+        import wandb
+
         t0 = time.monotonic()
         self.run.finish()
+        wandb.teardown()  # its service process ends here: a rank leaves without Python's exit hooks
         log.info("W&B run %s finished (%.1f s)", self.run.id, time.monotonic() - t0)
