@@ -44,6 +44,7 @@ from pathlib import Path
 import pytest
 
 from areal_hpc.checkpoint.files import COMPLETE, checkpoint_dir, checkpoint_version
+from areal_hpc.data.synthetic import synthetic_test_rows
 from tests.support.generator_log import engine_start, startup_verdict
 from tests.support.runs import (
     REPO,
@@ -69,6 +70,9 @@ LONG = 480
 """The longest answer of the Ctrl-C run (its model's context is 512): not warm-started, the model ends one
 answer in about 128 tokens, and 2 in 100 run past 256: some are still being written when the step that
 runs at the Ctrl-C ends, whatever the host's speed, since both sides slow down alike."""
+AGENT_EVAL_PROBLEMS = 125
+"""Of the tiny agent's 500 held-out problems: pass@1 rises by about 0.65 (0.29 -> 0.95 on all 500), which 125
+problems x 2 samples measure to about 0.04, at a quarter of the episodes."""
 RESHARD_TOL = 1e-5
 """Relative: a step's figures on the same batch from the same checkpoint at TP 2 and at DP 4 (float sums in
 another order; measured: 2e-7 at most)."""
@@ -232,13 +236,14 @@ def test_the_tiny_model_learns_with_lora_and_syncs_the_adapters_alone(runs_root)
     assert checked_steps(rows[150:]), "no resumed step trained tokens of its own version: the sync went unchecked"
 
 
-def test_the_tiny_agent_learns_to_call_the_calculator_and_is_evaluated_over_http(runs_root):
+def test_the_tiny_agent_learns_to_call_the_calculator_and_is_evaluated_over_http(runs_root, tmp_path):
     """configs/tiny-agent-cpu.yaml (60 of its 150 steps): multiplying two 2-digit numbers, which the tiny model gets
     right alone 3 to 5 times in 100, through episodes of its CalculatorAgent workflow. RL raises the reward and
     the share of episodes that call the tool (the rise is over by step 60: docs/benchmarks.md). The held-out
-    problems (never in the warm start) gain with them, measured by `areal-hpc eval` with the same loop sent over
-    HTTP (CalculatorAgentHTTP: `openai.AsyncOpenAI` on each episode's endpoint, its tokens the in-process
-    loop's, tests/test_workflow_http.py; 1,000 agents connecting at once). Training over HTTP is
+    problems (never in the warm start) gain with them, measured by `areal-hpc eval --data` on the first
+    AGENT_EVAL_PROBLEMS of them with the same loop sent over HTTP (CalculatorAgentHTTP: `openai.AsyncOpenAI`
+    on each episode's endpoint, its tokens the in-process loop's, tests/test_workflow_http.py, which also
+    connects 1,000 agents at once). Training over HTTP is
     test_an_agent_in_its_own_process_trains's: on this machine each call through the `openai` client costs
     the generator's thread 7 to 11 ms, which would make this run several times longer (docs/benchmarks.md).
     Measured (60 steps): reward 0.35 -> 0.93 by fifths, tool calls per episode 0.34 -> 0.96, held-out pass@1
@@ -251,16 +256,20 @@ def test_the_tiny_agent_learns_to_call_the_calculator_and_is_evaluated_over_http
     assert last >= first + 0.2, f"reward/mean of the first fifth {first:.3f}, of the last {last:.3f}"
     assert calls_last > calls_first, f"rollout/tool_calls_mean {calls_first:.3f} -> {calls_last:.3f}"
     assert all(r["rollout/workflow_errors"] == 0 for r in rows)
+    held_out = tmp_path / "held_out.jsonl"
+    rows = synthetic_test_rows(agent.cfg.data.synthetic_task, agent.cfg.data.synthetic_max_operand)
+    held_out.write_text("".join(json.dumps(row) + "\n" for row in rows[:AGENT_EVAL_PROBLEMS]))
     # both checkpoints on one engine, the second's weights loaded into it (a weight left unloaded would keep
     # step 0's pass@1)
     cmd = [sys.executable, "-m", "areal_hpc.cli", "eval", str(agent.run_dir), f"rollout.workflow={HTTP_AGENT}"]
-    out = subprocess.run([*cmd, "--steps", "0,60", "--samples", "2"], capture_output=True, text=True, timeout=900)
+    cmd += ["--steps", "0,60", "--samples", "2", "--data", str(held_out)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout + out.stderr
     assert re.search(r"eval: the episodes' OpenAI endpoint: http://127\.0\.0\.1:\d+/v1", out.stdout), out.stdout
     pass_at_1 = {}
     for step in (0, 60):
         report = json.loads(next((agent.run_dir / "eval").glob(f"step_{step}-*.json")).read_text())
-        assert report["workflow"] == HTTP_AGENT and report["prompts"] == 500
+        assert report["workflow"] == HTTP_AGENT and report["prompts"] == AGENT_EVAL_PROBLEMS
         assert report["workflow_errors"] == 0, "an eval's episodes all connect at once: none may be refused"
         pass_at_1[step] = report["pass@k"]["1"]
     assert pass_at_1[60] >= pass_at_1[0] + 0.2, f"held-out pass@1 {pass_at_1}"

@@ -1,10 +1,9 @@
 """The whole system as one Slurm job: `areal-hpc submit configs/tiny-cpu.yaml` on the local test cluster (fake
 nodes of 4 fake GPUs): a run on 2 nodes whose first node holds the controller, the reward worker, the generator
-and a trainer rank, to the end; `areal-hpc status` reads its metrics; the same run resubmitted on one node, every
-role on it, resumed at another layout; a run on 3 nodes stopped by the time-limit signal, requeued, resumed from
-the controller's checkpoint, then preempted by Slurm in its second attempt, requeued and resumed again,
-repeating no step. Each job costs a minute and a half here (the one stopped twice over two), so one run is
-checked for what several would show."""
+and a trainer rank, stopped by the time-limit signal, requeued, resumed from the controller's checkpoint, then
+preempted by Slurm in its second attempt, requeued and resumed again, repeating no step, to its end;
+`areal-hpc status` reads its metrics; the same run resubmitted on one node, every role on it, resumed at another
+layout. Each job costs a minute here and more, so one run is checked for what several would show."""
 
 import json
 import os
@@ -39,7 +38,7 @@ SMALL = [
 ENV = {**os.environ, "OMPI_MCA_btl": "self,tcp"}
 
 
-def submit(root: Path, trial: str, *overrides: str, nodes: int = 3) -> Path:
+def submit(root: Path, trial: str, *overrides: str, nodes: int) -> Path:
     cmd = [sys.executable, "-m", "areal_hpc.cli", "submit", "configs/tiny-cpu.yaml", "--nodes", str(nodes)]
     cmd += [f"experiment.root={root}", f"experiment.trial={trial}", *SMALL, *overrides]
     out = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
@@ -54,6 +53,8 @@ seconds after the two steps of the second attempt it waits for."""
 LONG = ["sft.examples=0", "rollout.max_new_tokens=480"]
 """The stopped job's answers: its model, not warm-started, writes up to 480 tokens (its context is 512), one
 answer in 50 past 256, so each stop comes in the middle of some (tests/test_e2e.py's Ctrl-C run likewise)."""
+STOPPED = [*LONG, "cluster.partition=low", "cluster.grace_s=30"]
+"""The stopped job's settings, its resubmission's too, but its steps and GPUs per node."""
 TWO_REQUEUES = [*ONE_REQUEUE, (1, "requeue"), (2, "start"), (2, "end")]
 """(attempt, event) of the job stopped by the time-limit signal and then preempted."""
 
@@ -61,20 +62,16 @@ TWO_REQUEUES = [*ONE_REQUEUE, (1, "requeue"), (2, "start"), (2, "end")]
 @pytest.fixture(scope="module")
 def stopped_twice(slurm_cluster, runs_root, tmp_path_factory) -> SimpleNamespace:
     """One job of the preemptible partition `low` (tools/local_slurm.sh: preempted by `high` with a GraceTime of
-    30 s), stopped twice and requeued each time: after two steps by the signal Slurm sends
+    30 s) on 2 nodes of 2 GPUs (a heterogeneous job: the controller, the reward worker, the generator and a
+    trainer rank on the first node, two more trainer ranks, DP 3, on the second), stopped twice and requeued
+    each time: after two steps by the signal Slurm sends
     cluster.requeue_signal_s before the time limit (SIGUSR2 to the batch script: the controller checkpoints
     and exits, the script requeues), then two steps into its second attempt by Slurm's own preemption for a
     `high` job that needs every node (SIGTERM to every rank: the controller checkpoints within
     cluster.grace_s and exits, the job requeues itself). Each requeued attempt starts as soon as that is safe
     (RequeueStarter). STOPPED_TWICE_STEPS steps, so that each stop comes while steps remain."""
-    run_dir = submit(
-        runs_root,
-        "stopped-twice",
-        f"train.total_steps={STOPPED_TWICE_STEPS}",
-        *LONG,
-        "cluster.partition=low",
-        "cluster.grace_s=30",
-    )
+    steps_and_gpus = (f"train.total_steps={STOPPED_TWICE_STEPS}", "cluster.gpus_per_node=2")
+    run_dir = submit(runs_root, "stopped-twice", *steps_and_gpus, *STOPPED, nodes=2)
     job_id = JobRecord.load(run_dir).job_id
     metrics = run_dir / "metrics.jsonl"
     high_out = tmp_path_factory.mktemp("high") / "high.out"
@@ -148,34 +145,39 @@ def test_preempted_run_requeues_resumes_and_finishes(stopped_twice):
     assert max(r["staleness/max"] for r in stopped_twice.rows) <= 1  # rollout.max_staleness of SMALL
 
 
-def test_submit_on_two_nodes_runs_to_the_end_and_resubmitted_on_one_resumes_there(slurm_cluster, runs_root):
-    """`submit --nodes 2` of 2 GPUs each, one generating: the controller, the reward worker, the generator and a
-    trainer rank on the first node, two more trainer ranks (DP 3) on the second, a heterogeneous job of a 4-task
-    and a 2-task component; it runs to its end at step 2, every step in its metrics, and `areal-hpc status`
-    reads them. Then the same run submitted with --nodes 1 of 3 GPUs for 2 more steps: one node, one component,
-    every role on it, 2 trainer ranks at DP 2, the checkpoint's state resharded, the controller's carried over,
-    every step once; each rank's log names its own GPUs of the node, the generator's and the trainers' apart."""
-    for nodes, gpus, steps in ((2, 2, 2), (1, 3, 4)):
-        run_dir = submit(
-            runs_root, "one-node", f"train.total_steps={steps}", f"cluster.gpus_per_node={gpus}", nodes=nodes
-        )
-        record = JobRecord.load(run_dir)
-        try:
-            state = wait_done(run_dir, 480)
-        finally:
-            subprocess.run(["scancel", record.job_id], capture_output=True)
-        logs = run_dir / "logs" / f"slurm-{record.job_id}" / "attempt-0"
-        tails = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(logs.glob("*.log")))
-        assert state == "COMPLETED", tails
-        assert Path(record.script).read_text().count("#SBATCH hetjob") == (1 if nodes == 2 else 0)
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        assert [r["step"] for r in rows] == list(range(1, steps + 1))
-        assert all("reward/mean" in r and "ppo/loss" in r for r in rows)
-        status = subprocess.run(
-            [sys.executable, "-m", "areal_hpc.cli", "status", str(run_dir)], capture_output=True, text=True, env=ENV
-        )
-        assert "COMPLETED" in status.stdout and f"last step: {steps}" in status.stdout, status.stdout
-        assert "no longer listed" not in status.stdout, status.stdout  # a job of one component too
+def status(run_dir: Path) -> str:
+    """What `areal-hpc status RUN_DIR` prints."""
+    cmd = [sys.executable, "-m", "areal_hpc.cli", "status", str(run_dir)]
+    return subprocess.run(cmd, capture_output=True, text=True, env=ENV).stdout
+
+
+def test_submit_on_two_nodes_runs_to_the_end_and_resubmitted_on_one_resumes_there(stopped_twice, runs_root):
+    """The job stopped twice, of a 4-task and a 2-task component, ran to its end, every step in its metrics, and
+    `areal-hpc status` reads them. Then the same run submitted with --nodes 1 of 3 GPUs for 2 more steps: one
+    node, one component, every role on it, 2 trainer ranks at DP 2, the checkpoint's state resharded, the
+    controller's carried over, every step once; each rank's log names its own GPUs of the node, the generator's
+    and the trainers' apart."""
+    run_dir, ended_at = stopped_twice.run_dir, STOPPED_TWICE_STEPS
+    assert Path(JobRecord.load(run_dir).script).read_text().count("#SBATCH hetjob") == 1
+    shown = status(run_dir)
+    assert "COMPLETED" in shown and f"last step: {ended_at}" in shown, shown
+    one_node = (f"train.total_steps={ended_at + 2}", "cluster.gpus_per_node=3")
+    assert submit(runs_root, "stopped-twice", *one_node, *STOPPED, nodes=1) == run_dir
+    record = JobRecord.load(run_dir)
+    try:
+        state = wait_done(run_dir, 480)
+    finally:
+        subprocess.run(["scancel", record.job_id], capture_output=True)
+    logs = run_dir / "logs" / f"slurm-{record.job_id}" / "attempt-0"
+    tails = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(logs.glob("*.log")))
+    assert state == "COMPLETED", tails
+    assert "#SBATCH hetjob" not in Path(record.script).read_text()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, ended_at + 3)), "every step once across the jobs"
+    assert all("reward/mean" in r and "ppo/loss" in r for r in rows)
+    shown = status(run_dir)
+    assert "COMPLETED" in shown and f"last step: {ended_at + 2}" in shown, shown
+    assert "no longer listed" not in shown, shown  # a job of one component too
     # where the one-node job's ranks ran (the last "on host" line of each rank's log, which both jobs appended to)
     where = {}
     for role, count in (("controller", 1), ("reward", 1), ("generator", 1), ("trainer", 2)):
@@ -192,13 +194,11 @@ def test_submit_on_two_nodes_runs_to_the_end_and_resubmitted_on_one_resumes_ther
     given = where[("generator", 0)][3].split(",")  # the node's 3 GPUs, which Slurm shows every task
     own = [gpus[("generator", 0)], gpus[("trainer", 0)], gpus[("trainer", 1)]]
     assert len(given) == 3 and sorted(own) == sorted(given), where  # each rank its own, every one used
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4], "every step once across the two jobs"
     log = (run_dir / "logs" / "controller-0.log").read_text()
     was = "2 node(s) x 2 GPUs: 1 generator(s) at TP 1, 3 trainer rank(s) at TP 1 x PP 1 x DP 3"
     now = "1 node(s) x 3 GPUs: 1 generator(s) at TP 1, 2 trainer rank(s) at TP 1 x PP 1 x DP 2"
-    assert f"step_2 at version 2, written on {was}, now on {now}" in log, log
+    assert f"step_{ended_at} at version {ended_at}, written on {was}, now on {now}" in log, log
     steps = [(int(s), json.loads(p)) for s, p in re.findall(r"step (\d+) trains prompts (\[.*\])", log)]
-    assert [s for s, _ in steps] == [1, 2, 3, 4]
+    assert [s for s, _ in steps] == list(range(1, ended_at + 3))
     prompts = [i for _, indices in steps for i in indices]
-    assert len(prompts) == len(set(prompts)), "no prompt trained twice across the two jobs"
+    assert len(prompts) == len(set(prompts)), "no prompt trained twice across the jobs"
