@@ -365,8 +365,9 @@ def _leave(code: int) -> NoReturn:
     """End the rank's process without the interpreter's teardown of torch, vLLM and Megatron, which took
     4 to 5 s of every run here: by the time `main` returns every role has closed what it writes (metrics,
     TensorBoard, W&B, checkpoints) and ended what it started (the vLLM engine and its workers, the scorer
-    processes). What the teardown would still do is done here: multiprocessing's children (Megatron's
-    checkpoint writer queue, idle once its saves are complete) killed, the logs flushed, MPI finalised."""
+    processes), and the launchers start ranks with `python -u`, so no output waits in a buffer. What of the
+    teardown matters is done here: multiprocessing's children (Megatron's checkpoint writer queue, idle once
+    its saves are complete) killed, the logs flushed, MPI finalised; atexit hooks and finalisers are not run."""
     children = multiprocessing.active_children()
     for child in children:
         child.kill()  # SIGTERM may be blocked in the child, as the rank's threads block it

@@ -48,8 +48,8 @@ def submit(root: Path, trial: str, *overrides: str, nodes: int) -> Path:
 
 
 STOPPED_TWICE_STEPS = 40
-"""A step of this job takes 0.5 to 3 s here (LONG answers): a stop must come while steps remain, the preemption
-seconds after the two steps of the second attempt it waits for."""
+"""A step of this job takes 0.4 to 5 s here (LONG answers, 2 nodes of 2 GPUs): a stop must come while steps remain,
+the preemption seconds after the two steps of the second attempt it waits for."""
 LONG = ["sft.examples=0", "rollout.max_new_tokens=480"]
 """The stopped job's answers: its model, not warm-started, writes up to 480 tokens (its context is 512), one
 answer in 50 past 256, so each stop comes in the middle of some (tests/test_e2e.py's Ctrl-C run likewise)."""
@@ -161,6 +161,7 @@ def test_submit_on_two_nodes_runs_to_the_end_and_resubmitted_on_one_resumes_ther
     assert Path(JobRecord.load(run_dir).script).read_text().count("#SBATCH hetjob") == 1
     shown = status(run_dir)
     assert "COMPLETED" in shown and f"last step: {ended_at}" in shown, shown
+    assert "no longer listed" not in shown, shown  # a heterogeneous job
     one_node = (f"train.total_steps={ended_at + 2}", "cluster.gpus_per_node=3")
     assert submit(runs_root, "stopped-twice", *one_node, *STOPPED, nodes=1) == run_dir
     record = JobRecord.load(run_dir)

@@ -19,7 +19,8 @@ from areal_hpc.config.validate import validate
 from areal_hpc.errors import ConfigError
 
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-"""yaml.safe_load's loader, libyaml's when PyYAML has it (a tenth of the time)."""
+"""SafeLoader's rules on libyaml's parser when PyYAML has it (a tenth of the time); a file it refuses is
+read again by SafeLoader, whose message quotes the line."""
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
@@ -29,10 +30,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
+        text = path.read_text()
         try:
-            data = yaml.load(path.read_text(), Loader=_YAML_LOADER) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+            data = yaml.load(text, Loader=_YAML_LOADER) or {}
+        except yaml.YAMLError:
+            try:
+                data = yaml.safe_load(text) or {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{path}: not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
     _check_keys(data, Config, where=str(path) if path else "config")
