@@ -28,8 +28,19 @@ def comm(pid):
         return ""
 
 
-def leftovers():
-    """The worker's children (but its shell) and the sandboxes still running anywhere."""
+def started_s(pid) -> float:
+    """When a process started, in seconds since boot (/proc/PID/stat's starttime)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def uptime_s() -> float:
+    return float(Path("/proc/uptime").read_text().split()[0])
+
+
+def leftovers(since_s: float):
+    """The worker's children (but its shell) and the sandboxes still running anywhere that started after
+    `since_s` (seconds since boot): this world's, not those another program on the machine left."""
     children = [p for p in children_of(os.getpid()) if comm(p) != "sh"]
     bwraps = 0
     for p in Path("/proc").iterdir():
@@ -38,6 +49,7 @@ def leftovers():
                 p.name.isdigit()
                 and comm(int(p.name)) == "bwrap"
                 and b"/sandbox/solution.py" in (p / "cmdline").read_bytes()
+                and started_s(p.name) >= since_s
             )
         except OSError:  # it ended while we looked
             pass
@@ -63,6 +75,7 @@ def main():
     if world.rank == 1:
         from areal_hpc.reward.worker import serve
 
+        since = uptime_s() - 1.0  # the clock ticks of /proc/PID/stat round down
         world.send(os.getpid(), dest=0)
         model = Path(tempfile.mkdtemp())
         tok.save_pretrained(model)
@@ -70,7 +83,7 @@ def main():
         # Every process was sent SIGKILL before `serve` returned; the kernel ends them a moment later, a
         # longer moment on a loaded machine: what is still there after 10 s was left behind.
         give_up = time.monotonic() + 10.0
-        while (left := leftovers()) != ([], 0) and time.monotonic() < give_up:
+        while (left := leftovers(since)) != ([], 0) and time.monotonic() < give_up:
             time.sleep(0.05)
         print("WORKER CLEAN", *left, flush=True)
         return
