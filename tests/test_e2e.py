@@ -257,8 +257,8 @@ def test_the_tiny_agent_learns_to_call_the_calculator_and_is_evaluated_over_http
     assert calls_last > calls_first, f"rollout/tool_calls_mean {calls_first:.3f} -> {calls_last:.3f}"
     assert all(r["rollout/workflow_errors"] == 0 for r in rows)
     held_out = tmp_path / "held_out.jsonl"
-    rows = synthetic_test_rows(agent.cfg.data.synthetic_task, agent.cfg.data.synthetic_max_operand)
-    held_out.write_text("".join(json.dumps(row) + "\n" for row in rows[:AGENT_EVAL_PROBLEMS]))
+    problems = synthetic_test_rows(agent.cfg.data.synthetic_task, agent.cfg.data.synthetic_max_operand)
+    held_out.write_text("".join(json.dumps(row) + "\n" for row in problems[:AGENT_EVAL_PROBLEMS]))
     # both checkpoints on one engine, the second's weights loaded into it (a weight left unloaded would keep
     # step 0's pass@1)
     cmd = [sys.executable, "-m", "areal_hpc.cli", "eval", str(agent.run_dir), f"rollout.workflow={HTTP_AGENT}"]

@@ -39,7 +39,8 @@ def candidates(cfg: Config, fixed: dict[str, int] | None = None):
     )
     pps = [fixed["train_pp"]] if "train_pp" in fixed else [p for p in range(1, 17) if not train_pp_problem(m, p)]
     eps = [fixed["train_ep"]] if "train_ep" in fixed else range(1, max(m.num_experts, 1) + 1)
-    eps = [ep for ep in eps if not train_ep_problem(m, ep)]  # the DP size below; a plan's problems as trainer_problem's
+    eps = [ep for ep in eps if not train_ep_problem(m, ep)]  # dividing the experts; the DP size per split below
+    # trainer_problem's two checks, the split's once per split rather than once per EP size
     for k in gen_gpus:
         for gtp in gen_tps:
             for ttp in train_tps:
