@@ -10,7 +10,7 @@ engine       torch.distributed + parallel state, DDP model, optimizer, forward/b
 step         the PPO step over a TrainBatch (prox recompute, minibatches, stats)
 export       a checkpoint -> a Hugging Face directory (sharded safetensors), on one CPU process
 worker       `serve(ctx, sync)`: the rank's message loop
-spawn        N local ranks in spawned processes (tests, benchmarks, export)
+spawn        N local ranks in processes of their own (tests, benchmarks, export)
 
 The trainer settings a config names (recompute, prox_logp, lr_decay) are areal_hpc.config.choices.
 Its checkpoints (Megatron dist_checkpointing of model + optimizer, any TP/PP/DP) are

@@ -14,7 +14,7 @@ Why it is built this way:
 - The shards are written from the state dict itself (huggingface_hub's split, safetensors), never
   through a transformers model: about the weights once in memory, plus the attention's q/k/v split
   and one shard's serialization.
-- The load runs in a spawned process (`spawn.run_ranks`, one CPU rank): torch.distributed, Megatron's
+- The load runs in a process of its own (`spawn.run_ranks`, one CPU rank): torch.distributed, Megatron's
   parallel state and `cpu_compat`'s CPU routes stay out of the caller (`areal-hpc eval` runs vLLM next).
 - Everything needed is inside the checkpoint (`checkpoint.trainer.save` keeps the model's small files in
   `hf/`): the run's initial model directory may be gone (not so for a LoRA checkpoint's merged export, below).
