@@ -47,9 +47,10 @@ def submit(root: Path, trial: str, *overrides: str, nodes: int) -> Path:
     return root / "tiny-cpu" / trial
 
 
-STOPPED_TWICE_STEPS = 40
-"""A step of this job takes 0.4 to 5 s here (LONG answers, 2 nodes of 2 GPUs): a stop must come while steps remain,
-the preemption seconds after the two steps of the second attempt it waits for."""
+STOPPED_TWICE_STEPS = 24
+"""A step of this job takes 0.4 to 5 s here (LONG answers, 2 nodes of 2 GPUs; 3.8 s on average in its third
+attempt): a stop must come while steps remain, the preemption seconds after the two steps of the second attempt
+it waits for (seen: the first stop at step 2, the second at step 4 of 40)."""
 LONG = ["sft.examples=0", "rollout.max_new_tokens=480"]
 """The stopped job's answers: its model, not warm-started, writes up to 480 tokens (its context is 512), one
 answer in 50 past 256, so each stop comes in the middle of some (tests/test_e2e.py's Ctrl-C run likewise)."""
