@@ -3,8 +3,8 @@ load the directory and give the trainer's logits, for Qwen2 and Qwen3, from chec
 and at PP 2, and for Qwen3-MoE from one written at EP 2; a bf16 checkpoint exports its bf16 weights bit for bit; export refuses, naming the fix,
 what it cannot do.
 
-Cost: three spawned trainings of two ranks (every dense model in two, the MoE in one), six exports of one
-spawned rank each, the CLI's one more, and one vLLM engine per fp32 export (only the first start is slow).
+Cost: three trainings of two local ranks (every dense model in two, the MoE in one), six exports of one
+local rank each, the CLI's one more, and one vLLM engine per fp32 export (only the first start is slow).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""LoRA adapters on the trainer's Megatron layers (areal_hpc/trainer/lora.py), on spawned trainer ranks:
+"""LoRA adapters on the trainer's Megatron layers (areal_hpc/trainer/lora.py), on local trainer ranks (trainer.spawn):
 
 - the adapted model's logits equal those of the base with (alpha / r) B A merged into its weights, the merge
   laid out by the weight conversion's own table (trainer.convert.shard): each target's pair lands on its

@@ -1,6 +1,7 @@
-"""`areal_hpc.trainer.spawn.run_ranks`: its ranks are forks of a server started once a process, yet each call's
-ranks take the caller's environment and output of that moment, not the server's; a failing rank fails the call
-with its traceback."""
+"""`areal_hpc.trainer.spawn.run_ranks`: its CPU ranks are forks of a server started once a process, yet each
+call's ranks take the caller's environment and output of that moment, not the server's; a failing rank fails
+the call with its traceback. Slow: the server's start imports Megatron (8 s), in each worker of the unit tier
+that would run it."""
 
 import os
 
@@ -8,7 +9,7 @@ import pytest
 
 from areal_hpc.trainer.spawn import run_ranks
 
-pytestmark = pytest.mark.megatron
+pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
 NAME = "AREAL_SPAWN_TEST"
 

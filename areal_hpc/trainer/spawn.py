@@ -1,4 +1,4 @@
-"""Run a function on N local trainer ranks (local processes): for tests, benchmarks, the GPU check and export.
+"""Run a function on N local trainer ranks (processes of their own): for tests, benchmarks, the GPU check and export.
 
 `run_ranks(fn, world, tp, pp, *args)` opens the world's TCPStore (on a port the OS picks, bound from the
 start), starts `world` processes; each connects to it, calls `init_parallel` and then `fn(par, *args)`; what a rank returns (if not None) comes back in a dict rank -> value. A rank that
@@ -10,13 +10,15 @@ GPU machine. On GPUs each rank sees one GPU of its own, as trainer ranks do in a
 narrows CUDA_VISIBLE_DEVICES); a world larger than the visible GPUs is refused (NCCL cannot put two
 ranks on one GPU).
 
-The ranks are forks of multiprocessing's fork server, which imports torch and Megatron once per calling
-process (`PRELOAD`): a rank then starts in a tenth of a second, where a spawned one spent 8 s importing
-them again (on this machine; a test session starts a hundred worlds). Forking is safe with CUDA as long
-as the server never touched it, which importing these modules does not (torch's rule: spawn or forkserver,
-never fork after CUDA started). A fork inherits the server's environment and output, not the caller's:
-each rank takes the caller's environment of the moment (its own CUDA_VISIBLE_DEVICES on GPUs) and the
-caller's stdout and stderr (sent with its arguments) before anything reads or writes them.
+On the CPU the ranks are forks of multiprocessing's fork server, which imports torch and Megatron once per
+calling process (`PRELOAD`): a rank then starts in a tenth of a second, where a spawned one spent 8 s
+importing them again (this machine; a test session starts a hundred worlds). On GPUs they are spawned:
+forking is safe with CUDA only while the server never touched it, which megatron-core's imports do not
+promise (it imports TransformerEngine when installed), and a GPU rank's start is CUDA's more than its
+imports. Either way a rank takes, as its arguments are unpickled and before `fn`'s module is imported, the
+caller's environment of that moment (its own CUDA_VISIBLE_DEVICES on GPUs) and the caller's stdout and
+stderr (descriptors sent with the arguments): a fork would otherwise have the server's, as they were when
+the server started. Only multiprocessing's import of the caller's main module comes before.
 """
 
 from __future__ import annotations
@@ -45,21 +47,45 @@ PRELOAD = ["areal_hpc.trainer.engine"]
 """What the fork server imports before it forks a rank: torch, megatron-core and the trainer's engine."""
 
 
-class _CallersOutput:
-    """Pickles, when a rank starts, as the caller's stdout and stderr (multiprocessing passes the descriptors to the
-    fork server)."""
+def _start_method(device: str) -> str:
+    """forkserver on the CPU, spawn on GPUs (the module docstring)."""
+    return "forkserver" if device == "cpu" else "spawn"
+
+
+class _Callers:
+    """The caller's environment and output, pickled with a rank's arguments (first, so that they are the
+    rank's before the rest is unpickled)."""
+
+    def __init__(self, env: dict[str, str]):
+        self.env = env
 
     def __reduce__(self):
-        return tuple, ([reduction.DupFd(1), reduction.DupFd(2)],)
+        fds = [(fd, reduction.DupFd(fd)) for fd in (1, 2) if _is_open(fd)]  # multiprocessing sends them on
+        return _adopt, (self.env, fds)
 
 
-def _entry(rank, world, tp, pp, ep, port, device, env, output, out_dir, fn, args):
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def _adopt(env: dict[str, str], fds: list) -> None:
+    """In the rank: the caller's environment, and its stdout and stderr in place of the server's (a spawned
+    rank has them already, under the same numbers)."""
     os.environ.clear()
     os.environ.update(env)
-    for fd, callers in zip((1, 2), output):
-        sent = callers.detach()
-        os.dup2(sent, fd)
-        os.close(sent)
+    for fd, dup in fds:
+        sent = dup.detach()
+        if sent != fd:
+            os.dup2(sent, fd)
+            os.close(sent)
+
+
+def _entry(adopted, rank, world, tp, pp, ep, port, device, out_dir, fn, args):
+    """`adopted`: what `_Callers` became once unpickled (None, the caller's environment and output adopted)."""
     from areal_hpc.trainer.cuda_allocator import expandable_segments
     from areal_hpc.trainer.engine import init_parallel, shutdown_parallel
 
@@ -89,17 +115,16 @@ def run_ranks(
     gpus = visible_gpus() if device == "cuda" else []
     if device == "cuda" and world > len(gpus):
         raise RuntimeError(f"{world} trainer ranks need {world} GPUs; this process sees {len(gpus)} ({gpus})")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    ctx = mp.get_context(_start_method(device))
+    if ctx.get_start_method() == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
     with tempfile.TemporaryDirectory(prefix="areal-ranks-") as out:
         store = torch.distributed.TCPStore(LOOPBACK, 0, world, True, wait_for_workers=False)
         port = store.port
         procs = []
         for r in range(world):
-            env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": gpus[r]} if gpus else {})}
-            p = ctx.Process(
-                target=_entry, args=(r, world, tp, pp, ep, port, device, env, _CallersOutput(), out, fn, args)
-            )
+            callers = _Callers({**os.environ, **({"CUDA_VISIBLE_DEVICES": gpus[r]} if gpus else {})})
+            p = ctx.Process(target=_entry, args=(callers, r, world, tp, pp, ep, port, device, out, fn, args))
             p.start()
             procs.append(p)
         deadline = time.monotonic() + timeout_s
