@@ -47,11 +47,6 @@ PRELOAD = ["areal_hpc.trainer.engine"]
 """What the fork server imports before it forks a rank: torch, megatron-core and the trainer's engine."""
 
 
-def _start_method(device: str) -> str:
-    """forkserver on the CPU, spawn on GPUs (the module docstring)."""
-    return "forkserver" if device == "cpu" else "spawn"
-
-
 class _Callers:
     """The caller's environment and output, pickled with a rank's arguments (first, so that they are the
     rank's before the rest is unpickled)."""
@@ -115,8 +110,8 @@ def run_ranks(
     gpus = visible_gpus() if device == "cuda" else []
     if device == "cuda" and world > len(gpus):
         raise RuntimeError(f"{world} trainer ranks need {world} GPUs; this process sees {len(gpus)} ({gpus})")
-    ctx = mp.get_context(_start_method(device))
-    if ctx.get_start_method() == "forkserver":
+    ctx = mp.get_context("forkserver" if device == "cpu" else "spawn")  # why: the module docstring
+    if device == "cpu":
         ctx.set_forkserver_preload(PRELOAD)
     with tempfile.TemporaryDirectory(prefix="areal-ranks-") as out:
         store = torch.distributed.TCPStore(LOOPBACK, 0, world, True, wait_for_workers=False)
