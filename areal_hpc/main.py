@@ -48,7 +48,6 @@ import os
 import signal
 import socket
 import sys
-import time
 import traceback
 from pathlib import Path
 from typing import NamedTuple, NoReturn
@@ -59,6 +58,7 @@ from areal_hpc.device import resolve_device, visible_gpus
 from areal_hpc.errors import RankFailure
 from areal_hpc.layout import Cores, Layout, Role
 from areal_hpc.network import check_interface
+from areal_hpc.protocol import arrive
 from areal_hpc.rundir import log_path
 
 EXIT_BARRIER_S = 60.0
@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         if placement_only:
             _exit_barrier(world, rank, name, console)
             return 0
+        arrive(world)  # each collective of the start-up: asleep while the slowest rank starts
         role_comm = layout.split(world)
         found = None
         if rank == 0:
@@ -123,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             model = initial_model(cfg)
             check_teacher(cfg, model)
             found = (str(model), latest_checkpoint(run_dir))
+        arrive(world)
         model_path, resume_from = world.bcast(found, root=0)
         from areal_hpc.rank_context import RankContext
 
@@ -348,17 +350,12 @@ def _fail(world, name: str, error: BaseException, console, log_file: Path) -> No
 def _exit_barrier(world, rank: int, name: str, console) -> None:
     """Leave together: MPI_Finalize would wait for ranks that are still busy, and mpirun ends the
     job as soon as one rank exits with an error. The controller ends the run if a rank never comes."""
-    request = world.Ibarrier()
-    deadline = time.monotonic() + EXIT_BARRIER_S
-    while not request.Test():
-        if time.monotonic() > deadline:
-            message = f"areal-hpc: {name}: not every rank stopped within {EXIT_BARRIER_S:.0f} s of the end"
-            print(message, file=sys.stderr, flush=True)
-            if rank == 0:
-                print(message, file=console, flush=True)
-                world.Abort(1)
-            return
-        time.sleep(0.01)
+    if not arrive(world, EXIT_BARRIER_S):
+        message = f"areal-hpc: {name}: not every rank stopped within {EXIT_BARRIER_S:.0f} s of the end"
+        print(message, file=sys.stderr, flush=True)
+        if rank == 0:
+            print(message, file=console, flush=True)
+            world.Abort(1)
 
 
 def _leave(code: int) -> NoReturn:

@@ -144,6 +144,9 @@ def world_store(comm, interface: str, timeout_s: float):
 
     import torch.distributed as dist
 
+    from areal_hpc.protocol import arrive  # numpy: not at import, the doctor's probe checks a bare python with this
+
+    arrive(comm)
     hosts = comm.allgather(socket.gethostname())
     timeout = datetime.timedelta(seconds=timeout_s)
     store = None

@@ -390,6 +390,21 @@ class Mailbox:
             time.sleep(0.001)
 
 
+def arrive(comm, timeout_s: float | None = None, idle_s: float = 0.01) -> bool:
+    """Return once every rank of `comm` has called this (collective; False if `timeout_s` passed first), asleep
+    between looks. A rank waiting in a blocking MPI collective polls its core flat out (OpenMPI's progress
+    loop; mpi_yield_when_idle does not help under srun): where ranks share cores (the one-node job, a login
+    node's test cluster) the ranks that start first would take the cores from those still starting, a vLLM
+    engine or Megatron importing. Called before each collective of the start-up and at the end."""
+    request = comm.Ibarrier()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not request.Test():
+        if deadline is not None and time.monotonic() > deadline:
+            return False
+        time.sleep(idle_s)
+    return True
+
+
 def _testall(requests: list) -> bool:
     """MPI's Testall (mpi4py imported here, not at this module's import: see areal_hpc.main)."""
     from mpi4py import MPI

@@ -146,7 +146,10 @@ def main(out: Path, device: str, starts: list[int], sources: list[tuple[int, int
     try:
         from mpi4py import MPI
 
+        from areal_hpc.protocol import arrive
+
         world = MPI.COMM_WORLD
+        arrive(world)  # asleep while the first rank of each node reads the versions
         report["mpi"] = {"size": world.Get_size(), "sum": world.allreduce(1)}
         write()
         comm = world.Split(color=int(gpu_rank), key=rank)
@@ -167,7 +170,7 @@ def main(out: Path, device: str, starts: list[int], sources: list[tuple[int, int
     except Exception as e:  # noqa: BLE001 - a WeightSyncError names both ends
         report["weight_sync_error"] = f"{type(e).__name__}: {e}"
     write()
-    world.Barrier()
+    arrive(world)
 
 
 def gpus_and_allreduce(comm, device: str, interface: str) -> tuple[dict, dict]:
@@ -220,6 +223,9 @@ def agree(comm, step):
     except Exception as e:  # noqa: BLE001 - the others must hear of it
         result, failed = None, e
     me = int(os.environ.get("SLURM_PROCID", "0"))
+    from areal_hpc.protocol import arrive
+
+    arrive(comm)
     first = [r for r in comm.allgather(None if failed is None else me) if r is not None]
     if failed is not None:
         raise failed

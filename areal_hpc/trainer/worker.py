@@ -31,7 +31,18 @@ import torch
 
 from areal_hpc.arch import model_arch
 from areal_hpc.network import world_store
-from areal_hpc.protocol import Failure, Mailbox, ReplicaRelay, Save, Saved, Stop, TrainBatch, TrainResult, WeightSync
+from areal_hpc.protocol import (
+    Failure,
+    Mailbox,
+    ReplicaRelay,
+    Save,
+    Saved,
+    Stop,
+    TrainBatch,
+    TrainResult,
+    WeightSync,
+    arrive,
+)
 from areal_hpc.rank_context import CONTROLLER_RANK
 from areal_hpc.trainer import checkpoint as trainer_checkpoint
 from areal_hpc.trainer.convert import stage_layers
@@ -107,6 +118,7 @@ def serve(ctx, sync) -> None:
         engine = build_engine(ctx)
         if sync is not None and sync.is_source:
             log.info("%s", sync.join())  # the generators join once their engines exist
+        arrive(ctx.role_comm)  # asleep while trainer 0 waits for the generators' engines
         replica = ctx.layout.split_replica(ctx.role_comm)
         inbox = ReplicaRelay(box, replica, CONTROLLER_RANK, ctx.cfg.train.collective_timeout_s, stage_routing(ctx))
         step_cfg = StepConfig.from_config(ctx.cfg)

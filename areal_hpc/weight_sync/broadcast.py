@@ -42,9 +42,8 @@ Order at start, so that a wrong address or a blocked port fails before the first
      minutes); the error names both ends (`layout.describe_rank`), their hosts and the address tried.
   3. Each sync: the buckets (wire format below), every collective within `train.collective_timeout_s`.
   4. On Stop, every member leaves its end (`leave`).
-A rank's errors go to the controller as `Failure` from its serve loop, which the start-up path is in;
-the controller's limit for a rank's first answer is `train.startup_timeout_s` plus
-`train.collective_timeout_s` (areal_hpc.controller), so the rank's named error arrives first.
+A rank's errors reach the controller as `Failure` from its serve loop, start-up included; the controller allows a
+rank's first answer `train.startup_timeout_s` + `train.collective_timeout_s`, so the named error comes first.
 
 The agreed order. Every receiver is a member of every group, so on its device it drives one
 communicator per group. NCCL documents concurrent communicators on one device as a deadlock risk
@@ -100,6 +99,7 @@ import torch
 import torch.distributed as dist
 
 from areal_hpc import network
+from areal_hpc.protocol import arrive
 from areal_hpc.weight_sync.group import (
     GroupSpec,
     SyncGroup,
@@ -388,6 +388,7 @@ def open_groups(
     from mpi4py import MPI
 
     rank = world.Get_rank()
+    arrive(world)
     several = len({e for _, e, _ in sources}) > 1  # expert-parallel: a group per (stage, expert rank)
     specs, master, failed = [], None, None
     for stage, e, source in sources:
