@@ -31,6 +31,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -146,8 +147,6 @@ def main(out: Path, device: str, starts: list[int], sources: list[tuple[int, int
     try:
         from mpi4py import MPI
 
-        from areal_hpc.protocol import arrive
-
         world = MPI.COMM_WORLD
         arrive(world)  # asleep while the first rank of each node reads the versions
         report["mpi"] = {"size": world.Get_size(), "sum": world.allreduce(1)}
@@ -214,6 +213,14 @@ def gpus_and_allreduce(comm, device: str, interface: str) -> tuple[dict, dict]:
     return gpus, {"backend": kind, "ranks": comm.Get_size(), "ok": ok}
 
 
+def arrive(comm) -> None:
+    """areal_hpc.protocol.arrive, here without the package or numpy (a node may lack both: this probe says so):
+    every rank of `comm` meets the others asleep, not spinning in a blocking collective meanwhile."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(0.01)
+
+
 def agree(comm, step):
     """`step()` on every rank of `comm`, then together (collective): when it raised on some rank, every
     rank raises, that rank its own error and the others one naming it, so that none goes on alone into
@@ -223,8 +230,6 @@ def agree(comm, step):
     except Exception as e:  # noqa: BLE001 - the others must hear of it
         result, failed = None, e
     me = int(os.environ.get("SLURM_PROCID", "0"))
-    from areal_hpc.protocol import arrive
-
     arrive(comm)
     first = [r for r in comm.allgather(None if failed is None else me) if r is not None]
     if failed is not None:

@@ -6,6 +6,7 @@ time in that wait is a small part of the wait (a blocking MPI_Barrier polls a co
     mpirun -n 2 python tests/support/mpi/late_rank.py
 """
 
+import sys
 import time
 
 from mpi4py import MPI
@@ -13,7 +14,16 @@ from mpi4py import MPI
 from areal_hpc.protocol import arrive
 
 LATE_S = 2.0
+
+
+def abort(*exc):  # a failed check ends both ranks at once, not rank 1 waiting for ever
+    sys.__excepthook__(*exc)
+    MPI.COMM_WORLD.Abort(1)
+
+
+sys.excepthook = abort
 comm = MPI.COMM_WORLD
+comm.Barrier()  # both started: the times below count from here
 if comm.rank == 1:
     for _ in range(2):
         time.sleep(LATE_S)
