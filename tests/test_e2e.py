@@ -215,9 +215,9 @@ def test_the_task_reward_and_the_teacher_train_the_student_together(teacher, run
     """configs/tiny-distill-cpu.yaml with the task's reward too (`reward.kind=math`): each token's advantage is the
     group-normalised reward plus the teacher's reverse-KL term. Over TOGETHER_STEPS the run trains on both: the
     reward rises by fifths, and the student nears the teacher (its reverse KL falls; RL on the task alone may
-    lower it too, the teacher being RL's model: the pure distillation above shows the teacher's term at work). Measured over 100 steps (2026-11-29): reward 0.095 -> 0.264 by fifths, reverse KL
-    1.60 -> 0.29, and 0.089 -> 0.282, 1.52 -> 0.28; over 300 (docs/benchmarks.md) reward 0.167 -> 0.364, reverse KL
-    0.88 -> 0.12."""
+    lower it too, the teacher being RL's model: the pure distillation above shows the teacher's term at work).
+    Measured over 100 steps (2026-11-29): reward 0.095 -> 0.264 by fifths, reverse KL 1.60 -> 0.29, and 0.089 ->
+    0.282, 1.52 -> 0.28; over 300 (docs/benchmarks.md) reward 0.167 -> 0.364, reverse KL 0.88 -> 0.12."""
     both = RunProcess(
         "configs/tiny-distill-cpu.yaml",
         f"experiment.root={runs_root}",

@@ -221,6 +221,7 @@ def rank_main(args) -> None:
     from mpi4py import MPI
 
     from areal_hpc.layout import Layout, Role
+    from areal_hpc.protocol import arrive
     from areal_hpc.rank_context import RankContext
 
     s = json.loads(args.setting)
@@ -255,7 +256,7 @@ def rank_main(args) -> None:
         replica = layout.split_replica(role_comm)
         report = sim_trainer(world, replica, first, cfg.rollout.max_staleness, args.train_s)
     if rank != 0:  # after this rank's sends are done (rank 0 reads until every rank is here)
-        _wait(side.Ibarrier())  # nonblocking, as rank 0's: a blocking barrier would not match it
+        arrive(side, idle_s=0.001)  # nonblocking, as rank 0's: a blocking barrier would not match it
     reports = world.gather((int(role), report), root=0)
     if rank == 0:
         Path(args.workdir, "result.json").write_text(json.dumps(summarise(args, s, cfg, layout, reports)))
@@ -349,11 +350,6 @@ def check_trained(generated: dict, trained: list, steps: int, prompts_per_step: 
     if len(by_prompt) != steps * prompts_per_step or len(trained) != len(by_prompt) * group:
         errors.append(f"{len(trained)} trajectories of {len(by_prompt)} prompts trained in {steps} steps")
     return errors
-
-
-def _wait(request) -> None:
-    while not request.Test():
-        time.sleep(0.001)
 
 
 # --- the launch -----------------------------------------------------------------------------------

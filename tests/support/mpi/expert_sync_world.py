@@ -15,7 +15,6 @@ barrier: a spinning one would take the cores the generator needs.
 
 import json
 import sys
-import time
 from pathlib import Path
 
 PROMPTS = ([5, 6, 7, 8], [9, 3, 30, 41, 2])
@@ -26,6 +25,7 @@ def main(out: Path) -> None:
 
     from areal_hpc.config import load_config
     from areal_hpc.layout import Layout, Role
+    from areal_hpc.protocol import arrive
     from areal_hpc.rank_context import RankContext
     from areal_hpc.weight_sync.broadcast import setup_weight_sync
     from areal_hpc.weight_sync.group import SyncGroup
@@ -83,7 +83,7 @@ def main(out: Path) -> None:
         report = generate(sync, initial, trained, issued)
     else:
         assert sync is None
-    sleeping_barrier(world)
+    arrive(world)
     reports = world.gather(report)
     if rank == 0:
         sources = [r for r in reports if isinstance(r, list)]
@@ -135,12 +135,6 @@ def generate(sync, initial: str, trained: str, issued: list) -> dict:
     expected = greedy(fresh)
     fresh.close()
     return {"before": before, "after": after, "expected": expected, "issued": [list(k) for k in issued]}
-
-
-def sleeping_barrier(world) -> None:
-    request = world.Ibarrier()
-    while not request.Test():
-        time.sleep(0.05)
 
 
 if __name__ == "__main__":
