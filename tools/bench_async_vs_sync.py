@@ -8,7 +8,7 @@ areal_hpc.layout.Layout.core_plan). Settings given on the command line apply to 
 
     python tools/bench_async_vs_sync.py                          # short: 2 rounds of 60 steps per mode
     python tools/bench_async_vs_sync.py --rounds 1 --steps 100 ppo.prox_logp=loglinear
-    python tools/bench_async_vs_sync.py --workload reasoning     # 3 rounds x 3 modes, about 35-40 min
+    python tools/bench_async_vs_sync.py --workload reasoning     # 3 rounds x 3 modes, about an hour
 
 Workloads (`--workload`):
 
