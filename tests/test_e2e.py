@@ -6,8 +6,8 @@ controller, a reward worker, a vLLM generator and a Megatron trainer, on the tin
   above the first fifth's, every step keeps the staleness bound, and generator and trainer agree on
   the logprobs of the tokens of the current version (what docs/benchmarks.md reports); its trained model,
   exported, is the teacher of configs/tiny-distill-cpu.yaml, whose student (the same warm start) learns
-  from it alone: the reverse KL falls and its held-out pass@1 rises; with the task's reward as well, both the
-  reward rises and the reverse KL falls;
+  from it alone: the reverse KL falls and its held-out pass@1 closes at least half the gap to the teacher's;
+  with the task's reward as well, both the reward rises and the reverse KL falls;
 - the tiny mixture of experts (`model.architecture=qwen3_moe`), synchronous, with routing replay, learns
   as fast as its shipped run starts to, and the trainer's logprobs equal the generator's on every step
   while ppo/routing_agreement reports the trainer's own routers choosing the replayed experts;
@@ -78,6 +78,9 @@ AGENT_EVAL_PROBLEMS = 125
 which 125 problems x 2 samples measure to about 0.04, at a quarter of the episodes."""
 DISTILL_STEPS = 150
 """Of configs/tiny-distill-cpu.yaml's 300 (the test below)."""
+DISTILL_LATE = (100, 125, 150)
+"""The student's checkpoints whose mean held-out pass@1 the distillation test compares with the teacher's: one
+checkpoint's swings by 0.02 to 0.03 even as the learning rate decays (docs/benchmarks.md)."""
 TOGETHER_STEPS = 100
 """Of configs/tiny-distill-cpu.yaml's 300, with the task's reward as well (the test below)."""
 RESHARD_TOL = 1e-5
@@ -182,22 +185,23 @@ def teacher(embedded_default, tmp_path_factory) -> Path:
 def test_a_student_distilled_from_the_embedded_defaults_model_learns_from_it_alone(
     embedded_default, teacher, runs_root
 ):
-    """configs/tiny-distill-cpu.yaml for half its 300 steps: the embedded default's warm start (the student)
-    learns from the model its 600 steps of RL trained (the teacher, exported), with no reward at all
-    (reward.kind none): the reverse KL to the teacher falls by fifths, and the student's held-out pass@1, scored
-    as math, rises toward the teacher's. Over 300 steps the gap it closes varies from run to run: 64%, 75% and
-    75% (pass@1 0.04 -> 0.16 to 0.19, the teachers' 0.23 to 0.24), 66% (0.04 -> 0.16, 0.21), and 33% once
-    (0.04 -> 0.11, a stronger teacher's 0.26), with the reverse KL alike (about 1.0 -> 0.16 by fifths):
-    docs/benchmarks.md. Most of it comes in the first half: pass@1 0.04 -> 0.14 by step 100 (one run), and over
-    150 steps the reverse KL's last fifth is 0.18 to 0.21 of its first (three runs); this test's run at 150
-    steps: 1.32 -> 0.27, pass@1 0.04 -> 0.18 (the teacher's 0.27). The rise asserted is below the least seen."""
+    """configs/tiny-distill-cpu.yaml for half its 300 steps (its learning rate decaying over them): the embedded
+    default's warm start (the student) learns from the model its 600 steps of RL trained (the teacher, exported),
+    with no reward at all (reward.kind none): the reverse KL to the teacher falls by fifths, and the student's
+    held-out pass@1, scored as math and averaged over its last checkpoints (DISTILL_LATE), closes at least half
+    the gap to the teacher's. Measured in two runs (docs/benchmarks.md): 66 to 71% and 72 to 75% at each of those
+    checkpoints (pass@1 0.04 -> 0.17 to 0.18, the teachers' 0.24 and 0.23); at a constant learning rate one
+    checkpoint of a run said 50% and the next 74%."""
     learns, _ = embedded_default
+    every = DISTILL_LATE[1] - DISTILL_LATE[0]
     student = RunProcess(
         "configs/tiny-distill-cpu.yaml",
         f"experiment.root={runs_root}",
         "experiment.trial=distill",
         f"distill.teacher.path={teacher}",
         f"train.total_steps={DISTILL_STEPS}",
+        f"train.save_every={every}",
+        f"train.keep_checkpoints={len(DISTILL_LATE)}",
     )
     assert student.wait(timeout=1800) == 0, student.output
     rows = student.rows()
@@ -205,10 +209,12 @@ def test_a_student_distilled_from_the_embedded_defaults_model_learns_from_it_alo
     assert all(r["reward/mean"] == 0 for r in rows)
     first, last = fifths(rows, "distill/reverse_kl")
     assert last < first / 3, f"distill/reverse_kl of the first fifth {first:.3f}, of the last {last:.3f}"
-    ours = _pass_at_1(student.run_dir, f"0,{DISTILL_STEPS}", "reward.kind=math")
+    ours = _pass_at_1(student.run_dir, ",".join(map(str, (0, *DISTILL_LATE))), "reward.kind=math")
     theirs = _pass_at_1(learns.run_dir, "600")[600]
+    late = sum(ours[s] for s in DISTILL_LATE) / len(DISTILL_LATE)
     assert theirs >= ours[0] + 0.1, f"the teacher's pass@1 {theirs:.3f}, the student's {ours}"
-    assert ours[DISTILL_STEPS] >= ours[0] + 0.04, f"the teacher's pass@1 {theirs:.3f}, the student's {ours}"
+    closed = (late - ours[0]) / (theirs - ours[0])
+    assert closed >= 0.5, f"{closed:.0%} of the gap closed: the teacher's pass@1 {theirs:.3f}, the student's {ours}"
 
 
 def test_the_task_reward_and_the_teacher_train_the_student_together(teacher, runs_root):
