@@ -76,10 +76,10 @@ def main() -> None:
             "distill+task": (DISTILL_CONFIG, ["reward.kind=math"]),
             "task": (TEACHER_CONFIG, []),
         }
+        kept = [f"train.save_every={args.steps // 6}", f"train.keep_checkpoints={LATE}"]  # the last LATE: `late`
         results = {}
         for name, (config, overrides) in students.items():
             overrides = [*overrides, f"distill.teacher.path={teacher}"] if config == DISTILL_CONFIG else overrides
-            kept = [f"train.save_every={args.steps // 6}", f"train.keep_checkpoints={LATE}"]
             run_dir = run_mode(config, root, name, [*overrides, *kept], args.steps, root / f"{name}.log")
             late = [checkpoint_version(c) for c in complete_checkpoints(run_dir)]
             start, *ends = pass_at_1(run_dir, [0, *late], root / f"eval-{name}.log")
