@@ -4,7 +4,8 @@ Tests are marked by the real component they need (mpi, slurm, vllm, megatron, e2
 measured over 3 s here (`pytest --durations=0` on 2 cores; a module-scoped fixture counts for the tests
 that use it). In CI every component is installed and every test runs; a developer may deselect with
 `-m "not slurm"`. `--fast` (`tools/test.sh --fast`) runs the unit tier: no MPI world, no vLLM engine, no
-Slurm, nothing slow; `--heavy` the rest (`tools/test.sh` runs the two tiers one after the other).
+Slurm, nothing slow; `--heavy` the rest (`tools/test.sh` runs the two tiers one after the other);
+`--cpu-time` where their time goes (tests.support.cpu_time).
 """
 
 import os
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cpu_time import CpuTime
 from tests.support.helpers import REPO
 from tests.support.wheel import Installed, install_wheel
 
@@ -27,6 +29,12 @@ def pytest_addoption(parser):
         "--fast", action="store_true", help=f"the unit tier: leave out tests marked {', '.join(FAST_LEAVES_OUT)}"
     )
     parser.addoption("--heavy", action="store_true", help="the tests --fast leaves out, only")
+    parser.addoption("--cpu-time", action="store_true", help="where the time goes (tests.support.cpu_time)")
+
+
+def pytest_configure(config):
+    if config.getoption("--cpu-time") and not hasattr(config, "workerinput"):  # not in a pytest-xdist worker
+        config.pluginmanager.register(CpuTime(), "cpu_time")
 
 
 def pytest_collection_modifyitems(config, items):

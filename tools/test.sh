@@ -3,6 +3,7 @@
 #   tools/test.sh                 # everything (what CI runs): the unit tier, then the rest in one process
 #   tools/test.sh --fast          # the unit tier (no MPI world, no vLLM engine, no Slurm, nothing slow),
 #                                 # spread over two workers (pytest-xdist)
+#   tools/test.sh --cpu-time      # also each test file's wall time and the machine's busy CPU
 #   tools/test.sh -m "not slurm"  # other arguments go to pytest
 # It prints its own time last, pass or fail (the budget: README, Tests).
 set -euo pipefail
