@@ -69,8 +69,8 @@ def report(spans: dict[str, list[Span]], session: Span, n_cores: int, top: int =
 
 
 class CpuTime:
-    """The plugin: a span per test (setup, call and teardown: a module's fixture counts for its first test).
-    Under pytest-xdist the tests run in the workers, which do not register it: only the session's line."""
+    """The plugin: a span per test, its setup, call and teardown (a shared fixture's setup counts for the first test
+    that uses it, its teardown for the last)."""
 
     def __init__(self):
         self.spans: dict[str, list[Span]] = defaultdict(list)
