@@ -55,9 +55,10 @@ def report(spans: dict[str, list[Span]], session: Span, n_cores: int, top: int =
     def total(parts) -> Span:
         return Span(sum(s.wall_s for s in parts), sum(s.cpu_s for s in parts))
 
-    ranked = sorted(spans, key=lambda f: -total(spans[f]).wall_s)
+    files = {f: total(parts) for f, parts in spans.items()}
+    ranked = sorted(files, key=lambda f: -files[f].wall_s)
     lines = [f"{'wall s':>8} {'CPU s':>8} {'cores':>6} {'tests':>5}  (the machine's busy CPU, {n_cores} cores)"]
-    lines += [row(f, len(spans[f]), total(spans[f])) for f in ranked[:top]]
+    lines += [row(f, len(spans[f]), files[f]) for f in ranked[:top]]
     if rest := [s for f in ranked[top:] for s in spans[f]]:
         lines.append(row(f"the other {len(ranked) - top} files", len(rest), total(rest)))
     lines.append(row("the session", sum(map(len, spans.values())), session))
